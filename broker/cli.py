@@ -1,0 +1,93 @@
+"""``sparkbus`` command line: ``broker`` (the daemon), ``status`` (live figures), ``demo`` (the main job)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from .config import BrokerConfig, from_env, parse_duration, parse_size
+
+
+def add_broker_arguments(parser: argparse.ArgumentParser) -> None:
+    """The daemon's flags, shared by ``sparkbus broker`` and ``python -m broker``."""
+    parser.add_argument("--feed", default=from_env("feed", str, "tcp://0.0.0.0:5555"),
+                        help="PULL endpoint Spark tasks push batches to (default tcp://0.0.0.0:5555)")
+    parser.add_argument("--ranks", default=from_env("ranks", str, "tcp://0.0.0.0:5556"),
+                        help="ROUTER endpoint the ranks connect to (default tcp://0.0.0.0:5556)")
+    parser.add_argument("--control", default=from_env("control", str, None),
+                        help="ROUTER endpoint for feeders' requests (default: the feed port + 2)")
+    parser.add_argument("--max-buffer", type=parse_size, default=from_env("max_buffer", parse_size, 1 << 30),
+                        help="bytes of batches held before the feed is throttled (default 1GiB)")
+    parser.add_argument("--max-message", type=parse_size, default=from_env("max_message", parse_size, 1 << 30),
+                        help="largest message any peer may send (default 1GiB)")
+    parser.add_argument("--heartbeat", type=parse_duration, default=from_env("heartbeat", parse_duration, 1.0),
+                        help="interval of heartbeats to idle ranks (default 1s)")
+    parser.add_argument("--ready-file", help="write the bound endpoints as JSON here once listening")
+    parser.add_argument("--log-level", default=from_env("log_level", str, "INFO"))
+
+
+def run_broker(args: argparse.Namespace) -> int:
+    """Run the daemon in the foreground until SIGTERM or SIGINT; exit 0 on either."""
+    from .daemon import Broker
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    broker = Broker(BrokerConfig(feed=args.feed, ranks=args.ranks, control=args.control,
+                                 max_buffer=args.max_buffer, max_message=args.max_message,
+                                 heartbeat=args.heartbeat, ready_file=args.ready_file))
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: broker.stop())
+    try:
+        broker.run()
+    except OSError as exc:
+        logging.getLogger("sparkbus.broker").error("%s", exc)
+        return 2
+    return 0
+
+
+def run_status(args: argparse.Namespace) -> int:
+    from .client import fetch_stats
+    from .protocol import BrokerError
+    from .status import render_stats
+
+    try:
+        stats = fetch_stats(args.address, parse_duration(args.timeout))
+    except BrokerError as exc:
+        print(f"sparkbus status: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(stats, indent=2, sort_keys=True) if args.json else render_stats(stats))
+    return 0
+
+
+def run_demo(args: list[str]) -> int:
+    script = Path(__file__).resolve().parent.parent / "deploy" / "demo.py"
+    if not script.exists():
+        print("sparkbus demo runs from a source checkout (deploy/demo.py was not found)", file=sys.stderr)
+        return 2
+    return subprocess.call([sys.executable, str(script), *args])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="sparkbus", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    add_broker_arguments(commands.add_parser("broker", help="run the broker daemon"))
+    status = commands.add_parser("status", help="print a broker's live figures")
+    status.add_argument("address", help="the broker's control or ranks address, e.g. tcp://host:5557")
+    status.add_argument("--json", action="store_true", help="print the raw figures as JSON")
+    status.add_argument("--timeout", default="5s")
+    commands.add_parser("demo", help="run the end-to-end demo (flags: sparkbus demo -- --help)", add_help=False)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["demo"]:
+        return run_demo([a for a in argv[1:] if a != "--"])
+    args = parser.parse_args(argv)
+    if args.command == "broker":
+        return run_broker(args)
+    return run_status(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,80 @@
+"""The requesting end of the broker's control socket: feeders, the driver and ``sparkbus status`` use it.
+
+A DEALER (not REQ, whose state machine wedges after a lost reply) with one request in flight at a time; every
+reply carries the request's ``req`` number, and stale replies from an earlier timed-out request are skipped.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Any
+
+import zmq
+
+from .protocol import BrokerError, Kind, ProtocolError, pack_header, unpack_header
+
+
+class ControlClient:
+    """Request/reply to the broker's control (or ranks) socket, each wait bounded by ``timeout``.
+
+    Args:
+        address: the broker's control endpoint (see :func:`broker.protocol.control_address`).
+        timeout: seconds to wait for each reply.
+        context: ZeroMQ context; the process-wide instance by default.
+    """
+
+    def __init__(self, address: str, timeout: float = 60.0, context: zmq.Context | None = None):
+        self.address = address
+        self.timeout = timeout
+        self._req = itertools.count(1)
+        self._sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
+        self._sock.linger = 0
+        self._sock.connect(address)
+
+    def request(self, kind: Kind, timeout: float | None = None, **fields: Any) -> dict[str, Any]:
+        """Send one request and wait for its reply.
+
+        Returns:
+            The reply header.
+        Raises:
+            BrokerError: no reply within the timeout, or the broker answered ERROR (its reason is the message).
+            ProtocolError: the reply is not a valid header (wrong version included).
+        """
+        req = next(self._req)
+        self._sock.send(pack_header(kind, req=req, **fields))
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._sock.poll(remaining * 1000):
+                raise BrokerError(f"no reply from the sparkbus broker at {self.address} to {kind.name} within "
+                                  f"{self.timeout if timeout is None else timeout:g} s: is it running, and is "
+                                  f"this the broker's control address?")
+            reply = unpack_header(self._sock.recv())
+            if reply.get("req") != req:
+                continue          # the answer to an earlier request that timed out
+            if reply["kind"] == Kind.ERROR:
+                raise BrokerError(f"the broker at {self.address} refused {kind.name}: {reply['reason']}")
+            return reply
+
+    def hello(self, role: str, stream: str = "", timeout: float | None = None) -> dict[str, Any]:
+        """Version handshake; proves the broker is there. Raises like :meth:`request`."""
+        return self.request(Kind.HELLO, timeout=timeout, role=role, stream=stream, rank=0, size=1)
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+
+    def __enter__(self) -> "ControlClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def fetch_stats(address: str, timeout: float = 5.0) -> dict[str, Any]:
+    """The broker's live figures from its control or ranks address. Raises :class:`BrokerError` on timeout."""
+    with ControlClient(address, timeout) as client:
+        return client.request(Kind.STATS_REQUEST)["stats"]
+
+
+__all__ = ["ControlClient", "fetch_stats", "BrokerError", "ProtocolError"]

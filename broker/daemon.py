@@ -1,0 +1,428 @@
+"""The broker: one loop that owns three sockets and moves batches from Spark tasks to ranks against credits.
+
+==========  =========  ===========================================================================
+socket      type       peers and traffic
+==========  =========  ===========================================================================
+feed        PULL       Spark tasks' PUSH sockets: BATCH frames. Not read while the buffer is full.
+control     ROUTER     feeders' and drivers' DEALERs: HELLO, EPOCH_OPEN/CLOSE, PARTITION_END, STATS
+ranks       ROUTER     ranks' DEALERs: HELLO, CREDIT, ACK, HEARTBEAT, BYE, STATS; BATCH/EPOCH_END out
+==========  =========  ===========================================================================
+
+Batches are held as the frames they arrived in and forwarded as the same frames: only the header is decoded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections import defaultdict
+from typing import Any, Callable
+
+import zmq
+
+from . import protocol
+from .config import BrokerConfig
+from .protocol import Kind, ProtocolError, VersionMismatch, pack_header, unpack_header
+from .state import EpochState, HeldBatch, PendingCommit, RankState, StreamState
+
+log = logging.getLogger("sparkbus.broker")
+
+FEED_RCVHWM = 16        # messages per feeder connection queued in the broker beyond --max-buffer
+BURST = 256             # messages drained from one socket before the others get a turn
+POLL_MS = 100           # upper bound on how late a stop request or a heartbeat is noticed
+MAX_CREDIT = 1 << 20
+
+
+class Broker:
+    """The sparkbus broker. Construct with a :class:`BrokerConfig`, then :meth:`run` (blocks) or :meth:`stop`.
+
+    Args:
+        config: endpoints and limits.
+        context: a ZeroMQ context to share (tests use ``inproc://``); by default the broker makes its own.
+    """
+
+    def __init__(self, config: BrokerConfig, context: zmq.Context | None = None):
+        self.config = config
+        self._context = context
+        self._stop = threading.Event()
+        self.streams: dict[str, StreamState] = {}
+        self._rank_streams: dict[bytes, StreamState] = {}
+        self.buffered = 0
+        self.rejected: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        self.endpoints: dict[str, str] = {}
+        self._started = time.monotonic()
+        self._feed_paused = False
+
+    def stop(self) -> None:
+        """Ask the loop to finish; safe from a signal handler or another thread."""
+        self._stop.set()
+
+    # ---- lifecycle --------------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        """Bind, serve until :meth:`stop`, close every socket. Returns normally on stop or context term."""
+        ctx = self._context or zmq.Context()
+        socks = {name: ctx.socket(kind) for name, kind in
+                 (("feed", zmq.PULL), ("control", zmq.ROUTER), ("ranks", zmq.ROUTER))}
+        try:
+            for sock in socks.values():
+                sock.linger = 0
+                sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message)
+            socks["feed"].rcvhwm = FEED_RCVHWM
+            socks["ranks"].setsockopt(zmq.ROUTER_MANDATORY, 1)   # a gone rank is an error, not a silent drop
+            socks["ranks"].sndhwm = 0                            # credits bound what is queued to a rank
+            control = self.config.control or protocol.control_address(self.config.feed)
+            for name, address in (("feed", self.config.feed), ("ranks", self.config.ranks),
+                                  ("control", control)):
+                try:
+                    socks[name].bind(address)
+                except zmq.ZMQError as exc:
+                    raise OSError(f"cannot bind the {name} socket to {address}: {exc}") from None
+                self.endpoints[name] = socks[name].getsockopt_string(zmq.LAST_ENDPOINT)
+            self._announce()
+            self._loop(socks["feed"], socks["control"], socks["ranks"])
+        except zmq.ContextTerminated:
+            pass
+        finally:
+            for sock in socks.values():
+                sock.close(linger=0)
+            if self._context is None:
+                ctx.term()
+            log.info("broker stopped")
+
+    def _announce(self) -> None:
+        log.info("broker listening: feed %s, ranks %s, control %s, max buffer %d bytes",
+                 self.endpoints["feed"], self.endpoints["ranks"], self.endpoints["control"],
+                 self.config.max_buffer)
+        if self.config.ready_file:
+            tmp = f"{self.config.ready_file}.tmp"
+            with open(tmp, "w") as out:
+                json.dump({**self.endpoints, "pid": os.getpid()}, out)
+            os.replace(tmp, self.config.ready_file)
+
+    def _loop(self, feed: zmq.Socket, control: zmq.Socket, ranks: zmq.Socket) -> None:
+        self._ranks, self._control = ranks, control
+        poller = zmq.Poller()
+        for sock in (feed, control, ranks):
+            poller.register(sock, zmq.POLLIN)
+        next_heartbeat = time.monotonic() + self.config.heartbeat
+        while not self._stop.is_set():
+            paused = self.buffered >= self.config.max_buffer
+            if paused != self._feed_paused:
+                poller.modify(feed, 0 if paused else zmq.POLLIN)
+                self._feed_paused = paused
+                log.debug("feed %s at %d buffered bytes", "paused" if paused else "resumed", self.buffered)
+            ready = dict(poller.poll(POLL_MS))
+            if control in ready:
+                self._drain(control, lambda frames: self._on_request(control, frames, "control"))
+            if ranks in ready:
+                self._drain(ranks, lambda frames: self._on_request(ranks, frames, "ranks"))
+            if feed in ready:
+                self._drain(feed, self._on_feed, until_full=True)
+            for stream in self.streams.values():
+                self._dispatch(stream)
+            now = time.monotonic()
+            if now >= next_heartbeat:
+                self._heartbeat(now)
+                next_heartbeat = now + self.config.heartbeat
+
+    def _drain(self, sock: zmq.Socket, handle: Callable[[list[zmq.Frame]], None], until_full: bool = False) -> None:
+        for _ in range(BURST):
+            if until_full and self.buffered >= self.config.max_buffer:
+                return
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            handle(frames)
+
+    def _reject(self, socket: str, reason: str, detail: str) -> None:
+        self.rejected[socket][reason] += 1
+        log.debug("rejected on %s (%s): %s", socket, reason, detail)
+
+    # ---- feed socket ------------------------------------------------------------------------------------
+
+    def _on_feed(self, frames: list[zmq.Frame]) -> None:
+        try:
+            header = unpack_header(frames[0].bytes)
+            if header["kind"] != Kind.BATCH:
+                raise ProtocolError(f"{header['kind'].name} is not accepted on the feed socket")
+            protocol.check_batch_frames(header, [len(f) for f in frames[1:]])
+        except VersionMismatch as exc:
+            return self._reject("feed", "version", exc.reason)
+        except ProtocolError as exc:
+            return self._reject("feed", "malformed", exc.reason)
+        stream = self.streams.get(header["stream"])
+        ep = stream.epochs.get(header["epoch"]) if stream else None
+        if ep is None:
+            if stream is not None and header["epoch"] in stream.finished:
+                return self._reject("feed", "late_duplicate", f"batch {protocol.batch_id(header)}")
+            return self._reject("feed", "unknown_epoch",
+                                f"stream {header['stream']!r} epoch {header['epoch']} is not open")
+        part, seq = header["part"], header["seq"]
+        if not 0 <= part < ep.partitions or seq < 0:
+            return self._reject("feed", "out_of_range", f"partition {part} seq {seq}")
+        seqs = ep.seqs.setdefault(part, set())
+        if seq in seqs or part in ep.committed:
+            ep.duplicates += 1      # a retried or speculative task attempt: the first copy was kept
+            return
+        seqs.add(seq)
+        nbytes = sum(len(f) for f in frames)
+        ep.queue.append(HeldBatch(protocol.batch_id(header), frames, nbytes, header["rows"]))
+        ep.batches_in += 1
+        ep.bytes_in += nbytes
+        ep.rows_in += header["rows"]
+        ep.rows_by_part[part] = ep.rows_by_part.get(part, 0) + header["rows"]
+        self.buffered += nbytes
+        pending = ep.pending.get(part)
+        if pending is not None and len(seqs) >= pending.batches:
+            self._commit(stream, ep, part)
+
+    # ---- requests on the control and ranks sockets --------------------------------------------------------
+
+    def _on_request(self, sock: zmq.Socket, frames: list[zmq.Frame], socket: str) -> None:
+        identity = frames[0].bytes
+        if len(frames) != 2:
+            self._reject(socket, "malformed", f"{len(frames) - 1} frames after the identity, expected 1")
+            return self._send(sock, identity, Kind.ERROR, req=0,
+                              reason=f"expected one header frame, got {len(frames) - 1} frames")
+        try:
+            header = unpack_header(frames[1].bytes)
+        except ProtocolError as exc:
+            self._reject(socket, "version" if isinstance(exc, VersionMismatch) else "malformed", exc.reason)
+            return self._send(sock, identity, Kind.ERROR, req=0, reason=exc.reason)
+        handlers = self._control_handlers if socket == "control" else self._rank_handlers
+        handler = handlers.get(header["kind"])
+        if socket == "ranks" and identity in self._rank_streams:
+            self._rank_streams[identity].ranks[identity].last_seen = time.monotonic()
+        req = header.get("req", 0) if type(header.get("req")) is int else 0
+        if handler is None:
+            self._reject(socket, "unexpected_kind", header["kind"].name)
+            return self._send(sock, identity, Kind.ERROR, req=req,
+                              reason=f"{header['kind'].name} is not accepted on the {socket} socket")
+        try:
+            handler(self, sock, identity, header)
+        except ProtocolError as exc:
+            self._reject(socket, "refused", exc.reason)
+            self._send(sock, identity, Kind.ERROR, req=req, reason=exc.reason)
+
+    def _send(self, sock: zmq.Socket, identity: bytes, kind: Kind, **fields: Any) -> bool:
+        try:
+            sock.send_multipart([identity, pack_header(kind, **fields)], zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            self._rank_gone(identity, "disconnected")
+            return False
+
+    def _hello(self, sock: zmq.Socket, identity: bytes, h: dict) -> None:
+        if h["role"] not in protocol.ROLES:
+            raise ProtocolError(f"unknown role {h['role']!r}; expected one of {', '.join(protocol.ROLES)}")
+        if sock is self._ranks and h["role"] == "rank":
+            self._join_rank(identity, h)
+        self._send(sock, identity, Kind.WELCOME, req=h["req"], broker=f"sparkbus/{protocol.VERSION}")
+
+    def _join_rank(self, identity: bytes, h: dict) -> None:
+        size, rank, name = h["size"], h["rank"], h["stream"]
+        if not 0 <= rank < size:
+            raise ProtocolError(f"rank {rank} is outside a communicator of size {size}")
+        stream = self.streams.setdefault(name, StreamState(name))
+        if identity in stream.ranks:
+            self._rank_gone(identity, "said hello again")
+        if stream.ranks and size != stream.expected_ranks:
+            raise ProtocolError(f"stream {name!r} is consumed by {stream.expected_ranks} ranks; "
+                                f"a rank of a communicator of size {size} cannot join it")
+        if any(r.rank == rank for r in stream.ranks.values()):
+            raise ProtocolError(f"rank {rank} of stream {name!r} is already connected")
+        stream.expected_ranks = size
+        stream.ranks[identity] = RankState(identity, name, rank, size)
+        self._rank_streams[identity] = stream
+        log.info("rank %d/%d joined stream %r", rank, size, name)
+
+    def _rank(self, identity: bytes) -> RankState:
+        stream = self._rank_streams.get(identity)
+        if stream is None:
+            raise ProtocolError("unknown rank: send HELLO with role 'rank' first")
+        return stream.ranks[identity]
+
+    def _credit(self, sock: zmq.Socket, identity: bytes, h: dict) -> None:
+        rank = self._rank(identity)
+        if not 0 <= h["credit"] <= MAX_CREDIT:
+            raise ProtocolError(f"credit {h['credit']} outside 0..{MAX_CREDIT}")
+        rank.credit += h["credit"]
+
+    def _ack(self, sock: zmq.Socket, identity: bytes, h: dict) -> None:
+        rank = self._rank(identity)
+        stream = self._rank_streams[identity]
+        for raw_id in h["ids"]:
+            batch = rank.inflight.pop(tuple(raw_id), None) if isinstance(raw_id, list) else None
+            if batch is None:
+                self._reject("ranks", "unknown_ack", repr(raw_id)[:80])
+                continue
+            self.buffered -= batch.nbytes
+            rank.acked += 1
+            ep = stream.epochs.get(batch.id[0])
+            if ep is not None:
+                ep.acked += 1
+        self._credit(sock, identity, h)
+        stream.retire_finished_epochs()
+
+    def _heartbeat_in(self, sock: zmq.Socket, identity: bytes, h: dict) -> None:
+        self._rank(identity)
+
+    def _bye(self, sock: zmq.Socket, identity: bytes, h: dict) -> None:
+        self._rank(identity)
+        self._rank_gone(identity, "said goodbye")
+
+    def _stats(self, sock: zmq.Socket, identity: bytes, h: dict) -> None:
+        self._send(sock, identity, Kind.STATS_REPLY, req=h["req"], stats=self.stats())
+
+    def _epoch_open(self, sock: zmq.Socket, identity: bytes, h: dict) -> None:
+        name, number, partitions = h["stream"], h["epoch"], h["partitions"]
+        if partitions < 0 or number < 0:
+            raise ProtocolError(f"epoch {number} with {partitions} partitions is out of range")
+        stream = self.streams.setdefault(name, StreamState(name))
+        if number in stream.finished or (number in stream.epochs and stream.epochs[number].end_sent):
+            raise ProtocolError(f"stream {name!r} has already delivered epoch {number}; "
+                                f"feed a new epoch number or a new stream name")
+        ep = stream.epochs.get(number)
+        if ep is None:
+            stream.epochs[number] = EpochState(number, partitions)
+            log.info("stream %r epoch %d opened with %d partitions", name, number, partitions)
+        elif ep.partitions != partitions or ep.closed:
+            raise ProtocolError(f"stream {name!r} epoch {number} is already open with {ep.partitions} partitions")
+        self._send(sock, identity, Kind.OK, req=h["req"])
+
+    def _partition_end(self, sock: zmq.Socket, identity: bytes, h: dict) -> None:
+        stream, ep = self._open_epoch(h)
+        part = h["part"]
+        if not 0 <= part < ep.partitions:
+            raise ProtocolError(f"partition {part} is outside epoch {ep.epoch}'s {ep.partitions} partitions")
+        ep.pending[part] = PendingCommit(identity, h["req"], h["batches"], h["rows"])
+        if part in ep.committed or len(ep.seqs.get(part, ())) >= h["batches"]:
+            self._commit(stream, ep, part)
+
+    def _commit(self, stream: StreamState, ep: EpochState, part: int) -> None:
+        pending = ep.pending.pop(part)
+        got = len(ep.seqs.get(part, ()))
+        if got != pending.batches:
+            return self._send(self._control, pending.identity, Kind.ERROR, req=pending.req,
+                              reason=f"partition {part} of epoch {ep.epoch}: the broker holds {got} batches, "
+                                     f"the task says it sent {pending.batches}")
+        ep.committed.add(part)
+        self._send(self._control, pending.identity, Kind.PARTITION_COMMITTED, req=pending.req,
+                   stream=stream.name, epoch=ep.epoch, part=part)
+
+    def _epoch_close(self, sock: zmq.Socket, identity: bytes, h: dict) -> None:
+        stream, ep = self._open_epoch(h)
+        if h["partitions"] != ep.partitions or len(ep.committed) != ep.partitions:
+            missing = sorted(set(range(ep.partitions)) - ep.committed)
+            raise ProtocolError(f"stream {stream.name!r} epoch {ep.epoch}: {len(ep.committed)} of "
+                                f"{ep.partitions} partitions committed (missing {missing[:10]})")
+        ep.closed = True
+        log.info("stream %r epoch %d closed: %d batches, %d rows", stream.name, ep.epoch, ep.batches_in, ep.rows_in)
+        self._send(sock, identity, Kind.OK, req=h["req"])
+
+    def _open_epoch(self, h: dict) -> tuple[StreamState, EpochState]:
+        stream = self.streams.get(h["stream"])
+        ep = stream.epochs.get(h["epoch"]) if stream else None
+        if ep is None or ep.closed:
+            raise ProtocolError(f"stream {h['stream']!r} epoch {h['epoch']} is not open")
+        return stream, ep
+
+    _control_handlers: dict[Kind, Callable] = {
+        Kind.HELLO: _hello, Kind.EPOCH_OPEN: _epoch_open, Kind.PARTITION_END: _partition_end,
+        Kind.EPOCH_CLOSE: _epoch_close, Kind.STATS_REQUEST: _stats}
+    _rank_handlers: dict[Kind, Callable] = {
+        Kind.HELLO: _hello, Kind.CREDIT: _credit, Kind.ACK: _ack, Kind.HEARTBEAT: _heartbeat_in,
+        Kind.BYE: _bye, Kind.STATS_REQUEST: _stats}
+
+    # ---- to the ranks -----------------------------------------------------------------------------------
+
+    def _dispatch(self, stream: StreamState) -> None:
+        """Send queued batches of the delivering epoch against credits; end the epoch once it is drained."""
+        while stream.all_ranks_joined():
+            ep = stream.delivering()
+            if ep is None:
+                return
+            progress = True
+            while ep.queue and progress:
+                progress = False
+                for rank in stream.ranks_with_credit():
+                    if not ep.queue:
+                        break
+                    if rank.identity not in stream.ranks:    # went away during this pass
+                        continue
+                    progress |= self._send_batch(rank, ep, ep.queue.popleft())
+            if not ep.drained:
+                return
+            for rank in list(stream.ranks.values()):
+                self._send(self._ranks, rank.identity, Kind.EPOCH_END, stream=stream.name, epoch=ep.epoch,
+                           batches=ep.batches_out)
+            ep.end_sent = True
+            log.info("stream %r epoch %d drained to %d ranks", stream.name, ep.epoch, len(stream.ranks))
+            stream.retire_finished_epochs()
+
+    def _send_batch(self, rank: RankState, ep: EpochState, batch: HeldBatch) -> bool:
+        try:
+            self._ranks.send_multipart([rank.identity, *batch.frames], zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:
+            ep.queue.appendleft(batch)
+            if exc.errno == zmq.EHOSTUNREACH:
+                self._rank_gone(rank.identity, "disconnected")
+            elif exc.errno != zmq.EAGAIN:
+                raise
+            return False
+        rank.credit -= 1
+        rank.inflight[batch.id] = batch
+        rank.batches += 1
+        rank.bytes += batch.nbytes
+        rank.last_sent = time.monotonic()
+        ep.batches_out += 1
+        ep.bytes_out += batch.nbytes
+        return True
+
+    def _rank_gone(self, identity: bytes, why: str) -> None:
+        """Forget a rank; batches it held unacknowledged go back to the front of their epoch's queue."""
+        stream = self._rank_streams.pop(identity, None)
+        if stream is None:
+            return
+        rank = stream.ranks.pop(identity)
+        for batch in sorted(rank.inflight.values(), key=lambda b: b.id, reverse=True):
+            ep = stream.epochs.get(batch.id[0])
+            if ep is None or ep.end_sent:
+                log.warning("rank %d of stream %r left holding batch %s of an ended epoch",
+                            rank.rank, stream.name, batch.id)
+                self.buffered -= batch.nbytes
+                continue
+            ep.queue.appendleft(batch)
+            ep.batches_out -= 1
+            ep.bytes_out -= batch.nbytes
+        log.info("rank %d of stream %r %s (%d unacknowledged batches requeued)",
+                 rank.rank, stream.name, why, len(rank.inflight))
+
+    def _heartbeat(self, now: float) -> None:
+        for stream in self.streams.values():
+            for rank in list(stream.ranks.values()):
+                if now - rank.last_sent >= self.config.heartbeat:
+                    if self._send(self._ranks, rank.identity, Kind.HEARTBEAT):
+                        rank.last_sent = now
+
+    # ---- figures ----------------------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Live figures: what ``sparkbus status`` prints (documented in docs/PROTOCOL.md)."""
+        return {
+            "broker": {"version": protocol.VERSION, "pid": os.getpid(),
+                       "uptime_s": round(time.monotonic() - self._started, 3),
+                       "buffered_bytes": self.buffered, "max_buffer": self.config.max_buffer,
+                       "feed_paused": self._feed_paused, "endpoints": self.endpoints,
+                       "rejected": {s: dict(r) for s, r in self.rejected.items()}},
+            "streams": {name: s.stats() for name, s in self.streams.items()},
+        }

@@ -1,0 +1,12 @@
+"""sparkbus feeder: the Spark side. ``feed(df_or_rdd, address, ...)`` streams every partition to the broker.
+
+Importing this package starts nothing; it imports pyspark only when ``feed`` is called.
+"""
+
+from broker.protocol import BrokerError
+
+from .driver import FeedError, FeedReport, feed, prepare_dataframe
+from .task import FeedTimeout, PartitionReport, stream_partition
+
+__all__ = ["feed", "FeedReport", "FeedError", "FeedTimeout", "BrokerError", "PartitionReport",
+           "prepare_dataframe", "stream_partition"]

@@ -1,0 +1,159 @@
+"""The driver's side of a feed: open the epoch, run one Spark job whose tasks stream, close the epoch."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterator, NamedTuple, Sequence
+
+from broker.client import ControlClient
+from broker.protocol import BrokerError, Kind, control_address
+
+from .columns import arrow_columns, chunk_rows, rebatch
+from .task import PartitionReport, stream_partition
+
+DEFAULT_MAX_BATCH_BYTES = 16 << 20
+REPORT_SCHEMA = "partition long, batches long, rows long, bytes long, seconds double"
+
+
+class FeedError(RuntimeError):
+    """The Spark job that streams an epoch failed; the message says why and what to check."""
+
+
+class FeedReport(NamedTuple):
+    """What :func:`feed` sent: partitions, batches, rows, payload bytes and wall-clock seconds."""
+
+    partitions: int
+    batches: int
+    rows: int
+    bytes: int
+    seconds: float
+
+
+def feed(data: Any, address: str, stream: str = "train", epoch: int = 0, batch_size: int = 1024,
+         columns: Sequence[str] | None = None, timeout: float = 60.0, *, control: str | None = None,
+         max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES) -> FeedReport:
+    """Stream every row of a DataFrame or RDD to the broker as one epoch of ``stream``.
+
+    Opens the epoch with the partition count, runs one Spark job whose tasks push their partitions in batches
+    (each task returns once the broker has confirmed every batch of its partition), and closes the epoch when
+    the job has succeeded. Ranks see the epoch end only after that.
+
+    Args:
+        data: a DataFrame (numeric columns, fixed-length numeric arrays, ML vectors) or an RDD of dicts or
+            tuples of numbers and numpy arrays.
+        address: the broker's feed address, e.g. ``tcp://broker-host:5555``.
+        stream: the stream name ("train", "val", a job id).
+        epoch: the epoch number; each (stream, epoch) is fed once.
+        batch_size: rows per batch (the last batch of a partition may be shorter).
+        columns: DataFrame columns to send (default: all).
+        timeout: seconds any single wait may take: the broker's replies, and a task blocked by backpressure.
+        control: the broker's control address, if it is not the feed port + 2.
+        max_batch_bytes: cap on a batch's payload; wide rows get fewer than ``batch_size`` rows per batch.
+    Returns:
+        A :class:`FeedReport`.
+    Raises:
+        BrokerError: the broker is unreachable within ``timeout`` or refused the epoch.
+        FeedError: the Spark job failed (a task could not reach the broker, a column is unsupported, ...).
+        TypeError: an unsupported column type (named), found before any job runs.
+    """
+    started = time.monotonic()
+    control = control or control_address(address)
+    settings = dict(feed_address=address, control_address=control, stream=stream, epoch=epoch,
+                    timeout=timeout)
+    job = _dataframe_job(data, columns, batch_size, max_batch_bytes, settings) if _is_dataframe(data) \
+        else _rdd_job(data, batch_size, max_batch_bytes, settings)
+    partitions = job.getNumPartitions()
+    with ControlClient(control, timeout) as client:
+        client.hello("feeder", stream)
+        client.request(Kind.EPOCH_OPEN, stream=stream, epoch=epoch, partitions=partitions)
+        try:
+            reports = [PartitionReport(*r) for r in job.collect()]
+        except Exception as exc:
+            raise FeedError(_explain_job_failure(exc, stream, epoch)) from exc
+        client.request(Kind.EPOCH_CLOSE, stream=stream, epoch=epoch, partitions=partitions)
+    return FeedReport(partitions, sum(r.batches for r in reports), sum(r.rows for r in reports),
+                      sum(r.bytes for r in reports), time.monotonic() - started)
+
+
+def _is_dataframe(data: Any) -> bool:
+    return hasattr(data, "mapInArrow") and hasattr(data, "schema")
+
+
+def _dataframe_job(df: Any, columns: Sequence[str] | None, batch_size: int, max_bytes: int, settings: dict):
+    import pyarrow as pa
+
+    prepared = prepare_dataframe(df, columns)
+    report_schema = pa.schema([("partition", pa.int64()), ("batches", pa.int64()), ("rows", pa.int64()),
+                               ("bytes", pa.int64()), ("seconds", pa.float64())])
+
+    def stream_arrow_partition(record_batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        from pyspark import TaskContext
+
+        task = TaskContext.get()
+        pieces = (arrow_columns(b) for b in record_batches)
+        report = stream_partition(rebatch(pieces, batch_size, max_bytes), partition=task.partitionId(),
+                                  attempt=task.attemptNumber(), **settings)
+        yield pa.RecordBatch.from_pylist([report._asdict()], schema=report_schema)
+
+    return prepared.mapInArrow(stream_arrow_partition, REPORT_SCHEMA).rdd
+
+
+def _rdd_job(rdd: Any, batch_size: int, max_bytes: int, settings: dict):
+    if not hasattr(rdd, "mapPartitionsWithIndex"):
+        raise TypeError(f"feed() takes a Spark DataFrame or RDD, not {type(rdd).__name__}")
+
+    def stream_rows(index: int, rows: Iterator[Any]) -> list[tuple]:
+        from pyspark import TaskContext
+
+        attempt = TaskContext.get().attemptNumber()
+        batches = rebatch(chunk_rows(rows, batch_size), batch_size, max_bytes)
+        return [tuple(stream_partition(batches, partition=index, attempt=attempt, **settings))]
+
+    return rdd.mapPartitionsWithIndex(stream_rows)
+
+
+def prepare_dataframe(df: Any, columns: Sequence[str] | None = None) -> Any:
+    """Select the columns to feed, turning ML vectors into arrays; refuse unsupported types by name.
+
+    Raises:
+        TypeError: a column whose type sparkbus cannot send, or a name that is not a column.
+    """
+    from pyspark.ml.functions import vector_to_array
+    from pyspark.ml.linalg import VectorUDT
+    from pyspark.sql import types as T
+
+    names = list(columns) if columns is not None else df.columns
+    fields = {f.name: f.dataType for f in df.schema.fields}
+    selected = []
+    for name in names:
+        if name not in fields:
+            raise TypeError(f"column {name!r} is not in the DataFrame (columns: {', '.join(df.columns)})")
+        kind = fields[name]
+        if isinstance(kind, VectorUDT):
+            selected.append(vector_to_array(df[name]).alias(name))
+            continue
+        inner = kind
+        while isinstance(inner, T.ArrayType):
+            inner = inner.elementType
+        if not isinstance(inner, (T.BooleanType, T.ByteType, T.ShortType, T.IntegerType, T.LongType,
+                                  T.FloatType, T.DoubleType)):
+            raise TypeError(f"column {name!r} has type {kind.simpleString()}, which sparkbus cannot feed "
+                            f"(numbers, booleans, fixed-length numeric arrays and ML vectors only)")
+        selected.append(df[name])
+    if not selected:
+        raise TypeError("no columns to feed")
+    return df.select(*selected)
+
+
+def _explain_job_failure(exc: Exception, stream: str, epoch: int) -> str:
+    text = str(exc)
+    hint = ""
+    if "No module named" in text:
+        hint = (" Hint: the executors' Python cannot import sparkbus or its dependencies; set PYSPARK_PYTHON "
+                "(or spark.pyspark.python) to the interpreter sparkbus is installed in, before the SparkSession "
+                "starts.")
+    first = next((line for line in text.splitlines() if "Error" in line or "Exception" in line), text[:300])
+    return f"the Spark job feeding stream {stream!r} epoch {epoch} failed: {first.strip()[:500]}{hint}"
+
+
+__all__ = ["feed", "FeedReport", "FeedError", "BrokerError", "prepare_dataframe"]

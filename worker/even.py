@@ -1,0 +1,117 @@
+"""Equal step counts across ranks: agreement and end-of-epoch rebalancing over MPI, without spinning a core.
+
+A blocking MPI call in the mpich wheel busy-waits (a full core per waiting rank); every wait here is a
+non-blocking request tested with a short, growing sleep instead.
+
+Batches that move between ranks travel as the wire format itself (header + raw column bytes in one buffer):
+nothing is pickled.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from broker import protocol
+
+_TAG_BATCH = 0x5B5
+_MAX_SLEEP = 1e-3
+
+
+def _sleep_until(done: Callable[[], bool]) -> None:
+    delay = 0.0
+    while not done():
+        time.sleep(delay)
+        delay = min(max(delay * 2, 20e-6), _MAX_SLEEP)
+
+
+def all_true(comm: Any, flag: bool) -> bool:
+    """True on every rank iff ``flag`` is true on every rank of ``comm``."""
+    from mpi4py import MPI
+
+    send = np.array([1 if flag else 0], dtype=np.int32)
+    recv = np.empty(1, dtype=np.int32)
+    request = comm.Iallreduce(send, recv, op=MPI.MIN)
+    _sleep_until(request.Test)
+    return bool(recv[0])
+
+
+def allgather_count(comm: Any, count: int) -> list[int]:
+    """Every rank's ``count``, in rank order."""
+    send = np.array([count], dtype=np.int64)
+    recv = np.empty(comm.size, dtype=np.int64)
+    request = comm.Iallgather(send, recv)
+    _sleep_until(request.Test)
+    return [int(c) for c in recv]
+
+
+def plan_transfers(counts: list[int]) -> tuple[list[tuple[int, int, int]], int]:
+    """How to even out ``counts`` (batches held per rank) by moving batches between ranks.
+
+    Returns:
+        ``(transfers, target)``: ``(source, destination, n)`` moves, the same on every rank, after which each
+        rank keeps ``target = sum(counts) // size`` batches; the ``sum % size`` left over are dropped by the
+        ranks that still hold more than ``target``.
+    """
+    size = len(counts)
+    target = sum(counts) // size
+    surplus = [[r, c - target] for r, c in enumerate(counts) if c > target]
+    transfers = []
+    for dst, c in enumerate(counts):
+        need = target - c
+        while need > 0:
+            src = surplus[0]
+            n = min(need, src[1])
+            transfers.append((src[0], dst, n))
+            need -= n
+            src[1] -= n
+            if src[1] == 0:
+                surplus.pop(0)
+    return transfers, target
+
+
+def pack_batch(header: dict, columns: dict[str, np.ndarray]) -> bytes:
+    """One buffer holding a batch in wire form: 4-byte header length, header, column bytes."""
+    frames = protocol.encode_batch(header["stream"], header["epoch"], header["part"], header["seq"], columns)
+    return b"".join([struct.pack("<I", len(frames[0])), *[bytes(f) for f in frames]])
+
+
+def unpack_batch(buf: bytes) -> tuple[dict, dict[str, np.ndarray]]:
+    """The inverse of :func:`pack_batch`; validates like any received batch."""
+    (length,) = struct.unpack_from("<I", buf)
+    header = protocol.unpack_header(buf[4:4 + length])
+    view, offset, frames = memoryview(buf), 4 + length, []
+    for _, dtype, shape in header["cols"]:
+        size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        frames.append(view[offset:offset + size])
+        offset += size
+    return header, protocol.decode_batch(header, frames)
+
+
+def exchange(comm: Any, held: list[tuple[dict, dict]], transfers: list[tuple[int, int, int]]) -> list[tuple[dict, dict]]:
+    """Carry out ``transfers``: send from the end of ``held``, receive onto it. Returns what this rank holds."""
+    from mpi4py import MPI
+
+    me = comm.rank
+    held = list(held)
+    sends = []
+    for src, dst, n in transfers:
+        if src == me:
+            for _ in range(n):
+                buf = pack_batch(*held.pop())
+                sends.append((comm.Isend([buf, MPI.BYTE], dest=dst, tag=_TAG_BATCH), buf))
+    for src, dst, n in transfers:
+        if dst == me:
+            for _ in range(n):
+                status = MPI.Status()
+                _sleep_until(lambda: comm.Iprobe(source=src, tag=_TAG_BATCH, status=status))
+                buf = bytearray(status.Get_count(MPI.BYTE))
+                request = comm.Irecv([buf, MPI.BYTE], source=src, tag=_TAG_BATCH)
+                _sleep_until(request.Test)
+                held.append(unpack_batch(bytes(buf)))
+    for request, _ in sends:
+        _sleep_until(request.Test)
+    return held

@@ -1,0 +1,242 @@
+"""``BatchStream``: a rank's end of the bus. Batches arrive against credits and are yielded epoch by epoch."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import zmq
+
+from broker import protocol
+from broker.protocol import BrokerError, Kind, pack_header, unpack_header
+
+from . import even as evenly
+
+log = logging.getLogger("sparkbus.worker")
+
+Batch = dict[str, np.ndarray]
+
+
+@dataclass
+class EpochStats:
+    """One epoch as this rank saw it."""
+
+    epoch: int
+    batches: int = 0
+    rows: int = 0
+    bytes: int = 0
+    dropped_batches: int = 0    # left over to keep ranks even (at most size - 1 across all ranks)
+    dropped_rows: int = 0
+    wait_seconds: float = 0.0   # time the training loop waited for data (and for the other ranks to agree)
+    seconds: float = 0.0        # from the first request of the epoch to its end
+
+
+@dataclass
+class StreamStats:
+    """Totals over the epochs of a :class:`BatchStream`, and each epoch's figures in ``epochs``."""
+
+    batches: int = 0
+    rows: int = 0
+    bytes: int = 0
+    dropped_batches: int = 0
+    dropped_rows: int = 0
+    wait_seconds: float = 0.0
+    epochs: list[EpochStats] = field(default_factory=list)
+
+    def add(self, ep: EpochStats) -> None:
+        self.epochs.append(ep)
+        for name in ("batches", "rows", "bytes", "dropped_batches", "dropped_rows", "wait_seconds"):
+            setattr(self, name, getattr(self, name) + getattr(ep, name))
+
+
+class BatchStream:
+    """Batches of one stream for this rank, as dicts of numpy arrays, one epoch at a time.
+
+    Args:
+        address: the broker's ranks address, e.g. ``tcp://broker-host:5556``.
+        comm: an mpi4py communicator whose ranks consume the stream together, or None for one process.
+        stream: the stream name the feeder used.
+        prefetch: credits granted to the broker: batches in flight to this rank, the one in use included.
+        even: yield the same number of batches on every rank of ``comm`` each epoch (default: when
+            ``comm.size > 1``); at most ``size - 1`` batches per epoch are dropped, counted in ``stats``.
+        timeout: seconds the broker may stay silent (it heartbeats while idle) before this rank gives up.
+        verify: check each batch's CRC-32.
+        heartbeat: seconds between this rank's heartbeats while it waits.
+        on_drop: called with each batch dropped to keep the ranks even.
+    Raises:
+        BrokerError: the broker does not answer within ``timeout``, refuses this rank, or goes silent.
+
+    The arrays of a batch are read-only views of the received frames; copy one to modify it.
+    """
+
+    def __init__(self, address: str, comm: Any = None, stream: str = "train", prefetch: int = 4,
+                 even: bool | None = None, timeout: float = 60.0, verify: bool = True, heartbeat: float = 1.0,
+                 on_drop: Callable[[Batch], None] | None = None):
+        if prefetch < 1:
+            raise ValueError("prefetch must be at least 1")
+        self.address, self.comm, self.stream = address, comm, stream
+        self.rank = comm.Get_rank() if comm is not None else 0
+        self.size = comm.Get_size() if comm is not None else 1
+        self.even = (self.size > 1) if even is None else even
+        if self.even and comm is None:
+            self.even = False
+        self.timeout, self.verify, self.heartbeat, self.on_drop = timeout, verify, heartbeat, on_drop
+        self.stats = StreamStats()
+        self._context = zmq.Context()
+        self._sock = self._context.socket(zmq.DEALER)
+        self._sock.linger = 0
+        self._sock.connect(address)
+        self._last_heard = time.monotonic()
+        self._last_said = time.monotonic()
+        try:
+            self._handshake(prefetch)
+        except BaseException:
+            self._close_socket()
+            raise
+
+    # ---- talking to the broker ----------------------------------------------------------------------------
+
+    def _say(self, kind: Kind, **fields: Any) -> None:
+        self._sock.send(pack_header(kind, **fields))
+        self._last_said = time.monotonic()
+
+    def _handshake(self, prefetch: int) -> None:
+        self._say(Kind.HELLO, req=1, role="rank", stream=self.stream, rank=self.rank, size=self.size)
+        if not self._sock.poll(self.timeout * 1000):
+            raise BrokerError(f"no answer from a sparkbus broker at {self.address} within {self.timeout:g} s: "
+                              f"is it running, and is this its ranks address?")
+        header = unpack_header(self._sock.recv_multipart()[0])
+        if header["kind"] == Kind.ERROR:
+            raise BrokerError(f"the broker at {self.address} refused rank {self.rank}: {header['reason']}")
+        if header["kind"] != Kind.WELCOME:
+            raise BrokerError(f"the broker at {self.address} answered HELLO with {header['kind'].name}")
+        self._last_heard = time.monotonic()
+        self._say(Kind.CREDIT, credit=prefetch)
+
+    def _receive(self) -> tuple[dict, list[zmq.Frame]]:
+        """The next batch or epoch end from the broker; heartbeats both ways while waiting, never spinning."""
+        while True:
+            now = time.monotonic()
+            silent_for = now - self._last_heard
+            if silent_for > self.timeout:
+                raise BrokerError(f"the broker at {self.address} has been silent for {silent_for:.0f} s "
+                                  f"(timeout {self.timeout:g} s): it is gone or unreachable")
+            if now - self._last_said >= self.heartbeat:
+                self._say(Kind.HEARTBEAT)
+            wait = min(self.heartbeat, self.timeout - silent_for)
+            if not self._sock.poll(max(wait, 0.001) * 1000):
+                continue
+            frames = self._sock.recv_multipart(copy=False)
+            self._last_heard = time.monotonic()
+            header = unpack_header(frames[0].bytes)
+            kind = header["kind"]
+            if kind in (Kind.BATCH, Kind.EPOCH_END):
+                return header, frames[1:]
+            if kind == Kind.ERROR:
+                raise BrokerError(f"the broker at {self.address} reported: {header['reason']}")
+            if kind != Kind.HEARTBEAT:
+                log.warning("ignoring unexpected %s from the broker", kind.name)
+
+    def _next_batch(self, ep: EpochStats) -> tuple[dict, Batch] | None:
+        """This rank's next batch of the epoch, or None at its end; the time waited is data-wait."""
+        started = time.monotonic()
+        header, frames = self._receive()
+        ep.wait_seconds += time.monotonic() - started
+        if header["kind"] == Kind.EPOCH_END:
+            return None
+        if ep.epoch < 0:
+            ep.epoch = header["epoch"]
+        return header, protocol.decode_batch(header, frames, verify=self.verify)
+
+    def _ack(self, header: dict) -> None:
+        self._say(Kind.ACK, ids=[list(protocol.batch_id(header))], credit=1)
+
+    # ---- epochs -------------------------------------------------------------------------------------------
+
+    def epoch(self) -> Iterator[Batch]:
+        """Yield the next epoch's batches, each a ``dict[str, numpy.ndarray]``, until the broker ends it.
+
+        A batch is acknowledged when the loop asks for the next one. With ``even``, every rank of ``comm``
+        yields the same number of batches (ranks must all iterate the epoch).
+
+        Raises:
+            BrokerError: the broker goes silent for longer than ``timeout`` or reports an error.
+            ProtocolError: a malformed batch (checksum or shape mismatch).
+        """
+        ep = EpochStats(epoch=-1)
+        started = time.monotonic()
+        try:
+            yield from (self._even_epoch(ep) if self.even else self._plain_epoch(ep))
+        finally:
+            ep.seconds = time.monotonic() - started
+            self.stats.add(ep)
+
+    def _count(self, ep: EpochStats, batch: Batch) -> None:
+        first = next(iter(batch.values()), None)
+        ep.batches += 1
+        ep.rows += len(first) if first is not None else 0
+        ep.bytes += sum(a.nbytes for a in batch.values())
+
+    def _plain_epoch(self, ep: EpochStats) -> Iterator[Batch]:
+        while (item := self._next_batch(ep)) is not None:
+            header, batch = item
+            self._count(ep, batch)
+            yield batch
+            self._ack(header)
+
+    def _even_epoch(self, ep: EpochStats) -> Iterator[Batch]:
+        # Lockstep: a step happens only if every rank has a batch for it.
+        while True:
+            item = self._next_batch(ep)
+            started = time.monotonic()
+            everyone = evenly.all_true(self.comm, item is not None)
+            ep.wait_seconds += time.monotonic() - started
+            if not everyone:
+                break
+            header, batch = item
+            self._count(ep, batch)
+            yield batch
+            self._ack(header)
+        # Some rank's share is used up: gather what is left everywhere and share it out evenly.
+        started = time.monotonic()
+        held = [] if item is None else [item]
+        if item is not None:
+            self._ack(item[0])
+            while (more := self._next_batch(ep)) is not None:
+                held.append(more)
+                self._ack(more[0])
+        transfers, target = evenly.plan_transfers(evenly.allgather_count(self.comm, len(held)))
+        held = evenly.exchange(self.comm, held, transfers)
+        ep.wait_seconds += time.monotonic() - started
+        for header, batch in held[target:]:
+            ep.dropped_batches += 1
+            ep.dropped_rows += header["rows"]
+            if self.on_drop is not None:
+                self.on_drop(batch)
+        for _, batch in held[:target]:
+            self._count(ep, batch)
+            yield batch
+
+    # ---- lifetime -----------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Tell the broker this rank leaves (its unacknowledged batches go to other ranks), then close."""
+        if self._sock.closed:
+            return
+        try:
+            self._say(Kind.BYE)
+        finally:
+            self._close_socket()
+
+    def _close_socket(self) -> None:
+        self._sock.close(linger=200)     # long enough for BYE to leave, never a hang
+        self._context.term()
+
+    def __enter__(self) -> "BatchStream":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.close()
