@@ -1,0 +1,32 @@
+# sparkbus: `make demo` (set up + the end-to-end demo) and `make test` (set up + the whole suite).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+
+.PHONY: setup demo test unit integration clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10) and "sparkbus needs Python >= 3.10")'
+	@command -v java >/dev/null || { echo "sparkbus needs Java 17+ for Spark (java not found)"; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+demo: setup
+	$(VENV)/bin/sparkbus demo $(ARGS)
+
+test: setup
+	$(PY) -m pytest $(ARGS)
+
+unit: setup
+	$(PY) -m pytest tests/unit $(ARGS)
+
+integration: setup
+	$(PY) -m pytest tests/integration $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -1,0 +1,165 @@
+"""Real pieces: Spark in local mode (one session for the run), the broker through its CLI, mpiexec ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from helpers import free_port_triple, wait_for
+
+HERE = Path(__file__).parent
+BIN = Path(sys.executable).parent
+
+
+@pytest.fixture(scope="session")
+def spark():
+    os.environ["PYSPARK_PYTHON"] = sys.executable        # executors must run the venv's Python
+    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"            # loopback only
+    from pyspark.sql import SparkSession
+
+    session = (SparkSession.builder.master("local[2]").appName("sparkbus-tests")
+               .config("spark.ui.enabled", "false")
+               .config("spark.ui.showConsoleProgress", "false")
+               .config("spark.sql.shuffle.partitions", "4")
+               .config("spark.driver.host", "127.0.0.1")
+               .config("spark.driver.bindAddress", "127.0.0.1")
+               .getOrCreate())
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+    session.stop()
+
+
+@dataclass
+class BrokerProcess:
+    proc: subprocess.Popen
+    feed: str
+    ranks: str
+    control: str
+    log: Path
+
+    def stats(self, timeout: float = 5.0) -> dict:
+        from broker.client import fetch_stats
+        return fetch_stats(self.control, timeout)
+
+    def stop(self, timeout: float = 10.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+                raise AssertionError("broker did not stop on SIGTERM")
+        return self.proc.returncode
+
+
+@pytest.fixture
+def start_broker(tmp_path):
+    """``start_broker(*flags)``: ``python -m broker`` on free loopback ports, ready when it says so."""
+    started = []
+
+    def start(*flags: str) -> BrokerProcess:
+        base = free_port_triple()
+        ready = tmp_path / f"broker-{base}.json"
+        log = tmp_path / f"broker-{base}.log"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "broker", "--feed", f"tcp://127.0.0.1:{base}",
+             "--ranks", f"tcp://127.0.0.1:{base + 1}", "--ready-file", str(ready), *flags],
+            stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+        broker = BrokerProcess(proc, f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{base + 1}",
+                               f"tcp://127.0.0.1:{base + 2}", log)
+        started.append(broker)
+        wait_for(lambda: ready.exists() or proc.poll() is not None, 15, "the broker's ready file")
+        assert proc.poll() is None, f"broker exited: {log.read_text()}"
+        assert json.loads(ready.read_text())["control"] == broker.control
+        return broker
+
+    yield start
+    for broker in started:
+        broker.stop()
+
+
+@dataclass
+class Ranks:
+    proc: subprocess.Popen
+    out: Path
+    n: int
+
+    def wait(self, timeout: float = 90.0) -> list[dict]:
+        try:
+            _, err = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            _, err = self.proc.communicate(timeout=10)
+            raise AssertionError(f"ranks did not finish within {timeout} s:\n{err[-3000:]}")
+        assert self.proc.returncode == 0, f"ranks failed ({self.proc.returncode}):\n{err[-3000:]}"
+        return [json.loads((self.out / f"rank{r}.json").read_text()) for r in range(self.n)]
+
+    def epoch(self, rank: int, epoch: int) -> dict[str, np.ndarray]:
+        with np.load(self.out / f"rank{rank}-epoch{epoch}.npz") as data:
+            return dict(data)
+
+
+@pytest.fixture
+def start_ranks(tmp_path):
+    """``start_ranks(n, ranks_address, *flags)``: tests/integration/rank_main.py under ``mpiexec -n n``."""
+    running = []
+
+    def start(n: int, address: str, *flags: str) -> Ranks:
+        out = tmp_path / f"ranks-{len(running)}"
+        out.mkdir()
+        proc = subprocess.Popen([str(BIN / "mpiexec"), "-n", str(n), sys.executable, str(HERE / "rank_main.py"),
+                                 "--ranks", address, "--out", str(out), *flags],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        ranks = Ranks(proc, out, n)
+        running.append(ranks)
+        return ranks
+
+    yield start
+    for ranks in running:
+        if ranks.proc.poll() is None:
+            ranks.proc.kill()
+            ranks.proc.communicate(timeout=10)
+
+
+def labelled_frame(spark, rows: int, partitions: int, first_id: int = 0):
+    """A DataFrame whose every value derives from its id, so arrival can be checked exactly.
+
+    Columns: id long; x array<float>[8] = id*10 + j; y int = id % 7; flag boolean = id even;
+    w double = id / 4; v ML vector = [w, y].
+    """
+    from pyspark.ml.feature import VectorAssembler
+    from pyspark.sql import functions as F
+
+    df = spark.range(first_id, first_id + rows, numPartitions=partitions).select(
+        F.col("id"),
+        F.array(*[(F.col("id") * 10 + j).cast("float") for j in range(8)]).alias("x"),
+        (F.col("id") % 7).cast("int").alias("y"),
+        (F.col("id") % 2 == 0).alias("flag"),
+        (F.col("id") / 4).alias("w"))
+    return VectorAssembler(inputCols=["w", "y"], outputCol="v").transform(df)
+
+
+def check_values(columns: dict[str, np.ndarray]) -> None:
+    """Every value and dtype of a :func:`labelled_frame` batch matches its id."""
+    ids = columns["id"]
+    assert columns["id"].dtype == np.int64
+    assert columns["x"].dtype == np.float32 and columns["x"].shape == (len(ids), 8)
+    np.testing.assert_array_equal(columns["x"], (ids[:, None] * 10 + np.arange(8)).astype(np.float32))
+    assert columns["y"].dtype == np.int32
+    np.testing.assert_array_equal(columns["y"], ids % 7)
+    assert columns["flag"].dtype == np.bool_
+    np.testing.assert_array_equal(columns["flag"], ids % 2 == 0)
+    assert columns["w"].dtype == np.float64
+    np.testing.assert_array_equal(columns["w"], ids / 4)
+    assert columns["v"].dtype == np.float64 and columns["v"].shape == (len(ids), 2)
+    np.testing.assert_array_equal(columns["v"], np.stack([ids / 4, ids % 7], axis=1))
