@@ -11,7 +11,6 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10) and "sparkbus needs Python >= 3.10")'
 	@command -v java >/dev/null || { echo "sparkbus needs Java 17+ for Spark (java not found)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $@
 

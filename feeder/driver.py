@@ -62,9 +62,9 @@ def feed(data: Any, address: str, stream: str = "train", epoch: int = 0, batch_s
                     timeout=timeout)
     job = _dataframe_job(data, columns, batch_size, max_batch_bytes, settings) if _is_dataframe(data) \
         else _rdd_job(data, batch_size, max_batch_bytes, settings)
-    partitions = job.getNumPartitions()
     with ControlClient(control, timeout) as client:
-        client.hello("feeder", stream)
+        client.hello("feeder", stream)          # fail fast on an absent broker, before Spark plans anything
+        partitions = job.getNumPartitions()
         client.request(Kind.EPOCH_OPEN, stream=stream, epoch=epoch, partitions=partitions)
         try:
             reports = [PartitionReport(*r) for r in job.collect()]
