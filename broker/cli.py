@@ -26,7 +26,11 @@ def add_broker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-message", type=parse_size, default=from_env("max_message", parse_size, 1 << 30),
                         help="largest message any peer may send (default 1GiB)")
     parser.add_argument("--heartbeat", type=parse_duration, default=from_env("heartbeat", parse_duration, 1.0),
-                        help="interval of heartbeats to idle ranks (default 1s)")
+                        help="interval of heartbeats to the ranks (default 1s)")
+    parser.add_argument("--dead-after", type=parse_duration, default=from_env("dead_after", parse_duration, 5.0),
+                        help="declare a rank dead when its connection is silent this long (default 5s)")
+    parser.add_argument("--journal", default=from_env("journal", str, None),
+                        help="directory for the append-only journal that lets a restarted broker go on")
     parser.add_argument("--ready-file", help="write the bound endpoints as JSON here once listening")
     parser.add_argument("--log-level", default=from_env("log_level", str, "INFO"))
 
@@ -38,7 +42,8 @@ def run_broker(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     broker = Broker(BrokerConfig(feed=args.feed, ranks=args.ranks, control=args.control,
                                  max_buffer=args.max_buffer, max_message=args.max_message,
-                                 heartbeat=args.heartbeat, ready_file=args.ready_file))
+                                 heartbeat=args.heartbeat, dead_after=args.dead_after,
+                                 journal=args.journal, ready_file=args.ready_file))
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: broker.stop())
     try:

@@ -58,5 +58,7 @@ class BrokerConfig:
     control: str | None = None         # ROUTER: feeders' and drivers' requests (derived from feed if None)
     max_buffer: int = 1 << 30          # bytes of batches held before the feed socket stops being read
     max_message: int = 1 << 30         # ZeroMQ MAXMSGSIZE on every socket: no peer makes us allocate more
-    heartbeat: float = 1.0             # seconds between heartbeats to idle ranks
+    heartbeat: float = 1.0             # seconds between heartbeats to ranks
+    dead_after: float = 5.0            # a rank's connection silent this long (no transport heartbeat) is dead
+    journal: str | None = None         # directory of the append-only journal; None: state lives in memory only
     ready_file: str | None = None      # written (JSON of the bound endpoints) once every socket is bound

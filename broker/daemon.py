@@ -9,6 +9,7 @@ ranks       ROUTER     ranks' DEALERs: HELLO, CREDIT, ACK, HEARTBEAT, BYE, STATS
 ==========  =========  ===========================================================================
 
 Batches are held as the frames they arrived in and forwarded as the same frames: only the header is decoded.
+What to keep, commit and redeliver is decided by :class:`broker.ledger.Ledger`; this module does the I/O.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import threading
 import time
 from collections import defaultdict
@@ -25,8 +27,10 @@ import zmq
 
 from . import protocol
 from .config import BrokerConfig
+from .journal import Journal
+from .ledger import Ledger, Rejected, Reply
 from .protocol import Kind, ProtocolError, VersionMismatch, pack_header, unpack_header
-from .state import EpochState, HeldBatch, PendingCommit, RankState, StreamState
+from .state import EpochState, HeldBatch, RankState, StreamState
 
 log = logging.getLogger("sparkbus.broker")
 
@@ -48,13 +52,18 @@ class Broker:
         self.config = config
         self._context = context
         self._stop = threading.Event()
-        self.streams: dict[str, StreamState] = {}
+        self.ledger = Ledger(Journal(config.journal) if config.journal else None)
         self._rank_streams: dict[bytes, StreamState] = {}
-        self.buffered = 0
         self.rejected: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self.endpoints: dict[str, str] = {}
+        self.incarnation = secrets.token_hex(8)
         self._started = time.monotonic()
         self._feed_paused = False
+        self._stall_warned = 0.0
+
+    @property
+    def streams(self) -> dict[str, StreamState]:
+        return self.ledger.streams
 
     def stop(self) -> None:
         """Ask the loop to finish; safe from a signal handler or another thread."""
@@ -63,7 +72,9 @@ class Broker:
     # ---- lifecycle --------------------------------------------------------------------------------------
 
     def run(self) -> None:
-        """Bind, serve until :meth:`stop`, close every socket. Returns normally on stop or context term."""
+        """Replay the journal, bind, serve until :meth:`stop`, close every socket."""
+        if self.ledger.journal:
+            self.ledger.replay()
         ctx = self._context or zmq.Context()
         socks = {name: ctx.socket(kind) for name, kind in
                  (("feed", zmq.PULL), ("control", zmq.ROUTER), ("ranks", zmq.ROUTER))}
@@ -72,8 +83,13 @@ class Broker:
                 sock.linger = 0
                 sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message)
             socks["feed"].rcvhwm = FEED_RCVHWM
-            socks["ranks"].setsockopt(zmq.ROUTER_MANDATORY, 1)   # a gone rank is an error, not a silent drop
-            socks["ranks"].sndhwm = 0                            # credits bound what is queued to a rank
+            ranks = socks["ranks"]
+            ranks.setsockopt(zmq.ROUTER_MANDATORY, 1)      # a gone rank is an error, not a silent drop
+            ranks.sndhwm = 0                               # credits bound what is queued to a rank
+            # Transport heartbeats: libzmq answers them even while the rank's Python is busy training, so a
+            # connection closes only when the rank's process or host is gone, never for a long step.
+            ranks.setsockopt(zmq.HEARTBEAT_IVL, int(self.config.heartbeat * 1000))
+            ranks.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.config.dead_after * 1000))
             control = self.config.control or protocol.control_address(self.config.feed)
             for name, address in (("feed", self.config.feed), ("ranks", self.config.ranks),
                                   ("control", control)):
@@ -83,7 +99,7 @@ class Broker:
                     raise OSError(f"cannot bind the {name} socket to {address}: {exc}") from None
                 self.endpoints[name] = socks[name].getsockopt_string(zmq.LAST_ENDPOINT)
             self._announce()
-            self._loop(socks["feed"], socks["control"], socks["ranks"])
+            self._loop(socks["feed"], socks["control"], ranks)
         except zmq.ContextTerminated:
             pass
         finally:
@@ -91,16 +107,18 @@ class Broker:
                 sock.close(linger=0)
             if self._context is None:
                 ctx.term()
+            if self.ledger.journal:
+                self.ledger.journal.close()
             log.info("broker stopped")
 
     def _announce(self) -> None:
-        log.info("broker listening: feed %s, ranks %s, control %s, max buffer %d bytes",
+        log.info("broker listening: feed %s, ranks %s, control %s, max buffer %d bytes%s",
                  self.endpoints["feed"], self.endpoints["ranks"], self.endpoints["control"],
-                 self.config.max_buffer)
+                 self.config.max_buffer, f", journal {self.config.journal}" if self.config.journal else "")
         if self.config.ready_file:
             tmp = f"{self.config.ready_file}.tmp"
             with open(tmp, "w") as out:
-                json.dump({**self.endpoints, "pid": os.getpid()}, out)
+                json.dump({**self.endpoints, "pid": os.getpid(), "incarnation": self.incarnation}, out)
             os.replace(tmp, self.config.ready_file)
 
     def _loop(self, feed: zmq.Socket, control: zmq.Socket, ranks: zmq.Socket) -> None:
@@ -110,11 +128,11 @@ class Broker:
             poller.register(sock, zmq.POLLIN)
         next_heartbeat = time.monotonic() + self.config.heartbeat
         while not self._stop.is_set():
-            paused = self.buffered >= self.config.max_buffer
+            paused = self.ledger.buffered >= self.config.max_buffer
             if paused != self._feed_paused:
                 poller.modify(feed, 0 if paused else zmq.POLLIN)
                 self._feed_paused = paused
-                log.debug("feed %s at %d buffered bytes", "paused" if paused else "resumed", self.buffered)
+                log.debug("feed %s at %d buffered bytes", "paused" if paused else "resumed", self.ledger.buffered)
             ready = dict(poller.poll(POLL_MS))
             if control in ready:
                 self._drain(control, lambda frames: self._on_request(control, frames, "control"))
@@ -126,12 +144,15 @@ class Broker:
                 self._dispatch(stream)
             now = time.monotonic()
             if now >= next_heartbeat:
-                self._heartbeat(now)
+                self._heartbeat()
+                self._warn_if_atomic_stall(now)
+                if self.ledger.journal:
+                    self.ledger.journal.sync_if_due()
                 next_heartbeat = now + self.config.heartbeat
 
     def _drain(self, sock: zmq.Socket, handle: Callable[[list[zmq.Frame]], None], until_full: bool = False) -> None:
         for _ in range(BURST):
-            if until_full and self.buffered >= self.config.max_buffer:
+            if until_full and self.ledger.buffered >= self.config.max_buffer:
                 return
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -143,43 +164,35 @@ class Broker:
         self.rejected[socket][reason] += 1
         log.debug("rejected on %s (%s): %s", socket, reason, detail)
 
+    def _warn_if_atomic_stall(self, now: float) -> None:
+        stuck = self._feed_paused and self.ledger.held_bytes >= self.ledger.buffered > 0
+        if stuck and now - self._stall_warned > 10:
+            self._stall_warned = now
+            log.warning("the buffer is full of partitions that are not committed yet (atomic delivery): nothing "
+                        "can be released until they are. Raise --max-buffer above (concurrent Spark tasks x "
+                        "partition size) or use smaller partitions")
+
     # ---- feed socket ------------------------------------------------------------------------------------
 
     def _on_feed(self, frames: list[zmq.Frame]) -> None:
         try:
-            header = unpack_header(frames[0].bytes)
+            header_bytes = frames[0].bytes
+            header = unpack_header(header_bytes)
             if header["kind"] != Kind.BATCH:
                 raise ProtocolError(f"{header['kind'].name} is not accepted on the feed socket")
             protocol.check_batch_frames(header, [len(f) for f in frames[1:]])
+            replies = self.ledger.accept_batch(header, frames, header_bytes if self.ledger.journal else None)
         except VersionMismatch as exc:
             return self._reject("feed", "version", exc.reason)
         except ProtocolError as exc:
             return self._reject("feed", "malformed", exc.reason)
-        stream = self.streams.get(header["stream"])
-        ep = stream.epochs.get(header["epoch"]) if stream else None
-        if ep is None:
-            if stream is not None and header["epoch"] in stream.finished:
-                return self._reject("feed", "late_duplicate", f"batch {protocol.batch_id(header)}")
-            return self._reject("feed", "unknown_epoch",
-                                f"stream {header['stream']!r} epoch {header['epoch']} is not open")
-        part, seq = header["part"], header["seq"]
-        if not 0 <= part < ep.partitions or seq < 0:
-            return self._reject("feed", "out_of_range", f"partition {part} seq {seq}")
-        seqs = ep.seqs.setdefault(part, set())
-        if seq in seqs or part in ep.committed:
-            ep.duplicates += 1      # a retried or speculative task attempt: the first copy was kept
-            return
-        seqs.add(seq)
-        nbytes = sum(len(f) for f in frames)
-        ep.queue.append(HeldBatch(protocol.batch_id(header), frames, nbytes, header["rows"]))
-        ep.batches_in += 1
-        ep.bytes_in += nbytes
-        ep.rows_in += header["rows"]
-        ep.rows_by_part[part] = ep.rows_by_part.get(part, 0) + header["rows"]
-        self.buffered += nbytes
-        pending = ep.pending.get(part)
-        if pending is not None and len(seqs) >= pending.batches:
-            self._commit(stream, ep, part)
+        except Rejected as exc:
+            return self._reject("feed", exc.reason, str(exc))
+        self._send_replies(replies)
+
+    def _send_replies(self, replies: list[Reply]) -> None:
+        for reply in replies:
+            self._send(self._control, reply.identity, reply.kind, **reply.fields)
 
     # ---- requests on the control and ranks sockets --------------------------------------------------------
 
@@ -226,13 +239,14 @@ class Broker:
             raise ProtocolError(f"unknown role {h['role']!r}; expected one of {', '.join(protocol.ROLES)}")
         if sock is self._ranks and h["role"] == "rank":
             self._join_rank(identity, h)
-        self._send(sock, identity, Kind.WELCOME, req=h["req"], broker=f"sparkbus/{protocol.VERSION}")
+        self._send(sock, identity, Kind.WELCOME, req=h["req"], broker=f"sparkbus/{protocol.VERSION}",
+                   incarnation=self.incarnation, journal=self.ledger.journal is not None)
 
     def _join_rank(self, identity: bytes, h: dict) -> None:
         size, rank, name = h["size"], h["rank"], h["stream"]
         if not 0 <= rank < size:
             raise ProtocolError(f"rank {rank} is outside a communicator of size {size}")
-        stream = self.streams.setdefault(name, StreamState(name))
+        stream = self.ledger.stream(name)
         if identity in stream.ranks:
             self._rank_gone(identity, "said hello again")
         if stream.ranks and size != stream.expected_ranks:
@@ -241,7 +255,7 @@ class Broker:
         if any(r.rank == rank for r in stream.ranks.values()):
             raise ProtocolError(f"rank {rank} of stream {name!r} is already connected")
         stream.expected_ranks = size
-        stream.ranks[identity] = RankState(identity, name, rank, size)
+        stream.ranks[identity] = RankState(identity, name, rank, size, even=h["even"])
         self._rank_streams[identity] = stream
         log.info("rank %d/%d joined stream %r", rank, size, name)
 
@@ -259,19 +273,10 @@ class Broker:
 
     def _ack(self, sock: zmq.Socket, identity: bytes, h: dict) -> None:
         rank = self._rank(identity)
-        stream = self._rank_streams[identity]
-        for raw_id in h["ids"]:
-            batch = rank.inflight.pop(tuple(raw_id), None) if isinstance(raw_id, list) else None
-            if batch is None:
-                self._reject("ranks", "unknown_ack", repr(raw_id)[:80])
-                continue
-            self.buffered -= batch.nbytes
-            rank.acked += 1
-            ep = stream.epochs.get(batch.id[0])
-            if ep is not None:
-                ep.acked += 1
+        unknown = self.ledger.acknowledge(self._rank_streams[identity], rank, h["ids"])
+        if unknown:
+            self._reject("ranks", "unknown_ack", f"{unknown} ids not in flight to rank {rank.rank}")
         self._credit(sock, identity, h)
-        stream.retire_finished_epochs()
 
     def _heartbeat_in(self, sock: zmq.Socket, identity: bytes, h: dict) -> None:
         self._rank(identity)
@@ -284,57 +289,15 @@ class Broker:
         self._send(sock, identity, Kind.STATS_REPLY, req=h["req"], stats=self.stats())
 
     def _epoch_open(self, sock: zmq.Socket, identity: bytes, h: dict) -> None:
-        name, number, partitions = h["stream"], h["epoch"], h["partitions"]
-        if partitions < 0 or number < 0:
-            raise ProtocolError(f"epoch {number} with {partitions} partitions is out of range")
-        stream = self.streams.setdefault(name, StreamState(name))
-        if number in stream.finished or (number in stream.epochs and stream.epochs[number].end_sent):
-            raise ProtocolError(f"stream {name!r} has already delivered epoch {number}; "
-                                f"feed a new epoch number or a new stream name")
-        ep = stream.epochs.get(number)
-        if ep is None:
-            stream.epochs[number] = EpochState(number, partitions)
-            log.info("stream %r epoch %d opened with %d partitions", name, number, partitions)
-        elif ep.partitions != partitions or ep.closed:
-            raise ProtocolError(f"stream {name!r} epoch {number} is already open with {ep.partitions} partitions")
+        self.ledger.open_epoch(h["stream"], h["epoch"], h["partitions"], h["delivery"])
         self._send(sock, identity, Kind.OK, req=h["req"])
 
     def _partition_end(self, sock: zmq.Socket, identity: bytes, h: dict) -> None:
-        stream, ep = self._open_epoch(h)
-        part = h["part"]
-        if not 0 <= part < ep.partitions:
-            raise ProtocolError(f"partition {part} is outside epoch {ep.epoch}'s {ep.partitions} partitions")
-        ep.pending[part] = PendingCommit(identity, h["req"], h["batches"], h["rows"])
-        if part in ep.committed or len(ep.seqs.get(part, ())) >= h["batches"]:
-            self._commit(stream, ep, part)
-
-    def _commit(self, stream: StreamState, ep: EpochState, part: int) -> None:
-        pending = ep.pending.pop(part)
-        got = len(ep.seqs.get(part, ()))
-        if got != pending.batches:
-            return self._send(self._control, pending.identity, Kind.ERROR, req=pending.req,
-                              reason=f"partition {part} of epoch {ep.epoch}: the broker holds {got} batches, "
-                                     f"the task says it sent {pending.batches}")
-        ep.committed.add(part)
-        self._send(self._control, pending.identity, Kind.PARTITION_COMMITTED, req=pending.req,
-                   stream=stream.name, epoch=ep.epoch, part=part)
+        self._send_replies(self.ledger.end_partition(identity, h))
 
     def _epoch_close(self, sock: zmq.Socket, identity: bytes, h: dict) -> None:
-        stream, ep = self._open_epoch(h)
-        if h["partitions"] != ep.partitions or len(ep.committed) != ep.partitions:
-            missing = sorted(set(range(ep.partitions)) - ep.committed)
-            raise ProtocolError(f"stream {stream.name!r} epoch {ep.epoch}: {len(ep.committed)} of "
-                                f"{ep.partitions} partitions committed (missing {missing[:10]})")
-        ep.closed = True
-        log.info("stream %r epoch %d closed: %d batches, %d rows", stream.name, ep.epoch, ep.batches_in, ep.rows_in)
-        self._send(sock, identity, Kind.OK, req=h["req"])
-
-    def _open_epoch(self, h: dict) -> tuple[StreamState, EpochState]:
-        stream = self.streams.get(h["stream"])
-        ep = stream.epochs.get(h["epoch"]) if stream else None
-        if ep is None or ep.closed:
-            raise ProtocolError(f"stream {h['stream']!r} epoch {h['epoch']} is not open")
-        return stream, ep
+        diverged = self.ledger.close_epoch(h["stream"], h["epoch"], h["partitions"])
+        self._send(sock, identity, Kind.OK, req=h["req"], diverged=diverged)
 
     _control_handlers: dict[Kind, Callable] = {
         Kind.HELLO: _hello, Kind.EPOCH_OPEN: _epoch_open, Kind.PARTITION_END: _partition_end,
@@ -346,8 +309,13 @@ class Broker:
     # ---- to the ranks -----------------------------------------------------------------------------------
 
     def _dispatch(self, stream: StreamState) -> None:
-        """Send queued batches of the delivering epoch against credits; end the epoch once it is drained."""
-        while stream.all_ranks_joined():
+        """Send queued batches of the delivering epoch against credits; end the epoch once it is delivered.
+
+        With even ranks, an epoch ends once every batch was sent (a rank waiting for its peers holds its last
+        batch unacknowledged); otherwise once every batch was also acknowledged, so that batches of a rank that
+        dies can still go to the others within the epoch.
+        """
+        while stream.ready():
             ep = stream.delivering()
             if ep is None:
                 return
@@ -357,17 +325,16 @@ class Broker:
                 for rank in stream.ranks_with_credit():
                     if not ep.queue:
                         break
-                    if rank.identity not in stream.ranks:    # went away during this pass
-                        continue
-                    progress |= self._send_batch(rank, ep, ep.queue.popleft())
-            if not ep.drained:
+                    if rank.identity in stream.ranks:          # it may have gone during this pass
+                        progress |= self._send_batch(rank, ep, ep.queue.popleft())
+            if not (ep.closed and not ep.queue and (stream.even() or not stream.unacked(ep.epoch))):
                 return
             for rank in list(stream.ranks.values()):
                 self._send(self._ranks, rank.identity, Kind.EPOCH_END, stream=stream.name, epoch=ep.epoch,
                            batches=ep.batches_out)
             ep.end_sent = True
-            log.info("stream %r epoch %d drained to %d ranks", stream.name, ep.epoch, len(stream.ranks))
-            stream.retire_finished_epochs()
+            log.info("stream %r epoch %d delivered to %d ranks", stream.name, ep.epoch, len(stream.ranks))
+            self.ledger.retire(stream)
 
     def _send_batch(self, rank: RankState, ep: EpochState, batch: HeldBatch) -> bool:
         try:
@@ -383,7 +350,6 @@ class Broker:
         rank.inflight[batch.id] = batch
         rank.batches += 1
         rank.bytes += batch.nbytes
-        rank.last_sent = time.monotonic()
         ep.batches_out += 1
         ep.bytes_out += batch.nbytes
         return True
@@ -394,35 +360,28 @@ class Broker:
         if stream is None:
             return
         rank = stream.ranks.pop(identity)
-        for batch in sorted(rank.inflight.values(), key=lambda b: b.id, reverse=True):
-            ep = stream.epochs.get(batch.id[0])
-            if ep is None or ep.end_sent:
-                log.warning("rank %d of stream %r left holding batch %s of an ended epoch",
-                            rank.rank, stream.name, batch.id)
-                self.buffered -= batch.nbytes
-                continue
-            ep.queue.appendleft(batch)
-            ep.batches_out -= 1
-            ep.bytes_out -= batch.nbytes
-        log.info("rank %d of stream %r %s (%d unacknowledged batches requeued)",
-                 rank.rank, stream.name, why, len(rank.inflight))
+        requeued = self.ledger.requeue(stream, rank)
+        if not stream.ranks:
+            stream.expected_ranks = 0            # the next job may have another size
+        log.info("rank %d of stream %r %s (%d unacknowledged batches requeued)", rank.rank, stream.name, why,
+                 requeued)
 
-    def _heartbeat(self, now: float) -> None:
-        for stream in self.streams.values():
+    def _heartbeat(self) -> None:
+        """Heartbeat every rank; sending to one whose connection has closed is how its death is noticed."""
+        for stream in list(self.streams.values()):
             for rank in list(stream.ranks.values()):
-                if now - rank.last_sent >= self.config.heartbeat:
-                    if self._send(self._ranks, rank.identity, Kind.HEARTBEAT):
-                        rank.last_sent = now
+                self._send(self._ranks, rank.identity, Kind.HEARTBEAT)
 
     # ---- figures ----------------------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
         """Live figures: what ``sparkbus status`` prints (documented in docs/PROTOCOL.md)."""
         return {
-            "broker": {"version": protocol.VERSION, "pid": os.getpid(),
+            "broker": {"version": protocol.VERSION, "pid": os.getpid(), "incarnation": self.incarnation,
                        "uptime_s": round(time.monotonic() - self._started, 3),
-                       "buffered_bytes": self.buffered, "max_buffer": self.config.max_buffer,
+                       "buffered_bytes": self.ledger.buffered, "max_buffer": self.config.max_buffer,
                        "feed_paused": self._feed_paused, "endpoints": self.endpoints,
+                       "journal": self.config.journal,
                        "rejected": {s: dict(r) for s, r in self.rejected.items()}},
             "streams": {name: s.stats() for name, s in self.streams.items()},
         }

@@ -47,16 +47,16 @@ class Kind(IntEnum):
 _INT = int
 _STR = str
 SCHEMAS: dict[Kind, dict[str, type | tuple[type, ...]]] = {
-    Kind.BATCH: {"stream": _STR, "epoch": _INT, "part": _INT, "seq": _INT, "rows": _INT,
+    Kind.BATCH: {"stream": _STR, "epoch": _INT, "part": _INT, "seq": _INT, "attempt": _INT, "rows": _INT,
                  "cols": list, "crc": _INT},
     Kind.PARTITION_END: {"req": _INT, "stream": _STR, "epoch": _INT, "part": _INT, "attempt": _INT,
                          "batches": _INT, "rows": _INT},
     Kind.PARTITION_COMMITTED: {"req": _INT, "stream": _STR, "epoch": _INT, "part": _INT},
-    Kind.EPOCH_OPEN: {"req": _INT, "stream": _STR, "epoch": _INT, "partitions": _INT},
+    Kind.EPOCH_OPEN: {"req": _INT, "stream": _STR, "epoch": _INT, "partitions": _INT, "delivery": _STR},
     Kind.EPOCH_CLOSE: {"req": _INT, "stream": _STR, "epoch": _INT, "partitions": _INT},
     Kind.OK: {"req": _INT},
-    Kind.HELLO: {"req": _INT, "role": _STR, "stream": _STR, "rank": _INT, "size": _INT},
-    Kind.WELCOME: {"req": _INT, "broker": _STR},
+    Kind.HELLO: {"req": _INT, "role": _STR, "stream": _STR, "rank": _INT, "size": _INT, "even": bool},
+    Kind.WELCOME: {"req": _INT, "broker": _STR, "incarnation": _STR, "journal": bool},
     Kind.CREDIT: {"credit": _INT},
     Kind.ACK: {"ids": list, "credit": _INT},
     Kind.HEARTBEAT: {},
@@ -68,6 +68,7 @@ SCHEMAS: dict[Kind, dict[str, type | tuple[type, ...]]] = {
 }
 
 ROLES = ("feeder", "rank", "client")
+DELIVERY_MODES = ("stream", "atomic")
 
 # Column dtypes allowed on the wire: fixed-size numbers only, little-endian (or byte-sized).
 WIRE_DTYPES = frozenset(np.dtype(t).str for t in (
@@ -130,7 +131,7 @@ def unpack_header(buf: bytes | memoryview) -> dict[str, Any]:
     for name, expected in SCHEMAS[kind].items():
         value = header.get(name)
         # bool is an int subclass in Python; a flag where a count belongs is still a malformed header
-        if not isinstance(value, expected) or isinstance(value, bool):
+        if not isinstance(value, expected) or (isinstance(value, bool) and expected is not bool):
             raise ProtocolError(f"{kind.name} header field {name!r} must be {_type_name(expected)}, "
                                 f"got {type(value).__name__}")
     return header
@@ -158,11 +159,12 @@ def batch_crc(buffers: Iterable[Any]) -> int:
 
 
 def encode_batch(stream: str, epoch: int, part: int, seq: int,
-                 columns: Mapping[str, np.ndarray]) -> list[Any]:
+                 columns: Mapping[str, np.ndarray], attempt: int = 0) -> list[Any]:
     """Frames of one data batch: the header, then one C-contiguous buffer per column.
 
     Args:
         columns: equal-length numpy arrays with dtypes in :data:`WIRE_DTYPES` (converted if not).
+        attempt: the Spark task attempt that produced the batch (retries and speculative copies differ).
     Returns:
         ``[header_bytes, buffer, ...]`` ready for ``send_multipart(..., copy=False)``.
     Raises:
@@ -178,7 +180,7 @@ def encode_batch(stream: str, epoch: int, part: int, seq: int,
             raise ValueError(f"column {name!r} has {len(array)} rows, expected {rows}")
         specs.append(column_spec(name, array))
         buffers.append(array.reshape(-1).view(np.uint8) if array.size else b"")
-    header = pack_header(Kind.BATCH, stream=stream, epoch=epoch, part=part, seq=seq,
+    header = pack_header(Kind.BATCH, stream=stream, epoch=epoch, part=part, seq=seq, attempt=attempt,
                          rows=rows or 0, cols=specs, crc=batch_crc(buffers))
     return [header, *buffers]
 

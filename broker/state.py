@@ -1,4 +1,4 @@
-"""The broker's bookkeeping: streams, their epochs and ranks. No sockets here; the loop in ``daemon`` owns them.
+"""The broker's bookkeeping: streams, their epochs, partitions and ranks. No sockets here; ``daemon`` owns them.
 
 A batch is held as the list of frames it arrived in and is forwarded as that same list: the broker reads
 its header, never its payload.
@@ -35,15 +35,31 @@ class PendingCommit:
 
 
 @dataclass
+class PartitionState:
+    """One partition of an epoch, across the Spark task attempts that stream it.
+
+    ``crcs`` holds, per seq, the checksum of the first copy the broker accepted: a later attempt's copy of the
+    same seq is a duplicate, and a duplicate with another checksum means Spark recomputed the partition
+    differently (``diverged``).
+    """
+
+    crcs: dict[int, int] = field(default_factory=dict)
+    attempts: dict[int, set[int]] = field(default_factory=dict)          # attempt -> seqs it sent
+    held: dict[int, list[HeldBatch]] = field(default_factory=dict)       # atomic: attempt -> batches
+    pending: dict[int, PendingCommit] = field(default_factory=dict)      # attempt -> its PARTITION_END
+    committed_attempt: int | None = None
+    diverged: bool = False
+
+
+@dataclass
 class EpochState:
     """One epoch of one stream: partitions expected and committed, the queue to the ranks, counters."""
 
     epoch: int
     partitions: int
+    delivery: str = "stream"   # "stream": forward on arrival; "atomic": forward a partition once committed
+    parts: dict[int, PartitionState] = field(default_factory=dict)
     committed: set[int] = field(default_factory=set)
-    seqs: dict[int, set[int]] = field(default_factory=dict)        # partition -> seqs received
-    rows_by_part: dict[int, int] = field(default_factory=dict)
-    pending: dict[int, PendingCommit] = field(default_factory=dict)
     queue: deque[HeldBatch] = field(default_factory=deque)
     closed: bool = False       # EPOCH_CLOSE accepted: every partition is committed
     end_sent: bool = False     # EPOCH_END went to the ranks
@@ -56,16 +72,21 @@ class EpochState:
     duplicates: int = 0
 
     @property
-    def drained(self) -> bool:
-        """Closed and nothing left to send: the ranks can be told the epoch is over."""
-        return self.closed and not self.queue
+    def diverged(self) -> list[int]:
+        return sorted(n for n, p in self.parts.items() if p.diverged)
+
+    def part(self, number: int) -> PartitionState:
+        state = self.parts.get(number)
+        if state is None:
+            state = self.parts[number] = PartitionState()
+        return state
 
     def stats(self) -> dict[str, Any]:
-        return {"partitions": self.partitions, "committed": len(self.committed), "closed": self.closed,
-                "ended": self.end_sent, "queued": len(self.queue),
+        return {"partitions": self.partitions, "delivery": self.delivery, "committed": len(self.committed),
+                "closed": self.closed, "ended": self.end_sent, "queued": len(self.queue),
                 "batches_in": self.batches_in, "bytes_in": self.bytes_in, "rows_in": self.rows_in,
                 "batches_out": self.batches_out, "bytes_out": self.bytes_out, "acked": self.acked,
-                "duplicates": self.duplicates}
+                "duplicates": self.duplicates, "diverged": self.diverged}
 
 
 @dataclass
@@ -76,18 +97,18 @@ class RankState:
     stream: str
     rank: int
     size: int
+    even: bool = False
     credit: int = 0
     inflight: dict[BatchId, HeldBatch] = field(default_factory=dict)
     batches: int = 0
     bytes: int = 0
     acked: int = 0
     last_seen: float = field(default_factory=time.monotonic)
-    last_sent: float = field(default_factory=time.monotonic)
 
     def stats(self) -> dict[str, Any]:
-        return {"rank": self.rank, "size": self.size, "credit": self.credit, "inflight": len(self.inflight),
-                "batches": self.batches, "bytes": self.bytes, "acked": self.acked,
-                "idle_s": round(time.monotonic() - self.last_seen, 3)}
+        return {"rank": self.rank, "size": self.size, "even": self.even, "credit": self.credit,
+                "inflight": len(self.inflight), "batches": self.batches, "bytes": self.bytes,
+                "acked": self.acked, "idle_s": round(time.monotonic() - self.last_seen, 3)}
 
 
 @dataclass
@@ -98,6 +119,7 @@ class StreamState:
     epochs: dict[int, EpochState] = field(default_factory=dict)
     ranks: dict[bytes, RankState] = field(default_factory=dict)
     expected_ranks: int = 0    # the communicator size the first rank announced
+    complete: bool = False     # all expected ranks have joined since the stream last had none
     finished: dict[int, dict[str, Any]] = field(default_factory=dict)   # stats of epochs done and acked
     _turn: int = 0
 
@@ -106,8 +128,17 @@ class StreamState:
         live = [e for e in self.epochs.values() if not e.end_sent]
         return min(live, key=lambda e: e.epoch) if live else None
 
-    def all_ranks_joined(self) -> bool:
-        return bool(self.ranks) and len(self.ranks) >= self.expected_ranks
+    def ready(self) -> bool:
+        """Deliver once every rank of the group has joined; a rank leaving later does not stop the others."""
+        if not self.ranks:
+            self.complete = False
+        elif len(self.ranks) >= self.expected_ranks:
+            self.complete = True
+        return self.complete
+
+    def even(self) -> bool:
+        """Whether the ranks keep equal steps (then an epoch ends once sent, not once acknowledged)."""
+        return any(r.even for r in self.ranks.values())
 
     def ranks_with_credit(self) -> Iterator[RankState]:
         """Ranks that may take a batch, in rotating order so that equal credit means equal shares."""
@@ -119,12 +150,8 @@ class StreamState:
             if rank.credit > 0:
                 yield rank
 
-    def retire_finished_epochs(self) -> None:
-        """Drop the state of epochs that ended and were fully acknowledged, keeping their counters."""
-        for number, ep in list(self.epochs.items()):
-            if ep.end_sent and ep.acked >= ep.batches_out:
-                self.finished[number] = ep.stats()
-                del self.epochs[number]
+    def unacked(self, epoch: int) -> int:
+        return sum(1 for r in self.ranks.values() for bid in r.inflight if bid[0] == epoch)
 
     def stats(self) -> dict[str, Any]:
         epochs = {str(n): s for n, s in self.finished.items()}

@@ -5,8 +5,8 @@ Importing this package starts nothing; it imports pyspark only when ``feed`` is 
 
 from broker.protocol import BrokerError
 
-from .driver import FeedError, FeedReport, feed, prepare_dataframe
+from .driver import DivergedPartitionsWarning, FeedError, FeedReport, feed, prepare_dataframe
 from .task import FeedTimeout, PartitionReport, stream_partition
 
-__all__ = ["feed", "FeedReport", "FeedError", "FeedTimeout", "BrokerError", "PartitionReport",
+__all__ = ["feed", "FeedReport", "FeedError", "DivergedPartitionsWarning", "FeedTimeout", "BrokerError", "PartitionReport",
            "prepare_dataframe", "stream_partition"]

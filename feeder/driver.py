@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import time
+import warnings
 from typing import Any, Iterator, NamedTuple, Sequence
 
 from broker.client import ControlClient
@@ -11,6 +13,7 @@ from broker.protocol import BrokerError, Kind, control_address
 from .columns import arrow_columns, chunk_rows, rebatch
 from .task import PartitionReport, stream_partition
 
+log = logging.getLogger("sparkbus.feeder")
 DEFAULT_MAX_BATCH_BYTES = 16 << 20
 REPORT_SCHEMA = "partition long, batches long, rows long, bytes long, seconds double"
 
@@ -19,19 +22,25 @@ class FeedError(RuntimeError):
     """The Spark job that streams an epoch failed; the message says why and what to check."""
 
 
+class DivergedPartitionsWarning(UserWarning):
+    """Spark recomputed partitions differently across task attempts; in stream delivery rows may be off."""
+
+
 class FeedReport(NamedTuple):
-    """What :func:`feed` sent: partitions, batches, rows, payload bytes and wall-clock seconds."""
+    """What :func:`feed` sent: partitions, batches, rows, payload bytes, wall-clock seconds, and the partitions
+    whose task attempts produced different batches (see :class:`DivergedPartitionsWarning`)."""
 
     partitions: int
     batches: int
     rows: int
     bytes: int
     seconds: float
+    diverged: tuple[int, ...] = ()
 
 
 def feed(data: Any, address: str, stream: str = "train", epoch: int = 0, batch_size: int = 1024,
-         columns: Sequence[str] | None = None, timeout: float = 60.0, *, control: str | None = None,
-         max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES) -> FeedReport:
+         columns: Sequence[str] | None = None, timeout: float = 60.0, *, delivery: str = "stream",
+         control: str | None = None, max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES) -> FeedReport:
     """Stream every row of a DataFrame or RDD to the broker as one epoch of ``stream``.
 
     Opens the epoch with the partition count, runs one Spark job whose tasks push their partitions in batches
@@ -47,12 +56,16 @@ def feed(data: Any, address: str, stream: str = "train", epoch: int = 0, batch_s
         batch_size: rows per batch (the last batch of a partition may be shorter).
         columns: DataFrame columns to send (default: all).
         timeout: seconds any single wait may take: the broker's replies, and a task blocked by backpressure.
+        delivery: ``"stream"`` forwards batches as they arrive; ``"atomic"`` forwards a partition's batches only
+            once its task has committed, exactly-once even if Spark recomputes a partition in another order
+            (costs a partition's worth of latency and broker memory). See docs/GUARANTEES.md.
         control: the broker's control address, if it is not the feed port + 2.
         max_batch_bytes: cap on a batch's payload; wide rows get fewer than ``batch_size`` rows per batch.
     Returns:
         A :class:`FeedReport`.
     Raises:
-        BrokerError: the broker is unreachable within ``timeout`` or refused the epoch.
+        BrokerError: the broker is unreachable within ``timeout``, refused the epoch, or restarted without a
+            journal while the epoch was being fed (its batches are lost: feed the epoch again).
         FeedError: the Spark job failed (a task could not reach the broker, a column is unsupported, ...).
         TypeError: an unsupported column type (named), found before any job runs.
     """
@@ -63,16 +76,41 @@ def feed(data: Any, address: str, stream: str = "train", epoch: int = 0, batch_s
     job = _dataframe_job(data, columns, batch_size, max_batch_bytes, settings) if _is_dataframe(data) \
         else _rdd_job(data, batch_size, max_batch_bytes, settings)
     with ControlClient(control, timeout) as client:
-        client.hello("feeder", stream)          # fail fast on an absent broker, before Spark plans anything
+        broker = client.hello("feeder", stream)          # fail fast on an absent broker, before Spark plans
         partitions = job.getNumPartitions()
-        client.request(Kind.EPOCH_OPEN, stream=stream, epoch=epoch, partitions=partitions)
+        client.request(Kind.EPOCH_OPEN, stream=stream, epoch=epoch, partitions=partitions, delivery=delivery)
         try:
             reports = [PartitionReport(*r) for r in job.collect()]
         except Exception as exc:
+            _raise_if_broker_restarted(client, broker, stream, epoch, exc)
             raise FeedError(_explain_job_failure(exc, stream, epoch)) from exc
-        client.request(Kind.EPOCH_CLOSE, stream=stream, epoch=epoch, partitions=partitions)
+        try:
+            closed = client.request(Kind.EPOCH_CLOSE, stream=stream, epoch=epoch, partitions=partitions)
+        except BrokerError as exc:
+            _raise_if_broker_restarted(client, broker, stream, epoch, exc)
+            raise
+    diverged = tuple(closed.get("diverged", ()))
+    if diverged:
+        message = (f"stream {stream!r} epoch {epoch}: Spark task attempts of partitions {list(diverged)} produced "
+                   f"different batches (recomputed in another order?)")
+        if delivery == "stream":
+            message += "; rows of these partitions may be missing or repeated. Use delivery='atomic'."
+        log.warning(message)
+        warnings.warn(message, DivergedPartitionsWarning, stacklevel=2)
     return FeedReport(partitions, sum(r.batches for r in reports), sum(r.rows for r in reports),
-                      sum(r.bytes for r in reports), time.monotonic() - started)
+                      sum(r.bytes for r in reports), time.monotonic() - started, diverged)
+
+
+def _raise_if_broker_restarted(client: ControlClient, before: dict, stream: str, epoch: int,
+                               cause: Exception) -> None:
+    try:
+        now = client.hello("feeder", stream)
+    except BrokerError:
+        return
+    if now.get("incarnation") != before.get("incarnation") and not now.get("journal"):
+        raise BrokerError(f"the broker restarted while stream {stream!r} epoch {epoch} was being fed, and it runs "
+                          f"without --journal: the batches it held are lost. Feed the epoch again (a new epoch "
+                          f"number or stream), or run the broker with --journal to survive restarts") from cause
 
 
 def _is_dataframe(data: Any) -> bool:

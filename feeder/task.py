@@ -53,7 +53,7 @@ def stream_partition(batches: Iterable[dict], feed_address: str, control_address
         count = rows = nbytes = 0
         try:
             for seq, columns in enumerate(batches):
-                frames = encode_batch(stream, epoch, partition, seq, columns)
+                frames = encode_batch(stream, epoch, partition, seq, columns, attempt=attempt)
                 try:
                     push.send_multipart(frames, copy=False)
                 except zmq.Again:

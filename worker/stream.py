@@ -66,6 +66,8 @@ class BatchStream:
         verify: check each batch's CRC-32.
         heartbeat: seconds between this rank's heartbeats while it waits.
         on_drop: called with each batch dropped to keep the ranks even.
+        abort_on_error: when an exception leaves the ``with`` block on one rank of a communicator of size > 1,
+            call ``comm.Abort(1)`` so that the other ranks are not left waiting in a collective forever.
     Raises:
         BrokerError: the broker does not answer within ``timeout``, refuses this rank, or goes silent.
 
@@ -74,7 +76,7 @@ class BatchStream:
 
     def __init__(self, address: str, comm: Any = None, stream: str = "train", prefetch: int = 4,
                  even: bool | None = None, timeout: float = 60.0, verify: bool = True, heartbeat: float = 1.0,
-                 on_drop: Callable[[Batch], None] | None = None):
+                 on_drop: Callable[[Batch], None] | None = None, abort_on_error: bool = True):
         if prefetch < 1:
             raise ValueError("prefetch must be at least 1")
         self.address, self.comm, self.stream = address, comm, stream
@@ -84,15 +86,19 @@ class BatchStream:
         if self.even and comm is None:
             self.even = False
         self.timeout, self.verify, self.heartbeat, self.on_drop = timeout, verify, heartbeat, on_drop
+        self.prefetch, self.abort_on_error = prefetch, abort_on_error
         self.stats = StreamStats()
+        self._received: set[tuple[int, int, int]] = set()    # batch ids of the current epoch, to drop redeliveries
+        self._rejoining = False
         self._context = zmq.Context()
         self._sock = self._context.socket(zmq.DEALER)
         self._sock.linger = 0
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat * 1000))    # transport-level, answered by libzmq
         self._sock.connect(address)
         self._last_heard = time.monotonic()
         self._last_said = time.monotonic()
         try:
-            self._handshake(prefetch)
+            self._handshake()
         except BaseException:
             self._close_socket()
             raise
@@ -103,8 +109,12 @@ class BatchStream:
         self._sock.send(pack_header(kind, **fields))
         self._last_said = time.monotonic()
 
-    def _handshake(self, prefetch: int) -> None:
-        self._say(Kind.HELLO, req=1, role="rank", stream=self.stream, rank=self.rank, size=self.size)
+    def _hello(self) -> None:
+        self._say(Kind.HELLO, req=1, role="rank", stream=self.stream, rank=self.rank, size=self.size,
+                  even=self.even)
+
+    def _handshake(self) -> None:
+        self._hello()
         if not self._sock.poll(self.timeout * 1000):
             raise BrokerError(f"no answer from a sparkbus broker at {self.address} within {self.timeout:g} s: "
                               f"is it running, and is this its ranks address?")
@@ -114,7 +124,7 @@ class BatchStream:
         if header["kind"] != Kind.WELCOME:
             raise BrokerError(f"the broker at {self.address} answered HELLO with {header['kind'].name}")
         self._last_heard = time.monotonic()
-        self._say(Kind.CREDIT, credit=prefetch)
+        self._say(Kind.CREDIT, credit=self.prefetch)
 
     def _receive(self) -> tuple[dict, list[zmq.Frame]]:
         """The next batch or epoch end from the broker; heartbeats both ways while waiting, never spinning."""
@@ -135,18 +145,34 @@ class BatchStream:
             kind = header["kind"]
             if kind in (Kind.BATCH, Kind.EPOCH_END):
                 return header, frames[1:]
-            if kind == Kind.ERROR:
+            if kind == Kind.ERROR and header["reason"].startswith("unknown rank") and not self._rejoining:
+                # The broker restarted (or lost us): join again; what we held unacknowledged comes again.
+                log.warning("the broker at %s no longer knows this rank; joining again", self.address)
+                self._rejoining = True
+                self._hello()
+            elif kind == Kind.WELCOME and self._rejoining:
+                self._rejoining = False
+                self._say(Kind.CREDIT, credit=self.prefetch)
+            elif kind == Kind.ERROR and not self._rejoining:
                 raise BrokerError(f"the broker at {self.address} reported: {header['reason']}")
-            if kind != Kind.HEARTBEAT:
+            elif kind not in (Kind.HEARTBEAT, Kind.ERROR):
                 log.warning("ignoring unexpected %s from the broker", kind.name)
 
     def _next_batch(self, ep: EpochStats) -> tuple[dict, Batch] | None:
         """This rank's next batch of the epoch, or None at its end; the time waited is data-wait."""
         started = time.monotonic()
-        header, frames = self._receive()
+        while True:
+            header, frames = self._receive()
+            if header["kind"] == Kind.EPOCH_END:
+                ep.wait_seconds += time.monotonic() - started
+                self._received.clear()
+                return None
+            batch_id = protocol.batch_id(header)
+            if batch_id not in self._received:
+                break
+            self._ack(header)       # a redelivery after a broker restart: we have it already
+        self._received.add(batch_id)
         ep.wait_seconds += time.monotonic() - started
-        if header["kind"] == Kind.EPOCH_END:
-            return None
         if ep.epoch < 0:
             ep.epoch = header["epoch"]
         return header, protocol.decode_batch(header, frames, verify=self.verify)
@@ -239,4 +265,8 @@ class BatchStream:
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None and self.abort_on_error and self.comm is not None and self.size > 1:
+            log.critical("rank %d failed: %r; aborting the MPI job so the other ranks do not wait forever",
+                         self.rank, exc, exc_info=(exc_type, exc, tb))
+            self.comm.Abort(1)
         self.close()

@@ -2,13 +2,14 @@
 
 import itertools
 import threading
+import time
 
 import pytest
 import zmq
 
 from broker.config import BrokerConfig
 from broker.daemon import Broker
-from broker.protocol import pack_header, unpack_header
+from broker.protocol import Kind, pack_header, unpack_header
 
 _names = itertools.count()
 
@@ -43,6 +44,8 @@ def start_broker(context):
     running = []
 
     def start(**settings):
+        settings.setdefault("heartbeat", 30.0)     # quiet: tests that check "nothing arrives" see no heartbeats
+        settings.setdefault("dead_after", 60.0)
         n = next(_names)
         config = BrokerConfig(feed=f"inproc://feed-{n}", ranks=f"inproc://ranks-{n}",
                               control=f"inproc://control-{n}", **settings)
@@ -59,11 +62,15 @@ def start_broker(context):
         assert not thread.is_alive(), "broker thread did not stop"
 
 
-def recv_header(sock, timeout=2.0):
-    """The next header on ``sock`` (and the frames after it); fails instead of hanging."""
-    assert sock.poll(timeout * 1000), "no message within the timeout"
-    frames = sock.recv_multipart()
-    return unpack_header(frames[0]), frames[1:]
+def recv_header(sock, timeout=2.0, heartbeats=False):
+    """The next header on ``sock`` (and the frames after it), heartbeats skipped; fails instead of hanging."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert sock.poll(max(deadline - time.monotonic(), 0) * 1000), "no message within the timeout"
+        frames = sock.recv_multipart()
+        header = unpack_header(frames[0])
+        if heartbeats or header["kind"] != Kind.HEARTBEAT:
+            return header, frames[1:]
 
 
 def send(sock, kind, **fields):

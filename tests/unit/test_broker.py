@@ -25,16 +25,19 @@ def bus(start_broker, sockets):
     bus.sockets = sockets
 
     def request(kind, **fields):
+        if kind == Kind.EPOCH_OPEN:
+            fields.setdefault("delivery", "stream")
         send(bus.control, kind, req=7, **fields)
         return recv_header(bus.control)[0]
 
-    def push(epoch, part, seq, rows=4, stream="s"):
+    def push(epoch, part, seq, rows=4, stream="s", attempt=0, first_id=None):
+        first = 1000 * part + 100 * seq if first_id is None else first_id
         bus.push.send_multipart(protocol.encode_batch(stream, epoch, part, seq, {
-            "id": np.arange(rows) + 1000 * part + 100 * seq}))
+            "id": np.arange(rows) + first}, attempt=attempt))
 
-    def rank(rank=0, size=1, credit=0, stream="s"):
+    def rank(rank=0, size=1, credit=0, stream="s", even=False):
         sock = sockets(zmq.DEALER, broker.config.ranks)
-        send(sock, Kind.HELLO, req=1, role="rank", stream=stream, rank=rank, size=size)
+        send(sock, Kind.HELLO, req=1, role="rank", stream=stream, rank=rank, size=size, even=even)
         assert recv_header(sock)[0]["kind"] == Kind.WELCOME
         if credit:
             send(sock, Kind.CREDIT, credit=credit)
@@ -76,9 +79,9 @@ def test_partition_commit_waits_for_its_batches(bus):
     assert reply["kind"] == Kind.PARTITION_COMMITTED and reply["req"] == 8
 
 
-def test_epoch_ends_after_close_and_drain_with_counts(bus):
+def test_even_ranks_hear_the_epoch_end_once_all_is_sent(bus):
     bus.request(Kind.EPOCH_OPEN, stream="s", epoch=0, partitions=2)
-    r0, r1 = bus.rank(0, 2, credit=10), bus.rank(1, 2, credit=10)
+    r0, r1 = bus.rank(0, 2, credit=10, even=True), bus.rank(1, 2, credit=10, even=True)
     for part in range(2):
         for seq in range(3):
             bus.push_batch(0, part, seq)
@@ -96,16 +99,90 @@ def test_epoch_ends_after_close_and_drain_with_counts(bus):
     assert sorted(ids) == [(0, p, s) for p in range(2) for s in range(3)]
 
 
+def test_independent_ranks_hear_the_epoch_end_once_all_is_acknowledged(bus):
+    bus.request(Kind.EPOCH_OPEN, stream="s", epoch=0, partitions=1)
+    r = bus.rank(credit=10)
+    bus.push_batch(0, 0, 0)
+    bus.request(Kind.PARTITION_END, stream="s", epoch=0, part=0, attempt=0, batches=1, rows=4)
+    bus.request(Kind.EPOCH_CLOSE, stream="s", epoch=0, partitions=1)
+    assert recv_header(r)[0]["kind"] == Kind.BATCH
+    assert not r.poll(300), "the epoch ended while a batch was unacknowledged"
+    send(r, Kind.ACK, ids=[[0, 0, 0]], credit=1)
+    end = recv_header(r)[0]
+    assert end["kind"] == Kind.EPOCH_END and end["batches"] == 1
+
+
+def epoch_stats(bus, epoch="0"):
+    return bus.request(Kind.STATS_REQUEST)["stats"]["streams"]["s"]["epochs"][epoch]
+
+
 def test_duplicates_from_a_retried_attempt_are_dropped_and_counted(bus):
     bus.request(Kind.EPOCH_OPEN, stream="s", epoch=0, partitions=1)
     r = bus.rank(credit=10)
-    for seq in (0, 1, 0, 1):
-        bus.push_batch(0, 0, seq)
-    assert [recv_header(r)[0]["seq"] for _ in range(2)] == [0, 1]
+    for seq, attempt in ((0, 0), (1, 0), (0, 1), (1, 1), (2, 1)):
+        bus.push_batch(0, 0, seq, attempt=attempt)
+    assert [recv_header(r)[0]["seq"] for _ in range(3)] == [0, 1, 2]
     assert not r.poll(200)
-    stats = wait_for(lambda: bus.request(Kind.STATS_REQUEST)["stats"]["streams"]["s"]["epochs"]["0"], 2,
-                     "stats")
-    assert stats["duplicates"] == 2 and stats["batches_in"] == 2
+    reply = bus.request(Kind.PARTITION_END, stream="s", epoch=0, part=0, attempt=1, batches=3, rows=12)
+    assert reply["kind"] == Kind.PARTITION_COMMITTED
+    stats = epoch_stats(bus)
+    assert stats["duplicates"] == 2 and stats["batches_in"] == 3 and stats["diverged"] == []
+
+
+def test_the_same_attempt_sending_a_seq_twice_is_rejected(bus):
+    bus.request(Kind.EPOCH_OPEN, stream="s", epoch=0, partitions=1)
+    bus.push_batch(0, 0, 0)
+    bus.push_batch(0, 0, 0)
+    wait_for(lambda: bus.broker.stats()["broker"]["rejected"].get("feed", {}).get("replayed") == 1, 2,
+             "the replayed batch to be rejected")
+    assert bus.broker.stats()["streams"]["s"]["epochs"]["0"]["batches_in"] == 1
+
+
+def test_a_retry_that_recomputes_differently_is_flagged_in_stream_delivery(bus):
+    bus.request(Kind.EPOCH_OPEN, stream="s", epoch=0, partitions=1)
+    bus.push_batch(0, 0, 0, attempt=0, first_id=0)
+    bus.push_batch(0, 0, 0, attempt=1, first_id=50)       # same seq, other rows: Spark reordered them
+    bus.push_batch(0, 0, 1, attempt=1, first_id=0)
+    reply = bus.request(Kind.PARTITION_END, stream="s", epoch=0, part=0, attempt=1, batches=2, rows=8)
+    assert reply["kind"] == Kind.PARTITION_COMMITTED
+    closed = bus.request(Kind.EPOCH_CLOSE, stream="s", epoch=0, partitions=1)
+    assert closed["kind"] == Kind.OK and closed["diverged"] == [0]
+
+
+def test_atomic_delivery_forwards_only_the_committed_attempt(bus):
+    bus.request(Kind.EPOCH_OPEN, stream="s", epoch=0, partitions=1, delivery="atomic")
+    r = bus.rank(credit=10)
+    bus.push_batch(0, 0, 0, attempt=0, first_id=0)          # attempt 0 dies after one batch
+    bus.push_batch(0, 0, 0, attempt=1, first_id=50)         # attempt 1 yields its rows in another order
+    bus.push_batch(0, 0, 1, attempt=1, first_id=0)
+    assert not r.poll(300), "atomic delivery forwarded an uncommitted batch"
+    assert bus.request(Kind.PARTITION_END, stream="s", epoch=0, part=0, attempt=1, batches=2,
+                       rows=8)["kind"] == Kind.PARTITION_COMMITTED
+    got = []
+    for _ in range(2):
+        header, frames = recv_header(r)
+        assert header["attempt"] == 1
+        got.extend(protocol.decode_batch(header, frames)["id"])
+    assert sorted(got) == list(range(4)) + list(range(50, 54))
+    assert not r.poll(200)
+    stats = bus.broker.stats()
+    assert stats["streams"]["s"]["epochs"]["0"]["diverged"] == [0]
+    assert stats["broker"]["buffered_bytes"] == sum(len(f) for f in protocol.encode_batch(
+        "s", 0, 0, 0, {"id": np.arange(4)}, attempt=1)) * 2     # attempt 0's copy was released
+
+
+def test_a_rank_that_leaves_gives_back_its_unacknowledged_batches(bus):
+    bus.request(Kind.EPOCH_OPEN, stream="s", epoch=0, partitions=1)
+    r0 = bus.rank(0, 2, credit=2)
+    r1 = bus.rank(1, 2, credit=0)
+    for seq in range(2):
+        bus.push_batch(0, 0, seq)
+    assert [recv_header(r0)[0]["seq"] for _ in range(2)] == [0, 1]
+    send(r0, Kind.ACK, ids=[[0, 0, 0]], credit=0)
+    send(r0, Kind.BYE)
+    send(r1, Kind.CREDIT, credit=5)
+    assert recv_header(r1)[0]["seq"] == 1, "the unacknowledged batch went to the other rank"
+    assert not r1.poll(200)
 
 
 def test_close_with_missing_partitions_is_refused(bus):
@@ -136,7 +213,7 @@ def test_a_delivered_epoch_cannot_be_reopened(bus):
 def test_ranks_of_another_communicator_size_are_refused(bus):
     bus.rank(0, 2)
     other = bus.sockets(zmq.DEALER, bus.broker.config.ranks)
-    send(other, Kind.HELLO, req=1, role="rank", stream="s", rank=0, size=3)
+    send(other, Kind.HELLO, req=1, role="rank", stream="s", rank=0, size=3, even=False)
     reply = recv_header(other)[0]
     assert reply["kind"] == Kind.ERROR and "consumed by 2 ranks" in reply["reason"]
 

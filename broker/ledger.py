@@ -1,0 +1,291 @@
+"""The broker's rules for batches, partitions and epochs, without sockets: what to keep, forward, commit.
+
+The daemon calls these with validated headers and sends whatever replies they return. The journal records
+the same transitions, and :meth:`Ledger.replay` runs them again after a restart.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Any, NamedTuple
+
+from . import protocol
+from .journal import Journal
+from .protocol import Kind, ProtocolError
+from .state import EpochState, HeldBatch, PendingCommit, RankState, StreamState
+
+log = logging.getLogger("sparkbus.broker")
+
+
+class Rejected(Exception):
+    """A feed message that is dropped and counted under ``reason``."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+
+
+class Reply(NamedTuple):
+    """A control-socket answer the ledger owes someone (a deferred partition commit)."""
+
+    identity: bytes
+    kind: Kind
+    fields: dict[str, Any]
+
+
+class Ledger:
+    """Streams, epochs and partitions: every decision about a batch except which rank it goes to."""
+
+    def __init__(self, journal: Journal | None = None):
+        self.journal = journal
+        self.streams: dict[str, StreamState] = {}
+        self.buffered = 0          # bytes of batches held: queued, in flight, or awaiting an atomic commit
+        self.held_bytes = 0        # of which: batches of uncommitted partitions in atomic delivery
+
+    def stream(self, name: str) -> StreamState:
+        stream = self.streams.get(name)
+        if stream is None:
+            stream = self.streams[name] = StreamState(name)
+        return stream
+
+    def epoch(self, name: str, number: int) -> tuple[StreamState, EpochState]:
+        stream = self.streams.get(name)
+        ep = stream.epochs.get(number) if stream else None
+        if ep is None or ep.closed:
+            raise ProtocolError(f"stream {name!r} epoch {number} is not open (if the broker restarted without "
+                                f"--journal, it lost this epoch: feed it again)")
+        return stream, ep
+
+    # ---- epochs -----------------------------------------------------------------------------------------
+
+    def open_epoch(self, name: str, number: int, partitions: int, delivery: str) -> None:
+        if partitions < 0 or number < 0:
+            raise ProtocolError(f"epoch {number} with {partitions} partitions is out of range")
+        if delivery not in protocol.DELIVERY_MODES:
+            raise ProtocolError(f"delivery {delivery!r} is not one of {', '.join(protocol.DELIVERY_MODES)}")
+        stream = self.stream(name)
+        if number in stream.finished or (number in stream.epochs and stream.epochs[number].end_sent):
+            raise ProtocolError(f"stream {name!r} has already delivered epoch {number}; "
+                                f"feed a new epoch number or a new stream name")
+        ep = stream.epochs.get(number)
+        if ep is None:
+            stream.epochs[number] = EpochState(number, partitions, delivery)
+            if self.journal:
+                self.journal.record_open(name, number, partitions, delivery)
+            log.info("stream %r epoch %d opened: %d partitions, %s delivery", name, number, partitions, delivery)
+        elif ep.partitions != partitions or ep.delivery != delivery or ep.closed:
+            raise ProtocolError(f"stream {name!r} epoch {number} is already open with {ep.partitions} "
+                                f"partitions and {ep.delivery} delivery")
+
+    def close_epoch(self, name: str, number: int, partitions: int) -> list[int]:
+        """Close an epoch whose partitions are all committed. Returns the partitions that diverged."""
+        stream, ep = self.epoch(name, number)
+        if partitions != ep.partitions or len(ep.committed) != ep.partitions:
+            missing = sorted(set(range(ep.partitions)) - ep.committed)
+            raise ProtocolError(f"stream {name!r} epoch {number}: {len(ep.committed)} of {ep.partitions} "
+                                f"partitions committed (missing {missing[:10]})")
+        ep.closed = True
+        if self.journal:
+            self.journal.record_close(name, number)
+        log.info("stream %r epoch %d closed: %d batches, %d rows", name, number, ep.batches_in, ep.rows_in)
+        return ep.diverged
+
+    # ---- batches and partitions -------------------------------------------------------------------------
+
+    def accept_batch(self, header: dict, frames: list[Any], header_bytes: bytes | None = None) -> list[Reply]:
+        """Keep, forward or drop one validated BATCH. ``header_bytes`` given means: journal it (live traffic).
+
+        Raises:
+            Rejected: no such open epoch, out-of-range numbers, or the same attempt sent this seq before.
+        """
+        stream = self.streams.get(header["stream"])
+        ep = stream.epochs.get(header["epoch"]) if stream else None
+        if ep is None:
+            late = stream is not None and header["epoch"] in stream.finished
+            raise Rejected("late_duplicate" if late else "unknown_epoch",
+                           f"stream {header['stream']!r} epoch {header['epoch']} is not open")
+        number, seq, attempt, crc = header["part"], header["seq"], header["attempt"], header["crc"]
+        if not 0 <= number < ep.partitions or seq < 0 or attempt < 0:
+            raise Rejected("out_of_range", f"partition {number} seq {seq} attempt {attempt}")
+        part = ep.part(number)
+        seen = part.attempts.setdefault(attempt, set())
+        if seq in seen:
+            raise Rejected("replayed", f"attempt {attempt} sent partition {number} seq {seq} twice")
+        seen.add(seq)
+        known = part.crcs.get(seq)
+        if known is not None and known != crc and not part.diverged:
+            part.diverged = True
+            self._warn_diverged(stream.name, ep, number)
+        keep = part.committed_attempt is None and (known is None or ep.delivery == "atomic")
+        if self.journal and header_bytes is not None:
+            self.journal.record_batch(stream.name, ep.epoch, header_bytes, frames[1:] if keep else [])
+        if keep:
+            batch = HeldBatch(protocol.batch_id(header), frames, sum(len(f) for f in frames), header["rows"])
+            part.crcs.setdefault(seq, crc)
+            self.buffered += batch.nbytes
+            if ep.delivery == "atomic":
+                part.held.setdefault(attempt, []).append(batch)
+                self.held_bytes += batch.nbytes
+            else:
+                self._enqueue(ep, batch)
+        else:
+            ep.duplicates += 1          # a retried or speculative attempt: the first copy is the one kept
+            if known is None:
+                part.diverged = True    # a seq the committed attempt never sent
+        pending = part.pending.get(attempt)
+        if pending is not None and len(seen) >= pending.batches:
+            return self.commit(stream, ep, number, attempt)
+        return []
+
+    def _enqueue(self, ep: EpochState, batch: HeldBatch) -> None:
+        ep.queue.append(batch)
+        ep.batches_in += 1
+        ep.bytes_in += batch.nbytes
+        ep.rows_in += batch.rows
+
+    def end_partition(self, identity: bytes, h: dict) -> list[Reply]:
+        """A task's PARTITION_END: commit now if all its batches are here, else when the last one comes."""
+        stream, ep = self.epoch(h["stream"], h["epoch"])
+        number, attempt = h["part"], h["attempt"]
+        if not 0 <= number < ep.partitions:
+            raise ProtocolError(f"partition {number} is outside epoch {ep.epoch}'s {ep.partitions} partitions")
+        part = ep.part(number)
+        part.pending[attempt] = PendingCommit(identity, h["req"], h["batches"], h["rows"])
+        if part.committed_attempt is not None or len(part.attempts.get(attempt, ())) >= h["batches"]:
+            return self.commit(stream, ep, number, attempt)
+        return []
+
+    def commit(self, stream: StreamState, ep: EpochState, number: int, attempt: int) -> list[Reply]:
+        part = ep.parts[number]
+        pending = part.pending.pop(attempt, None)
+        if part.committed_attempt is None:
+            got = len(part.attempts.get(attempt, ()))
+            if pending is not None and got != pending.batches:
+                return [Reply(pending.identity, Kind.ERROR, {
+                    "req": pending.req, "reason": f"partition {number} of epoch {ep.epoch}: the broker holds "
+                                                  f"{got} batches of attempt {attempt}, the task says it sent "
+                                                  f"{pending.batches}"})]
+            part.committed_attempt = attempt
+            if self.journal and pending is not None:
+                self.journal.record_commit(stream.name, ep.epoch, number, attempt)
+            if ep.delivery == "atomic":
+                for batch in sorted(part.held.pop(attempt, []), key=lambda b: b.id):
+                    self.held_bytes -= batch.nbytes
+                    self._enqueue(ep, batch)
+            elif set(part.crcs) != set(range(got)):
+                part.diverged = True
+            ep.committed.add(number)
+        for loser in list(part.held):          # atomic: other attempts' copies are not needed any more
+            for batch in part.held.pop(loser):
+                self.held_bytes -= batch.nbytes
+                self.buffered -= batch.nbytes
+        if pending is None:
+            return []
+        return [Reply(pending.identity, Kind.PARTITION_COMMITTED,
+                      {"req": pending.req, "stream": stream.name, "epoch": ep.epoch, "part": number})]
+
+    def _warn_diverged(self, stream: str, ep: EpochState, number: int) -> None:
+        if ep.delivery == "atomic":
+            log.info("stream %r epoch %d partition %d: attempts produced different batches; atomic delivery "
+                     "forwards only the committed attempt's", stream, ep.epoch, number)
+        else:
+            log.warning("stream %r epoch %d partition %d: a retried or speculative task produced different "
+                        "batches than the copy already forwarded (Spark recomputed it in another order?). Rows of "
+                        "this partition may be missing or repeated; feed with delivery='atomic' for exactly-once",
+                        stream, ep.epoch, number)
+
+    # ---- ranks ------------------------------------------------------------------------------------------
+
+    def acknowledge(self, stream: StreamState, rank: RankState, ids: list[Any]) -> int:
+        """Forget acknowledged batches. Returns how many ids were not in flight to that rank."""
+        unknown = 0
+        by_epoch: dict[int, list[list[int]]] = {}
+        for raw in ids:
+            batch = rank.inflight.pop(tuple(raw), None) if isinstance(raw, list) else None
+            if batch is None:
+                unknown += 1
+                continue
+            self.buffered -= batch.nbytes
+            rank.acked += 1
+            ep = stream.epochs.get(batch.id[0])
+            if ep is not None:
+                ep.acked += 1
+            by_epoch.setdefault(batch.id[0], []).append(list(batch.id))
+        if self.journal:
+            for number, acked in by_epoch.items():
+                self.journal.record_acks(stream.name, number, acked)
+        self.retire(stream)
+        return unknown
+
+    def requeue(self, stream: StreamState, rank: RankState) -> int:
+        """A rank left: its unacknowledged batches go back to the front of their epochs' queues."""
+        for batch in sorted(rank.inflight.values(), key=lambda b: b.id, reverse=True):
+            ep = stream.epochs[batch.id[0]]
+            ep.queue.appendleft(batch)
+            ep.batches_out -= 1
+            ep.bytes_out -= batch.nbytes
+        if not stream.ranks:
+            # The consumers are all gone (a job died): epochs they had been told were over, but that still hold
+            # unacknowledged batches, are delivered again to whoever joins next, remainder first.
+            for ep in stream.epochs.values():
+                if ep.end_sent and ep.queue:
+                    ep.end_sent = False
+        return len(rank.inflight)
+
+    def retire(self, stream: StreamState) -> None:
+        """Drop epochs that ended and were fully acknowledged, keeping their counters."""
+        for number, ep in list(stream.epochs.items()):
+            if ep.end_sent and not ep.queue and ep.acked >= ep.batches_out and not stream.unacked(number):
+                stats = ep.stats()
+                stream.finished[number] = stats
+                del stream.epochs[number]
+                if self.journal:
+                    self.journal.record_retired(stream.name, number, stats)
+
+    # ---- restart ----------------------------------------------------------------------------------------
+
+    def replay(self) -> None:
+        """Rebuild streams and epochs from the journal: committed and acknowledged state as it was."""
+        assert self.journal is not None
+        for record in self.journal.retired():
+            self.stream(record["stream"]).finished[record["epoch"]] = record["stats"]
+        restored = 0
+        for replayed in self.journal.replay():
+            stream = self.stream(replayed.stream)
+            if replayed.epoch in stream.finished:
+                continue
+            acked: set[tuple[int, int, int]] = set()
+            ep = None
+            for record in replayed.records:
+                kind = record.get("t")
+                if kind == "open":
+                    ep = stream.epochs[replayed.epoch] = EpochState(replayed.epoch, record["partitions"],
+                                                                   record["delivery"])
+                elif ep is None:
+                    break
+                elif kind == "batch":
+                    header = protocol.unpack_header(record["header"])
+                    try:
+                        self.accept_batch(header, [record["header"], *record.get("payload", [])])
+                    except Rejected:
+                        pass
+                elif kind == "commit":
+                    part = ep.part(record["part"])
+                    if part.committed_attempt is None:
+                        self.commit(stream, ep, record["part"], record["attempt"])
+                elif kind == "close":
+                    ep.closed = True
+                elif kind == "ack":
+                    acked.update(tuple(i) for i in record["ids"])
+            if ep is None:
+                continue
+            kept = deque(b for b in ep.queue if b.id not in acked)
+            for batch in ep.queue:
+                if batch.id in acked:
+                    self.buffered -= batch.nbytes
+            ep.queue, ep.acked = kept, len(acked)
+            ep.batches_out = ep.acked
+            restored += len(kept)
+        log.info("journal replayed: %d epochs, %d unacknowledged batches to deliver",
+                 sum(len(s.epochs) for s in self.streams.values()), restored)
