@@ -252,7 +252,7 @@ class Broker:
         if stream.ranks and size != stream.expected_ranks:
             raise ProtocolError(f"stream {name!r} is consumed by {stream.expected_ranks} ranks; "
                                 f"a rank of a communicator of size {size} cannot join it")
-        if any(r.rank == rank for r in stream.ranks.values()):
+        if size > 1 and any(r.rank == rank for r in stream.ranks.values()):
             raise ProtocolError(f"rank {rank} of stream {name!r} is already connected")
         stream.expected_ranks = size
         stream.ranks[identity] = RankState(identity, name, rank, size, even=h["even"])

@@ -26,7 +26,15 @@ def spark():
     os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"            # loopback only
     from pyspark.sql import SparkSession
 
-    session = (SparkSession.builder.master("local[2]").appName("sparkbus-tests")
+    # local[2,4]: two cores, and a failed task is retried (up to 4 attempts), as on a cluster.
+    # Speculation is on for the whole run: a task three times slower than the median gets a second attempt,
+    # so every test also checks that concurrent attempts deliver each row once.
+    session = (SparkSession.builder.master("local[2,4]").appName("sparkbus-tests")
+               .config("spark.speculation", "true")
+               .config("spark.speculation.interval", "100ms")
+               .config("spark.speculation.multiplier", "3")
+               .config("spark.speculation.quantile", "0.5")
+               .config("spark.speculation.minTaskRuntime", "1s")
                .config("spark.ui.enabled", "false")
                .config("spark.ui.showConsoleProgress", "false")
                .config("spark.sql.shuffle.partitions", "4")
@@ -45,10 +53,20 @@ class BrokerProcess:
     ranks: str
     control: str
     log: Path
+    args: list
 
     def stats(self, timeout: float = 5.0) -> dict:
         from broker.client import fetch_stats
         return fetch_stats(self.control, timeout)
+
+    def restart(self) -> None:
+        """Start the broker again on the same endpoints with the same flags (after it was killed)."""
+        assert self.proc.poll() is not None, "restart() needs a stopped broker"
+        ready = Path(self.args[self.args.index("--ready-file") + 1])
+        ready.unlink(missing_ok=True)
+        self.proc = subprocess.Popen(self.args, stdout=subprocess.DEVNULL, stderr=open(self.log, "a"))
+        wait_for(lambda: ready.exists() or self.proc.poll() is not None, 15, "the restarted broker")
+        assert self.proc.poll() is None, f"broker exited: {self.log.read_text()}"
 
     def stop(self, timeout: float = 10.0) -> int:
         if self.proc.poll() is None:
@@ -71,12 +89,11 @@ def start_broker(tmp_path):
         base = free_port_triple()
         ready = tmp_path / f"broker-{base}.json"
         log = tmp_path / f"broker-{base}.log"
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "broker", "--feed", f"tcp://127.0.0.1:{base}",
-             "--ranks", f"tcp://127.0.0.1:{base + 1}", "--ready-file", str(ready), *flags],
-            stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+        args = [sys.executable, "-m", "broker", "--feed", f"tcp://127.0.0.1:{base}",
+                "--ranks", f"tcp://127.0.0.1:{base + 1}", "--ready-file", str(ready), *flags]
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
         broker = BrokerProcess(proc, f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{base + 1}",
-                               f"tcp://127.0.0.1:{base + 2}", log)
+                               f"tcp://127.0.0.1:{base + 2}", log, args)
         started.append(broker)
         wait_for(lambda: ready.exists() or proc.poll() is not None, 15, "the broker's ready file")
         assert proc.poll() is None, f"broker exited: {log.read_text()}"
@@ -90,9 +107,20 @@ def start_broker(tmp_path):
 
 @dataclass
 class Ranks:
+    """``mpiexec -n n`` ranks of rank_main.py (or, with n=0, one independent consumer named ``name``)."""
+
     proc: subprocess.Popen
     out: Path
     n: int
+    name: str = ""
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (mpiexec, its proxies and the ranks)."""
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.communicate(timeout=10)
+
+    def stopped(self, name: str) -> bool:
+        return (self.out / f"{name}.stopped").exists()
 
     def wait(self, timeout: float = 90.0) -> list[dict]:
         try:
@@ -102,33 +130,41 @@ class Ranks:
             _, err = self.proc.communicate(timeout=10)
             raise AssertionError(f"ranks did not finish within {timeout} s:\n{err[-3000:]}")
         assert self.proc.returncode == 0, f"ranks failed ({self.proc.returncode}):\n{err[-3000:]}"
-        return [json.loads((self.out / f"rank{r}.json").read_text()) for r in range(self.n)]
+        names = [self.name] if self.n == 0 else [f"rank{r}" for r in range(self.n)]
+        return [json.loads((self.out / f"{name}.json").read_text()) for name in names]
 
-    def epoch(self, rank: int, epoch: int) -> dict[str, np.ndarray]:
-        with np.load(self.out / f"rank{rank}-epoch{epoch}.npz") as data:
+    def epoch(self, rank: int | str, epoch: int) -> dict[str, np.ndarray]:
+        name = rank if isinstance(rank, str) else (self.name or f"rank{rank}")
+        with np.load(self.out / f"{name}-epoch{epoch}.npz") as data:
             return dict(data)
 
 
 @pytest.fixture
 def start_ranks(tmp_path):
-    """``start_ranks(n, ranks_address, *flags)``: tests/integration/rank_main.py under ``mpiexec -n n``."""
+    """``start_ranks(n, ranks_address, *flags)``: tests/integration/rank_main.py under ``mpiexec -n n``;
+    with ``n=0``, one independent consumer (no MPI) instead."""
     running = []
 
     def start(n: int, address: str, *flags: str) -> Ranks:
         out = tmp_path / f"ranks-{len(running)}"
         out.mkdir()
-        proc = subprocess.Popen([str(BIN / "mpiexec"), "-n", str(n), sys.executable, str(HERE / "rank_main.py"),
-                                 "--ranks", address, "--out", str(out), *flags],
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        ranks = Ranks(proc, out, n)
+        program = [sys.executable, str(HERE / "rank_main.py"), "--ranks", address, "--out", str(out), *flags]
+        name = ""
+        if n == 0:
+            name = f"consumer{len(running)}"
+            program += ["--no-mpi", "--name", name]
+        else:
+            program = [str(BIN / "mpiexec"), "-n", str(n), *program]
+        proc = subprocess.Popen(program, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        ranks = Ranks(proc, out, n, name)
         running.append(ranks)
         return ranks
 
     yield start
     for ranks in running:
         if ranks.proc.poll() is None:
-            ranks.proc.kill()
-            ranks.proc.communicate(timeout=10)
+            ranks.kill()
 
 
 def labelled_frame(spark, rows: int, partitions: int, first_id: int = 0):

@@ -2,6 +2,8 @@
 
 Writes ``OUT/rank{r}.json`` (per epoch: batches, rows, dropped, column dtypes and shapes) and
 ``OUT/rank{r}-epoch{e}.npz`` (every column received, concatenated, plus ``dropped_id``).
+With ``--no-mpi`` it is an independent consumer (``comm=None``) named by ``--name``.
+With ``--stop-after K`` it records its first K batches, writes ``OUT/{name}.stopped``, and hangs until killed.
 """
 
 import argparse
@@ -12,7 +14,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-from mpi4py import MPI
 
 from worker import BatchStream
 
@@ -26,18 +27,36 @@ parser.add_argument("--prefetch", type=int, default=4)
 parser.add_argument("--slow-rank", type=int, default=-1, help="this rank sleeps --slow-seconds per batch")
 parser.add_argument("--slow-seconds", type=float, default=0.0)
 parser.add_argument("--stall-file", help="wait for this file to exist before consuming")
+parser.add_argument("--stop-after", type=int, default=0, help="after this many batches, record and hang")
+parser.add_argument("--raise-rank", type=int, default=-1, help="this rank raises after --raise-after batches")
+parser.add_argument("--raise-after", type=int, default=0)
+parser.add_argument("--no-mpi", action="store_true")
+parser.add_argument("--name", help="file name prefix (default rank{r})")
 parser.add_argument("--timeout", type=float, default=60.0)
 args = parser.parse_args()
 
-comm = MPI.COMM_WORLD
-rank = comm.Get_rank()
+if args.no_mpi:
+    comm, rank = None, 0
+else:
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    rank = comm.Get_rank()
+name = args.name or f"rank{rank}"
 out = Path(args.out)
 even = {"auto": None, "yes": True, "no": False}[args.even]
 
 
+def save(epoch, columns, dropped):
+    joined = {k: np.concatenate(v) for k, v in columns.items()}
+    np.savez(out / f"{name}-epoch{epoch}.npz", **joined,
+             dropped_id=np.concatenate(dropped) if dropped else np.zeros(0, np.int64))
+    return joined
+
+
 def main():
     dropped = []
-    summary = {"rank": rank, "size": comm.Get_size(), "epochs": []}
+    summary = {"rank": rank, "size": comm.Get_size() if comm else 1, "epochs": []}
+    consumed = 0
     with BatchStream(args.ranks, comm=comm, stream=args.stream, prefetch=args.prefetch, even=even,
                      timeout=args.timeout, on_drop=lambda b: dropped.append(b["id"].copy())) as stream:
         if args.stall_file:
@@ -50,27 +69,26 @@ def main():
             dropped.clear()
             columns = {}
             for batch in stream.epoch():
-                for name, array in batch.items():
-                    columns.setdefault(name, []).append(array.copy())
+                if args.stop_after and consumed == args.stop_after:
+                    save(e, columns, dropped)          # this batch is not acknowledged: it is not recorded
+                    (out / f"{name}.stopped").touch()
+                    time.sleep(3600)
+                if rank == args.raise_rank and consumed == args.raise_after:
+                    raise RuntimeError(f"rank {rank} fails on purpose")
+                for key, array in batch.items():
+                    columns.setdefault(key, []).append(array.copy())
+                consumed += 1
                 if rank == args.slow_rank:
                     time.sleep(args.slow_seconds)
             stats = stream.stats.epochs[-1]
-            joined = {k: np.concatenate(v) for k, v in columns.items()}
-            np.savez(out / f"rank{rank}-epoch{e}.npz", **joined,
-                     dropped_id=np.concatenate(dropped) if dropped else np.zeros(0, np.int64))
+            joined = save(e, columns, dropped)
             summary["epochs"].append({
                 "epoch": stats.epoch, "batches": stats.batches, "rows": stats.rows,
                 "dropped_batches": stats.dropped_batches, "dropped_rows": stats.dropped_rows,
                 "wait_seconds": stats.wait_seconds,
-                "dtypes": {k: str(v.dtype) for k, v in joined.items()},
-                "shapes": {k: list(v.shape) for k, v in joined.items()}})
-    (out / f"rank{rank}.json").write_text(json.dumps(summary))
+                "dtypes": {k: str(v.dtype) for k, v in joined.items() if k != "dropped_id"},
+                "shapes": {k: list(v.shape) for k, v in joined.items() if k != "dropped_id"}})
+    (out / f"{name}.json").write_text(json.dumps(summary))
 
 
-try:
-    main()
-except BaseException:
-    import traceback
-    traceback.print_exc()
-    sys.stderr.flush()
-    comm.Abort(1)        # never leave the other ranks waiting in a collective
+main()
