@@ -1,0 +1,361 @@
+"""``sparkbus demo``: a broker, a Spark feed job and MPI ranks on this machine, with live figures and a summary.
+
+    sparkbus demo [--quick] [--rows N] [--epochs E] [--features K] [--batch-size B] [--partitions P] ...
+
+Starts ``python -m broker`` on three free loopback ports, ``mpiexec -n 2 python deploy/train.py`` and
+``spark-submit --master local[2] deploy/feed_job.py``; shows the broker's live figures while they run and a
+summary at the end. Every child is ended on success, on failure and on Ctrl-C; the exit status is non-zero if
+any part failed. Logs and JSON figures are left in --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from broker.client import fetch_stats
+from broker.protocol import BrokerError
+from processes import Child, free_port_run, wait_for
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+BIN = Path(sys.executable).parent      # the venv's bin: spark-submit and mpiexec live next to its Python
+SIZES = {"default": {"rows": 1_000_000, "epochs": 3, "batch_size": 1024},
+         "quick": {"rows": 20_000, "epochs": 2, "batch_size": 256}}
+LOOPBACK_MPI = {"UCX_NET_DEVICES": "lo", "FI_TCP_IFACE": "lo"}   # keep the ranks' netmod off other NICs
+
+
+class DemoFailed(Exception):
+    """A part of the demo failed; the message says which and why."""
+
+
+def positive(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return value
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="sparkbus demo", description="A broker, a Spark feed job and MPI ranks on "
+                                     "this machine, with live figures and a summary. Logs go to --out.")
+    parser.add_argument("--quick", action="store_true",
+                        help="a tiny run for a test (20,000 rows, 2 epochs, batches of 256)")
+    parser.add_argument("--rows", type=positive, help="rows of the synthetic set (default 1,000,000)")
+    parser.add_argument("--epochs", type=positive, help="epochs (default 3)")
+    parser.add_argument("--features", type=positive, default=64, help="float32 features per row (default 64)")
+    parser.add_argument("--classes", type=positive, default=10, help="classes of the synthetic set (default 10)")
+    parser.add_argument("--batch-size", type=positive, help="rows per batch (default 1024)")
+    parser.add_argument("--partitions", type=positive, default=8,
+                        help="Spark partitions of the set and of each epoch's shuffle (default 8)")
+    parser.add_argument("--seed", type=int, default=42, help="seed of the data, the shuffles and the model")
+    parser.add_argument("--np", type=positive, default=2, help="MPI ranks (default 2)")
+    parser.add_argument("--master", default="local[2]", help="Spark master (default local[2])")
+    parser.add_argument("--driver-memory", default="2g", help="Spark driver memory; holds the cached set (2g)")
+    parser.add_argument("--max-buffer", default="256MiB",
+                        help="bytes the broker holds before it throttles Spark (default 256MiB)")
+    parser.add_argument("--min-accuracy", type=float, default=0.5, help="fail below this final accuracy (0.5)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds the whole demo may take (600)")
+    parser.add_argument("--out", type=Path, default=ROOT / "demo-out",
+                        help="directory for logs and JSON figures (default demo-out/ in the checkout)")
+    args = parser.parse_args(argv)
+    for name, value in SIZES["quick" if args.quick else "default"].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
+
+
+class Demo:
+    """The three children, started in order, watched until done, and always stopped."""
+
+    def __init__(self, args: argparse.Namespace, console: Console):
+        self.args, self.console = args, console
+        self.children: dict[str, Child] = {}
+        self.stopping = False
+        self.out: Path = args.out
+        self.started = time.monotonic()
+        self.deadline = self.started + args.timeout
+
+    # ---- starting ---------------------------------------------------------------------------------------
+
+    def start_broker(self) -> dict[str, str]:
+        """Start the broker on free loopback ports; return its endpoints once it has written its ready file."""
+        ready = self.out / "broker-ready.json"
+        for _ in range(3):     # a port found free can be taken by someone else before the broker binds it
+            port = free_port_run(3)
+            ready.unlink(missing_ok=True)
+            broker = Child("broker", [sys.executable, "-m", "broker", "--feed", f"tcp://127.0.0.1:{port}",
+                                      "--ranks", f"tcp://127.0.0.1:{port + 1}", "--ready-file", str(ready),
+                                      "--max-buffer", self.args.max_buffer],
+                           self.out / "broker.log", cwd=ROOT)
+            self.children["broker"] = broker
+            wait_for(lambda: ready.exists() or broker.returncode is not None, min(30.0, self.remaining()))
+            if ready.exists():
+                return json.loads(ready.read_text())
+            code = broker.stop()
+            if "cannot bind" not in broker.tail():
+                raise DemoFailed(f"the broker did not become ready (exit status {code}):\n{broker.tail()}")
+        raise DemoFailed("the broker could not bind its ports three times in a row")
+
+    def start_ranks(self, ranks: str) -> None:
+        """``mpiexec -n NP python train.py`` against the broker's ranks address; rank 0 writes summary.json."""
+        a = self.args
+        command = [str(BIN / "mpiexec"), "-n", str(a.np), sys.executable, "-u", str(HERE / "train.py"),
+                   "--ranks", ranks, "--epochs", str(a.epochs), "--features", str(a.features),
+                   "--classes", str(a.classes), "--seed", str(a.seed), "--summary", str(self.out / "summary.json")]
+        env = {k: v for k, v in LOOPBACK_MPI.items() if k not in os.environ}
+        self.children["ranks"] = Child("ranks", command, self.out / "ranks.log", self._echo("ranks", "cyan"),
+                                       env={**env, "PYTHONUNBUFFERED": "1"}, cwd=ROOT)
+
+    def start_feed(self, feed: str) -> None:
+        """``spark-submit feed_job.py`` in local mode, on loopback, with the venv's Python for the executors."""
+        a = self.args
+        loopback = ["spark.driver.host=127.0.0.1", "spark.driver.bindAddress=127.0.0.1", "spark.ui.enabled=false",
+                    "spark.ui.showConsoleProgress=false"]
+        command = [str(BIN / "spark-submit"), "--master", a.master, "--driver-memory", a.driver_memory,
+                   *[arg for conf in loopback for arg in ("--conf", conf)],
+                   str(HERE / "feed_job.py"), "--feed", feed, "--rows", str(a.rows), "--epochs", str(a.epochs),
+                   "--features", str(a.features), "--classes", str(a.classes), "--batch-size", str(a.batch_size),
+                   "--partitions", str(a.partitions), "--seed", str(a.seed),
+                   "--report", str(self.out / "feed-report.json")]
+        env = {"PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable,
+               "SPARK_LOCAL_IP": "127.0.0.1", "PYTHONUNBUFFERED": "1"}
+        self.children["feed"] = Child("feed", command, self.out / "feed.log", self._echo("spark", "magenta"),
+                                      env=env, cwd=ROOT)
+
+    def _echo(self, label: str, colour: str):
+        def echo(line: str) -> None:
+            if not self.stopping:     # what children say while being stopped is in their logs
+                self.console.print(Text.assemble((f"{label:>6} │ ", colour), line))
+        return echo
+
+    # ---- watching ---------------------------------------------------------------------------------------
+
+    def remaining(self) -> float:
+        """Seconds left of --timeout."""
+        return max(0.0, self.deadline - time.monotonic())
+
+    def check_children(self) -> bool:
+        """True once the feed job and the ranks have both succeeded. Raises DemoFailed if any part failed."""
+        for name, child in self.children.items():
+            code = child.returncode
+            if code is not None and (code != 0 or name == "broker"):
+                raise DemoFailed(f"the {name} process exited with status {code}; the end of "
+                                 f"{child.log_path}:\n{child.tail()}")
+        return all(self.children[name].returncode == 0 for name in ("feed", "ranks"))
+
+    def watch(self, control: str) -> None:
+        """Show the broker's live figures every half second until the feed and the ranks are done."""
+        view = LiveLine(self.args.epochs, self.args.np)
+        live = Live(console=self.console, refresh_per_second=4, transient=False) \
+            if self.console.is_terminal else None
+        last_plain = 0.0
+        if live:
+            live.start()
+        try:
+            while not self.check_children():
+                if self.remaining() <= 0:
+                    raise DemoFailed(f"the demo did not finish within --timeout {self.args.timeout:g} s")
+                try:
+                    stats = fetch_stats(control, timeout=min(1.0, self.remaining() + 0.01))
+                except BrokerError:
+                    stats = None
+                line = view.render(stats, time.monotonic() - self.started)
+                if live:
+                    live.update(line)
+                elif time.monotonic() - last_plain >= 10:     # a log, not an animation, when piped
+                    self.console.print(line)
+                    last_plain = time.monotonic()
+                time.sleep(0.5)
+        finally:
+            if live:
+                live.stop()
+
+    def stop_all(self) -> None:
+        """End every child: the feed job and the ranks first, the broker last (SIGTERM, bounded wait, SIGKILL)."""
+        for name in ("feed", "ranks", "broker"):
+            if name in self.children:
+                self.children[name].stop()
+
+    def signal_all(self, sig: int) -> None:
+        """Send ``sig`` to every child's process group now, without waiting (safe in a signal handler)."""
+        self.stopping = True
+        for child in self.children.values():
+            child.signal_group(sig)
+
+
+class LiveLine:
+    """One line of live figures from the broker's stats: epoch, batches in and out, MB/s, buffer use."""
+
+    def __init__(self, epochs: int, ranks: int):
+        self.epochs, self.ranks = epochs, ranks
+        self.samples: deque[tuple[float, int]] = deque()
+
+    def rate(self, now: float, bytes_out: int) -> float:
+        """MB/s out to the ranks over the last three seconds."""
+        self.samples.append((now, bytes_out))
+        while now - self.samples[0][0] > 3.0:
+            self.samples.popleft()
+        t0, b0 = self.samples[0]
+        return (bytes_out - b0) / 1e6 / (now - t0) if now > t0 else 0.0
+
+    def render(self, stats: dict[str, Any] | None, elapsed: float) -> Text:
+        """The line for one ``fetch_stats`` reply (None: the broker did not answer)."""
+        clock = (f"{elapsed:5.0f} s", "bold")
+        if stats is None:
+            return Text.assemble(clock, " │ ", ("the broker is not answering", "yellow"))
+        try:
+            return self._figures(clock, stats)
+        except (KeyError, TypeError, ValueError) as exc:   # a broker whose figures have another shape
+            return Text.assemble(clock, " │ ", (f"unexpected figures from the broker ({exc!r})", "yellow"))
+
+    def _figures(self, clock: tuple[str, str], stats: dict[str, Any]) -> Text:
+        broker, stream = stats["broker"], stats["streams"].get("train")
+        joined = len(stream["ranks"]) if stream else 0
+        epochs = {int(n): e for n, e in stream["epochs"].items()} if stream else {}
+        if not epochs:
+            return Text.assemble(clock, f" │ ranks joined {joined}/{self.ranks} │ ",
+                                 ("waiting for Spark: start-up, data generation, first shuffle…", "dim"))
+        live = [n for n, e in epochs.items() if not e["ended"]]
+        current = min(live) if live else max(epochs)
+        e = epochs[current]
+        state = "done" if e["ended"] else "closed" if e["closed"] else f"{e['committed']}/{e['partitions']} partitions"
+        total = {k: sum(ep[k] for ep in epochs.values()) for k in ("batches_in", "batches_out", "bytes_out")}
+        rate = self.rate(time.monotonic(), total["bytes_out"])
+        used = broker["buffered_bytes"] / max(broker["max_buffer"], 1)
+        return Text.assemble(
+            clock, f" │ epoch {current + 1}/{self.epochs} ({state})",
+            f" │ batches in {total['batches_in']:,} out {total['batches_out']:,}",
+            " │ ", (f"{rate:6.1f} MB/s", "green"),
+            f" │ buffer {broker['buffered_bytes'] / 2**20:,.1f} MiB ({used:.0%})",
+            (" feed paused" if broker["feed_paused"] else "", "yellow"),
+            f" │ ranks {joined}/{self.ranks}")
+
+
+# ---- the summary ------------------------------------------------------------------------------------------
+
+def summarize(args: argparse.Namespace, console: Console, wall: float) -> None:
+    """Print the summary tables from the feed job's and rank 0's JSON; raise DemoFailed if a check fails."""
+    try:
+        feed = json.loads((args.out / "feed-report.json").read_text())
+        ranks = json.loads((args.out / "summary.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise DemoFailed(f"a part finished without writing its figures: {exc}") from None
+
+    epochs = Table(title="Epochs", title_justify="left")
+    for column in ("epoch", "rows fed", "feed s", "rows/s", "MB/s", "loss", "train acc", "held-out acc"):
+        epochs.add_column(column, justify="right")
+    for fed, trained in zip(feed["epochs"], ranks["epochs"]):
+        epochs.add_row(str(fed["epoch"]), f"{fed['rows']:,}", f"{fed['seconds']:.1f}",
+                       f"{fed['rows'] / fed['seconds']:,.0f}", f"{fed['bytes'] / 1e6 / fed['seconds']:,.1f}",
+                       f"{trained['loss']:.4f}", f"{trained['train_accuracy']:.1%}",
+                       f"{trained['holdout_accuracy']:.1%}" if "holdout_accuracy" in trained else "-")
+
+    per_rank = Table(title="Ranks", title_justify="left")
+    for column in ("rank", "batches", "rows", "MB", "dropped", "first batch s", "streaming s", "waited s",
+                   "wait share"):
+        per_rank.add_column(column, justify="right")
+    for r in ranks["ranks"]:
+        # The wait for the first batch is Spark starting up and generating the set: shown apart, so that the
+        # wait share is the part of the streaming time (first batch to last step) this rank had no data.
+        first = r["first_batch_seconds"]
+        streaming = max(r["seconds"] - first, 1e-9)
+        per_rank.add_row(str(r["rank"]), f"{r['batches']:,}", f"{r['rows']:,}", f"{r['bytes'] / 1e6:,.1f}",
+                         f"{r['dropped_batches']}", f"{first:.1f}", f"{streaming:.1f}",
+                         f"{r['wait_seconds'] - first:.1f}", f"{(r['wait_seconds'] - first) / streaming:.0%}")
+
+    # End to end: from the moment Spark began the first epoch's shuffle to the ranks' last step.
+    span = ranks["finished_at"] - feed["epochs"][0]["started"]
+    rows = sum(r["rows"] for r in ranks["ranks"])
+    nbytes = sum(r["bytes"] for r in ranks["ranks"])
+    accuracy = ranks["final_accuracy"]
+    totals = Table(title="End to end", title_justify="left", show_header=False)
+    totals.add_column(justify="left")
+    totals.add_column(justify="right")
+    totals.add_row("data generation in Spark (cached, once)", f"{feed['generate_seconds']:.1f} s")
+    totals.add_row(f"streaming {args.epochs} epochs, first shuffle to last step", f"{span:.1f} s")
+    totals.add_row("rows / s to the ranks", f"{rows / span:,.0f}")
+    totals.add_row("MB / s to the ranks", f"{nbytes / 1e6 / span:,.1f}")
+    totals.add_row(f"final accuracy ({ranks['final_accuracy_kind']}; chance {1 / args.classes:.0%})",
+                   f"{accuracy:.1%}")
+    totals.add_row("largest weight difference between ranks", f"{ranks['model_spread_across_ranks']:g}")
+    totals.add_row("demo wall time", f"{wall:.1f} s")
+    console.print(epochs, per_rank, totals)
+
+    problems = []
+    for number in range(args.epochs):
+        seen = sum(r["epochs"][number]["rows"] + r["epochs"][number]["dropped_rows"] for r in ranks["ranks"])
+        if seen != args.rows:
+            problems.append(f"epoch {number}: the ranks received {seen:,} rows, Spark fed {args.rows:,}")
+    if accuracy is None or accuracy < args.min_accuracy:
+        problems.append(f"final accuracy {accuracy} is below --min-accuracy {args.min_accuracy}")
+    if ranks["model_spread_across_ranks"] > 1e-6:
+        problems.append("the ranks' models diverged: the gradient averaging is broken")
+    if problems:
+        raise DemoFailed("; ".join(problems))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    console = Console()
+    if not console.is_terminal:
+        console.width = 120     # a log file: no wrapping at 80 columns
+    args.out.mkdir(parents=True, exist_ok=True)
+    for stale in ("summary.json", "feed-report.json"):
+        (args.out / stale).unlink(missing_ok=True)
+    demo = Demo(args, console)
+    interrupted: list[int] = []
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        unwind = not demo.stopping          # once cleaning up, let the cleanup finish
+        demo.signal_all(signal.SIGTERM)     # at once: `sparkbus demo` SIGKILLs this process 0.25 s after ^C
+        if unwind:
+            interrupted.append(signum)
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    console.print(f"[bold]sparkbus demo[/]: {args.rows:,} rows × {args.features} features, {args.classes} classes, "
+                  f"{args.epochs} epochs, batches of {args.batch_size}, Spark {args.master}, {args.np} MPI ranks; "
+                  f"logs in {args.out}")
+    try:
+        endpoints = demo.start_broker()
+        console.print(f"broker pid {endpoints['pid']}: feed {endpoints['feed']}, ranks {endpoints['ranks']}, "
+                      f"control {endpoints['control']}")
+        demo.start_ranks(endpoints["ranks"])
+        demo.start_feed(endpoints["feed"])
+        for child in demo.children.values():
+            child.start_echo()
+        demo.watch(endpoints["control"])
+        wall = time.monotonic() - demo.started
+        demo.stop_all()
+        summarize(args, console, wall)
+    except (DemoFailed, OSError) as exc:     # OSError: a program that could not be started
+        demo.stopping = True
+        console.print(Text.assemble(("demo failed: ", "bold red"), str(exc)))
+        return 1
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted: stopping the broker, the feed job and the ranks[/]")
+        return 128 + (interrupted[0] if interrupted else signal.SIGINT)
+    finally:
+        demo.stopping = True
+        demo.stop_all()
+    console.print("[bold green]demo passed[/]")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
