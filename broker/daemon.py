@@ -188,6 +188,9 @@ class Broker:
             return self._reject("feed", "malformed", exc.reason)
         except Rejected as exc:
             return self._reject("feed", exc.reason, str(exc))
+        except Exception:      # as in _on_request: log, count, keep serving
+            log.exception("internal error handling a batch")
+            return self._reject("feed", "internal", "batch")
         self._send_replies(replies)
 
     def _send_replies(self, replies: list[Reply]) -> None:
@@ -221,6 +224,10 @@ class Broker:
         except ProtocolError as exc:
             self._reject(socket, "refused", exc.reason)
             self._send(sock, identity, Kind.ERROR, req=req, reason=exc.reason)
+        except Exception:      # a bug must cost one request, not the broker and every stream it serves
+            log.exception("internal error handling %s on the %s socket", header["kind"].name, socket)
+            self._reject(socket, "internal", header["kind"].name)
+            self._send(sock, identity, Kind.ERROR, req=req, reason="internal broker error (see its log)")
 
     def _send(self, sock: zmq.Socket, identity: bytes, kind: Kind, **fields: Any) -> bool:
         try:
@@ -247,7 +254,7 @@ class Broker:
         if not 0 <= rank < size:
             raise ProtocolError(f"rank {rank} is outside a communicator of size {size}")
         stream = self.ledger.stream(name)
-        if identity in stream.ranks:
+        if identity in self._rank_streams:
             self._rank_gone(identity, "said hello again")
         if stream.ranks and size != stream.expected_ranks:
             raise ProtocolError(f"stream {name!r} is consumed by {stream.expected_ranks} ranks; "

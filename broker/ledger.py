@@ -6,6 +6,7 @@ the same transitions, and :meth:`Ledger.replay` runs them again after a restart.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
 from typing import Any, NamedTuple
@@ -16,6 +17,10 @@ from .protocol import Kind, ProtocolError
 from .state import EpochState, HeldBatch, PendingCommit, RankState, StreamState
 
 log = logging.getLogger("sparkbus.broker")
+
+MAX_STREAMS = 4096            # a peer cannot make the broker track streams without bound
+MAX_STREAM_NAME = 256
+MAX_PARTITIONS = 10_000_000
 
 
 class Rejected(Exception):
@@ -46,6 +51,10 @@ class Ledger:
     def stream(self, name: str) -> StreamState:
         stream = self.streams.get(name)
         if stream is None:
+            if len(name) > MAX_STREAM_NAME or not name:
+                raise ProtocolError(f"a stream name must have 1 to {MAX_STREAM_NAME} characters")
+            if len(self.streams) >= MAX_STREAMS:
+                raise ProtocolError(f"the broker already tracks {MAX_STREAMS} streams")
             stream = self.streams[name] = StreamState(name)
         return stream
 
@@ -60,7 +69,7 @@ class Ledger:
     # ---- epochs -----------------------------------------------------------------------------------------
 
     def open_epoch(self, name: str, number: int, partitions: int, delivery: str) -> None:
-        if partitions < 0 or number < 0:
+        if not 0 <= partitions <= MAX_PARTITIONS or number < 0:
             raise ProtocolError(f"epoch {number} with {partitions} partitions is out of range")
         if delivery not in protocol.DELIVERY_MODES:
             raise ProtocolError(f"delivery {delivery!r} is not one of {', '.join(protocol.DELIVERY_MODES)}")
@@ -82,9 +91,9 @@ class Ledger:
         """Close an epoch whose partitions are all committed. Returns the partitions that diverged."""
         stream, ep = self.epoch(name, number)
         if partitions != ep.partitions or len(ep.committed) != ep.partitions:
-            missing = sorted(set(range(ep.partitions)) - ep.committed)
+            missing = list(itertools.islice((p for p in range(ep.partitions) if p not in ep.committed), 10))
             raise ProtocolError(f"stream {name!r} epoch {number}: {len(ep.committed)} of {ep.partitions} "
-                                f"partitions committed (missing {missing[:10]})")
+                                f"partitions committed (missing {missing}{'...' if len(missing) == 10 else ''})")
         ep.closed = True
         if self.journal:
             self.journal.record_close(name, number)
@@ -202,7 +211,8 @@ class Ledger:
         unknown = 0
         by_epoch: dict[int, list[list[int]]] = {}
         for raw in ids:
-            batch = rank.inflight.pop(tuple(raw), None) if isinstance(raw, list) else None
+            well_formed = isinstance(raw, list) and len(raw) == 3 and all(type(x) is int for x in raw)
+            batch = rank.inflight.pop(tuple(raw), None) if well_formed else None
             if batch is None:
                 unknown += 1
                 continue
