@@ -6,6 +6,8 @@ import socket
 import time
 from typing import Callable, TypeVar
 
+from broker.protocol import Kind, pack_header, unpack_header
+
 T = TypeVar("T")
 
 
@@ -42,3 +44,18 @@ def free_port_triple() -> int:
             for s in held:
                 s.close()
     raise RuntimeError("no three consecutive free ports on 127.0.0.1")
+
+
+def recv_header(sock, timeout=2.0, heartbeats=False):
+    """The next header on ``sock`` (and the frames after it), heartbeats skipped; fails instead of hanging."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert sock.poll(max(deadline - time.monotonic(), 0) * 1000), "no message within the timeout"
+        frames = sock.recv_multipart()
+        header = unpack_header(frames[0])
+        if heartbeats or header["kind"] != Kind.HEARTBEAT:
+            return header, frames[1:]
+
+
+def send(sock, kind, **fields):
+    sock.send(pack_header(kind, **fields))

@@ -165,37 +165,3 @@ def start_ranks(tmp_path):
     for ranks in running:
         if ranks.proc.poll() is None:
             ranks.kill()
-
-
-def labelled_frame(spark, rows: int, partitions: int, first_id: int = 0):
-    """A DataFrame whose every value derives from its id, so arrival can be checked exactly.
-
-    Columns: id long; x array<float>[8] = id*10 + j; y int = id % 7; flag boolean = id even;
-    w double = id / 4; v ML vector = [w, y].
-    """
-    from pyspark.ml.feature import VectorAssembler
-    from pyspark.sql import functions as F
-
-    df = spark.range(first_id, first_id + rows, numPartitions=partitions).select(
-        F.col("id"),
-        F.array(*[(F.col("id") * 10 + j).cast("float") for j in range(8)]).alias("x"),
-        (F.col("id") % 7).cast("int").alias("y"),
-        (F.col("id") % 2 == 0).alias("flag"),
-        (F.col("id") / 4).alias("w"))
-    return VectorAssembler(inputCols=["w", "y"], outputCol="v").transform(df)
-
-
-def check_values(columns: dict[str, np.ndarray]) -> None:
-    """Every value and dtype of a :func:`labelled_frame` batch matches its id."""
-    ids = columns["id"]
-    assert columns["id"].dtype == np.int64
-    assert columns["x"].dtype == np.float32 and columns["x"].shape == (len(ids), 8)
-    np.testing.assert_array_equal(columns["x"], (ids[:, None] * 10 + np.arange(8)).astype(np.float32))
-    assert columns["y"].dtype == np.int32
-    np.testing.assert_array_equal(columns["y"], ids % 7)
-    assert columns["flag"].dtype == np.bool_
-    np.testing.assert_array_equal(columns["flag"], ids % 2 == 0)
-    assert columns["w"].dtype == np.float64
-    np.testing.assert_array_equal(columns["w"], ids / 4)
-    assert columns["v"].dtype == np.float64 and columns["v"].shape == (len(ids), 2)
-    np.testing.assert_array_equal(columns["v"], np.stack([ids / 4, ids % 7], axis=1))

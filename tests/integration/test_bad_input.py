@@ -10,7 +10,7 @@ import zmq
 
 from broker import protocol
 from broker.protocol import Kind
-from conftest import labelled_frame
+from sources import labelled_frame
 from feeder import feed
 from helpers import wait_for
 from worker import BatchStream

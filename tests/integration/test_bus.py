@@ -6,7 +6,7 @@ import numpy as np
 import psutil
 import pytest
 
-from conftest import check_values, labelled_frame
+from sources import check_values, labelled_frame
 from feeder import feed
 from helpers import wait_for
 

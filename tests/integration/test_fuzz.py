@@ -15,7 +15,7 @@ from broker import protocol
 from broker.client import ControlClient
 from broker.protocol import Kind
 from feeder import stream_partition
-from test_guarantees import Collector
+from sources import Collector
 
 pytestmark = pytest.mark.timeout(240)
 

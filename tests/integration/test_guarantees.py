@@ -14,7 +14,7 @@ from broker.client import ControlClient
 from broker.protocol import BrokerError, Kind
 from feeder import DivergedPartitionsWarning, feed, stream_partition
 from helpers import wait_for
-from worker import BatchStream
+from sources import Collector, staged_frame, staged_rdd
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -25,73 +25,6 @@ def small_arrow_batches(spark):
     spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "100")
     yield
     spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")
-
-
-def staged_frame(spark, rows, partitions, *, slow=-1, slow_seconds=0.0):
-    """ids 0..rows-1 in Arrow batches of 100, made in Python: partition ``slow`` sleeps ``slow_seconds`` per
-    batch on its first attempt only, which makes Spark launch a speculative copy."""
-    def produce(batches):
-        import pyarrow as pa
-        from pyspark import TaskContext
-
-        task = TaskContext.get()
-        part, attempt = task.partitionId(), task.attemptNumber()
-        ids = np.concatenate([b.column("id").to_numpy() for b in batches] or [np.zeros(0, np.int64)])
-        for start in range(0, len(ids), 100):
-            if part == slow and attempt == 0:
-                time.sleep(slow_seconds)
-            chunk = ids[start:start + 100]
-            yield pa.RecordBatch.from_pydict({"id": chunk, "x": pa.array(chunk.astype(np.float32))})
-
-    return spark.range(rows, numPartitions=partitions).mapInArrow(produce, "id long, x float")
-
-
-def staged_rdd(spark, rows, partitions, *, fail=-1, fail_after=1500, reverse_on_retry=False):
-    """Rows ``{"id", "x"}`` from an RDD, whose Python stages run in the feeding task itself: partition ``fail``
-    raises on its first attempt after ``fail_after`` rows, when part of it has already been streamed (and with
-    ``reverse_on_retry`` its retry yields the rows in reverse order)."""
-    def produce(part, ids):
-        from pyspark import TaskContext
-
-        attempt = TaskContext.get().attemptNumber()
-        ids = list(ids)
-        if reverse_on_retry and part == fail and attempt > 0:
-            ids.reverse()
-        for i, value in enumerate(ids):
-            if part == fail and attempt == 0 and i == fail_after:
-                raise RuntimeError("injected failure on the first attempt")
-            yield {"id": value, "x": np.float32(value)}
-
-    return spark.sparkContext.parallelize(range(rows), partitions).mapPartitionsWithIndex(produce)
-
-
-class Collector:
-    """A single independent consumer in a thread: every id it receives, per epoch."""
-
-    def __init__(self, address, stream, epochs=1, timeout=60):
-        self.ids = []
-        self.error = None
-        self.thread = threading.Thread(target=self._run, args=(address, stream, epochs, timeout))
-        self.thread.start()
-
-    def _run(self, address, stream, epochs, timeout):
-        try:
-            with BatchStream(address, stream=stream, timeout=timeout) as s:
-                for _ in range(epochs):
-                    ids = []
-                    for batch in s.epoch():
-                        np.testing.assert_array_equal(batch["x"], batch["id"].astype(np.float32))
-                        ids.append(batch["id"].copy())
-                    self.ids.append(np.concatenate(ids) if ids else np.zeros(0, np.int64))
-        except BaseException as exc:          # reported by result()
-            self.error = exc
-
-    def result(self, timeout=90):
-        self.thread.join(timeout)
-        assert not self.thread.is_alive(), "consumer did not finish"
-        if self.error:
-            raise self.error
-        return self.ids
 
 
 def test_a_task_failing_midway_is_retried_and_each_row_arrives_once(spark, start_broker):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from broker.protocol import BrokerError
-from conftest import labelled_frame
+from sources import labelled_frame
 from feeder import feed
 from helpers import free_port_triple
 from worker import BatchStream

@@ -2,14 +2,12 @@
 
 import itertools
 import threading
-import time
 
 import pytest
 import zmq
 
 from broker.config import BrokerConfig
 from broker.daemon import Broker
-from broker.protocol import Kind, pack_header, unpack_header
 
 _names = itertools.count()
 
@@ -60,18 +58,3 @@ def start_broker(context):
         broker.stop()
         thread.join(5)
         assert not thread.is_alive(), "broker thread did not stop"
-
-
-def recv_header(sock, timeout=2.0, heartbeats=False):
-    """The next header on ``sock`` (and the frames after it), heartbeats skipped; fails instead of hanging."""
-    deadline = time.monotonic() + timeout
-    while True:
-        assert sock.poll(max(deadline - time.monotonic(), 0) * 1000), "no message within the timeout"
-        frames = sock.recv_multipart()
-        header = unpack_header(frames[0])
-        if heartbeats or header["kind"] != Kind.HEARTBEAT:
-            return header, frames[1:]
-
-
-def send(sock, kind, **fields):
-    sock.send(pack_header(kind, **fields))

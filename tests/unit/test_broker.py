@@ -6,8 +6,7 @@ import zmq
 
 from broker import protocol
 from broker.protocol import Kind
-from conftest import recv_header, send
-from helpers import wait_for
+from helpers import recv_header, send, wait_for
 
 
 @pytest.fixture
