@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -73,7 +73,8 @@ def run_demo(args: list[str]) -> int:
     if not script.exists():
         print("sparkbus demo runs from a source checkout (deploy/demo.py was not found)", file=sys.stderr)
         return 2
-    return subprocess.call([sys.executable, str(script), *args])
+    # exec, not a child: Ctrl-C and SIGTERM then reach the demo itself, which stops its processes in order
+    os.execv(sys.executable, [sys.executable, str(script), *args])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -87,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("demo", help="run the end-to-end demo (flags: sparkbus demo -- --help)", add_help=False)
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["demo"]:
-        return run_demo([a for a in argv[1:] if a != "--"])
+        return run_demo(argv[2:] if argv[1:2] == ["--"] else argv[1:])
     args = parser.parse_args(argv)
     if args.command == "broker":
         return run_broker(args)

@@ -26,7 +26,7 @@ from mpi4py import MPI  # noqa: E402
 
 import synthetic  # noqa: E402
 from worker import BatchStream  # noqa: E402
-from worker.even import _sleep_until  # noqa: E402
+from worker.collectives import allreduce, gather  # noqa: E402
 
 # Per rank and epoch, the figures gathered to rank 0 for the summary, in this order.
 FIGURES = ("batches", "rows", "bytes", "dropped_batches", "dropped_rows", "wait_seconds", "seconds")
@@ -113,22 +113,6 @@ class MLP:
     def accuracy(self, x: np.ndarray, y: np.ndarray) -> float:
         """The share of rows of ``x`` classified as ``y``."""
         return float((self.forward(x)[-1].argmax(axis=1) == y).mean())
-
-
-def allreduce(comm: MPI.Comm, send: np.ndarray, op: MPI.Op = MPI.SUM) -> np.ndarray:
-    """``comm.Allreduce`` without the busy-wait: a non-blocking request tested with a growing sleep."""
-    recv = np.empty_like(send)
-    request = comm.Iallreduce(send, recv, op=op)
-    _sleep_until(request.Test)
-    return recv
-
-
-def gather(comm: MPI.Comm, send: np.ndarray) -> np.ndarray | None:
-    """Every rank's ``send`` stacked on rank 0 (None elsewhere), without the busy-wait."""
-    recv = np.empty((comm.size, *send.shape), dtype=send.dtype) if comm.rank == 0 else None
-    request = comm.Igather(send, recv, root=0)
-    _sleep_until(request.Test)
-    return recv
 
 
 def train_epoch(stream: BatchStream, model: MLP, comm: MPI.Comm, args: argparse.Namespace,

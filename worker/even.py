@@ -1,7 +1,6 @@
-"""Equal step counts across ranks: agreement and end-of-epoch rebalancing over MPI, without spinning a core.
+"""Equal step counts across ranks: the end-of-epoch rebalancing over MPI, without spinning a core.
 
-A blocking MPI call in the mpich wheel busy-waits (a full core per waiting rank); every wait here is a
-non-blocking request tested with a short, growing sleep instead.
+Every wait is a non-blocking request tested with a short, growing sleep (``worker.collectives``).
 
 Batches that move between ranks travel as the wire format itself (header + raw column bytes in one buffer):
 nothing is pickled.
@@ -10,42 +9,15 @@ nothing is pickled.
 from __future__ import annotations
 
 import struct
-import time
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from broker import protocol
 
+from .collectives import wait, wait_until
+
 _TAG_BATCH = 0x5B5
-_MAX_SLEEP = 1e-3
-
-
-def _sleep_until(done: Callable[[], bool]) -> None:
-    delay = 0.0
-    while not done():
-        time.sleep(delay)
-        delay = min(max(delay * 2, 20e-6), _MAX_SLEEP)
-
-
-def all_true(comm: Any, flag: bool) -> bool:
-    """True on every rank iff ``flag`` is true on every rank of ``comm``."""
-    from mpi4py import MPI
-
-    send = np.array([1 if flag else 0], dtype=np.int32)
-    recv = np.empty(1, dtype=np.int32)
-    request = comm.Iallreduce(send, recv, op=MPI.MIN)
-    _sleep_until(request.Test)
-    return bool(recv[0])
-
-
-def allgather_count(comm: Any, count: int) -> list[int]:
-    """Every rank's ``count``, in rank order."""
-    send = np.array([count], dtype=np.int64)
-    recv = np.empty(comm.size, dtype=np.int64)
-    request = comm.Iallgather(send, recv)
-    _sleep_until(request.Test)
-    return [int(c) for c in recv]
 
 
 def plan_transfers(counts: list[int]) -> tuple[list[tuple[int, int, int]], int]:
@@ -107,11 +79,10 @@ def exchange(comm: Any, held: list[tuple[dict, dict]], transfers: list[tuple[int
         if dst == me:
             for _ in range(n):
                 status = MPI.Status()
-                _sleep_until(lambda: comm.Iprobe(source=src, tag=_TAG_BATCH, status=status))
+                wait_until(lambda: comm.Iprobe(source=src, tag=_TAG_BATCH, status=status))
                 buf = bytearray(status.Get_count(MPI.BYTE))
-                request = comm.Irecv([buf, MPI.BYTE], source=src, tag=_TAG_BATCH)
-                _sleep_until(request.Test)
+                wait(comm.Irecv([buf, MPI.BYTE], source=src, tag=_TAG_BATCH))
                 held.append(unpack_batch(bytes(buf)))
     for request, _ in sends:
-        _sleep_until(request.Test)
+        wait(request)
     return held

@@ -13,7 +13,7 @@ import zmq
 from broker import protocol
 from broker.protocol import BrokerError, Kind, pack_header, unpack_header
 
-from . import even as evenly
+from . import collectives, even as evenly
 
 log = logging.getLogger("sparkbus.worker")
 
@@ -218,7 +218,7 @@ class BatchStream:
         while True:
             item = self._next_batch(ep)
             started = time.monotonic()
-            everyone = evenly.all_true(self.comm, item is not None)
+            everyone = collectives.all_true(self.comm, item is not None)
             ep.wait_seconds += time.monotonic() - started
             if not everyone:
                 break
@@ -234,7 +234,7 @@ class BatchStream:
             while (more := self._next_batch(ep)) is not None:
                 held.append(more)
                 self._ack(more[0])
-        transfers, target = evenly.plan_transfers(evenly.allgather_count(self.comm, len(held)))
+        transfers, target = evenly.plan_transfers(collectives.allgather_count(self.comm, len(held)))
         held = evenly.exchange(self.comm, held, transfers)
         ep.wait_seconds += time.monotonic() - started
         for header, batch in held[target:]:

@@ -17,6 +17,8 @@ from helpers import free_port_triple, wait_for
 
 HERE = Path(__file__).parent
 BIN = Path(sys.executable).parent
+# The mpich wheel's network layer (UCX/libfabric) would otherwise also listen on the machine's other NICs.
+LOOPBACK_MPI = {"UCX_NET_DEVICES": "lo", "FI_TCP_IFACE": "lo"}
 
 
 @pytest.fixture(scope="session")
@@ -156,7 +158,7 @@ def start_ranks(tmp_path):
         else:
             program = [str(BIN / "mpiexec"), "-n", str(n), *program]
         proc = subprocess.Popen(program, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
+                                start_new_session=True, env={**os.environ, **LOOPBACK_MPI})
         ranks = Ranks(proc, out, n, name)
         running.append(ranks)
         return ranks
