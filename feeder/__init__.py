@@ -6,7 +6,8 @@ Importing this package starts nothing; it imports pyspark only when ``feed`` is 
 from broker.protocol import BrokerError
 
 from .driver import DivergedPartitionsWarning, FeedError, FeedReport, feed, prepare_dataframe
+from .epochs import epoch_order, feed_epochs
 from .task import FeedTimeout, PartitionReport, stream_partition
 
 __all__ = ["feed", "FeedReport", "FeedError", "DivergedPartitionsWarning", "FeedTimeout", "BrokerError", "PartitionReport",
-           "prepare_dataframe", "stream_partition"]
+           "prepare_dataframe", "stream_partition", "feed_epochs", "epoch_order"]

@@ -1,0 +1,348 @@
+"""Data-parallel training of a small PyTorch MLP on batches Spark streams through a sparkbus broker.
+
+Ranks (gradients averaged with a non-blocking MPI allreduce every step, validation on a second stream):
+
+    mpiexec -n 2 python examples/train_torch.py --ranks tcp://127.0.0.1:5556 --val-stream val --epochs 3
+
+Feed (the Spark side, in any order with the ranks; a synthetic classification set, reshuffled every epoch):
+
+    python examples/train_torch.py --feed tcp://127.0.0.1:5555 --val-stream val --epochs 3 --rows 200000
+
+Per epoch rank 0 prints loss and accuracy (train and validation) and every rank's data-wait: the time its
+training loop waited for batches, out of the epoch's time. ``--summary FILE`` writes all figures as JSON.
+``--checkpoint FILE`` saves the model after every epoch (and every ``--checkpoint-every`` steps);
+``--resume-from FILE`` (or ``EPOCH:BATCHES``) continues from there: see docs/TRAINING.md for how the feed must be
+restarted to match (``--feed ... --first-epoch EPOCH``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from feeder import feed, feed_epochs                  # none of these imports pyspark, torch or MPI
+from worker import BatchStream
+from worker.torch_data import allreduce, to_tensors, wait
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    side = parser.add_mutually_exclusive_group(required=True)
+    side.add_argument("--ranks", help="train: the broker's ranks address (run under mpiexec)")
+    side.add_argument("--feed", help="feed: the broker's feed address (runs the Spark job)")
+    parser.add_argument("--stream", default="train")
+    parser.add_argument("--val-stream", help="the validation stream (default: no validation)")
+    parser.add_argument("--epochs", type=int, default=3, help="total epochs of the run (resumed ones included)")
+    parser.add_argument("--features", type=int, default=32)
+    parser.add_argument("--classes", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=7, help="data and shuffle seed (feed), weights seed (ranks)")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds any single wait may take")
+    train = parser.add_argument_group("training (--ranks)")
+    train.add_argument("--hidden", type=int, default=64)
+    train.add_argument("--lr", type=float, default=1e-2)
+    train.add_argument("--prefetch", type=int, default=4, help="batches in flight to each rank")
+    train.add_argument("--shuffle-buffer", type=int, default=0, help="mix rows across this many batches per rank")
+    train.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    train.add_argument("--checkpoint", help="rank 0 saves model, optimizer and position here")
+    train.add_argument("--checkpoint-every", type=int, default=0, help="also save every N steps (0: per epoch)")
+    train.add_argument("--resume-from", help="a checkpoint file, or EPOCH:BATCHES (position only)")
+    train.add_argument("--no-skip", action="store_true",
+                       help="with --resume-from: the broker still holds the rest of the epoch (only the ranks "
+                            "died), so skip nothing")
+    train.add_argument("--summary", help="rank 0 writes the run's figures here as JSON")
+    feed = parser.add_argument_group("feeding (--feed)")
+    feed.add_argument("--rows", type=int, default=100_000)
+    feed.add_argument("--val-rows", type=int, default=10_000)
+    feed.add_argument("--batch-size", type=int, default=256)
+    feed.add_argument("--partitions", type=int, default=4)
+    feed.add_argument("--first-epoch", type=int, default=0, help="feed epochs FIRST .. --epochs - 1 (resume)")
+    feed.add_argument("--master", default=os.environ.get("SPARK_MASTER", "local[2]"))
+    return parser.parse_args(argv)
+
+
+# ---- the Spark side -------------------------------------------------------------------------------------------
+
+def synthetic_frame(spark: Any, rows: int, features: int, classes: int, seed: int, partitions: int,
+                    first_id: int = 0) -> Any:
+    """``id long, features array<float>, label int``: uniform features in [-1, 1) hashed from (seed, id, j),
+    labelled by a fixed random linear teacher (argmax of ``x @ W``). Pure Spark SQL: no Python on executors,
+    and every value follows from its id, so the set is the same however it is partitioned."""
+    from pyspark.sql import functions as F
+
+    teacher = np.random.default_rng([seed, 1]).standard_normal((features, classes))
+    unit = float(1 << 24)
+    x = [(F.pmod(F.xxhash64(F.lit(seed), F.col("id"), F.lit(j)), F.lit(1 << 24)) / unit * 2 - 1).cast("float")
+         for j in range(features)]
+    base = spark.range(first_id, first_id + rows, numPartitions=partitions).select("id", F.array(*x).alias("x"))
+    scores = F.array(*[sum(F.col("x")[j] * float(teacher[j, c]) for j in range(features)) for c in range(classes)])
+    label = (F.array_position(scores, F.array_max(scores)) - 1).cast("int")
+    return base.select("id", F.col("x").alias("features"), label.alias("label"))
+
+
+def feed_training_data(spark: Any, address: str, epochs: int, *, stream: str = "train",
+                       val_stream: str | None = None, rows: int = 100_000, val_rows: int = 10_000,
+                       features: int = 32, classes: int = 4, seed: int = 7, partitions: int = 4,
+                       batch_size: int = 256, first_epoch: int = 0, timeout: float = 120.0) -> list[dict]:
+    """Feed epochs ``first_epoch .. epochs - 1``: the training set reshuffled per epoch, then the validation set.
+
+    Training and validation epochs alternate (train e, val e, train e + 1, ...): the ranks validate after each
+    epoch, so feeding validation in step keeps the shared broker buffer from filling with validation batches
+    while the ranks wait for training ones.
+
+    Args:
+        spark: the SparkSession; address: the broker's feed address; epochs: feed up to this epoch, exclusive.
+        stream, val_stream: stream names (no validation if ``val_stream`` is None).
+        rows, val_rows, features, classes, seed: the synthetic set (see :func:`synthetic_frame`); the
+            validation rows have other ids, hence other values, from the same teacher.
+        partitions, batch_size: tasks per training epoch and rows per batch.
+        first_epoch: the first epoch to feed (to resume a run).
+        timeout: passed to ``feed``: bounds every wait, a task blocked by backpressure included.
+    Returns:
+        One dict per epoch: the epoch number and the FeedReport (as a dict) of each stream.
+    Raises:
+        BrokerError, FeedError: as ``feeder.feed``.
+    """
+    train = synthetic_frame(spark, rows, features, classes, seed, partitions).cache()
+    train.count()
+    val = synthetic_frame(spark, val_rows, features, classes, seed, 1, first_id=1 << 40).cache() \
+        if val_stream else None
+    fed = []
+    for epoch in range(first_epoch, epochs):
+        report = feed_epochs(train, address, 1, stream=stream, shuffle_seed=seed, first_epoch=epoch,
+                             key=["id"], partitions=partitions, batch_size=batch_size, timeout=timeout)[0]
+        entry = {"epoch": epoch, stream: report._asdict()}
+        if val_stream:
+            entry[val_stream] = feed(val, address, stream=val_stream, epoch=epoch, batch_size=batch_size,
+                                     timeout=timeout)._asdict()
+        fed.append(entry)
+        print(f"fed epoch {epoch}: {report.rows:,} rows in {report.batches} batches in {report.seconds:.1f} s",
+              flush=True)
+    return fed
+
+
+def run_feed(args: argparse.Namespace) -> int:
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    from pyspark.sql import SparkSession
+
+    spark = (SparkSession.builder.master(args.master).appName("sparkbus-train-torch-feed")
+             .config("spark.ui.showConsoleProgress", "false").getOrCreate())
+    spark.sparkContext.setLogLevel("WARN")
+    try:
+        feed_training_data(spark, args.feed, args.epochs, stream=args.stream, val_stream=args.val_stream,
+                           rows=args.rows, val_rows=args.val_rows, features=args.features, classes=args.classes,
+                           seed=args.seed, partitions=args.partitions, batch_size=args.batch_size,
+                           first_epoch=args.first_epoch, timeout=args.timeout)
+    finally:
+        spark.stop()
+    return 0
+
+
+# ---- the ranks ------------------------------------------------------------------------------------------------
+
+class Trainer:
+    """The model, its optimizer, and one flat buffer through which each step's gradients are summed over MPI."""
+
+    def __init__(self, comm: Any, args: argparse.Namespace):
+        import torch
+
+        self.comm, self.args, self.torch = comm, args, torch
+        torch.manual_seed(args.seed)                           # the same initial weights on every rank
+        self.model = torch.nn.Sequential(torch.nn.Linear(args.features, args.hidden), torch.nn.ReLU(),
+                                         torch.nn.Linear(args.hidden, args.classes))
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=args.lr)
+        self.params = list(self.model.parameters())
+        self.size = sum(p.numel() for p in self.params)
+        self.flat = np.zeros(self.size + 1, dtype=np.float32)    # gradients of the summed loss, then rows
+        self.flat_t = torch.from_numpy(self.flat)
+
+    def step(self, x: Any, y: Any) -> tuple[float, int]:
+        """One data-parallel step; returns this rank's summed loss and correct predictions."""
+        torch = self.torch
+        logits = self.model(x)
+        loss = torch.nn.functional.cross_entropy(logits, y, reduction="sum")
+        self.optimizer.zero_grad(set_to_none=False)
+        loss.backward()
+        offset = 0
+        for p in self.params:
+            self.flat_t[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
+            offset += p.numel()
+        self.flat[-1] = len(y)
+        allreduce(self.comm, self.flat)                         # Iallreduce + Test + sleep: no core burnt
+        total = float(self.flat[-1])
+        offset = 0
+        for p in self.params:                                   # the mean over every rank's rows of this step
+            p.grad.copy_(self.flat_t[offset:offset + p.numel()].view_as(p)).div_(total)
+            offset += p.numel()
+        self.optimizer.step()
+        return float(loss.detach()), int((logits.argmax(1) == y).sum())
+
+    def evaluate(self, x: Any, y: Any) -> tuple[float, int]:
+        torch = self.torch
+        with torch.no_grad():
+            logits = self.model(x)
+            return (float(torch.nn.functional.cross_entropy(logits, y, reduction="sum")),
+                    int((logits.argmax(1) == y).sum()))
+
+    def checksum(self) -> float:
+        return float(sum(p.detach().double().sum() for p in self.params))
+
+    def save(self, path: str, epoch: int, batches: int) -> None:
+        tmp = f"{path}.tmp"
+        self.torch.save({"epoch": epoch, "batches": batches, "model": self.model.state_dict(),
+                         "optimizer": self.optimizer.state_dict()}, tmp)
+        os.replace(tmp, path)                                   # a crash never leaves half a checkpoint
+
+    def resume(self, spec: str | None) -> tuple[int, int]:
+        """``(epoch, batches)`` to start from: from a checkpoint file (weights restored too) or ``E:B``."""
+        if not spec:
+            return 0, 0
+        if os.path.exists(spec):
+            state = self.torch.load(spec, weights_only=True)
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            return int(state["epoch"]), int(state["batches"])
+        epoch, _, batches = spec.partition(":")
+        if not (epoch.isdigit() and batches.isdigit()):
+            raise SystemExit(f"--resume-from {spec!r}: not a checkpoint file, nor EPOCH:BATCHES")
+        return int(epoch), int(batches)
+
+
+def gather(comm: Any, values: list[float]) -> np.ndarray:
+    """Every rank's ``values`` as a ``[size, len(values)]`` array on every rank, without a busy-wait."""
+    send = np.asarray(values, dtype=np.float64)
+    recv = np.empty((comm.size, len(values)), dtype=np.float64)
+    wait(comm.Iallgather(send, recv))
+    return recv
+
+
+def train_epoch(trainer: Trainer, loader: Any, epoch: int, skip: int) -> dict:
+    """One pass over the loader; the first ``skip`` steps are consumed without training (resume)."""
+    steps = skipped = 0
+    totals = np.zeros(3)                                        # summed loss, correct, rows on this rank
+    for x, y in loader:
+        if skipped < skip:
+            skipped += 1
+            continue
+        loss, correct = trainer.step(x, y)
+        totals += (loss, correct, len(y))
+        steps += 1
+        if trainer.args.checkpoint_every and steps % trainer.args.checkpoint_every == 0 \
+                and trainer.comm.rank == 0 and trainer.args.checkpoint:
+            trainer.save(trainer.args.checkpoint, epoch, skipped + steps)
+    loss, correct, rows = allreduce(trainer.comm, totals)
+    return {"steps": steps, "skipped": skipped, "rows": int(rows), "loss": loss / max(rows, 1),
+            "accuracy": correct / max(rows, 1)}
+
+
+def validate(trainer: Trainer, stream: Any) -> dict:
+    """This rank's share of the validation epoch (uneven shares are fine: no per-batch collective)."""
+    totals = np.zeros(3)
+    for batch in stream.epoch():
+        t = to_tensors(batch)                                   # zero-copy, read-only: evaluation only reads
+        loss, correct = trainer.evaluate(t["features"], t["label"].long())
+        totals += (loss, correct, len(batch["label"]))
+    loss, correct, rows = allreduce(trainer.comm, totals)
+    return {"val_rows": int(rows), "val_loss": loss / max(rows, 1), "val_accuracy": correct / max(rows, 1)}
+
+
+def run_ranks(args: argparse.Namespace) -> int:
+    import torch
+    from mpi4py import MPI
+    from torch.utils.data import DataLoader
+
+    from worker.torch_data import StreamDataset
+
+    torch.set_num_threads(args.threads)
+    comm = MPI.COMM_WORLD
+    trainer = Trainer(comm, args)
+    first_epoch, skip = trainer.resume(args.resume_from)
+    skip = 0 if args.no_skip else skip
+    history, started = [], time.monotonic()
+    with ExitStack() as stack:
+        train = stack.enter_context(BatchStream(args.ranks, comm=comm, stream=args.stream,
+                                                prefetch=args.prefetch, timeout=args.timeout))
+        val = stack.enter_context(BatchStream(args.ranks, comm=comm, stream=args.val_stream, even=False,
+                                              prefetch=args.prefetch, timeout=args.timeout)) \
+            if args.val_stream else None
+        dataset = StreamDataset(train, transform=lambda b: (b["features"], b["label"].long()),
+                                shuffle_buffer=args.shuffle_buffer, shuffle_seed=args.seed, epoch=first_epoch)
+        loader = DataLoader(dataset, batch_size=None, num_workers=0)   # the socket lives in this process
+        for epoch in range(first_epoch, args.epochs):
+            result = train_epoch(trainer, loader, epoch, skip if epoch == first_epoch else 0)
+            ep = train.stats.epochs[-1]
+            if val is not None:
+                result.update(validate(trainer, val))
+            per_rank = gather(comm, [ep.wait_seconds, ep.seconds, ep.batches, ep.dropped_batches, ep.epoch])
+            result.update(epoch=epoch, broker_epoch=int(per_rank[0, 4]), wait_seconds=per_rank[:, 0].tolist(),
+                          seconds=per_rank[:, 1].tolist(), batches=per_rank[:, 2].astype(int).tolist(),
+                          dropped_batches=per_rank[:, 3].astype(int).tolist())
+            history.append(result)
+            if comm.rank == 0:
+                print(epoch_line(result, args.epochs), flush=True)
+                if args.checkpoint:
+                    trainer.save(args.checkpoint, epoch + 1, 0)
+    checksums = gather(comm, [trainer.checksum()])[:, 0].tolist()
+    if comm.rank == 0:
+        summary = make_summary(history, checksums, comm.size, (first_epoch, skip), time.monotonic() - started)
+        print(summary_lines(summary), flush=True)
+        if args.summary:
+            Path(args.summary).write_text(json.dumps(summary, indent=2))
+    return 0
+
+
+def epoch_line(r: dict, epochs: int) -> str:
+    waits = ", ".join(f"r{i} {w:.2f} s of {s:.2f} s ({w / max(s, 1e-9):.0%})"
+                      for i, (w, s) in enumerate(zip(r["wait_seconds"], r["seconds"])))
+    val = f" | val loss {r['val_loss']:.4f} acc {r['val_accuracy']:.1%}" if "val_accuracy" in r else ""
+    return (f"epoch {r['epoch'] + 1}/{epochs}: {r['steps']} steps, {r['rows']:,} rows, loss {r['loss']:.4f} "
+            f"acc {r['accuracy']:.1%}{val} | data wait {waits}")
+
+
+def make_summary(history: list[dict], checksums: list[float], size: int, resumed: tuple[int, int],
+                 seconds: float) -> dict:
+    waits = np.array([h["wait_seconds"] for h in history]).sum(axis=0) if history else np.zeros(size)
+    spans = np.array([h["seconds"] for h in history]).sum(axis=0) if history else np.zeros(size)
+    return {"ranks": size, "epochs": history, "resumed_from": list(resumed), "seconds": seconds,
+            "data_wait": {"seconds": waits.tolist(), "of_seconds": spans.tolist(),
+                          "share": (waits / np.maximum(spans, 1e-9)).tolist()},
+            "param_checksums": checksums,
+            "final": {k: history[-1][k] for k in ("loss", "accuracy", "val_loss", "val_accuracy")
+                      if history and k in history[-1]}}
+
+
+def summary_lines(s: dict) -> str:
+    waits = ", ".join(f"rank {r} {w:.2f} s of {t:.2f} s ({w / max(t, 1e-9):.0%})"
+                      for r, (w, t) in enumerate(zip(s["data_wait"]["seconds"], s["data_wait"]["of_seconds"])))
+    final = ", ".join(f"{k} {v:.4f}" for k, v in s["final"].items())
+    return f"trained {len(s['epochs'])} epochs on {s['ranks']} ranks in {s['seconds']:.1f} s: {final}\n" \
+           f"data wait: {waits}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.feed:
+        return run_feed(args)
+    try:
+        return run_ranks(args)
+    except BaseException:
+        from mpi4py import MPI
+
+        if MPI.COMM_WORLD.size > 1:                    # never leave the other ranks waiting in a collective
+            import traceback
+
+            traceback.print_exc()
+            sys.stderr.flush()
+            MPI.COMM_WORLD.Abort(1)
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""Feed several epochs of one DataFrame, reshuffled globally in Spark each epoch, back to back.
+
+``feed_epochs`` calls :func:`feeder.feed` once per epoch. ``feed`` returns as soon as the broker holds every
+batch of the epoch, not when the ranks have consumed them, so epoch ``e + 1`` is fed while the ranks still
+train on epoch ``e``: the Spark work of the next epoch overlaps the training of this one. The broker's
+``--max-buffer`` holds the feed back when it runs ahead (backpressure reaches the Spark tasks), and the broker
+delivers epochs whole and in order, so the ranks see no difference.
+
+Order guarantees of the reshuffle (:func:`epoch_order`)
+-------------------------------------------------------
+Every row gets ``h = xxhash64(seed, epoch, key columns)``. Rows go to partition ``pmod(murmur3(h), P)`` and are
+sorted by ``h`` (then by the key columns, when a key is given) within their partition. Both are functions of the
+row's key values alone, so for the same ``(shuffle_seed, epoch, key values, partitions)``:
+
+- **reproducible**: which rows each partition holds and their order in it, hence (with the same ``batch_size``)
+  the rows of every batch ``(partition, seq)`` and their order in it. This holds however the input DataFrame is
+  partitioned or ordered, and when Spark recomputes it (nothing depends on ``rand()`` or on task order).
+- **not reproducible**: which rank receives which batch, and in what order batches reach a rank. That depends
+  on task scheduling and on how fast each rank trains (credits). A rank's sequence of batches is different on
+  every run, even with the same seed.
+- **ties**: rows with equal key values get the same ``h``; their relative order follows the input. With the
+  default key (every column) only identical rows tie, and swapping identical rows changes nothing. Distinct
+  keys collide in 64 bits with probability about ``n**2 / 2**65`` over ``n`` rows; with an explicit unique key
+  the key itself breaks such ties.
+
+Each (row, epoch) pair hashes independently, so each epoch's order is as good as a uniformly random permutation,
+unrelated to the order of any other epoch.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from typing import Any, Callable, Sequence
+
+from .driver import FeedReport, feed
+
+log = logging.getLogger("sparkbus.feeder")
+
+ORDER_COLUMN = "__sparkbus_order"
+
+
+def epoch_order(df: Any, epoch: int, seed: int, key: Sequence[str] | None = None,
+                partitions: int | None = None) -> Any:
+    """``df`` reordered for one epoch: a global shuffle fixed by ``(seed, epoch, key)`` (see the module notes).
+
+    Args:
+        df: a Spark DataFrame.
+        epoch: the epoch number; each epoch gets an independent order.
+        seed: the shuffle seed.
+        key: columns whose values identify a row (e.g. ``["id"]``); default: every column. A key must not
+            change when the DataFrame is recomputed.
+        partitions: partitions of the result (tasks of the feed job); default: those of ``df``.
+    Returns:
+        A DataFrame with the same columns and rows as ``df``, ``partitions`` partitions, in the epoch's order.
+    Raises:
+        TypeError: a key column that is not in ``df``.
+        ValueError: ``partitions`` below 1.
+    """
+    from pyspark.sql import functions as F
+
+    names = list(key) if key is not None else list(df.columns)
+    missing = [name for name in names if name not in df.columns]
+    if missing or not names:
+        raise TypeError(f"shuffle key {missing or names!r} is not a set of columns of the DataFrame "
+                        f"(columns: {', '.join(df.columns)})")
+    count = partitions if partitions is not None else df.rdd.getNumPartitions()
+    if count < 1:
+        raise ValueError(f"partitions must be at least 1, not {count}")
+    order = F.xxhash64(F.lit(int(seed)), F.lit(int(epoch)), *[df[name] for name in names])
+    # repartition(n, col) places rows by murmur3(col) mod n: a function of the row alone, and with an explicit
+    # n adaptive query execution keeps the n partitions. No sampling job, unlike a range partitioning.
+    tie_break = names if key is not None else []
+    return (df.withColumn(ORDER_COLUMN, order)
+            .repartition(count, ORDER_COLUMN)
+            .sortWithinPartitions(ORDER_COLUMN, *tie_break)
+            .drop(ORDER_COLUMN))
+
+
+def feed_epochs(df: Any, address: str, epochs: int, stream: str = "train", shuffle_seed: int | None = None,
+                first_epoch: int = 0, *, shuffle: bool = True, key: Sequence[str] | None = None,
+                partitions: int | None = None, on_epoch: Callable[[int, FeedReport], None] | None = None,
+                **feed_kwargs: Any) -> list[FeedReport]:
+    """Feed epochs ``first_epoch .. first_epoch + epochs - 1`` of ``df`` to ``stream``, one after the other.
+
+    Each epoch is reshuffled with :func:`epoch_order` (unless ``shuffle`` is false) and streamed with
+    :func:`feeder.feed`. The next epoch's feed starts as soon as the broker holds the previous one, while the
+    ranks still train on it; ``--max-buffer`` bounds how far the feed runs ahead. Cache ``df`` (``df.cache()``)
+    when it is expensive: each epoch reads it again.
+
+    Args:
+        df: a Spark DataFrame (see :func:`feeder.feed` for the column types).
+        address: the broker's feed address, e.g. ``tcp://broker-host:5555``.
+        epochs: how many epochs to feed.
+        stream: the stream name.
+        shuffle_seed: the seed of the reshuffle. ``None`` draws one at random and logs it (INFO), so a run can
+            be repeated with the same order.
+        first_epoch: the first epoch number (e.g. to resume: see docs/TRAINING.md). The order of an epoch
+            depends on its number, not on where the run started.
+        shuffle: false to feed ``df`` in its own order every epoch (e.g. a validation set).
+        key: the columns identifying a row for the reshuffle (default: every column).
+        partitions: tasks per reshuffled epoch (default: the partitions of ``df``).
+        on_epoch: called with ``(epoch, report)`` after each epoch is fed, e.g. to log progress.
+        **feed_kwargs: passed to :func:`feeder.feed` (``batch_size``, ``columns``, ``timeout``, ``control``,
+            ``max_batch_bytes``). ``timeout`` also bounds a task blocked by backpressure: make it longer than
+            the longest pause of the ranks' consumption (a validation pass, a checkpoint).
+    Returns:
+        One :class:`FeedReport` per epoch, in order.
+    Raises:
+        BrokerError, FeedError, TypeError: as :func:`feeder.feed`; the epochs fed before the failure stay fed.
+        ValueError: a negative ``epochs`` or ``first_epoch``.
+    """
+    if epochs < 0 or first_epoch < 0:
+        raise ValueError(f"epochs ({epochs}) and first_epoch ({first_epoch}) must not be negative")
+    if shuffle and shuffle_seed is None:
+        shuffle_seed = secrets.randbits(31)
+        log.info("stream %r: shuffle seed %d (pass shuffle_seed=%d to feed the same orders again)",
+                 stream, shuffle_seed, shuffle_seed)
+    reports = []
+    for epoch in range(first_epoch, first_epoch + epochs):
+        data = epoch_order(df, epoch, shuffle_seed, key, partitions) if shuffle else df
+        report = feed(data, address, stream=stream, epoch=epoch, **feed_kwargs)
+        log.info("stream %r epoch %d fed: %d rows in %d batches from %d partitions in %.1f s",
+                 stream, epoch, report.rows, report.batches, report.partitions, report.seconds)
+        reports.append(report)
+        if on_epoch is not None:
+            on_epoch(epoch, report)
+    return reports
+
+
+__all__ = ["epoch_order", "feed_epochs", "ORDER_COLUMN"]
