@@ -30,7 +30,8 @@ import numpy as np
 
 from feeder import feed, feed_epochs                  # none of these imports pyspark, torch or MPI
 from worker import BatchStream
-from worker.torch_data import allreduce, to_tensors, wait
+from worker.collectives import allreduce, wait
+from worker.torch_data import to_tensors
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -175,11 +176,11 @@ class Trainer:
             self.flat_t[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
             offset += p.numel()
         self.flat[-1] = len(y)
-        allreduce(self.comm, self.flat)                         # Iallreduce + Test + sleep: no core burnt
-        total = float(self.flat[-1])
+        summed = self.torch.from_numpy(allreduce(self.comm, self.flat))   # Iallreduce + Test + sleep: no spinning
+        total = float(summed[-1])
         offset = 0
         for p in self.params:                                   # the mean over every rank's rows of this step
-            p.grad.copy_(self.flat_t[offset:offset + p.numel()].view_as(p)).div_(total)
+            p.grad.copy_(summed[offset:offset + p.numel()].view_as(p)).div_(total)
             offset += p.numel()
         self.optimizer.step()
         return float(loss.detach()), int((logits.argmax(1) == y).sum())

@@ -6,7 +6,7 @@ Importing this package starts nothing (no MPI initialisation, no sockets).
 from broker.protocol import BrokerError, ProtocolError
 
 from .stream import BatchStream, EpochStats, StreamStats
-from .torch_data import ShuffleBuffer, allreduce, shuffled
+from .torch_data import ShuffleBuffer, shuffled
 
 __all__ = ["BatchStream", "BrokerError", "EpochStats", "ProtocolError", "StreamStats",
-           "ShuffleBuffer", "allreduce", "shuffled"]
+           "ShuffleBuffer", "shuffled"]

@@ -1,12 +1,11 @@
-"""A training loop's side of a :class:`~worker.BatchStream`: PyTorch tensors, a row-mixing shuffle buffer, and
-an MPI allreduce that does not spin a core.
+"""A training loop's side of a :class:`~worker.BatchStream`: PyTorch tensors and a row-mixing shuffle buffer.
 
 - :class:`StreamDataset` (needs PyTorch): a ``torch.utils.data.IterableDataset`` that runs one epoch of the
   stream per iteration and yields dicts of tensors made without a copy.
 - :class:`ShuffleBuffer` / :func:`shuffled` (numpy only): mix rows across ``k`` consecutive batches of a rank,
   emitting exactly as many batches as came in, with the same sizes, so equal step counts across ranks survive.
-- :func:`allreduce` (mpi4py): ``Iallreduce`` tested with a short sleep; a blocking ``Allreduce`` in the mpich
-  wheel busy-waits a full core, which the Spark tasks on the same machine need.
+
+For the gradient allreduce of the training loop use :mod:`worker.collectives` (it does not spin a core).
 
 Importing this module imports neither torch nor mpi4py; torch is imported the first time ``StreamDataset`` is
 looked up (``from worker.torch_data import StreamDataset``).
@@ -18,7 +17,6 @@ which batch, see docs/TRAINING.md), so a rank's mixed batches are reproducible o
 
 from __future__ import annotations
 
-import time
 import warnings
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
@@ -32,7 +30,6 @@ if TYPE_CHECKING:                     # pragma: no cover
 
 Batch = dict[str, np.ndarray]
 
-_MAX_SLEEP = 1e-3
 # torch.from_numpy warns (once per process) that a read-only array gives a tensor it cannot protect.
 _READ_ONLY_WARNING = "The given NumPy array is not writable"
 
@@ -179,34 +176,6 @@ def to_tensors(batch: Batch, writable: bool = False) -> dict[str, "torch.Tensor"
     return tensors
 
 
-def wait(request: Any) -> None:
-    """Wait for an mpi4py request by testing it with a short, growing sleep (at most 1 ms) instead of spinning."""
-    delay = 0.0
-    while not request.Test():
-        time.sleep(delay)
-        delay = min(max(delay * 2, 20e-6), _MAX_SLEEP)
-
-
-def allreduce(comm: Any, array: np.ndarray, op: Any = None) -> np.ndarray:
-    """Reduce ``array`` in place across the ranks of ``comm`` (default: sum) without burning a core.
-
-    Args:
-        comm: an mpi4py communicator.
-        array: a C-contiguous numpy array, the same shape and dtype on every rank; it receives the result.
-        op: an ``mpi4py.MPI.Op`` (default ``MPI.SUM``).
-    Returns:
-        ``array``, now holding the reduction.
-    Raises:
-        ValueError: ``array`` is not C-contiguous and writable.
-    """
-    from mpi4py import MPI
-
-    if not (array.flags.c_contiguous and array.flags.writeable):
-        raise ValueError("allreduce needs a C-contiguous, writable array")
-    wait(comm.Iallreduce(MPI.IN_PLACE, array, op=MPI.SUM if op is None else op))
-    return array
-
-
 def _define_stream_dataset() -> type:
     import torch.utils.data
     from torch.utils.data import IterableDataset
@@ -279,4 +248,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["ShuffleBuffer", "StreamDataset", "allreduce", "shuffled", "to_tensors", "wait"]
+__all__ = ["ShuffleBuffer", "StreamDataset", "shuffled", "to_tensors"]

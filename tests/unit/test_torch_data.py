@@ -15,7 +15,7 @@ from broker.protocol import Kind
 from feeder.task import stream_partition
 from helpers import free_port_triple
 from worker import BatchStream
-from worker.torch_data import ShuffleBuffer, allreduce, shuffled, to_tensors
+from worker.torch_data import ShuffleBuffer, shuffled, to_tensors
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -106,15 +106,6 @@ def test_importing_worker_and_the_adapter_does_not_import_torch():
     code = ("import sys, worker, worker.torch_data; from worker.torch_data import shuffled, ShuffleBuffer; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
-
-
-def test_allreduce_over_one_rank_returns_the_array():
-    mpi = pytest.importorskip("mpi4py.MPI")
-    values = np.arange(4, dtype=np.float32)
-    assert allreduce(mpi.COMM_SELF, values) is values
-    np.testing.assert_array_equal(values, np.arange(4))
-    with pytest.raises(ValueError, match="C-contiguous"):
-        allreduce(mpi.COMM_SELF, np.zeros((4, 4))[:, 0])
 
 
 # ---- torch -----------------------------------------------------------------------------------------------
