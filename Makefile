@@ -11,7 +11,10 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10) and "sparkbus needs Python >= 3.10")'
 	@command -v java >/dev/null || { echo "sparkbus needs Java 17+ for Spark (java not found)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -e '.[test]'
+	# torch pinned first: the CPU build that lies on our machines' disk (an open range would pull a
+	# multi-GB CUDA build from PyPI); the [torch] extra's range is then already satisfied
+	$(PY) -m pip install --quiet 'torch==2.13.0'
+	$(PY) -m pip install --quiet -e '.[test,torch,bench]'
 	touch $@
 
 demo: setup

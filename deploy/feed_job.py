@@ -2,8 +2,8 @@
 
     spark-submit --master local[2] deploy/feed_job.py --feed tcp://127.0.0.1:5555 [--rows 1000000 --epochs 3]
 
-Each epoch is a fresh global shuffle of the cached set (``orderBy(rand(seed + epoch))``) streamed with
-``feeder.feed``. The executors' Python must be the one sparkbus is installed in (set PYSPARK_PYTHON or
+Each epoch is a fresh global shuffle of the cached set (``feeder.epoch_order``: by a hash of seed, epoch and the
+row, so a recomputed partition comes out the same) streamed with ``feeder.feed``. The executors' Python must be the one sparkbus is installed in (set PYSPARK_PYTHON or
 ``spark.pyspark.python``).
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 import synthetic
-from feeder import feed
+from feeder import epoch_order, feed
 
 HERE = Path(__file__).resolve().parent
 
@@ -66,7 +66,6 @@ def generate(spark, rows: int, features: int, classes: int, partitions: int, see
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from pyspark.sql import SparkSession
-    from pyspark.sql import functions as F
 
     spark = (SparkSession.builder.appName("sparkbus-demo-feed")
              .config("spark.sql.shuffle.partitions", args.partitions)
@@ -84,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
               f"in {args.partitions} partitions: {report['generate_seconds']:.1f} s", flush=True)
         for epoch in range(args.epochs):
             began = time.time()
-            shuffled = data.orderBy(F.rand(args.seed + epoch))
+            shuffled = epoch_order(data, epoch, args.seed, partitions=args.partitions)
             result = feed(shuffled, args.feed, stream=args.stream, epoch=epoch, batch_size=args.batch_size,
                           timeout=args.timeout)
             report["epochs"].append({"epoch": epoch, "started": began, **result._asdict()})

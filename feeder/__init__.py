@@ -9,5 +9,5 @@ from .driver import DivergedPartitionsWarning, FeedError, FeedReport, feed, prep
 from .epochs import epoch_order, feed_epochs
 from .task import FeedTimeout, PartitionReport, stream_partition
 
-__all__ = ["feed", "FeedReport", "FeedError", "DivergedPartitionsWarning", "FeedTimeout", "BrokerError", "PartitionReport",
-           "prepare_dataframe", "stream_partition", "feed_epochs", "epoch_order"]
+__all__ = ["feed", "feed_epochs", "epoch_order", "FeedReport", "FeedError", "FeedTimeout", "BrokerError",
+           "DivergedPartitionsWarning", "PartitionReport", "prepare_dataframe", "stream_partition"]

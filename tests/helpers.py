@@ -8,6 +8,9 @@ from typing import Callable, TypeVar
 
 from broker.protocol import Kind, pack_header, unpack_header
 
+# The mpich wheel's network layer (UCX/libfabric) would otherwise also listen on the machine's other NICs.
+LOOPBACK_MPI = {"UCX_NET_DEVICES": "lo", "FI_TCP_IFACE": "lo"}
+
 T = TypeVar("T")
 
 

@@ -44,6 +44,7 @@ class StreamStats:
     dropped_batches: int = 0
     dropped_rows: int = 0
     wait_seconds: float = 0.0
+    skipped_batches: int = 0    # left unread when the loop broke out of an epoch early
     epochs: list[EpochStats] = field(default_factory=list)
 
     def add(self, ep: EpochStats) -> None:
@@ -68,6 +69,7 @@ class BatchStream:
         on_drop: called with each batch dropped to keep the ranks even.
         abort_on_error: when an exception leaves the ``with`` block on one rank of a communicator of size > 1,
             call ``comm.Abort(1)`` so that the other ranks are not left waiting in a collective forever.
+        context: a ZeroMQ context to use (needed for ``inproc://`` addresses); by default a private one.
     Raises:
         BrokerError: the broker does not answer within ``timeout``, refuses this rank, or goes silent.
 
@@ -76,7 +78,8 @@ class BatchStream:
 
     def __init__(self, address: str, comm: Any = None, stream: str = "train", prefetch: int = 4,
                  even: bool | None = None, timeout: float = 60.0, verify: bool = True, heartbeat: float = 1.0,
-                 on_drop: Callable[[Batch], None] | None = None, abort_on_error: bool = True):
+                 on_drop: Callable[[Batch], None] | None = None, abort_on_error: bool = True,
+                 context: zmq.Context | None = None):
         if prefetch < 1:
             raise ValueError("prefetch must be at least 1")
         self.address, self.comm, self.stream = address, comm, stream
@@ -90,7 +93,10 @@ class BatchStream:
         self.stats = StreamStats()
         self._received: set[tuple[int, int, int]] = set()    # batch ids of the current epoch, to drop redeliveries
         self._rejoining = False
-        self._context = zmq.Context()
+        self._holding: dict | None = None      # header of the batch the loop has now (acknowledged on next)
+        self._end_seen = True                  # the current epoch's EPOCH_END arrived (or no epoch begun)
+        self._own_context = context is None
+        self._context = context or zmq.Context()
         self._sock = self._context.socket(zmq.DEALER)
         self._sock.linger = 0
         self._sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat * 1000))    # transport-level, answered by libzmq
@@ -166,6 +172,7 @@ class BatchStream:
             if header["kind"] == Kind.EPOCH_END:
                 ep.wait_seconds += time.monotonic() - started
                 self._received.clear()
+                self._end_seen = True
                 return None
             batch_id = protocol.batch_id(header)
             if batch_id not in self._received:
@@ -186,19 +193,34 @@ class BatchStream:
         """Yield the next epoch's batches, each a ``dict[str, numpy.ndarray]``, until the broker ends it.
 
         A batch is acknowledged when the loop asks for the next one. With ``even``, every rank of ``comm``
-        yields the same number of batches (ranks must all iterate the epoch).
+        yields the same number of batches (ranks must all iterate the epoch, and if they stop early, all at
+        the same step). Leaving an epoch early (``break``) acknowledges the batch in hand; the next call first
+        skips what is left of that epoch on this rank, counted in ``stats.skipped_batches``.
 
         Raises:
             BrokerError: the broker goes silent for longer than ``timeout`` or reports an error.
             ProtocolError: a malformed batch (checksum or shape mismatch).
         """
+        if not self._end_seen:
+            self._skip_rest_of_epoch()
         ep = EpochStats(epoch=-1)
         started = time.monotonic()
+        self._end_seen = False
         try:
             yield from (self._even_epoch(ep) if self.even else self._plain_epoch(ep))
         finally:
+            if self._holding is not None:         # the loop left with a batch in hand: it was consumed
+                self._ack(self._holding)
+                self._holding = None
             ep.seconds = time.monotonic() - started
             self.stats.add(ep)
+
+    def _skip_rest_of_epoch(self) -> None:
+        log.warning("rank %d left the previous epoch before its end; skipping its remaining batches", self.rank)
+        ignored = EpochStats(epoch=-1)
+        while (item := self._next_batch(ignored)) is not None:
+            self._ack(item[0])
+            self.stats.skipped_batches += 1
 
     def _count(self, ep: EpochStats, batch: Batch) -> None:
         first = next(iter(batch.values()), None)
@@ -210,7 +232,9 @@ class BatchStream:
         while (item := self._next_batch(ep)) is not None:
             header, batch = item
             self._count(ep, batch)
+            self._holding = header
             yield batch
+            self._holding = None
             self._ack(header)
 
     def _even_epoch(self, ep: EpochStats) -> Iterator[Batch]:
@@ -224,7 +248,9 @@ class BatchStream:
                 break
             header, batch = item
             self._count(ep, batch)
+            self._holding = header
             yield batch
+            self._holding = None
             self._ack(header)
         # Some rank's share is used up: gather what is left everywhere and share it out evenly.
         started = time.monotonic()
@@ -259,7 +285,8 @@ class BatchStream:
 
     def _close_socket(self) -> None:
         self._sock.close(linger=200)     # long enough for BYE to leave, never a hang
-        self._context.term()
+        if self._own_context:
+            self._context.term()
 
     def __enter__(self) -> "BatchStream":
         return self

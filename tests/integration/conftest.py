@@ -13,12 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import free_port_triple, wait_for
+from helpers import LOOPBACK_MPI, free_port_triple, wait_for
 
 HERE = Path(__file__).parent
 BIN = Path(sys.executable).parent
-# The mpich wheel's network layer (UCX/libfabric) would otherwise also listen on the machine's other NICs.
-LOOPBACK_MPI = {"UCX_NET_DEVICES": "lo", "FI_TCP_IFACE": "lo"}
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from feeder.epochs import epoch_order, feed_epochs
-from helpers import wait_for
+from helpers import LOOPBACK_MPI, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -129,7 +129,8 @@ def start_training(tmp_path):
         summary = tmp_path / f"summary-{len(running)}.json"
         proc = subprocess.Popen([str(BIN / "mpiexec"), "-n", "2", sys.executable, str(EXAMPLES / "train_torch.py"),
                                  "--ranks", address, "--summary", str(summary), "--timeout", "60", *flags],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                                env={**os.environ, **LOOPBACK_MPI})
         running.append(proc)
 
         def wait(timeout=120):

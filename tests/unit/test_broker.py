@@ -10,7 +10,7 @@ from helpers import recv_header, send, wait_for
 
 
 @pytest.fixture
-def bus(start_broker, sockets):
+def bus(start_broker, sockets, context):
     """A broker with a feeder (PUSH + control DEALER) connected; ranks are added per test."""
     broker = start_broker(max_buffer=1 << 20)
 
@@ -19,6 +19,7 @@ def bus(start_broker, sockets):
 
     bus = Bus()
     bus.broker = broker
+    bus.context = context
     bus.push = sockets(zmq.PUSH, broker.config.feed)
     bus.control = sockets(zmq.DEALER, broker.config.control)
     bus.sockets = sockets
@@ -242,3 +243,22 @@ def test_feed_stops_being_read_at_the_buffer_bound(bus):
         header, _ = recv_header(r)
         assert header["seq"] == seq
         send(r, Kind.ACK, ids=[[0, 0, seq]], credit=1)
+
+
+def test_a_loop_that_breaks_out_of_an_epoch_can_go_on_with_the_next(bus):
+    """Leaving an epoch early acknowledges the batch in hand; the next epoch() skips the rest of the old one."""
+    from worker import BatchStream
+
+    for epoch in (0, 1):
+        bus.request(Kind.EPOCH_OPEN, stream="s", epoch=epoch, partitions=1)
+        for seq in range(5):
+            bus.push_batch(epoch, 0, seq, first_id=100 * epoch + 10 * seq)
+        bus.request(Kind.PARTITION_END, stream="s", epoch=epoch, part=0, attempt=0, batches=5, rows=20)
+        bus.request(Kind.EPOCH_CLOSE, stream="s", epoch=epoch, partitions=1)
+    with BatchStream(bus.broker.config.ranks, stream="s", timeout=5, prefetch=2, context=bus.context) as stream:
+        for batch in stream.epoch():
+            assert batch["id"][0] == 0
+            break
+        firsts = [int(batch["id"][0]) for batch in stream.epoch()]
+        assert firsts == [100, 110, 120, 130, 140]
+        assert stream.stats.skipped_batches == 4
