@@ -228,14 +228,17 @@ class BatchStream:
         ep.rows += len(first) if first is not None else 0
         ep.bytes += sum(a.nbytes for a in batch.values())
 
+    def _hand_over(self, ep: EpochStats, header: dict, batch: Batch) -> Iterator[Batch]:
+        """Yield one batch to the loop; acknowledge it when the loop comes back for the next."""
+        self._count(ep, batch)
+        self._holding = header
+        yield batch
+        self._holding = None
+        self._ack(header)
+
     def _plain_epoch(self, ep: EpochStats) -> Iterator[Batch]:
         while (item := self._next_batch(ep)) is not None:
-            header, batch = item
-            self._count(ep, batch)
-            self._holding = header
-            yield batch
-            self._holding = None
-            self._ack(header)
+            yield from self._hand_over(ep, *item)
 
     def _even_epoch(self, ep: EpochStats) -> Iterator[Batch]:
         # Lockstep: a step happens only if every rank has a batch for it.
@@ -246,12 +249,7 @@ class BatchStream:
             ep.wait_seconds += time.monotonic() - started
             if not everyone:
                 break
-            header, batch = item
-            self._count(ep, batch)
-            self._holding = header
-            yield batch
-            self._holding = None
-            self._ack(header)
+            yield from self._hand_over(ep, *item)
         # Some rank's share is used up: gather what is left everywhere and share it out evenly.
         started = time.monotonic()
         held = [] if item is None else [item]
