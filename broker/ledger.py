@@ -114,7 +114,7 @@ class Ledger:
             late = stream is not None and header["epoch"] in stream.finished
             raise Rejected("late_duplicate" if late else "unknown_epoch",
                            f"stream {header['stream']!r} epoch {header['epoch']} is not open")
-        number, seq, attempt, crc = header["part"], header["seq"], header["attempt"], header["crc"]
+        number, seq, attempt, checksum = header["part"], header["seq"], header["attempt"], header["checksum"]
         if not 0 <= number < ep.partitions or seq < 0 or attempt < 0:
             raise Rejected("out_of_range", f"partition {number} seq {seq} attempt {attempt}")
         part = ep.part(number)
@@ -122,8 +122,8 @@ class Ledger:
         if seq in seen:
             raise Rejected("replayed", f"attempt {attempt} sent partition {number} seq {seq} twice")
         seen.add(seq)
-        known = part.crcs.get(seq)
-        if known is not None and known != crc and not part.diverged:
+        known = part.checksums.get(seq)
+        if known is not None and known != checksum and not part.diverged:
             part.diverged = True
             self._warn_diverged(stream.name, ep, number)
         keep = part.committed_attempt is None and (known is None or ep.delivery == "atomic")
@@ -131,7 +131,7 @@ class Ledger:
             self.journal.record_batch(stream.name, ep.epoch, header_bytes, frames[1:] if keep else [])
         if keep:
             batch = HeldBatch(protocol.batch_id(header), frames, sum(len(f) for f in frames), header["rows"])
-            part.crcs.setdefault(seq, crc)
+            part.checksums.setdefault(seq, checksum)
             self.buffered += batch.nbytes
             if ep.delivery == "atomic":
                 part.held.setdefault(attempt, []).append(batch)
@@ -182,7 +182,7 @@ class Ledger:
                 for batch in sorted(part.held.pop(attempt, []), key=lambda b: b.id):
                     self.held_bytes -= batch.nbytes
                     self._enqueue(ep, batch)
-            elif set(part.crcs) != set(range(got)):
+            elif set(part.checksums) != set(range(got)):
                 part.diverged = True
             ep.committed.add(number)
         for loser in list(part.held):          # atomic: other attempts' copies are not needed any more

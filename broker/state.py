@@ -38,12 +38,12 @@ class PendingCommit:
 class PartitionState:
     """One partition of an epoch, across the Spark task attempts that stream it.
 
-    ``crcs`` holds, per seq, the checksum of the first copy the broker accepted: a later attempt's copy of the
+    ``checksums`` holds, per seq, the checksum of the first copy the broker accepted: a later attempt's copy of the
     same seq is a duplicate, and a duplicate with another checksum means Spark recomputed the partition
     differently (``diverged``).
     """
 
-    crcs: dict[int, int] = field(default_factory=dict)
+    checksums: dict[int, int] = field(default_factory=dict)
     attempts: dict[int, set[int]] = field(default_factory=dict)          # attempt -> seqs it sent
     held: dict[int, list[HeldBatch]] = field(default_factory=dict)       # atomic: attempt -> batches
     pending: dict[int, PendingCommit] = field(default_factory=dict)      # attempt -> its PARTITION_END

@@ -137,7 +137,7 @@ def test_random_bytes_raise_only_protocol_errors(data):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.dictionaries(st.sampled_from(["v", "kind", "stream", "epoch", "part", "seq", "rows", "cols", "crc",
+@given(st.dictionaries(st.sampled_from(["v", "kind", "stream", "epoch", "part", "seq", "rows", "cols", "checksum",
                                         "credit", "ids", "req", "reason"]),
                        st.one_of(st.integers(-2, 20), st.text(max_size=5), st.booleans(), st.none(),
                                  st.lists(st.integers(-2**63, 2**63 - 1), max_size=3))))
