@@ -1,0 +1,171 @@
+"""Processes of the broker-hop and RSS measurements, started with ``multiprocessing`` (spawn) and driven by jobs.
+
+* :func:`sender` pushes batches: raw pyzmq (``mode="zmq"``), or through the real feeder code path
+  (``mode="sparkbus"``: ``feeder.task.stream_partition``, which encodes each batch with its checksum and waits for
+  the broker's commit).
+* :func:`receiver` pulls them: a raw PULL socket, or ``worker.BatchStream(comm=None)`` iterating ``epoch()``.
+* :func:`proxy` is ``zmq.proxy(PULL, PUSH)``: the C broker, the limit for one hop.
+
+Times are ``time.time()`` so that the parent can compare the sender's first send with the receiver's last
+receive. Each job answers with a dict of figures.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from common import agent_loop, die_with_parent
+
+SENTINEL = b""       # a one-frame message ends a raw zmq measurement
+
+
+def payload(size: int, dtype: str = "float32") -> dict:
+    """One batch: a single column of ``size`` bytes."""
+    import numpy as np
+
+    itemsize = np.dtype(dtype).itemsize
+    rng = np.random.default_rng(size)
+    return {"x": (rng.random(size // itemsize) * 100).astype(dtype)}
+
+
+def _timed(columns: dict, seconds: float, min_batches: int, max_batches: int | None, clock: dict):
+    """Yield the same batch until ``seconds`` have passed (and at least ``min_batches``), or ``max_batches``."""
+    clock["t_first"] = started = time.time()
+    n = 0
+    while True:
+        yield columns
+        n += 1
+        if max_batches is not None and n >= max_batches:
+            break
+        if n >= min_batches and time.time() - started >= seconds:
+            break
+    clock["sent"] = n
+
+
+# ---- sender -------------------------------------------------------------------------------------------------
+
+def sender(conn: Any) -> None:
+    agent_loop(conn, _send_job)
+
+
+def _send_job(conn: Any, job: dict) -> dict:
+    if job.get("no_checksum"):     # investigation only (profile_hop.py --no-checksum): what the checksum costs
+        import broker.protocol
+
+        for name in ("batch_checksum", "batch_crc"):       # whichever this protocol version has
+            if hasattr(broker.protocol, name):
+                setattr(broker.protocol, name, lambda buffers: 0)
+    columns = payload(job["size"])
+    clock: dict = {}
+    batches = _timed(columns, job["seconds"], job["min_batches"], job.get("max_batches"), clock)
+    if job["mode"] == "zmq":
+        _send_zmq(job, batches)
+    else:
+        from feeder.task import stream_partition
+
+        stream_partition(batches, job["feed"], job["control"], job["stream"], job.get("epoch", 0),
+                         job.get("partition", 0), 0, job.get("timeout", 60.0))
+    clock["t_done"] = time.time()
+    return clock
+
+
+def _send_zmq(job: dict, batches) -> None:
+    import zmq
+
+    from broker.protocol import encode_batch
+
+    ctx = zmq.Context.instance()
+    push = ctx.socket(zmq.PUSH)
+    push.linger = -1                      # the sentinel must leave before close returns
+    push.sndhwm = job["hwm"]
+    push.connect(job["address"])
+    try:
+        frames = None
+        for columns in batches:
+            if frames is None:            # the very message sparkbus sends, encoded once: header + column
+                frames = encode_batch("raw", 0, 0, 0, columns)
+            push.send_multipart(frames, copy=False)
+        push.send(SENTINEL)
+    finally:
+        push.close(linger=int(job.get("timeout", 60.0) * 1000))
+
+
+# ---- receiver -----------------------------------------------------------------------------------------------
+
+def receiver(conn: Any) -> None:
+    agent_loop(conn, _receive_job)
+
+
+def _receive_job(conn: Any, job: dict) -> dict:
+    if job["mode"] == "zmq":
+        return _receive_zmq(conn, job)
+    return _receive_sparkbus(conn, job)
+
+
+def _receive_zmq(conn: Any, job: dict) -> dict:
+    import zmq
+
+    ctx = zmq.Context.instance()
+    pull = ctx.socket(zmq.PULL)
+    pull.linger = 0
+    pull.rcvhwm = job["hwm"]
+    copy = job["size"] < 64 * 1024        # small messages are faster copied into bytes
+    try:
+        if job.get("address"):
+            pull.connect(job["address"])
+            endpoint = job["address"]
+        else:
+            pull.bind("tcp://127.0.0.1:*")
+            endpoint = pull.getsockopt_string(zmq.LAST_ENDPOINT)
+        conn.send(("ok", {"endpoint": endpoint}))          # ready: the parent may start the sender
+        n, t_last, t_first = 0, None, None
+        deadline_ms = int(job.get("timeout", 60.0) * 1000)
+        while True:
+            if not pull.poll(deadline_ms):
+                raise TimeoutError(f"no message for {deadline_ms / 1000:g} s after {n} messages")
+            frames = pull.recv_multipart(copy=copy)
+            if len(frames) == 1:
+                break
+            t_last = time.time()
+            if t_first is None:
+                t_first = t_last
+            n += 1
+        return {"received": n, "t_last": t_last, "t_first_recv": t_first}
+    finally:
+        pull.close(linger=0)
+
+
+def _receive_sparkbus(conn: Any, job: dict) -> dict:
+    from worker import BatchStream
+
+    with BatchStream(job["ranks"], stream=job["stream"], comm=None, prefetch=job.get("prefetch", 4),
+                     verify=job.get("verify", True), timeout=job.get("timeout", 60.0)) as stream:
+        conn.send(("ok", {"endpoint": job["ranks"]}))      # joined: the parent may start the feed
+        n, t_last, t_first = 0, None, None
+        for batch in stream.epoch():
+            t_last = time.time()
+            if t_first is None:
+                t_first = t_last
+            n += 1
+        ep = stream.stats.epochs[-1]
+        return {"received": n, "t_last": t_last, "t_first_recv": t_first, "bytes": ep.bytes,
+                "wait_seconds": ep.wait_seconds, "seconds": ep.seconds}
+
+
+# ---- zmq.proxy -------------------------------------------------------------------------------------------------
+
+def proxy(conn: Any, hwm: int) -> None:
+    """Bind PULL and PUSH on free loopback ports, report them, then forward forever (the parent terminates us)."""
+    import zmq
+
+    die_with_parent()
+    ctx = zmq.Context()
+    front, back = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    for sock in (front, back):
+        sock.linger = 0
+        sock.rcvhwm = sock.sndhwm = hwm
+        sock.bind("tcp://127.0.0.1:*")
+    conn.send(("ok", {"front": front.getsockopt_string(zmq.LAST_ENDPOINT),
+                      "back": back.getsockopt_string(zmq.LAST_ENDPOINT)}))
+    zmq.proxy(front, back)

@@ -1,0 +1,404 @@
+"""Shared pieces of the benchmark: sizes, child processes that are always cleaned up, the broker, mpiexec.
+
+Every child is registered in a :class:`Children` and stopped by :meth:`Children.stop_all` on success, error and
+signal: brokers get SIGTERM (then SIGKILL after a grace period), mpiexec gets SIGTERM to its whole process
+group (it and its ranks), spawned agents are terminated. Children also get ``PR_SET_PDEATHSIG`` so that even a
+SIGKILLed benchmark leaves nothing behind. Every wait is a poll against a deadline.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import multiprocessing
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+BIN = Path(sys.executable).parent          # the venv's bin: mpiexec lives next to its python
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+LOOPBACK_MPI = {"UCX_NET_DEVICES": "lo", "FI_TCP_IFACE": "lo"}     # keep the ranks' netmod on loopback
+
+_PR_SET_PDEATHSIG = 1
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+class BenchError(RuntimeError):
+    """A part of the benchmark could not run (a child failed or did not answer in time)."""
+
+
+@dataclass
+class Sizes:
+    """How big each measurement is. ``full`` is the default; ``quick`` must finish in under a minute."""
+
+    name: str
+    reps: int                      # repetitions per figure (the median is reported)
+    hop_seconds: float             # each broker-hop measurement sends for at least this long
+    hop_min_batches: int           # ... and at least this many batches
+    rows: int                      # rows of the cached DataFrame for the end-to-end and scaling runs
+    partitions: int                # its partitions (feeding tasks); local[2] runs 2 at a time
+    rss_bytes: int                 # bytes pushed through the broker for its peak RSS
+    rss_max_buffer: int            # the broker's --max-buffer for that
+    wait_epoch_seconds: float      # target length of the data-wait epoch
+    driver_memory: str
+    timeout: float                 # bound on any single run (a feed, a set of ranks)
+
+
+FULL = Sizes("full", reps=3, hop_seconds=1.0, hop_min_batches=50, rows=1 << 22, partitions=4,
+             rss_bytes=4 * GiB, rss_max_buffer=64 * MiB, wait_epoch_seconds=3.0, driver_memory="4g",
+             timeout=300.0)
+QUICK = Sizes("quick", reps=1, hop_seconds=0.12, hop_min_batches=16, rows=100_000, partitions=4,
+              rss_bytes=200 * MiB, rss_max_buffer=64 * MiB, wait_epoch_seconds=0.8, driver_memory="2g",
+              timeout=60.0)
+
+
+def median(values: Sequence[float]) -> float:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else float("nan")
+
+
+def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.01) -> Any:
+    """Poll ``condition`` until it returns something truthy; :class:`BenchError` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise BenchError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(interval)
+
+
+def die_with_parent() -> None:
+    """In a child: get SIGTERM when the process that started us dies (even by SIGKILL)."""
+    if _libc is not None:
+        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def free_port_triple(host: str = "127.0.0.1") -> int:
+    """A port P on ``host`` with P, P+1 and P+2 free right now (feed, ranks, derived control)."""
+    for _ in range(200):
+        with socket.socket() as probe:
+            probe.bind((host, 0))
+            base = probe.getsockname()[1]
+        if base > 65530:
+            continue
+        held = []
+        try:
+            for port in (base, base + 1, base + 2):
+                sock = socket.socket()
+                held.append(sock)
+                sock.bind((host, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+    raise BenchError(f"no three consecutive free ports on {host}")
+
+
+# ---- children ---------------------------------------------------------------------------------------------
+
+class Group:
+    """A subprocess in its own session; stopping it signals the whole group (mpiexec and its ranks)."""
+
+    def __init__(self, name: str, command: Sequence[str], log: Path, env: dict[str, str] | None = None):
+        self.name, self.log_path = name, log
+        self._log = open(log, "w")
+        self.proc = subprocess.Popen(list(command), cwd=ROOT, env={**os.environ, **(env or {})},
+                                     stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
+                                     start_new_session=True, preexec_fn=die_with_parent)
+        self.pid = self.proc.pid
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def _signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def wait(self, timeout: float) -> int:
+        """Wait for a normal exit; on timeout stop the group and raise."""
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            raise BenchError(f"{self.name} did not finish within {timeout:g} s:\n{self.tail()}") from None
+
+    def stop(self, grace: float = 5.0) -> None:
+        if self.proc.poll() is None:
+            self._signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                pass
+        self._signal(signal.SIGKILL)      # whatever is left in the group (ranks of an aborted mpiexec)
+        try:
+            self.proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
+        if not self._log.closed:
+            self._log.close()
+
+    def tail(self, lines: int = 20) -> str:
+        try:
+            self._log.flush()
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except (OSError, ValueError):
+            return ""
+
+
+class Agent:
+    """A ``multiprocessing`` (spawn) child running ``target(conn, *args)``, driven by messages on a pipe.
+
+    The target answers each job with ``("ok", value)`` or ``("error", traceback_text)``.
+    """
+
+    _ctx = multiprocessing.get_context("spawn")
+
+    def __init__(self, name: str, target: Callable, *args: Any):
+        self.name = name
+        self.conn, child = self._ctx.Pipe()
+        self.proc = self._ctx.Process(target=target, args=(child, *args), name=name, daemon=True)
+        self.proc.start()
+        child.close()
+        self.pid = self.proc.pid
+
+    def send(self, job: Any) -> None:
+        self.conn.send(job)
+
+    def recv(self, timeout: float, what: str = "an answer") -> Any:
+        deadline = time.monotonic() + timeout
+        while not self.conn.poll(0.05):
+            if not self.proc.is_alive():
+                raise BenchError(f"agent {self.name} died (exit code {self.proc.exitcode}) before {what}")
+            if time.monotonic() > deadline:
+                raise BenchError(f"agent {self.name} gave no {what} within {timeout:g} s")
+        try:
+            status, value = self.conn.recv()
+        except (EOFError, OSError):
+            self.proc.join(1)
+            raise BenchError(f"agent {self.name} died (exit code {self.proc.exitcode}) before {what}") from None
+        if status != "ok":
+            raise BenchError(f"agent {self.name} failed:\n{value}")
+        return value
+
+    def stop(self, grace: float = 5.0) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(None)          # polite: the agent's loop ends on None
+            except (OSError, BrokenPipeError):
+                pass
+            self.proc.join(0.5)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(grace)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(grace)
+        self.conn.close()
+
+
+def agent_loop(conn: Any, handle: Callable[[Any, Any], Any]) -> None:
+    """Body of an agent process: answer jobs with ``handle(conn, job)`` until a ``None`` job or a closed pipe."""
+    import traceback
+
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C is the parent's to handle; it stops us
+    while True:
+        try:
+            job = conn.recv()
+        except (EOFError, OSError):
+            return
+        if job is None:
+            return
+        try:
+            conn.send(("ok", handle(conn, job)))
+        except Exception:
+            conn.send(("error", traceback.format_exc()))
+
+
+class Children:
+    """Every child the benchmark started, stopped in reverse order by :meth:`stop_all` (idempotent)."""
+
+    def __init__(self, logs: Path):
+        self.logs = logs
+        self._items: list[Any] = []
+        self._count = 0
+
+    def add(self, child: Any) -> Any:
+        self._items.append(child)
+        return child
+
+    def discard(self, child: Any) -> None:
+        child.stop()
+        if child in self._items:
+            self._items.remove(child)
+
+    def log(self, name: str) -> Path:
+        self._count += 1
+        return self.logs / f"{self._count:03d}-{name}.log"
+
+    def stop_all(self) -> None:
+        while self._items:
+            child = self._items.pop()
+            try:
+                child.stop()
+            except Exception as exc:          # keep stopping the others
+                print(f"warning: could not stop {getattr(child, 'name', child)}: {exc}", file=sys.stderr)
+
+    # ---- the pieces -------------------------------------------------------------------------------------
+
+    def agent(self, name: str, target: Callable, *args: Any) -> Agent:
+        return self.add(Agent(name, target, *args))
+
+    def broker(self, max_buffer: int | str = "256MiB", timeout: float = 20.0) -> "BrokerProcess":
+        """``python -m broker`` on free loopback ports; returns once its ready file exists."""
+        for attempt in range(3):          # a port found free may be taken before the broker binds it
+            base = free_port_triple()
+            ready = self.logs / f"broker-{base}.json"
+            ready.unlink(missing_ok=True)
+            group = Group("broker", [sys.executable, "-m", "broker", "--feed", f"tcp://127.0.0.1:{base}",
+                                     "--ranks", f"tcp://127.0.0.1:{base + 1}", "--ready-file", str(ready),
+                                     "--max-buffer", str(max_buffer), "--log-level", "WARNING"],
+                          self.log("broker"))
+            self.add(group)
+            wait_for(lambda: ready.exists() or group.poll() is not None, timeout, "the broker's ready file")
+            if ready.exists():
+                info = json.loads(ready.read_text())
+                return BrokerProcess(group, info["feed"], info["ranks"], info["control"], int(info["pid"]),
+                                     int(max_buffer) if isinstance(max_buffer, int) else max_buffer)
+            self.discard(group)
+            if "cannot bind" not in group.tail():
+                raise BenchError(f"the broker exited before it was ready:\n{group.tail()}")
+        raise BenchError("the broker could not bind free ports three times in a row")
+
+    def mpiexec(self, name: str, n: int, script: str, *args: str) -> Group:
+        """``mpiexec -n n python benchmarks/<script> args`` as a process group, logging to a file."""
+        env = {k: v for k, v in LOOPBACK_MPI.items() if k not in os.environ}
+        command = [str(BIN / "mpiexec"), "-n", str(n), sys.executable, "-u", str(HERE / script), *args]
+        return self.add(Group(name, command, self.log(name), env=env))
+
+
+@dataclass
+class BrokerProcess:
+    group: Group
+    feed: str
+    ranks: str
+    control: str
+    pid: int
+    max_buffer: Any = None
+    name: str = "broker"
+
+    def stop(self) -> None:
+        self.group.stop()
+
+    def stats(self, timeout: float = 5.0) -> dict:
+        from broker.client import fetch_stats
+
+        return fetch_stats(self.control, timeout)
+
+
+@dataclass
+class RankResult:
+    """What the ranks of one run reported (``rank_consumer.py`` / ``parquet_reader.py``)."""
+
+    ranks: list[dict] = field(default_factory=list)
+
+    @property
+    def first(self) -> float:
+        return min(r["t_first"] for r in self.ranks if r.get("t_first") is not None)
+
+    @property
+    def last(self) -> float:
+        return max(r["t_last"] for r in self.ranks if r.get("t_last") is not None)
+
+    @property
+    def rows(self) -> int:
+        return sum(r["rows"] for r in self.ranks)
+
+
+def run_ranks(children: Children, name: str, n: int, script: str, out: Path, args: Sequence[str],
+              start: Callable[[], Any], timeout: float, ready_timeout: float = 60.0) -> tuple[RankResult, Any]:
+    """Start ``n`` ranks, wait until each wrote ``ready-<r>``, call ``start()`` (the timed part), collect.
+
+    Returns:
+        ``(ranks' results, start()'s return value)``.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    ranks = children.mpiexec(name, n, script, "--out", str(out), *args)
+    try:
+        wait_for(lambda: all((out / f"ready-{r}").exists() for r in range(n)) or ranks.poll() is not None,
+                 ready_timeout, f"{n} ranks of {name} to be ready")
+        if ranks.poll() is not None:
+            raise BenchError(f"{name} ranks exited early ({ranks.poll()}):\n{ranks.tail()}")
+        value = start()
+        code = ranks.wait(timeout)
+        if code != 0:
+            raise BenchError(f"{name} ranks failed with exit status {code}:\n{ranks.tail()}")
+        return RankResult([json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]), value
+    finally:
+        children.discard(ranks)
+
+
+def open_epoch(client: Any, stream: str, epoch: int, partitions: int) -> dict:
+    """``EPOCH_OPEN`` as ``feeder.feed`` sends it (plain streaming delivery; brokers ignore fields they lack)."""
+    from broker.protocol import Kind
+
+    return client.request(Kind.EPOCH_OPEN, stream=stream, epoch=epoch, partitions=partitions, delivery="stream")
+
+
+def rss_sampler(pid: int, interval: float = 0.05):
+    """A started thread that samples ``pid``'s RSS every ``interval`` s; ``.stop()`` returns the peak bytes."""
+    import threading
+
+    import psutil
+
+    class Sampler(threading.Thread):
+        def __init__(self):
+            super().__init__(daemon=True, name=f"rss-{pid}")
+            self.peak = 0
+            self.samples = 0
+            self._halt = threading.Event()
+            self._proc = psutil.Process(pid)
+
+        def run(self):
+            while not self._halt.is_set():
+                try:
+                    self.peak = max(self.peak, self._proc.memory_info().rss)
+                    self.samples += 1
+                except psutil.Error:
+                    return
+                self._halt.wait(interval)
+
+        def stop(self) -> int:
+            self._halt.set()
+            self.join(5)
+            return self.peak
+
+    sampler = Sampler()
+    sampler.start()
+    return sampler
+
+
+def vm_hwm(pid: int) -> int | None:
+    """The kernel's own peak RSS of ``pid`` (``VmHWM``), in bytes, while it is alive."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

@@ -1,0 +1,154 @@
+"""Figure 4, data-wait: the share of an epoch the ranks spend waiting for data while the feed outpaces compute.
+
+Two ranks (``mpiexec -n 2 rank_consumer.py --compute C``) sleep ``C`` seconds per batch, a stand-in for a
+training step. ``C`` is chosen so that the ranks consume at half the rate sparkbus delivered end to end
+(``C = 2 * ranks * batch_size / measured rows/s``), hence compute, not the feed, is the bottleneck. The epoch is
+a separate cached DataFrame sized to last about ``Sizes.wait_epoch_seconds``, fed by ``feeder.feed`` into a
+broker with ``--max-buffer 32MiB`` so that Spark tasks are still feeding (held back by backpressure) while the
+ranks compute.
+
+The ranks join the broker, then wait until the feed is under way (the broker holds 16 MiB or the feed is done)
+before they start the epoch: start-up latency of the Spark job is the end-to-end "first batch" figure, not
+data-wait. The figure is ``BatchStream.stats.epochs[-1].wait_seconds / .seconds`` of the worst rank.
+
+Two diagnostics say where a wait comes from: the broker's queue for the ranks, sampled every 100 ms while they
+consume (empty means the feed was behind), and the same run with ``even=False`` (no per-step agreement over
+MPI between the ranks).
+"""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+import threading
+from pathlib import Path
+from typing import Any
+
+import spark_data
+from common import BenchError, Children, MiB, Sizes, run_ranks, wait_for
+from end_to_end import BATCH_SIZE, RANKS, Series
+
+GO_BUFFERED = 16 * MiB
+MAX_BUFFER = "32MiB"
+DEFAULT_COMPUTE = 0.01
+_runs = itertools.count()
+
+
+def compute_per_batch(rows_per_s: float | None) -> float:
+    """Seconds of compute per batch and rank so that the ranks consume at half ``rows_per_s``."""
+    if not rows_per_s or rows_per_s != rows_per_s:
+        return DEFAULT_COMPUTE
+    return min(0.05, max(0.002, 2 * RANKS * BATCH_SIZE / rows_per_s))
+
+
+def run(children: Children, spark: Any, main_df: Any, main_rows: int, sizes: Sizes, work: Path,
+        rows_per_s: float | None, log=print) -> dict:
+    compute = compute_per_batch(rows_per_s)
+    batches = RANKS * sizes.wait_epoch_seconds / compute
+    rows = int(min(main_rows, max(20 * RANKS, batches) * BATCH_SIZE))
+    if rows >= main_rows:
+        df, info, own = main_df, {"rows": main_rows}, False
+    else:
+        (df, info), own = spark_data.cached_frame(spark, rows, sizes.partitions, seed=1000), True
+    series, diagnostic = Series("data-wait"), Series("data-wait, even=False")
+    broker = children.broker(MAX_BUFFER)
+    try:
+        for rep in range(sizes.reps):
+            for target, even in ((series, True), (diagnostic, False)):
+                target.runs.append(_one(children, broker, df, compute, work, sizes.timeout, even))
+                r = target.runs[-1]
+                log(f"  data-wait rep {rep + 1}/{sizes.reps}{'' if even else ' (diagnostic: even=False)'}: "
+                    f"compute {compute * 1e3:.1f} ms/batch, epoch {r['seconds']:.2f} s, waited "
+                    f"{r['wait_share'] * 100:.2f} % (worst rank); " + (
+                        f"broker queue empty in {r['queue_empty_share'] * 100:.0f} % of {r['queue_samples']} samples"
+                        if r["queue_samples"] else "feed done before the ranks started"))
+    finally:
+        children.discard(broker)
+        if own:
+            df.unpersist()
+    return {"compute": compute, "rows": info["rows"], "series": series, "diagnostic": diagnostic,
+            "from_rate": rows_per_s}
+
+
+def _one(children: Children, broker, df: Any, compute: float, work: Path, timeout: float, even: bool) -> dict:
+    from feeder import feed
+
+    n = next(_runs)
+    stream, out = f"wait-{n}", work / f"wait-{n}"
+    go = out / "go"
+    state: dict = {}
+
+    def feeding():
+        try:
+            state["report"] = feed(df, broker.feed, stream=stream, epoch=0, batch_size=BATCH_SIZE,
+                                   timeout=min(timeout, 120.0))
+        except BaseException as exc:       # reported by the caller
+            state["error"] = exc
+
+    def start():
+        thread = threading.Thread(target=feeding, name="datawait-feed", daemon=True)
+        thread.start()
+        wait_for(lambda: not thread.is_alive() or _buffered(broker) >= GO_BUFFERED, timeout,
+                 "the feed to get under way", interval=0.005)
+        go.touch()
+        state["queue"] = QueueSampler(broker, stream)
+        return thread
+
+    args = ["--ranks", broker.ranks, "--stream", stream, "--go", str(go), "--compute", str(compute),
+            "--timeout", str(timeout), "--even", "auto" if even else "no"]
+    try:
+        result, thread = run_ranks(children, f"wait-ranks-{n}", RANKS, "rank_consumer.py", out, args, start,
+                                   timeout)
+    finally:
+        queue = state["queue"].stop() if "queue" in state else []
+    thread.join(timeout)
+    shutil.rmtree(out, ignore_errors=True)
+    if "error" in state:
+        raise BenchError(f"the data-wait feed failed: {state['error']}")
+    if thread.is_alive():
+        raise BenchError("the data-wait feed did not finish")
+    shares = [r["wait_seconds"] / r["seconds"] for r in result.ranks if r["seconds"] > 0]
+    worst = max(result.ranks, key=lambda r: r["wait_seconds"] / r["seconds"] if r["seconds"] > 0 else 0)
+    return {"wait_share": max(shares), "wait_shares": shares, "wait_seconds": worst["wait_seconds"],
+            "seconds": worst["seconds"], "consumed_rows": result.rows,
+            "batches": [r["batches"] for r in result.ranks],
+            # the worst rank's waits as its loop saw them: first batch, steady state, end of the epoch
+            "wait_first": worst["wait_first"], "wait_steady": worst["wait_steady"], "wait_end": worst["wait_end"],
+            "wait_steady_max": worst["wait_steady_max"], "waits_over_1ms": worst["waits_over_1ms"],
+            # the broker's queue for the ranks, sampled while they consumed: empty = the feed was behind
+            "queue_samples": len(queue),
+            "queue_empty_share": sum(1 for q in queue if q == 0) / len(queue) if queue else None,
+            "queue_median": sorted(queue)[len(queue) // 2] if queue else None}
+
+
+class QueueSampler(threading.Thread):
+    """Samples how many batches of ``stream`` wait in the broker for the ranks, every 100 ms, while the feed runs."""
+
+    def __init__(self, broker, stream: str, interval: float = 0.1):
+        super().__init__(daemon=True, name="queue-sampler")
+        self.broker, self.stream, self.interval = broker, stream, interval
+        self.samples: list[int] = []
+        self._halt = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        while not self._halt.wait(self.interval):
+            try:
+                epochs = self.broker.stats(1.0)["streams"][self.stream]["epochs"]
+            except Exception:
+                continue
+            live = [e for e in epochs.values() if not e.get("ended")]
+            if live and not live[0].get("closed"):      # once closed, an empty queue is the epoch's end
+                self.samples.append(int(live[0].get("queued", 0)))
+
+    def stop(self) -> list[int]:
+        self._halt.set()
+        self.join(5)
+        return self.samples
+
+
+def _buffered(broker) -> int:
+    try:
+        return int(broker.stats(2.0)["broker"].get("buffered_bytes", 0))
+    except Exception:
+        return 0

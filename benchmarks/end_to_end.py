@@ -1,0 +1,131 @@
+"""Figure 2, end to end from Spark: a cached DataFrame to MPI ranks, three ways.
+
+* ``sparkbus``: ``python -m broker`` + ``feeder.feed(df, ...)`` + ``mpiexec -n 2 rank_consumer.py``.
+* ``parquet``: Spark writes Parquet to a temporary directory; then ``mpiexec -n 2 parquet_reader.py`` ranks read
+  their share of the files with pyarrow.
+* ``limit``: the same cached DataFrame handed to Python through ``mapInArrow`` and dropped there (no sink),
+  timed with a trivial action: the most any Spark-to-Python path can do on this machine.
+
+The ranks are started first and say when they are ready (joined the broker, or waiting for the staged files);
+the clock starts after that, so mpiexec's own start-up is in no figure. Times are wall clock (``time.time()``)
+in the ranks and in this process.
+"""
+
+from __future__ import annotations
+
+import itertools
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import spark_data
+from common import BrokerProcess, Children, Sizes, median, run_ranks
+
+RANKS = 2
+BATCH_SIZE = 1024
+_runs = itertools.count()
+
+
+@dataclass
+class Series:
+    """Repetitions of one way of getting the data to the ranks."""
+
+    name: str
+    runs: list[dict] = field(default_factory=list)
+
+    def med(self, key: str) -> float:
+        return median([r[key] for r in self.runs if r.get(key) is not None])
+
+
+def run_sparkbus(children: Children, broker: BrokerProcess, df: Any, rows: int, ranks: int, work: Path,
+                 timeout: float) -> dict:
+    """Feed ``df`` as one epoch to ``ranks`` ranks; figures relative to the call of ``feed``."""
+    from feeder import feed
+
+    n = next(_runs)
+    stream = f"bench-{n}"
+    out = work / f"sparkbus-{n}"
+    clock: dict = {}
+
+    def start():
+        clock["t0"] = time.time()
+        report = feed(df, broker.feed, stream=stream, epoch=0, batch_size=BATCH_SIZE, timeout=min(timeout, 120.0))
+        clock["t_fed"] = time.time()
+        return report
+
+    args = ["--ranks", broker.ranks, "--stream", stream, "--timeout", str(timeout)]
+    result, report = run_ranks(children, f"ranks-{n}", ranks, "rank_consumer.py", out, args, start, timeout)
+    last = result.last - clock["t0"]
+    shutil.rmtree(out, ignore_errors=True)
+    return {"first": result.first - clock["t0"], "last": last, "rows": rows, "rows_per_s": rows / last,
+            "received_rows": result.rows, "dropped_rows": sum(r["dropped_rows"] for r in result.ranks),
+            "feed_seconds": clock["t_fed"] - clock["t0"], "batches": report.batches,
+            "wait_share": max(r["wait_seconds"] / r["seconds"] for r in result.ranks if r["seconds"] > 0)}
+
+
+def run_parquet(children: Children, df: Any, rows: int, ranks: int, work: Path, timeout: float) -> dict:
+    """Stage ``df`` as Parquet, then let ``ranks`` ranks read it; figures relative to the start of the write."""
+    n = next(_runs)
+    staging, out = work / f"staging-{n}", work / f"parquet-{n}"
+    go = out / "go"
+    clock: dict = {}
+
+    def start():
+        clock["t0"] = time.time()
+        df.write.mode("overwrite").parquet(str(staging))
+        clock["t_written"] = time.time()
+        go.touch()
+
+    args = ["--dir", str(staging), "--go", str(go), "--batch-size", str(BATCH_SIZE), "--timeout", str(timeout)]
+    try:
+        result, _ = run_ranks(children, f"parquet-{n}", ranks, "parquet_reader.py", out, args, start, timeout)
+    finally:
+        files = list(staging.glob("*.parquet"))
+        staged = sum(f.stat().st_size for f in files)
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(out, ignore_errors=True)
+    if result.rows != rows:
+        raise RuntimeError(f"the Parquet ranks read {result.rows} rows of {rows}")
+    last = result.last - clock["t0"]
+    return {"first": result.first - clock["t0"], "last": last, "rows": rows, "rows_per_s": rows / last,
+            "write_seconds": clock["t_written"] - clock["t0"], "files": len(files), "staged_bytes": staged}
+
+
+def warm_up_feed(df: Any, broker: BrokerProcess) -> None:
+    """Feed a few thousand rows on every Python worker into a stream no rank reads (they stay in the broker)."""
+    from feeder import feed
+
+    small = df.limit(4 * BATCH_SIZE).repartition(2)
+    feed(small, broker.feed, stream="warm-up", epoch=0, batch_size=BATCH_SIZE, timeout=60.0)
+
+
+def run_limit(df: Any) -> dict:
+    seconds, rows = spark_data.arrow_limit(df)
+    return {"first": None, "last": seconds, "rows": rows, "rows_per_s": rows / seconds}
+
+
+def run(children: Children, df: Any, rows: int, sizes: Sizes, work: Path, log=print) -> dict[str, Series]:
+    """The three ways, repetitions interleaved (limit, sparkbus, parquet, limit, ...)."""
+    series = {name: Series(name) for name in ("limit", "sparkbus", "parquet")}
+    broker = children.broker("256MiB")
+    try:
+        # Warm-ups, not recorded: the first full scan of the cache, and the first Parquet write of the session
+        # (class loading, committer set-up) are slower than any later one.
+        # The first feed also pays for importing sparkbus in the Python workers: a small one, nobody consumes it.
+        run_limit(df)
+        df.limit(1000).write.mode("overwrite").parquet(str(work / "warm-up.parquet"))
+        shutil.rmtree(work / "warm-up.parquet", ignore_errors=True)
+        warm_up_feed(df, broker)
+        for rep in range(sizes.reps):
+            series["limit"].runs.append(run_limit(df))
+            series["sparkbus"].runs.append(run_sparkbus(children, broker, df, rows, RANKS, work, sizes.timeout))
+            series["parquet"].runs.append(run_parquet(children, df, rows, RANKS, work, sizes.timeout))
+            s, p, lim = (series[k].runs[-1] for k in ("sparkbus", "parquet", "limit"))
+            log(f"  e2e rep {rep + 1}/{sizes.reps}: limit {lim['rows_per_s']:,.0f} rows/s; sparkbus first "
+                f"{s['first']:.2f} s last {s['last']:.2f} s ({s['rows_per_s']:,.0f} rows/s); parquet first "
+                f"{p['first']:.2f} s last {p['last']:.2f} s ({p['rows_per_s']:,.0f} rows/s)")
+    finally:
+        children.discard(broker)
+    return series

@@ -1,0 +1,146 @@
+"""Figure 1, the broker hop: batches of 1 KiB .. 4 MiB between separate processes, three ways.
+
+* ``direct``: a raw pyzmq PUSH -> PULL (no broker).
+* ``zmq.proxy``: the same through ``zmq.proxy(PULL, PUSH)`` in a third process (the C broker: the limit of a hop).
+* ``sparkbus``: the sparkbus broker started through its CLI, fed through ``feeder.task.stream_partition`` (one
+  partition of an epoch opened with ``EPOCH_OPEN`` and closed with ``EPOCH_CLOSE``) and consumed by
+  ``worker.BatchStream(comm=None)`` iterating ``epoch()`` (defaults: ``prefetch=4``, checksum verified).
+
+Every measurement sends one column of float32 of the given size for at least ``hop_seconds`` (and at least
+``hop_min_batches`` batches) and is timed from the sender's first send to the receiver's last receive. Raw
+modes send the very message sparkbus sends (header + column frame), encoded once.
+
+Two diagnostic rows (not targets) repeat the sparkbus hop with one default changed: ``prefetch=64`` at 1 KiB
+(how much of that figure is the credit round trip) and ``verify=False`` at 1 MiB (what the ranks' checksum costs).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import agents
+from broker.client import ControlClient
+from broker.protocol import Kind
+from common import open_epoch, Agent, BenchError, KiB, MiB, Children, Sizes, median
+
+SIZES = (1 * KiB, 64 * KiB, 1 * MiB, 4 * MiB)
+MODES = ("direct", "zmq.proxy", "sparkbus")
+HOP_MAX_BUFFER = 256 * MiB
+_streams = itertools.count()
+
+
+def size_label(size: int) -> str:
+    return f"{size // MiB} MiB" if size >= MiB else f"{size // KiB} KiB"
+
+
+def hwm_for(size: int) -> int:
+    """Raw-socket queue depth: about 64 MiB of messages, between 16 and 1000 (ZeroMQ's default)."""
+    return max(16, min(1000, (64 * MiB) // size))
+
+
+@dataclass
+class HopResult:
+    mode: str
+    size: int
+    runs: list[dict] = field(default_factory=list)       # per repetition: batches, seconds
+
+    @property
+    def batches_per_s(self) -> float:
+        return median([r["batches"] / r["seconds"] for r in self.runs])
+
+    @property
+    def mb_per_s(self) -> float:
+        return median([r["batches"] * self.size / r["seconds"] / 1e6 for r in self.runs])
+
+    @property
+    def spread(self) -> tuple[float, float]:
+        rates = [r["batches"] * self.size / r["seconds"] / 1e6 for r in self.runs]
+        return min(rates), max(rates)
+
+
+def _measure(sender: Agent, receiver: Agent, send_job: dict, receive_job: dict, timeout: float,
+             before=None, after=None) -> dict:
+    receiver.send(receive_job)
+    ready = receiver.recv(timeout, "its ready message")
+    if before:
+        before()
+    sender.send({**send_job, "address": send_job.get("address") or ready["endpoint"]})
+    sent = sender.recv(timeout + 60 * (send_job["size"] >= MiB), "the end of its send")
+    if after:
+        after()
+    got = receiver.recv(timeout, "the end of its receive")
+    if got["received"] != sent["sent"]:
+        raise BenchError(f"{send_job['mode']} hop at {size_label(send_job['size'])}: sent {sent['sent']}, "
+                           f"received {got['received']}")
+    return {"batches": got["received"], "seconds": got["t_last"] - sent["t_first"],
+            "wait_seconds": got.get("wait_seconds"), "epoch_seconds": got.get("seconds")}
+
+
+# Diagnostics (not targets): the sparkbus hop again with one default changed, to tell causes apart.
+# label -> (batch size, BatchStream prefetch, BatchStream verify)
+DIAGNOSTICS = {"sparkbus, prefetch 64": (1 * KiB, 64, True),
+               "sparkbus, verify=False": (1 * MiB, 4, False)}
+
+
+def run(children: Children, sizes: Sizes, log=print) -> list[HopResult]:
+    """All hop measurements; repetitions are interleaved so that noise spreads over every mode."""
+    results = {(m, s): HopResult(m, s) for m in MODES for s in SIZES}
+    extra = {label: HopResult(label, size) for label, (size, _, _) in DIAGNOSTICS.items()}
+    sender = children.agent("hop-sender", agents.sender)
+    receiver = children.agent("hop-receiver", agents.receiver)
+    broker = children.broker(HOP_MAX_BUFFER)
+    timeout = max(30.0, sizes.hop_seconds * 20)
+    try:
+        for size in SIZES:
+            base = {"size": size, "seconds": sizes.hop_seconds, "min_batches": sizes.hop_min_batches,
+                    "timeout": timeout}
+            proxy = children.agent(f"zmq-proxy-{size_label(size)}", agents.proxy, hwm_for(size))
+            ends = proxy.recv(timeout, "its endpoints")
+            try:
+                for rep in range(sizes.reps):
+                    run_one = {
+                        "direct": lambda: _measure(sender, receiver, {**base, "mode": "zmq", "hwm": hwm_for(size)},
+                                                   {**base, "mode": "zmq", "hwm": hwm_for(size)}, timeout),
+                        "zmq.proxy": lambda: _measure(
+                            sender, receiver, {**base, "mode": "zmq", "hwm": hwm_for(size), "address": ends["front"]},
+                            {**base, "mode": "zmq", "hwm": hwm_for(size), "address": ends["back"]}, timeout),
+                        "sparkbus": lambda: _sparkbus(sender, receiver, broker, base, timeout),
+                    }
+                    for mode in MODES:
+                        results[mode, size].runs.append(run_one[mode]())
+                    for label, (diag_size, prefetch, verify) in DIAGNOSTICS.items():
+                        if diag_size == size:
+                            extra[label].runs.append(_sparkbus(sender, receiver, broker, base, timeout, prefetch,
+                                                               verify))
+            finally:
+                children.discard(proxy)
+            line = "  ".join(f"{m} {results[m, size].mb_per_s:8.1f} MB/s {results[m, size].batches_per_s:9.0f} b/s"
+                             for m in MODES)
+            log(f"  hop {size_label(size):>6}: {line}")
+        for result in extra.values():
+            log(f"  hop {size_label(result.size):>6}: {result.mode}: {result.mb_per_s:8.1f} MB/s "
+                f"{result.batches_per_s:9.0f} b/s (diagnostic)")
+    finally:
+        for child in (broker, receiver, sender):
+            children.discard(child)
+    return [results[m, s] for s in SIZES for m in MODES] + list(extra.values())
+
+
+def _sparkbus(sender, receiver, broker, base: dict, timeout: float, prefetch: int = 4, verify: bool = True) -> dict:
+    stream = f"hop-{next(_streams)}"
+    client = ControlClient(broker.control, timeout)
+    try:
+        open_epoch(client, stream, 0, 1)
+        return _measure(
+            sender, receiver,
+            {**base, "mode": "sparkbus", "feed": broker.feed, "control": broker.control, "stream": stream,
+             "address": broker.feed},
+            {**base, "mode": "sparkbus", "ranks": broker.ranks, "stream": stream, "prefetch": prefetch,
+             "verify": verify},
+            timeout, after=lambda: client.request(Kind.EPOCH_CLOSE, stream=stream, epoch=0, partitions=1))
+    finally:
+        client.close()
+
+
+__all__ = ["run", "HopResult", "SIZES", "MODES", "size_label"]

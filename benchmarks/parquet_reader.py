@@ -1,0 +1,70 @@
+"""A benchmark rank of the Parquet-staging baseline: read this rank's share of the staged files with pyarrow.
+
+    mpiexec -n N python benchmarks/parquet_reader.py --dir STAGING --go FILE --out DIR [--batch-size 1024]
+
+Writes ``DIR/ready-<rank>`` at once, waits for ``--go`` (the parent writes it when Spark's write has finished),
+then reads files ``sorted(*.parquet)[rank::N]`` in batches of ``--batch-size`` rows, turning each into numpy
+columns as a training loop would get them (``features`` -> float32 [n, 64]), and writes ``DIR/rank<rank>.json``
+with wall-clock times of the first and last batch.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+from mpi4py import MPI
+
+from feeder.columns import arrow_columns
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--dir", required=True)
+parser.add_argument("--go", required=True)
+parser.add_argument("--out", required=True)
+parser.add_argument("--batch-size", type=int, default=1024)
+parser.add_argument("--timeout", type=float, default=300.0)
+args = parser.parse_args()
+
+comm = MPI.COMM_WORLD
+rank, size = comm.Get_rank(), comm.Get_size()
+out = Path(args.out)
+
+
+def main() -> None:
+    (out / f"ready-{rank}").touch()
+    deadline = time.monotonic() + args.timeout
+    while not os.path.exists(args.go):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{args.go} never appeared")
+        time.sleep(0.002)
+    t_start = time.time()
+    files = sorted(Path(args.dir).glob("*.parquet"))[rank::size]
+    t_first = t_last = None
+    batches = rows = nbytes = 0
+    for path in files:
+        for record_batch in pq.ParquetFile(path).iter_batches(batch_size=args.batch_size):
+            columns = arrow_columns(record_batch)
+            t_last = time.time()
+            if t_first is None:
+                t_first = t_last
+            batches += 1
+            rows += record_batch.num_rows
+            nbytes += sum(a.nbytes for a in columns.values())
+    result = {"rank": rank, "size": size, "files": len(files), "t_start": t_start, "t_first": t_first,
+              "t_last": t_last, "t_end": time.time(), "batches": batches, "rows": rows, "bytes": nbytes}
+    tmp = out / f"rank{rank}.json.tmp"
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, out / f"rank{rank}.json")
+
+
+try:
+    main()
+except BaseException:
+    import traceback
+
+    traceback.print_exc()
+    sys.stderr.flush()
+    comm.Abort(1)

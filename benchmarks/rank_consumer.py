@@ -1,0 +1,94 @@
+"""A benchmark rank: iterate one epoch of a stream through BatchStream and record when batches arrived.
+
+    mpiexec -n N python benchmarks/rank_consumer.py --ranks tcp://127.0.0.1:P --stream S --out DIR
+            [--compute SECONDS] [--go FILE] [--prefetch 4]
+
+Writes ``DIR/ready-<rank>`` once joined to the broker (the parent starts the clock after every rank is ready),
+waits for ``--go`` if given, then consumes one epoch, sleeping ``--compute`` seconds per batch (a stand-in for a
+training step), and writes ``DIR/rank<rank>.json``: wall-clock (``time.time()``) times of the first and last
+batch, counts, BatchStream's own ``wait_seconds`` and ``seconds`` for the epoch, and the loop's own timing of its
+``next()`` calls (which include decoding and checking each batch's checksum) split into the first call, the ones in
+between and the last one (EPOCH_END and the evening out).
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from mpi4py import MPI
+
+from worker import BatchStream
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--ranks", required=True)
+parser.add_argument("--stream", required=True)
+parser.add_argument("--out", required=True)
+parser.add_argument("--compute", type=float, default=0.0, help="seconds of sleep per batch")
+parser.add_argument("--go", help="wait for this file to exist before consuming")
+parser.add_argument("--prefetch", type=int, default=4)
+parser.add_argument("--even", choices=["auto", "no"], default="auto",
+                    help="no: each rank consumes on its own (a diagnostic: no per-step agreement over MPI)")
+parser.add_argument("--no-verify", action="store_true", help="skip the checksum check (a diagnostic)")
+parser.add_argument("--timeout", type=float, default=120.0)
+args = parser.parse_args()
+
+comm = MPI.COMM_WORLD
+rank = comm.Get_rank()
+out = Path(args.out)
+
+
+def main() -> None:
+    with BatchStream(args.ranks, comm=comm, stream=args.stream, prefetch=args.prefetch,
+                     even=None if args.even == "auto" else False, verify=not args.no_verify,
+                     timeout=args.timeout) as stream:
+        (out / f"ready-{rank}").touch()
+        if args.go:
+            deadline = time.monotonic() + args.timeout
+            while not os.path.exists(args.go):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{args.go} never appeared")
+                time.sleep(0.002)
+        t_start = time.time()
+        t_first = t_last = None
+        waits = []                      # each time the loop asked for a batch: how long until it had one
+        batches = stream.epoch()
+        while True:
+            asked = time.time()
+            try:
+                next(batches)
+            except StopIteration:
+                waits.append(time.time() - asked)
+                break
+            t_last = time.time()
+            waits.append(t_last - asked)
+            if t_first is None:
+                t_first = t_last
+            if args.compute:
+                time.sleep(args.compute)
+        t_end = time.time()
+        ep = stream.stats.epochs[-1]
+        steady = waits[1:-1]
+        result = {"rank": rank, "size": comm.Get_size(), "t_start": t_start, "t_first": t_first,
+                  "t_last": t_last, "t_end": t_end, "batches": ep.batches, "rows": ep.rows, "bytes": ep.bytes,
+                  "dropped_batches": ep.dropped_batches, "dropped_rows": ep.dropped_rows,
+                  "wait_seconds": ep.wait_seconds, "seconds": ep.seconds,
+                  # the loop's own view of the same waits: the first batch, the steady state, the epoch's end
+                  "wait_first": waits[0] if len(waits) > 1 else 0.0, "wait_end": waits[-1],
+                  "wait_steady": sum(steady), "wait_steady_max": max(steady, default=0.0),
+                  "waits_over_1ms": sum(1 for w in steady if w > 1e-3)}
+    tmp = out / f"rank{rank}.json.tmp"
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, out / f"rank{rank}.json")
+
+
+try:
+    main()
+except BaseException:
+    import traceback
+
+    traceback.print_exc()
+    sys.stderr.flush()
+    comm.Abort(1)          # never leave the other ranks waiting in a collective

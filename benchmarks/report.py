@@ -1,0 +1,412 @@
+"""The run's figures as text: the machine, one Markdown table per figure, the targets with PASS/MISS, a PNG plot.
+
+The same Markdown is printed and written to ``RESULTS.md``; ``results.json`` keeps every repetition.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from common import MiB, ROOT, Sizes, median
+from hop import MODES, SIZES, size_label
+from spark_data import ROW_BYTES
+
+NAN = float("nan")
+
+
+# ---- the machine --------------------------------------------------------------------------------------------
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on: cores, memory, CPU, versions, the code's revision, the date, load."""
+    from importlib import metadata
+
+    import psutil
+
+    def version(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "-"
+
+    cpu = "-"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        import zmq
+        libzmq = zmq.zmq_version()
+    except ImportError:
+        libzmq = "-"
+    return {
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "host": platform.node(),
+        "nproc": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "cpu": cpu,
+        "os": f"{platform.system()} {platform.release()}",
+        "python": platform.python_version(),
+        "java": (_run(["java", "-version"], stderr=True).splitlines() or ["-"])[0],
+        "versions": {name: version(name) for name in ("pyspark", "pyzmq", "numpy", "pyarrow", "mpi4py", "mpich",
+                                                      "msgpack", "psutil", "matplotlib", "sparkbus")}
+                    | {"libzmq": libzmq},
+        "revision": _run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"]).strip() or "-",
+        "modified": [line[3:] for line in _run(["git", "-C", str(ROOT), "status", "--porcelain", "--",
+                                                "broker", "feeder", "worker"]).splitlines()],
+        "load_start": os.getloadavg(),
+    }
+
+
+def _run(command: list[str], stderr: bool = False) -> str:
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return done.stderr if stderr else done.stdout
+
+
+# ---- targets --------------------------------------------------------------------------------------------------
+
+@dataclass
+class Target:
+    what: str
+    goal: str
+    measured: str
+    passed: bool | None      # None: not measured in this run
+
+    @property
+    def verdict(self) -> str:
+        return "n/a" if self.passed is None else ("PASS" if self.passed else "MISS")
+
+
+def _ok(value: float, test) -> bool | None:
+    return None if value is None or (isinstance(value, float) and math.isnan(value)) else bool(test(value))
+
+
+def targets(r: dict) -> list[Target]:
+    out = []
+    hop = {(h.mode, h.size): h for h in r.get("hop", [])}
+    if hop:
+        ratio = hop["sparkbus", MiB].mb_per_s / hop["zmq.proxy", MiB].mb_per_s
+        out.append(Target("sparkbus broker throughput at 1 MiB batches", ">= 0.8 x zmq.proxy",
+                          f"{ratio:.2f} x ({hop['sparkbus', MiB].mb_per_s:,.0f} vs "
+                          f"{hop['zmq.proxy', MiB].mb_per_s:,.0f} MB/s)", _ok(ratio, lambda v: v >= 0.8)))
+        rate = hop["sparkbus", 1024].batches_per_s
+        out.append(Target("sparkbus broker at 1 KiB batches", ">= 100,000 batches/s", f"{rate:,.0f} batches/s",
+                          _ok(rate, lambda v: v >= 100_000)))
+    else:
+        out += [Target("sparkbus broker throughput at 1 MiB batches", ">= 0.8 x zmq.proxy", "not run", None),
+                Target("sparkbus broker at 1 KiB batches", ">= 100,000 batches/s", "not run", None)]
+    e2e = r.get("e2e")
+    if e2e:
+        s, p, lim = e2e["sparkbus"], e2e["parquet"], e2e["limit"]
+        ratio = s.med("rows_per_s") / lim.med("rows_per_s")
+        out.append(Target("end to end from the cached DataFrame, rows/s", ">= 0.9 x the Arrow hand-off limit",
+                          f"{ratio:.2f} x ({s.med('rows_per_s'):,.0f} vs {lim.med('rows_per_s'):,.0f} rows/s)",
+                          _ok(ratio, lambda v: v >= 0.9)))
+        faster = p.med("last") / s.med("last")
+        first = s.med("first") / p.med("first")
+        out.append(Target("end to end vs Parquet staging",
+                          ">= 2.5 x faster to the last batch; first batch in <= 0.05 x staging's time",
+                          f"{faster:.2f} x faster to the last; first batch at {first:.3f} x "
+                          f"({s.med('first'):.2f} s vs {p.med('first'):.2f} s)",
+                          None if math.isnan(faster) or math.isnan(first) else (faster >= 2.5 and first <= 0.05)))
+    else:
+        out += [Target("end to end from the cached DataFrame, rows/s", ">= 0.9 x the Arrow hand-off limit",
+                       "not run", None),
+                Target("end to end vs Parquet staging",
+                       ">= 2.5 x faster to the last batch; first batch in <= 0.05 x staging's time", "not run", None)]
+    rss = r.get("rss")
+    if rss:
+        peak = median([x["peak_rss"] for x in rss])
+        bound = rss[0]["max_buffer"] + 100 * MiB
+        through = median([x["bytes"] for x in rss])
+        out.append(Target(f"broker peak RSS with {_gib(through)} through it", "<= --max-buffer + 100 MiB",
+                          f"{peak / MiB:,.0f} MiB (bound {bound / MiB:,.0f} MiB)", _ok(peak, lambda v: v <= bound)))
+    else:
+        out.append(Target("broker peak RSS with 4 GiB through it", "<= --max-buffer + 100 MiB", "not run", None))
+    wait = r.get("datawait")
+    if wait:
+        share = wait["series"].med("wait_share")
+        out.append(Target("ranks' data-wait while the feed outpaces compute", "<= 5 % of the epoch",
+                          f"{share * 100:.2f} % (worst rank)", _ok(share, lambda v: v <= 0.05)))
+    else:
+        out.append(Target("ranks' data-wait while the feed outpaces compute", "<= 5 % of the epoch", "not run",
+                          None))
+    return out
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / MiB:,.0f} MiB"
+
+
+# ---- Markdown -------------------------------------------------------------------------------------------------
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _f(value: float | None, fmt: str = ",.0f") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    return format(value, fmt)
+
+
+def markdown(r: dict) -> str:
+    sizes: Sizes = r["sizes"]
+    m = r["machine"]
+    parts = [f"# sparkbus benchmark ({sizes.name} size)", ""]
+    parts.append(f"Measured {m['date']} by `benchmarks/bench.py{' --quick' if sizes.name.startswith('quick') else ''}` "
+                 f"in {r['seconds']:.0f} s. Each figure is the median of {sizes.reps} repetition"
+                 f"{'s' if sizes.reps > 1 else ''}. Nothing here is asserted: this is a report, not a test.")
+    if sizes.name.startswith("quick"):
+        parts += ["", "**Quick run**: small sizes, one repetition, and Spark starting in the background during the "
+                  "hop and RSS sections. It checks the harness; its figures and verdicts are indicative only."]
+    parts += ["", "## Machine", "",
+              _table(["", ""], [
+                  ["nproc", str(m["nproc"])], ["memory", f"{m['memory_gib']} GiB"], ["CPU", m["cpu"]],
+                  ["OS", m["os"]], ["Python", m["python"]], ["Java", m["java"]],
+                  ["libraries", ", ".join(f"{k} {v}" for k, v in m["versions"].items())],
+                  ["sparkbus revision", f"`{m['revision']}`" + (f" (uncommitted changes in {', '.join(m['modified'])})"
+                                                                if m["modified"] else "")],
+                  ["load average (1, 5, 15 min)", f"start {_load(m['load_start'])}; end {_load(m.get('load_end'))}"],
+              ]),
+              "", "The machine may be shared: a load average above its core count means other work ran "
+              "alongside and the figures are low and noisy."]
+
+    parts += ["", "## Targets", "", _table(["target", "goal", "measured", "verdict"],
+                                            [[t.what, t.goal, t.measured, f"**{t.verdict}**"]
+                                             for t in r["targets"]])]
+
+    if r.get("hop"):
+        parts += ["", "## 1. Broker hop (between processes, loopback TCP)", "",
+                  "MB/s = 10^6 bytes of payload per second, from the sender's first send to the receiver's last "
+                  "receive; b/s = batches per second. Each batch is one float32 column of the given size. "
+                  "`direct`: raw pyzmq PUSH -> PULL; `zmq.proxy`: through `zmq.proxy(PULL, PUSH)` in a third "
+                  "process; `sparkbus`: `python -m broker`, fed by `feeder.task.stream_partition`, consumed by "
+                  "`BatchStream(comm=None)` (prefetch 4, checksum verified).", ""]
+        hop = {(h.mode, h.size): h for h in r["hop"]}
+        rows = []
+        for size in SIZES:
+            d, p, s = (hop[mode, size] for mode in MODES)
+            rows.append([size_label(size), _f(d.mb_per_s), _f(d.batches_per_s), _f(p.mb_per_s), _f(p.batches_per_s),
+                         _f(s.mb_per_s), _f(s.batches_per_s), _f(s.mb_per_s / p.mb_per_s, ".2f"),
+                         _f(s.mb_per_s / d.mb_per_s, ".2f")])
+        parts.append(_table(["batch", "direct MB/s", "direct b/s", "zmq.proxy MB/s", "zmq.proxy b/s",
+                             "sparkbus MB/s", "sparkbus b/s", "sparkbus / zmq.proxy", "sparkbus / direct"], rows))
+        extra = [h for h in r["hop"] if h.mode not in MODES]
+        if extra:
+            parts += ["", "Diagnostics (not targets), the sparkbus hop with one default changed: " + "; ".join(
+                f"`{h.mode}` at {size_label(h.size)}: {_f(h.mb_per_s)} MB/s, {_f(h.batches_per_s)} b/s "
+                f"({_f(h.mb_per_s / hop['sparkbus', h.size].mb_per_s, '.2f')} x the default)" for h in extra)
+                + ". More credits in flight show how much of the 1 KiB figure is the credit round trip; "
+                "`verify=False` shows what the ranks' checksum check costs."]
+
+    if r.get("e2e"):
+        e2e = r["e2e"]
+        ds = r["dataset"]
+        parts += ["", "## 2. End to end from Spark (cached DataFrame -> 2 ranks)", "",
+                  f"{ds['rows']:,} rows of `id` long + `features` float32[64] ({ds['payload_bytes'] / 2**30:.2f} GiB "
+                  f"of payload; Spark's cache holds {ds['cached_memory_bytes'] / 2**30:.2f} GiB in memory, "
+                  f"{ds['cached_disk_bytes'] / 2**30:.2f} GiB on disk) in {ds['partitions']} partitions, "
+                  "Spark local[2]. Times from the start of the feed / the Parquet write to the first and the last "
+                  "batch at any rank (ranks started and ready beforehand). The limit is the DataFrame handed to "
+                  "Python by `mapInArrow` and dropped there.", ""]
+        rows = []
+        for name, label in (("limit", "Arrow hand-off limit (mapInArrow, no sink)"),
+                            ("sparkbus", "sparkbus (broker + feed + 2 ranks)"),
+                            ("parquet", "Parquet staging (write, then 2 ranks read)")):
+            s = e2e[name]
+            rows.append([label, _f(s.med("first"), ".2f"), _f(s.med("last"), ".2f"), _f(s.med("rows_per_s")),
+                         _f(s.med("rows_per_s") * ROW_BYTES / 1e6, ",.0f")])
+        parts.append(_table(["path", "first batch (s)", "last batch (s)", "rows/s", "MB/s"], rows))
+        s, p, lim = e2e["sparkbus"], e2e["parquet"], e2e["limit"]
+        parts += ["", f"- sparkbus rows/s / limit rows/s = **{s.med('rows_per_s') / lim.med('rows_per_s'):.2f}**",
+                  f"- Parquet time to last / sparkbus time to last = **{p.med('last') / s.med('last'):.2f}**",
+                  f"- sparkbus first batch / Parquet first batch = **{s.med('first') / p.med('first'):.3f}**",
+                  f"- Parquet: the write alone took {p.med('write_seconds'):.2f} s "
+                  f"({_f(median([x['staged_bytes'] for x in p.runs]) / 2**20)} MiB in "
+                  f"{p.runs[0]['files']} files); sparkbus: `feed()` returned after {s.med('feed_seconds'):.2f} s, "
+                  f"{_f(s.med('dropped_rows'))} rows dropped to keep the ranks even"]
+
+    if r.get("scaling"):
+        parts += ["", "## 3. Scaling", "",
+                  "The same cached DataFrame fed by sparkbus. Feeding tasks = partitions (fewer than the "
+                  "cached 4 through `coalesce`, no shuffle); Spark stays local[2], so at most 2 tasks feed at "
+                  "once.", ""]
+        rows = []
+        for (ranks, tasks), s in sorted(r["scaling"].items()):
+            rows.append([str(ranks), str(tasks), _f(s.med("rows_per_s")), _f(s.med("rows_per_s") * ROW_BYTES / 1e6),
+                         _f(s.med("first"), ".2f"), _f(s.med("last"), ".2f"), _f(s.med("wait_share") * 100, ".0f")])
+        parts.append(_table(["ranks", "feeding tasks", "rows/s", "MB/s", "first batch (s)", "last batch (s)",
+                             "ranks idle (% of epoch)"], rows))
+        parts += ["", "Ranks idle = BatchStream's `wait_seconds / seconds` (worst rank) with no compute: near "
+                  "100 % means the ranks are starved and the feed sets the pace."]
+    if r.get("rss"):
+        rss = r["rss"]
+        parts += ["", "### Broker memory", "",
+                  "A fresh broker per repetition, fed 1 MiB batches by two processes on the real feeder path and "
+                  "drained by one `BatchStream` (checksums verified). RSS sampled every 50 ms (psutil); VmHWM is the "
+                  "kernel's high-water mark.", ""]
+        parts.append(_table(["bytes through", "--max-buffer", "idle RSS", "peak RSS (sampled)", "VmHWM",
+                             "bound (max-buffer + 100 MiB)", "MB/s through"],
+                            [[_gib(median([x["bytes"] for x in rss])), _gib(rss[0]["max_buffer"]),
+                              f"{median([x['idle_rss'] for x in rss]) / MiB:,.0f} MiB",
+                              f"{median([x['peak_rss'] for x in rss]) / MiB:,.0f} MiB",
+                              f"{median([x['vm_hwm'] or NAN for x in rss]) / MiB:,.0f} MiB",
+                              f"{(rss[0]['max_buffer'] + 100 * MiB) / MiB:,.0f} MiB",
+                              _f(median([x["bytes"] / x["seconds"] / 1e6 for x in rss]))]]))
+    if r.get("datawait"):
+        w = r["datawait"]
+        s = w["series"]
+        basis = (f"half the measured end-to-end rate ({w['from_rate']:,.0f} rows/s)" if w.get("from_rate")
+                 else "a default (no end-to-end figure in this run)")
+        parts += ["", "## 4. Data-wait", "",
+                  f"2 ranks sleep {w['compute'] * 1e3:.1f} ms per batch of 1024 rows (consumption at {basis}); "
+                  f"{w['rows']:,} rows fed by `feeder.feed` into a broker with `--max-buffer 32MiB`. The ranks start "
+                  "the epoch once the feed is under way. Share = `wait_seconds / seconds` of "
+                  "`BatchStream.stats.epochs[-1]`, worst rank.", ""]
+        rows = []
+        for label, series in (("even=True (the figure)", s), ("even=False (diagnostic)", w.get("diagnostic"))):
+            if series is None or not series.runs:
+                continue
+            empty = series.med("queue_empty_share")
+            rows.append([label, _f(median([max(x["batches"]) for x in series.runs])), _f(series.med("seconds"), ".2f"),
+                         _f(series.med("wait_seconds"), ".3f"), _f(series.med("wait_share") * 100, ".2f") + " %",
+                         _f(series.med("wait_first"), ".3f"), _f(series.med("wait_steady"), ".3f"),
+                         _f(series.med("wait_end"), ".3f"), _f(series.med("wait_steady_max") * 1e3, ".1f"),
+                         _f(series.med("waits_over_1ms")), "-" if math.isnan(empty) else f"{empty * 100:.0f} %",
+                         _f(series.med("queue_median"))])
+        parts += [_table(["ranks", "batches / rank", "epoch (s)", "waited (s)", "share of the epoch",
+                          "in next(): first (s)", "in next(): between (s)", "in next(): last (s)",
+                          "longest next() between (ms)", "next() > 1 ms", "broker queue empty",
+                          "broker queue (median batches)"], rows),
+                  "", "`waited` and `share` are BatchStream's own figures (time waiting for a batch from the broker "
+                  "and, with `even=True`, for the ranks to agree on each step). The `in next()` columns are the "
+                  "worst rank's loop timing its own calls for the next batch, which also include decoding and "
+                  "checking each batch's checksum: the first call, the ones in between, and the last one (which "
+                  "returns when the epoch ends: `EPOCH_END` and, with `even=True`, the ranks evening out). `broker "
+                  "queue`: batches waiting in the broker for the ranks, sampled every 100 ms while the feed ran; "
+                  "never empty means the feed kept ahead (`-`: the feed was done before the ranks started). "
+                  "`even=False`: the same run with each rank consuming on its own, without the per-step agreement "
+                  "over MPI."]
+    if r.get("notes"):
+        parts += ["", "## Notes", ""] + [f"- {n}" for n in r["notes"]]
+    return "\n".join(parts) + "\n"
+
+
+def _load(load: Any) -> str:
+    return "-" if not load else ", ".join(f"{x:.2f}" for x in load)
+
+
+def console_targets(r: dict) -> str:
+    """The targets as plain aligned text for the terminal."""
+    ts = r["targets"]
+    w1 = max(len(t.what) for t in ts)
+    w2 = max(len(t.goal) for t in ts)
+    lines = [f"{'target'.ljust(w1)}  {'goal'.ljust(w2)}  verdict  measured"]
+    lines += [f"{t.what.ljust(w1)}  {t.goal.ljust(w2)}  {t.verdict.ljust(7)}  {t.measured}" for t in ts]
+    return "\n".join(lines)
+
+
+# ---- JSON and the plot ---------------------------------------------------------------------------------------
+
+def to_json(r: dict) -> dict:
+    out = {"sizes": r["sizes"].__dict__, "machine": r["machine"], "seconds": r["seconds"],
+           "targets": [t.__dict__ | {"verdict": t.verdict} for t in r["targets"]]}
+    if r.get("hop"):
+        out["hop"] = [{"mode": h.mode, "size": h.size, "mb_per_s": h.mb_per_s, "batches_per_s": h.batches_per_s,
+                       "runs": h.runs} for h in r["hop"]]
+    if r.get("e2e"):
+        out["dataset"] = r["dataset"]
+        out["e2e"] = {k: s.runs for k, s in r["e2e"].items()}
+    if r.get("scaling"):
+        out["scaling"] = [{"ranks": k[0], "tasks": k[1], "runs": s.runs} for k, s in sorted(r["scaling"].items())]
+    if r.get("rss"):
+        out["rss"] = r["rss"]
+    if r.get("datawait"):
+        w = r["datawait"]
+        out["datawait"] = {"compute": w["compute"], "rows": w["rows"], "runs": w["series"].runs,
+                           "diagnostic_even_false": w["diagnostic"].runs if w.get("diagnostic") else []}
+    return out
+
+
+def plot(r: dict, path: Path) -> None:
+    """``throughput.png``: MB/s per batch size for the three hops; end-to-end and scaling rows/s."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [k for k in ("hop", "e2e", "scaling") if r.get(k)]
+    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(5.2 * max(1, len(panels)), 4.2), squeeze=False)
+    axes = list(axes[0])
+    if not panels:
+        axes[0].text(0.5, 0.5, "nothing measured", ha="center")
+    for ax, panel in zip(axes, panels):
+        if panel == "hop":
+            hop = {(h.mode, h.size): h for h in r["hop"]}
+            for mode, style in zip(MODES, ("o-", "s--", "^-")):
+                ax.plot([s / 1024 for s in SIZES], [hop[mode, s].mb_per_s for s in SIZES], style, label=mode)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xticks([s / 1024 for s in SIZES], [size_label(s) for s in SIZES])
+            ax.set_xlabel("batch size")
+            ax.set_ylabel("MB/s (payload)")
+            ax.set_title("Broker hop between processes")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend()
+        elif panel == "e2e":
+            e2e = r["e2e"]
+            names = ["limit", "sparkbus", "parquet"]
+            labels = ["Arrow limit\n(mapInArrow)", "sparkbus\n(2 ranks)", "Parquet staging\n(2 ranks)"]
+            values = [e2e[n].med("rows_per_s") / 1e3 for n in names]
+            bars = ax.bar(labels, values, color=["#999999", "#1f77b4", "#ff7f0e"])
+            for bar, n in zip(bars, names):
+                s = e2e[n]
+                text = f"last {s.med('last'):.1f} s"
+                if n != "limit":
+                    text = f"first {s.med('first'):.2f} s\n" + text
+                ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                            va="bottom", fontsize=8)
+            ax.set_ylabel("thousand rows/s")
+            ax.set_title(f"End to end, {r['dataset']['rows']:,} rows")
+            ax.margins(y=0.25)
+        else:
+            items = sorted(r["scaling"].items())
+            ax.bar([f"{k[0]}r/{k[1]}t" for k, _ in items], [s.med("rows_per_s") / 1e3 for _, s in items],
+                   color="#1f77b4")
+            ax.set_ylabel("thousand rows/s")
+            ax.set_xlabel("ranks / feeding tasks")
+            ax.set_title("sparkbus scaling (local[2])")
+    fig.suptitle(f"sparkbus benchmark ({r['sizes'].name}), {r['machine']['nproc']} cores, {r['machine']['date']}",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(r: dict, out: Path) -> tuple[Path, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    md = out / "RESULTS.md"
+    png = out / "throughput.png"
+    md.write_text(markdown(r))
+    plot(r, png)
+    (out / "results.json").write_text(json.dumps(to_json(r), indent=1, default=str))
+    return md, png
+
+
+__all__ = ["machine", "targets", "markdown", "console_targets", "plot", "write"]
