@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: setup demo test unit integration clean
+.PHONY: setup demo test unit integration bench bench-quick clean
 
 setup: $(VENV)/.installed
 
@@ -22,6 +22,12 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest $(ARGS)
+
+bench: setup
+	$(PY) benchmarks/bench.py $(ARGS)
+
+bench-quick: setup
+	$(PY) benchmarks/bench.py --quick --out $${OUT:-/tmp/sparkbus-bench} $(ARGS)
 
 unit: setup
 	$(PY) -m pytest tests/unit $(ARGS)

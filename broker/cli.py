@@ -68,10 +68,11 @@ def run_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_demo(args: list[str]) -> int:
-    script = Path(__file__).resolve().parent.parent / "deploy" / "demo.py"
+def run_script(relative: str, args: list[str]) -> int:
+    """``sparkbus demo`` and ``sparkbus bench`` run scripts of the source checkout (deploy/, benchmarks/)."""
+    script = Path(__file__).resolve().parent.parent / relative
     if not script.exists():
-        print("sparkbus demo runs from a source checkout (deploy/demo.py was not found)", file=sys.stderr)
+        print(f"this command runs from a source checkout ({relative} was not found)", file=sys.stderr)
         return 2
     # exec, not a child: Ctrl-C and SIGTERM then reach the demo itself, which stops its processes in order
     os.execv(sys.executable, [sys.executable, str(script), *args])
@@ -85,10 +86,12 @@ def main(argv: list[str] | None = None) -> int:
     status.add_argument("address", help="the broker's control or ranks address, e.g. tcp://host:5557")
     status.add_argument("--json", action="store_true", help="print the raw figures as JSON")
     status.add_argument("--timeout", default="5s")
-    commands.add_parser("demo", help="run the end-to-end demo (flags: sparkbus demo -- --help)", add_help=False)
+    commands.add_parser("demo", help="run the end-to-end demo (sparkbus demo --help)", add_help=False)
+    commands.add_parser("bench", help="run the benchmark (sparkbus bench --help)", add_help=False)
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["demo"]:
-        return run_demo(argv[2:] if argv[1:2] == ["--"] else argv[1:])
+    scripts = {"demo": "deploy/demo.py", "bench": "benchmarks/bench.py"}
+    if argv[:1] and argv[0] in scripts:
+        return run_script(scripts[argv[0]], argv[2:] if argv[1:2] == ["--"] else argv[1:])
     args = parser.parse_args(argv)
     if args.command == "broker":
         return run_broker(args)
