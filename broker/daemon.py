@@ -34,8 +34,9 @@ from .state import EpochState, HeldBatch, RankState, StreamState
 
 log = logging.getLogger("sparkbus.broker")
 
-FEED_RCVHWM = 16        # messages per feeder connection queued in the broker beyond --max-buffer
-BURST = 256             # messages drained from one socket before the others get a turn
+FEED_RCVHWM = 4         # messages per feeder connection queued in the broker beyond --max-buffer
+BURST = 256             # requests drained from one socket before the others get a turn
+FEED_BURST = 32         # batches read before acknowledgements are handled and batches sent on
 POLL_MS = 100           # upper bound on how late a stop request or a heartbeat is noticed
 MAX_CREDIT = 1 << 20
 
@@ -139,7 +140,7 @@ class Broker:
             if ranks in ready:
                 self._drain(ranks, lambda frames: self._on_request(ranks, frames, "ranks"))
             if feed in ready:
-                self._drain(feed, self._on_feed, until_full=True)
+                self._drain(feed, self._on_feed, until_full=True, burst=FEED_BURST)
             for stream in self.streams.values():
                 self._dispatch(stream)
             now = time.monotonic()
@@ -150,8 +151,9 @@ class Broker:
                     self.ledger.journal.sync_if_due()
                 next_heartbeat = now + self.config.heartbeat
 
-    def _drain(self, sock: zmq.Socket, handle: Callable[[list[zmq.Frame]], None], until_full: bool = False) -> None:
-        for _ in range(BURST):
+    def _drain(self, sock: zmq.Socket, handle: Callable[[list[zmq.Frame]], None], until_full: bool = False,
+               burst: int = BURST) -> None:
+        for _ in range(burst):
             if until_full and self.ledger.buffered >= self.config.max_buffer:
                 return
             try:

@@ -68,6 +68,7 @@ SCHEMAS: dict[Kind, dict[str, type | tuple[type, ...]]] = {
     Kind.BYE: {},
 }
 
+_KINDS = {int(k): k for k in Kind}
 ROLES = ("feeder", "rank", "client")
 DELIVERY_MODES = ("stream", "atomic")
 
@@ -126,10 +127,11 @@ def unpack_header(buf: bytes | memoryview) -> dict[str, Any]:
     version = header.get("v")
     if version != VERSION:
         raise VersionMismatch(version)
-    try:
-        kind = header["kind"] = Kind(header.get("kind"))
-    except ValueError:
-        raise ProtocolError(f"unknown message kind {header.get('kind')!r}") from None
+    raw_kind = header.get("kind")
+    kind = _KINDS.get(raw_kind) if type(raw_kind) is int else None
+    if kind is None:
+        raise ProtocolError(f"unknown message kind {raw_kind!r}")
+    header["kind"] = kind
     for name, expected in SCHEMAS[kind].items():
         value = header.get(name)
         # bool is an int subclass in Python; a flag where a count belongs is still a malformed header

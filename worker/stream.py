@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
@@ -132,8 +133,11 @@ class BatchStream:
         self._last_heard = time.monotonic()
         self._say(Kind.CREDIT, credit=self.prefetch)
 
-    def _receive(self) -> tuple[dict, list[zmq.Frame]]:
-        """The next batch or epoch end from the broker; heartbeats both ways while waiting, never spinning."""
+    def _receive(self, block: bool = True) -> tuple[dict, list[zmq.Frame]] | None:
+        """The next batch or epoch end from the broker; heartbeats both ways while waiting, never spinning.
+
+        With ``block=False``, None when nothing is waiting.
+        """
         while True:
             now = time.monotonic()
             silent_for = now - self._last_heard
@@ -145,6 +149,8 @@ class BatchStream:
             try:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)    # no poll when one is waiting
             except zmq.Again:
+                if not block:
+                    return None
                 wait = min(self.heartbeat, self.timeout - silent_for)
                 self._sock.poll(max(wait, 0.001) * 1000)
                 continue
@@ -166,11 +172,17 @@ class BatchStream:
             elif kind not in (Kind.HEARTBEAT, Kind.ERROR):
                 log.warning("ignoring unexpected %s from the broker", kind.name)
 
-    def _next_batch(self, ep: EpochStats) -> tuple[dict, Batch] | None:
-        """This rank's next batch of the epoch, or None at its end; the time waited is data-wait."""
+    def _next_batch(self, ep: EpochStats, block: bool = True) -> tuple[dict, Batch] | None | bool:
+        """This rank's next batch of the epoch, or None at its end; the time waited is data-wait.
+
+        With ``block=False``, False when no batch has arrived yet.
+        """
         started = time.monotonic()
         while True:
-            header, frames = self._receive()
+            message = self._receive(block)
+            if message is None:
+                return False
+            header, frames = message
             if header["kind"] == Kind.EPOCH_END:
                 ep.wait_seconds += time.monotonic() - started
                 self._received.clear()
@@ -243,20 +255,33 @@ class BatchStream:
             yield from self._hand_over(ep, *item)
 
     def _even_epoch(self, ep: EpochStats) -> Iterator[Batch]:
-        # Lockstep: a step happens only if every rank has a batch for it.
+        # Lockstep in rounds: each rank takes the batches that have arrived (at least one, or the epoch's end),
+        # and the ranks agree to take as many steps as the rank holding the fewest has batches.
+        ready: deque[tuple[dict, Batch]] = deque()
+        ended = False
         while True:
-            item = self._next_batch(ep)
+            if not ready and not ended:
+                item = self._next_batch(ep)
+                ended = item is None
+                if item is not None:
+                    ready.append(item)
+            while not ended and (item := self._next_batch(ep, block=False)) is not False:
+                ended = item is None
+                if item is not None:
+                    ready.append(item)
             started = time.monotonic()
-            everyone = collectives.all_true(self.comm, item is not None)
+            steps = collectives.allreduce_min(self.comm, len(ready))
             ep.wait_seconds += time.monotonic() - started
-            if not everyone:
+            if steps == 0:
                 break
-            yield from self._hand_over(ep, *item)
+            for _ in range(steps):
+                yield from self._hand_over(ep, *ready.popleft())
         # Some rank's share is used up: gather what is left everywhere and share it out evenly.
         started = time.monotonic()
-        held = [] if item is None else [item]
-        if item is not None:
-            self._ack(item[0])
+        held = list(ready)
+        for header, _ in held:
+            self._ack(header)
+        if not ended:
             while (more := self._next_batch(ep)) is not None:
                 held.append(more)
                 self._ack(more[0])
