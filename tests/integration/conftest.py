@@ -26,15 +26,9 @@ def spark():
     os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"            # loopback only
     from pyspark.sql import SparkSession
 
-    # local[2,4]: two cores, and a failed task is retried (up to 4 attempts), as on a cluster.
-    # Speculation is on for the whole run: a task three times slower than the median gets a second attempt,
-    # so every test also checks that concurrent attempts deliver each row once.
+    # local[2,4]: two cores, and a failed task is retried (up to 4 attempts), as on a cluster. (Spark does not
+    # speculate in local mode: test_guarantees runs concurrent attempts through the feeder's task code instead.)
     session = (SparkSession.builder.master("local[2,4]").appName("sparkbus-tests")
-               .config("spark.speculation", "true")
-               .config("spark.speculation.interval", "100ms")
-               .config("spark.speculation.multiplier", "3")
-               .config("spark.speculation.quantile", "0.5")
-               .config("spark.speculation.minTaskRuntime", "1s")
                .config("spark.ui.enabled", "false")
                .config("spark.ui.showConsoleProgress", "false")
                .config("spark.sql.shuffle.partitions", "4")
