@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 import warnings
 from typing import Any, Iterator, NamedTuple, Sequence
@@ -11,7 +12,7 @@ from broker.client import ControlClient
 from broker.protocol import BrokerError, Kind, control_address
 
 from .columns import arrow_columns, chunk_rows, rebatch
-from .task import PartitionReport, stream_partition
+from .task import PartitionReport, attempt_id, stream_partition
 
 log = logging.getLogger("sparkbus.feeder")
 DEFAULT_MAX_BATCH_BYTES = 16 << 20
@@ -73,8 +74,9 @@ def feed(data: Any, address: str, stream: str = "train", epoch: int = 0, batch_s
     control = control or control_address(address)
     settings = dict(feed_address=address, control_address=control, stream=stream, epoch=epoch,
                     timeout=timeout)
-    job = _dataframe_job(data, columns, batch_size, max_batch_bytes, settings) if _is_dataframe(data) \
-        else _rdd_job(data, batch_size, max_batch_bytes, settings)
+    run = secrets.randbits(31)
+    job = _dataframe_job(data, columns, batch_size, max_batch_bytes, run, settings) if _is_dataframe(data) \
+        else _rdd_job(data, batch_size, max_batch_bytes, run, settings)
     with ControlClient(control, timeout) as client:
         broker = client.hello("feeder", stream)          # fail fast on an absent broker, before Spark plans
         partitions = job.getNumPartitions()
@@ -117,7 +119,8 @@ def _is_dataframe(data: Any) -> bool:
     return hasattr(data, "mapInArrow") and hasattr(data, "schema")
 
 
-def _dataframe_job(df: Any, columns: Sequence[str] | None, batch_size: int, max_bytes: int, settings: dict):
+def _dataframe_job(df: Any, columns: Sequence[str] | None, batch_size: int, max_bytes: int, run: int,
+                   settings: dict):
     import pyarrow as pa
 
     prepared = prepare_dataframe(df, columns)
@@ -130,20 +133,20 @@ def _dataframe_job(df: Any, columns: Sequence[str] | None, batch_size: int, max_
         task = TaskContext.get()
         pieces = (arrow_columns(b) for b in record_batches)
         report = stream_partition(rebatch(pieces, batch_size, max_bytes), partition=task.partitionId(),
-                                  attempt=task.attemptNumber(), **settings)
+                                  attempt=attempt_id(run, task.attemptNumber()), **settings)
         yield pa.RecordBatch.from_pylist([report._asdict()], schema=report_schema)
 
     return prepared.mapInArrow(stream_arrow_partition, REPORT_SCHEMA).rdd
 
 
-def _rdd_job(rdd: Any, batch_size: int, max_bytes: int, settings: dict):
+def _rdd_job(rdd: Any, batch_size: int, max_bytes: int, run: int, settings: dict):
     if not hasattr(rdd, "mapPartitionsWithIndex"):
         raise TypeError(f"feed() takes a Spark DataFrame or RDD, not {type(rdd).__name__}")
 
     def stream_rows(index: int, rows: Iterator[Any]) -> list[tuple]:
         from pyspark import TaskContext
 
-        attempt = TaskContext.get().attemptNumber()
+        attempt = attempt_id(run, TaskContext.get().attemptNumber())
         batches = rebatch(chunk_rows(rows, batch_size), batch_size, max_bytes)
         return [tuple(stream_partition(batches, partition=index, attempt=attempt, **settings))]
 

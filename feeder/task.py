@@ -19,6 +19,16 @@ class FeedTimeout(TimeoutError):
     """The broker took no batch, or did not confirm a partition, within the timeout."""
 
 
+def attempt_id(run: int, spark_attempt: int) -> int:
+    """The attempt identity a task sends: its feed run in the high bits, Spark's attempt number in the low 16.
+
+    Spark numbers attempts from 0 in every job, so a second driver re-feeding an epoch that was left half fed
+    would otherwise look like the same attempt sending its batches twice; with the run in it, the broker sees
+    another attempt and compares checksums, as for any retry.
+    """
+    return (run << 16) | (spark_attempt & 0xFFFF)
+
+
 class PartitionReport(NamedTuple):
     """What one task sent: returned to the driver through Spark."""
 
@@ -36,6 +46,7 @@ def stream_partition(batches: Iterable[dict], feed_address: str, control_address
     Args:
         batches: column dicts, one per batch, in order.
         feed_address: the broker's PULL endpoint; control_address: its control endpoint.
+        attempt: this attempt's identity, unique among the attempts that stream the partition (:func:`attempt_id`).
         timeout: seconds any single wait may take (handshake, each blocked send, the commit).
     Raises:
         BrokerError: the broker is unreachable, speaks another protocol version, or refused the commit.

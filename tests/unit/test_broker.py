@@ -262,3 +262,22 @@ def test_a_loop_that_breaks_out_of_an_epoch_can_go_on_with_the_next(bus):
         firsts = [int(batch["id"][0]) for batch in stream.epoch()]
         assert firsts == [100, 110, 120, 130, 140]
         assert stream.stats.skipped_batches == 4
+
+
+def test_a_second_driver_refeeding_a_half_fed_epoch_is_checked_like_a_retry(bus):
+    """Spark numbers attempts from 0 in every job; the feed run in the attempt identity keeps runs apart."""
+    from feeder.task import attempt_id
+
+    first, second = attempt_id(1, 0), attempt_id(2, 0)
+    assert first != second and first & 0xFFFF == second & 0xFFFF == 0
+    bus.request(Kind.EPOCH_OPEN, stream="s", epoch=0, partitions=1)
+    for seq in range(2):                                        # the first driver died after two batches
+        bus.push_batch(0, 0, seq, attempt=first, first_id=10 * seq)
+    for seq in range(4):                                        # the second recomputed them in another order
+        bus.push_batch(0, 0, seq, attempt=second, first_id=10 * (3 - seq))
+    assert bus.request(Kind.PARTITION_END, stream="s", epoch=0, part=0, attempt=second, batches=4,
+                       rows=16)["kind"] == Kind.PARTITION_COMMITTED
+    stats = bus.broker.stats()
+    assert stats["broker"]["rejected"].get("feed", {}).get("replayed") is None
+    assert stats["streams"]["s"]["epochs"]["0"]["duplicates"] == 2
+    assert stats["streams"]["s"]["epochs"]["0"]["diverged"] == [0]
