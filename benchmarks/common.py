@@ -13,7 +13,6 @@ import json
 import multiprocessing
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -82,29 +81,6 @@ def die_with_parent() -> None:
     """In a child: get SIGTERM when the process that started us dies (even by SIGKILL)."""
     if _libc is not None:
         _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def free_port_triple(host: str = "127.0.0.1") -> int:
-    """A port P on ``host`` with P, P+1 and P+2 free right now (feed, ranks, derived control)."""
-    for _ in range(200):
-        with socket.socket() as probe:
-            probe.bind((host, 0))
-            base = probe.getsockname()[1]
-        if base > 65530:
-            continue
-        held = []
-        try:
-            for port in (base, base + 1, base + 2):
-                sock = socket.socket()
-                held.append(sock)
-                sock.bind((host, port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in held:
-                sock.close()
-    raise BenchError(f"no three consecutive free ports on {host}")
 
 
 # ---- children ---------------------------------------------------------------------------------------------
@@ -265,25 +241,19 @@ class Children:
         return self.add(Agent(name, target, *args))
 
     def broker(self, max_buffer: int | str = "256MiB", timeout: float = 20.0) -> "BrokerProcess":
-        """``python -m broker`` on free loopback ports; returns once its ready file exists."""
-        for attempt in range(3):          # a port found free may be taken before the broker binds it
-            base = free_port_triple()
-            ready = self.logs / f"broker-{base}.json"
-            ready.unlink(missing_ok=True)
-            group = Group("broker", [sys.executable, "-m", "broker", "--feed", f"tcp://127.0.0.1:{base}",
-                                     "--ranks", f"tcp://127.0.0.1:{base + 1}", "--ready-file", str(ready),
-                                     "--max-buffer", str(max_buffer), "--log-level", "WARNING"],
-                          self.log("broker"))
-            self.add(group)
-            wait_for(lambda: ready.exists() or group.poll() is not None, timeout, "the broker's ready file")
-            if ready.exists():
-                info = json.loads(ready.read_text())
-                return BrokerProcess(group, info["feed"], info["ranks"], info["control"], int(info["pid"]),
-                                     int(max_buffer) if isinstance(max_buffer, int) else max_buffer)
-            self.discard(group)
-            if "cannot bind" not in group.tail():
-                raise BenchError(f"the broker exited before it was ready:\n{group.tail()}")
-        raise BenchError("the broker could not bind free ports three times in a row")
+        """``python -m broker`` on loopback ports it picks itself; returns once its ready file exists."""
+        log = self.log("broker")
+        ready = log.with_suffix(".ready.json")
+        group = Group("broker", [sys.executable, "-m", "broker", "--feed", "tcp://127.0.0.1:*",
+                                 "--ranks", "tcp://127.0.0.1:*", "--ready-file", str(ready),
+                                 "--max-buffer", str(max_buffer), "--log-level", "WARNING"], log)
+        self.add(group)
+        wait_for(lambda: ready.exists() or group.poll() is not None, timeout, "the broker's ready file")
+        if not ready.exists():
+            raise BenchError(f"the broker exited before it was ready:\n{group.tail()}")
+        info = json.loads(ready.read_text())
+        return BrokerProcess(group, info["feed"], info["ranks"], info["control"], int(info["pid"]),
+                             int(max_buffer) if isinstance(max_buffer, int) else max_buffer)
 
     def mpiexec(self, name: str, n: int, script: str, *args: str) -> Group:
         """``mpiexec -n n python benchmarks/<script> args`` as a process group, logging to a file."""

@@ -16,7 +16,8 @@ from .config import BrokerConfig, from_env, parse_duration, parse_size
 def add_broker_arguments(parser: argparse.ArgumentParser) -> None:
     """The daemon's flags, shared by ``sparkbus broker`` and ``python -m broker``."""
     parser.add_argument("--feed", default=from_env("feed", str, "tcp://0.0.0.0:5555"),
-                        help="PULL endpoint Spark tasks push batches to (default tcp://0.0.0.0:5555)")
+                        help="PULL endpoint Spark tasks push batches to (default tcp://0.0.0.0:5555); a port "
+                             "of * is chosen by the system (see --ready-file)")
     parser.add_argument("--ranks", default=from_env("ranks", str, "tcp://0.0.0.0:5556"),
                         help="ROUTER endpoint the ranks connect to (default tcp://0.0.0.0:5556)")
     parser.add_argument("--control", default=from_env("control", str, None),

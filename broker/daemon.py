@@ -39,6 +39,7 @@ BURST = 256             # requests drained from one socket before the others get
 FEED_BURST = 32         # batches read before acknowledgements are handled and batches sent on
 POLL_MS = 100           # upper bound on how late a stop request or a heartbeat is noticed
 MAX_CREDIT = 1 << 20
+BIND_ATTEMPTS = 20       # system-chosen feed ports tried until feed + 2 is free for the control socket
 
 
 class Broker:
@@ -91,14 +92,7 @@ class Broker:
             # connection closes only when the rank's process or host is gone, never for a long step.
             ranks.setsockopt(zmq.HEARTBEAT_IVL, int(self.config.heartbeat * 1000))
             ranks.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.config.dead_after * 1000))
-            control = self.config.control or protocol.control_address(self.config.feed)
-            for name, address in (("feed", self.config.feed), ("ranks", self.config.ranks),
-                                  ("control", control)):
-                try:
-                    socks[name].bind(address)
-                except zmq.ZMQError as exc:
-                    raise OSError(f"cannot bind the {name} socket to {address}: {exc}") from None
-                self.endpoints[name] = socks[name].getsockopt_string(zmq.LAST_ENDPOINT)
+            self._bind(socks)
             self._announce()
             self._loop(socks["feed"], socks["control"], ranks)
         except zmq.ContextTerminated:
@@ -111,6 +105,28 @@ class Broker:
             if self.ledger.journal:
                 self.ledger.journal.close()
             log.info("broker stopped")
+
+    def _bind(self, socks: dict[str, zmq.Socket]) -> None:
+        """Bind the three sockets. A feed port of ``*`` is chosen by the system, again until the derived control
+        port (feed + 2) is free too; the ready file then says which ports were taken."""
+        for attempt in range(BIND_ATTEMPTS):
+            self._bind_one(socks["feed"], "feed", self.config.feed)
+            control = self.config.control or protocol.control_address(self.endpoints["feed"])
+            try:
+                self._bind_one(socks["control"], "control", control)
+                break
+            except OSError:
+                if self.config.control or not self.config.feed.endswith(":*") or attempt == BIND_ATTEMPTS - 1:
+                    raise
+                socks["feed"].unbind(self.endpoints["feed"])
+        self._bind_one(socks["ranks"], "ranks", self.config.ranks)
+
+    def _bind_one(self, sock: zmq.Socket, name: str, address: str) -> None:
+        try:
+            sock.bind(address)
+        except zmq.ZMQError as exc:
+            raise OSError(f"cannot bind the {name} socket to {address}: {exc}") from None
+        self.endpoints[name] = sock.getsockopt_string(zmq.LAST_ENDPOINT)
 
     def _announce(self) -> None:
         log.info("broker listening: feed %s, ranks %s, control %s, max buffer %d bytes%s",

@@ -1,11 +1,10 @@
-"""Child processes for the demo: free ports, bounded waits, and children that are ended with all they started."""
+"""Child processes for the demo: bounded waits, and children that are ended with all they started."""
 
 from __future__ import annotations
 
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,29 +14,6 @@ from typing import Callable, Sequence
 
 _PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-
-
-def free_port_run(count: int = 3, host: str = "127.0.0.1", attempts: int = 100) -> int:
-    """A port P such that P .. P+count-1 are all free on ``host`` right now (checked by binding them)."""
-    for _ in range(attempts):
-        with socket.socket() as probe:
-            probe.bind((host, 0))
-            first = probe.getsockname()[1]
-        if first + count - 1 > 65535:
-            continue
-        held = []
-        try:
-            for port in range(first, first + count):
-                sock = socket.socket()
-                held.append(sock)
-                sock.bind((host, port))
-            return first
-        except OSError:
-            continue
-        finally:
-            for sock in held:
-                sock.close()
-    raise RuntimeError(f"found no {count} consecutive free ports on {host} in {attempts} attempts")
 
 
 def wait_for(condition: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:

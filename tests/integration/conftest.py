@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import LOOPBACK_MPI, free_port_triple, wait_for
+from helpers import LOOPBACK_MPI, wait_for
 
 HERE = Path(__file__).parent
 BIN = Path(sys.executable).parent
@@ -76,22 +76,22 @@ class BrokerProcess:
 
 @pytest.fixture
 def start_broker(tmp_path):
-    """``start_broker(*flags)``: ``python -m broker`` on free loopback ports, ready when it says so."""
+    """``start_broker(*flags)``: ``python -m broker`` on loopback ports it picks itself, ready when it says so."""
     started = []
 
     def start(*flags: str) -> BrokerProcess:
-        base = free_port_triple()
-        ready = tmp_path / f"broker-{base}.json"
-        log = tmp_path / f"broker-{base}.log"
-        args = [sys.executable, "-m", "broker", "--feed", f"tcp://127.0.0.1:{base}",
-                "--ranks", f"tcp://127.0.0.1:{base + 1}", "--ready-file", str(ready), *flags]
+        name = f"broker-{len(started)}"
+        ready, log = tmp_path / f"{name}.json", tmp_path / f"{name}.log"
+        args = [sys.executable, "-m", "broker", "--feed", "tcp://127.0.0.1:*", "--ranks", "tcp://127.0.0.1:*",
+                "--ready-file", str(ready), *flags]
         proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
-        broker = BrokerProcess(proc, f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{base + 1}",
-                               f"tcp://127.0.0.1:{base + 2}", log, args)
-        started.append(broker)
         wait_for(lambda: ready.exists() or proc.poll() is not None, 15, "the broker's ready file")
         assert proc.poll() is None, f"broker exited: {log.read_text()}"
-        assert json.loads(ready.read_text())["control"] == broker.control
+        bound = json.loads(ready.read_text())
+        # a restart must come back on the same ports
+        args[args.index("--feed") + 1], args[args.index("--ranks") + 1] = bound["feed"], bound["ranks"]
+        broker = BrokerProcess(proc, bound["feed"], bound["ranks"], bound["control"], log, args)
+        started.append(broker)
         return broker
 
     yield start
