@@ -352,7 +352,7 @@ class Broker:
                         break
                     if rank.identity in stream.ranks:          # it may have gone during this pass
                         progress |= self._send_batch(rank, ep, ep.queue.popleft())
-            if not (ep.closed and not ep.queue and (stream.even() or not stream.unacked(ep.epoch))):
+            if not (ep.closed and not ep.queue and (stream.even() or ep.all_acked)):
                 return
             for rank in list(stream.ranks.values()):
                 self._send(self._ranks, rank.identity, Kind.EPOCH_END, stream=stream.name, epoch=ep.epoch,

@@ -246,7 +246,7 @@ class Ledger:
     def retire(self, stream: StreamState) -> None:
         """Drop epochs that ended and were fully acknowledged, keeping their counters."""
         for number, ep in list(stream.epochs.items()):
-            if ep.end_sent and not ep.queue and ep.acked >= ep.batches_out and not stream.unacked(number):
+            if ep.end_sent and not ep.queue and ep.all_acked:
                 stats = ep.stats()
                 stream.finished[number] = stats
                 del stream.epochs[number]

@@ -72,6 +72,11 @@ class EpochState:
     duplicates: int = 0
 
     @property
+    def all_acked(self) -> bool:
+        """No batch of this epoch is in flight: every one sent was acknowledged (a requeue undoes its send)."""
+        return self.acked >= self.batches_out
+
+    @property
     def diverged(self) -> list[int]:
         return sorted(n for n, p in self.parts.items() if p.diverged)
 
@@ -149,9 +154,6 @@ class StreamState:
         for rank in ranks[self._turn:] + ranks[:self._turn]:
             if rank.credit > 0:
                 yield rank
-
-    def unacked(self, epoch: int) -> int:
-        return sum(1 for r in self.ranks.values() for bid in r.inflight if bid[0] == epoch)
 
     def stats(self) -> dict[str, Any]:
         epochs = {str(n): s for n, s in self.finished.items()}
