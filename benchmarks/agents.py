@@ -73,7 +73,7 @@ def _send_job(conn: Any, job: dict) -> dict:
 def _send_zmq(job: dict, batches) -> None:
     import zmq
 
-    from broker.protocol import encode_batch
+    from broker.codec import encode_batch
 
     ctx = zmq.Context.instance()
     push = ctx.socket(zmq.PUSH)

@@ -1,10 +1,13 @@
 """sparkbus broker: the daemon between Spark tasks and MPI ranks, and the wire protocol all sides import.
 
-Importing this package starts nothing. ``broker.protocol`` is the contract (see docs/PROTOCOL.md);
-``broker.daemon.Broker`` is the loop; ``sparkbus broker`` / ``python -m broker`` run it.
+Importing this package starts nothing. The contract (see docs/PROTOCOL.md) is ``broker.protocol`` (headers),
+``broker.codec`` (batches as frames), ``broker.address`` and ``broker.errors``; ``broker.daemon.Broker`` is
+the loop, ``broker.ledger`` its rules; ``sparkbus broker`` / ``python -m broker`` run it.
 """
 
 from .config import BrokerConfig
-from .protocol import VERSION, BrokerError, Kind, ProtocolError
+from .errors import BrokerError, FeedError, FeedTimeout, ProtocolError, SparkbusError, VersionMismatch
+from .protocol import VERSION, Kind
 
-__all__ = ["BrokerConfig", "BrokerError", "Kind", "ProtocolError", "VERSION"]
+__all__ = ["BrokerConfig", "BrokerError", "FeedError", "FeedTimeout", "Kind", "ProtocolError", "SparkbusError",
+           "VersionMismatch", "VERSION"]

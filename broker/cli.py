@@ -57,7 +57,7 @@ def run_broker(args: argparse.Namespace) -> int:
 
 def run_status(args: argparse.Namespace) -> int:
     from .client import fetch_stats
-    from .protocol import BrokerError
+    from .errors import BrokerError
     from .status import render_stats
 
     try:

@@ -12,14 +12,15 @@ from typing import Any
 
 import zmq
 
-from .protocol import BrokerError, Kind, ProtocolError, pack_header, unpack_header
+from .errors import BrokerError, ProtocolError
+from .protocol import Kind, pack_header, unpack_header
 
 
 class ControlClient:
     """Request/reply to the broker's control (or ranks) socket, each wait bounded by ``timeout``.
 
     Args:
-        address: the broker's control endpoint (see :func:`broker.protocol.control_address`).
+        address: the broker's control endpoint (see :func:`broker.address.control_address`).
         timeout: seconds to wait for each reply.
         context: ZeroMQ context; the process-wide instance by default.
     """

@@ -29,7 +29,9 @@ from . import protocol
 from .config import BrokerConfig
 from .journal import Journal
 from .ledger import Ledger, Rejected, Reply
-from .protocol import Kind, ProtocolError, VersionMismatch, pack_header, unpack_header
+from .address import control_address
+from .errors import ProtocolError, VersionMismatch
+from .protocol import Kind, pack_header, unpack_header
 from .state import EpochState, HeldBatch, RankState, StreamState
 
 log = logging.getLogger("sparkbus.broker")
@@ -111,7 +113,7 @@ class Broker:
         port (feed + 2) is free too; the ready file then says which ports were taken."""
         for attempt in range(BIND_ATTEMPTS):
             self._bind_one(socks["feed"], "feed", self.config.feed)
-            control = self.config.control or protocol.control_address(self.endpoints["feed"])
+            control = self.config.control or control_address(self.endpoints["feed"])
             try:
                 self._bind_one(socks["control"], "control", control)
                 break

@@ -13,7 +13,8 @@ from typing import Any, NamedTuple
 
 from . import protocol
 from .journal import Journal
-from .protocol import Kind, ProtocolError
+from .errors import ProtocolError
+from .protocol import Kind
 from .state import EpochState, HeldBatch, PendingCommit, RankState, StreamState
 
 log = logging.getLogger("sparkbus.broker")

@@ -26,7 +26,7 @@ from rich.table import Table
 from rich.text import Text
 
 from broker.client import fetch_stats
-from broker.protocol import BrokerError
+from broker.errors import BrokerError
 from processes import Child, wait_for
 
 HERE = Path(__file__).resolve().parent

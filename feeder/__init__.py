@@ -3,11 +3,11 @@
 Importing this package starts nothing; it imports pyspark only when ``feed`` is called.
 """
 
-from broker.protocol import BrokerError
+from broker.errors import BrokerError, FeedError, FeedTimeout, SparkbusError
 
-from .driver import DivergedPartitionsWarning, FeedError, FeedReport, feed, prepare_dataframe
+from .driver import DivergedPartitionsWarning, FeedReport, feed, prepare_dataframe
 from .epochs import epoch_order, feed_epochs
-from .task import FeedTimeout, PartitionReport, stream_partition
+from .task import PartitionReport, stream_partition
 
-__all__ = ["feed", "feed_epochs", "epoch_order", "FeedReport", "FeedError", "FeedTimeout", "BrokerError",
+__all__ = ["feed", "feed_epochs", "epoch_order", "FeedReport", "FeedError", "FeedTimeout", "BrokerError", "SparkbusError",
            "DivergedPartitionsWarning", "PartitionReport", "prepare_dataframe", "stream_partition"]

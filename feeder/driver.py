@@ -9,7 +9,9 @@ import warnings
 from typing import Any, Iterator, NamedTuple, Sequence
 
 from broker.client import ControlClient
-from broker.protocol import BrokerError, Kind, control_address
+from broker.address import control_address
+from broker.errors import BrokerError, FeedError
+from broker.protocol import Kind
 
 from .columns import arrow_columns, chunk_rows, rebatch
 from .task import PartitionReport, attempt_id, stream_partition
@@ -17,10 +19,6 @@ from .task import PartitionReport, attempt_id, stream_partition
 log = logging.getLogger("sparkbus.feeder")
 DEFAULT_MAX_BATCH_BYTES = 16 << 20
 REPORT_SCHEMA = "partition long, batches long, rows long, bytes long, seconds double"
-
-
-class FeedError(RuntimeError):
-    """The Spark job that streams an epoch failed; the message says why and what to check."""
 
 
 class DivergedPartitionsWarning(UserWarning):
@@ -197,4 +195,4 @@ def _explain_job_failure(exc: Exception, stream: str, epoch: int) -> str:
     return f"the Spark job feeding stream {stream!r} epoch {epoch} failed: {first.strip()[:500]}{hint}"
 
 
-__all__ = ["feed", "FeedReport", "FeedError", "BrokerError", "prepare_dataframe"]
+__all__ = ["feed", "FeedReport", "DivergedPartitionsWarning", "prepare_dataframe"]

@@ -8,15 +8,13 @@ from typing import Iterable, NamedTuple
 import zmq
 
 from broker.client import ControlClient
-from broker.protocol import Kind, encode_batch
+from broker.codec import encode_batch
+from broker.errors import FeedTimeout
+from broker.protocol import Kind
 
 # Batches a task may have queued in its own PUSH socket. Past this, send blocks: that is the backpressure
 # that holds the Spark task (and so Spark's scheduling) back while the broker is full.
 PUSH_SNDHWM = 8
-
-
-class FeedTimeout(TimeoutError):
-    """The broker took no batch, or did not confirm a partition, within the timeout."""
 
 
 def attempt_id(run: int, spark_attempt: int) -> int:

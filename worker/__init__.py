@@ -3,10 +3,10 @@
 Importing this package starts nothing (no MPI initialisation, no sockets).
 """
 
-from broker.protocol import BrokerError, ProtocolError
+from broker.errors import BrokerError, ProtocolError, SparkbusError
 
 from .stream import BatchStream, EpochStats, StreamStats
 from .torch_data import ShuffleBuffer, shuffled
 
-__all__ = ["BatchStream", "BrokerError", "EpochStats", "ProtocolError", "StreamStats",
+__all__ = ["BatchStream", "BrokerError", "EpochStats", "ProtocolError", "SparkbusError", "StreamStats",
            "ShuffleBuffer", "shuffled"]

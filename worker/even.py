@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from broker import protocol
+from broker import codec, protocol
 
 from .collectives import wait, wait_until
 
@@ -47,7 +47,7 @@ def plan_transfers(counts: list[int]) -> tuple[list[tuple[int, int, int]], int]:
 
 def pack_batch(header: dict, columns: dict[str, np.ndarray]) -> bytes:
     """One buffer holding a batch in wire form: 4-byte header length, header, column bytes."""
-    frames = protocol.encode_batch(header["stream"], header["epoch"], header["part"], header["seq"], columns)
+    frames = codec.encode_batch(header["stream"], header["epoch"], header["part"], header["seq"], columns)
     return b"".join([struct.pack("<I", len(frames[0])), *[bytes(f) for f in frames]])
 
 
@@ -60,7 +60,7 @@ def unpack_batch(buf: bytes) -> tuple[dict, dict[str, np.ndarray]]:
         size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
         frames.append(view[offset:offset + size])
         offset += size
-    return header, protocol.decode_batch(header, frames)
+    return header, codec.decode_batch(header, frames)
 
 
 def exchange(comm: Any, held: list[tuple[dict, dict]], transfers: list[tuple[int, int, int]]) -> list[tuple[dict, dict]]:

@@ -12,7 +12,9 @@ import numpy as np
 import zmq
 
 from broker import protocol
-from broker.protocol import BrokerError, Kind, pack_header, unpack_header
+from broker.codec import decode_batch
+from broker.errors import BrokerError
+from broker.protocol import Kind, pack_header, unpack_header
 
 from . import collectives, even as evenly
 
@@ -196,7 +198,7 @@ class BatchStream:
         ep.wait_seconds += time.monotonic() - started
         if ep.epoch < 0:
             ep.epoch = header["epoch"]
-        return header, protocol.decode_batch(header, frames, verify=self.verify)
+        return header, decode_batch(header, frames, verify=self.verify)
 
     def _ack(self, header: dict) -> None:
         self._say(Kind.ACK, ids=[list(protocol.batch_id(header))], credit=1)

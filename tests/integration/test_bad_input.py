@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import zmq
 
-from broker import protocol
+from broker import codec, protocol
 from broker.protocol import Kind
 from sources import labelled_frame
 from feeder import feed
@@ -74,7 +74,7 @@ def test_feed_socket_drops_and_counts_bad_batches(start_broker, zmq_context):
     push = zmq_context.socket(zmq.PUSH)
     push.linger = 0
     push.connect(broker.feed)
-    good = protocol.encode_batch("s", 0, 0, 0, {"x": np.zeros(4)})
+    good = codec.encode_batch("s", 0, 0, 0, {"x": np.zeros(4)})
     for frames in BAD_MESSAGES.values():
         push.send_multipart(frames)
     push.send_multipart([good[0], b"short"])                                     # frame size mismatch

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from broker.client import ControlClient
-from broker.protocol import BrokerError, Kind
+from broker.errors import BrokerError
+from broker.protocol import Kind
 from feeder import DivergedPartitionsWarning, feed, stream_partition
 from helpers import wait_for
 from sources import Collector, staged_frame, staged_rdd

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from broker.protocol import BrokerError
+from broker.errors import BrokerError
 from sources import labelled_frame
 from feeder import feed
 from helpers import free_port_triple

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import zmq
 
-from broker import protocol
+from broker import codec, protocol
 from broker.protocol import Kind
 from helpers import recv_header, send, wait_for
 
@@ -32,7 +32,7 @@ def bus(start_broker, sockets, context):
 
     def push(epoch, part, seq, rows=4, stream="s", attempt=0, first_id=None):
         first = 1000 * part + 100 * seq if first_id is None else first_id
-        bus.push.send_multipart(protocol.encode_batch(stream, epoch, part, seq, {
+        bus.push.send_multipart(codec.encode_batch(stream, epoch, part, seq, {
             "id": np.arange(rows) + first}, attempt=attempt))
 
     def rank(rank=0, size=1, credit=0, stream="s", even=False):
@@ -62,11 +62,11 @@ def test_batches_go_only_against_credit(bus):
 def test_payload_frames_arrive_unchanged(bus):
     bus.request(Kind.EPOCH_OPEN, stream="s", epoch=0, partitions=1)
     r = bus.rank(credit=1)
-    sent = protocol.encode_batch("s", 0, 0, 0, {"x": np.arange(12, dtype=np.float32).reshape(6, 2)})
+    sent = codec.encode_batch("s", 0, 0, 0, {"x": np.arange(12, dtype=np.float32).reshape(6, 2)})
     bus.push.send_multipart(sent)
     header, frames = recv_header(r)
     assert [bytes(f) for f in frames] == [bytes(f) for f in sent[1:]]
-    np.testing.assert_array_equal(protocol.decode_batch(header, frames)["x"][:, 1], [1, 3, 5, 7, 9, 11])
+    np.testing.assert_array_equal(codec.decode_batch(header, frames)["x"][:, 1], [1, 3, 5, 7, 9, 11])
 
 
 def test_partition_commit_waits_for_its_batches(bus):
@@ -162,12 +162,12 @@ def test_atomic_delivery_forwards_only_the_committed_attempt(bus):
     for _ in range(2):
         header, frames = recv_header(r)
         assert header["attempt"] == 1
-        got.extend(protocol.decode_batch(header, frames)["id"])
+        got.extend(codec.decode_batch(header, frames)["id"])
     assert sorted(got) == list(range(4)) + list(range(50, 54))
     assert not r.poll(200)
     stats = bus.broker.stats()
     assert stats["streams"]["s"]["epochs"]["0"]["diverged"] == [0]
-    assert stats["broker"]["buffered_bytes"] == sum(len(f) for f in protocol.encode_batch(
+    assert stats["broker"]["buffered_bytes"] == sum(len(f) for f in codec.encode_batch(
         "s", 0, 0, 0, {"id": np.arange(4)}, attempt=1)) * 2     # attempt 0's copy was released
 
 
@@ -235,7 +235,7 @@ def test_nothing_is_sent_until_every_rank_has_joined(bus):
 def test_feed_stops_being_read_at_the_buffer_bound(bus):
     bus.request(Kind.EPOCH_OPEN, stream="s", epoch=0, partitions=1)
     for seq in range(8):     # 8 x 512 KiB against a 1 MiB bound
-        bus.push.send_multipart(protocol.encode_batch("s", 0, 0, seq, {"x": np.zeros(1 << 16)}))
+        bus.push.send_multipart(codec.encode_batch("s", 0, 0, seq, {"x": np.zeros(1 << 16)}))
     stats = wait_for(lambda: (s := bus.broker.stats())["broker"]["feed_paused"] and s, 2, "the feed to pause")
     assert (1 << 20) <= stats["broker"]["buffered_bytes"] < (1 << 20) + (1 << 19) + 1024
     r = bus.rank(credit=100)

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 from hypothesis import given, strategies as st
 
-from broker import protocol
+from broker import codec, protocol
+from broker.errors import ProtocolError
 from worker.even import pack_batch, plan_transfers, unpack_batch
 
 
@@ -27,12 +28,12 @@ def test_plan_example():
 
 
 def test_batches_cross_ranks_in_wire_form():
-    header = protocol.unpack_header(protocol.encode_batch("s", 1, 2, 3, {"a": np.zeros(1)})[0])
+    header = protocol.unpack_header(codec.encode_batch("s", 1, 2, 3, {"a": np.zeros(1)})[0])
     columns = {"id": np.arange(5), "x": np.arange(10, dtype=np.float32).reshape(5, 2)}
     buf = pack_batch(header, columns)
     assert b"\x80\x04" not in buf[:2]          # not a pickle stream
     h, out = unpack_batch(buf)
     assert protocol.batch_id(h) == (1, 2, 3)
     np.testing.assert_array_equal(out["x"], columns["x"])
-    with pytest.raises(protocol.ProtocolError):
+    with pytest.raises(ProtocolError):
         unpack_batch(buf[:-1])

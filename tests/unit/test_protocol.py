@@ -5,17 +5,18 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from broker import protocol
-from broker.protocol import Kind, ProtocolError, VersionMismatch
+from broker import address, codec, protocol
+from broker.errors import ProtocolError, VersionMismatch
+from broker.protocol import Kind
 
 DTYPES = sorted(protocol.WIRE_DTYPES)
 SHAPES = [(0,), (7,), (7, 3), (7, 2, 3), (1, 1)]
 
 
 def roundtrip(columns):
-    frames = protocol.encode_batch("train", 3, 5, 9, columns)
+    frames = codec.encode_batch("train", 3, 5, 9, columns)
     header = protocol.unpack_header(frames[0])
-    return header, protocol.decode_batch(header, [memoryview(f) for f in frames[1:]])
+    return header, codec.decode_batch(header, [memoryview(f) for f in frames[1:]])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -44,10 +45,10 @@ def test_big_endian_and_strided_inputs_are_made_wire_ready():
 
 
 def test_decoded_arrays_share_the_received_buffer():
-    frames = protocol.encode_batch("s", 0, 0, 0, {"x": np.arange(1000, dtype=np.float32)})
+    frames = codec.encode_batch("s", 0, 0, 0, {"x": np.arange(1000, dtype=np.float32)})
     payload = bytearray(bytes(frames[1]))
     header = protocol.unpack_header(frames[0])
-    out = protocol.decode_batch(header, [payload], verify=False)
+    out = codec.decode_batch(header, [payload], verify=False)
     payload[0:4] = np.float32(42).tobytes()
     assert out["x"][0] == 42.0          # a view, not a copy
 
@@ -56,12 +57,12 @@ def test_decoded_arrays_share_the_received_buffer():
                                  np.array(["2020-01-01"], dtype="datetime64[D]")])
 def test_unsupported_dtypes_are_refused_by_name(bad):
     with pytest.raises(ValueError, match="column 'odd'"):
-        protocol.encode_batch("s", 0, 0, 0, {"odd": bad})
+        codec.encode_batch("s", 0, 0, 0, {"odd": bad})
 
 
 def test_columns_of_unequal_length_are_refused():
     with pytest.raises(ValueError, match="column 'b' has 3 rows, expected 2"):
-        protocol.encode_batch("s", 0, 0, 0, {"a": np.zeros(2), "b": np.zeros(3)})
+        codec.encode_batch("s", 0, 0, 0, {"a": np.zeros(2), "b": np.zeros(3)})
 
 
 def header(**fields):
@@ -93,7 +94,7 @@ def test_wrong_version_names_both_versions():
 
 
 def batch_header(**changes):
-    h = protocol.unpack_header(protocol.encode_batch("s", 0, 0, 0, {"x": np.zeros((4, 2), np.float32)})[0])
+    h = protocol.unpack_header(codec.encode_batch("s", 0, 0, 0, {"x": np.zeros((4, 2), np.float32)})[0])
     h.update(changes)
     return h
 
@@ -113,18 +114,18 @@ def test_batch_frames_must_match_their_header(changes, sizes, message):
 
 
 def test_checksum_mismatch_is_detected():
-    frames = protocol.encode_batch("s", 0, 0, 0, {"x": np.arange(8, dtype=np.int64)})
+    frames = codec.encode_batch("s", 0, 0, 0, {"x": np.arange(8, dtype=np.int64)})
     corrupted = bytearray(bytes(frames[1]))
     corrupted[3] ^= 0xFF
     with pytest.raises(ProtocolError, match="checksum mismatch"):
-        protocol.decode_batch(protocol.unpack_header(frames[0]), [corrupted])
+        codec.decode_batch(protocol.unpack_header(frames[0]), [corrupted])
 
 
 def test_control_address_is_derived_from_the_feed_address():
-    assert protocol.control_address("tcp://10.0.0.5:5555") == "tcp://10.0.0.5:5557"
-    assert protocol.control_address("ipc:///tmp/bus") == "ipc:///tmp/bus.control"
+    assert address.control_address("tcp://10.0.0.5:5555") == "tcp://10.0.0.5:5557"
+    assert address.control_address("ipc:///tmp/bus") == "ipc:///tmp/bus.control"
     with pytest.raises(ValueError, match="explicit numeric port"):
-        protocol.control_address("tcp://host:*")
+        address.control_address("tcp://host:*")
 
 
 @settings(max_examples=500, deadline=None)

@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from broker import protocol
+from broker import codec, protocol
 from broker.client import ControlClient
 from broker.config import BrokerConfig
 from broker.daemon import Broker
@@ -27,9 +27,9 @@ def received(first_id: int, rows: int) -> dict[str, np.ndarray]:
     ids = np.arange(first_id, first_id + rows, dtype=np.int64)
     columns = {"id": ids, "x": (ids[:, None] * 10 + np.arange(3)).astype(np.float32), "y": (ids % 7).astype(np.int32),
                "flag": ids % 2 == 0, "h": (ids % 5).astype(np.float16), "u": (ids % 9).astype(np.uint16)}
-    frames = protocol.encode_batch("s", 0, 0, first_id, columns)
+    frames = codec.encode_batch("s", 0, 0, first_id, columns)
     header = protocol.unpack_header(frames[0])
-    return protocol.decode_batch(header, [bytes(f) for f in frames[1:]])
+    return codec.decode_batch(header, [bytes(f) for f in frames[1:]])
 
 
 def sizes(batches):

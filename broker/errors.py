@@ -1,0 +1,42 @@
+"""Every error sparkbus raises on purpose, under one root: ``except SparkbusError`` catches them all."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class SparkbusError(Exception):
+    """Root of the errors sparkbus raises: the message says what happened and what to do."""
+
+
+class ProtocolError(SparkbusError, ValueError):
+    """A message that does not follow the protocol. ``reason`` is fit to send back to the peer."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+class VersionMismatch(ProtocolError):
+    """The peer speaks another protocol version; the message names both."""
+
+    def __init__(self, theirs: Any, ours: int):
+        super().__init__(
+            f"protocol version mismatch: peer speaks {theirs!r}, this side speaks {ours}; "
+            f"install the same sparkbus release on the Spark executors, the broker and the ranks")
+        self.theirs = theirs
+
+
+class BrokerError(SparkbusError, RuntimeError):
+    """The broker refused a request, or could not be reached in time."""
+
+
+class FeedError(SparkbusError, RuntimeError):
+    """The Spark job that streams an epoch failed; the message says why and what to check."""
+
+
+class FeedTimeout(SparkbusError, TimeoutError):
+    """The broker took no batch, or did not confirm a partition, within the timeout."""
+
+
+__all__ = ["SparkbusError", "ProtocolError", "VersionMismatch", "BrokerError", "FeedError", "FeedTimeout"]
