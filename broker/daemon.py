@@ -26,11 +26,11 @@ from typing import Any, Callable
 import zmq
 
 from . import protocol
+from .address import control_address
 from .config import BrokerConfig
+from .errors import ProtocolError, VersionMismatch
 from .journal import Journal
 from .ledger import Ledger, Rejected, Reply
-from .address import control_address
-from .errors import ProtocolError, VersionMismatch
 from .protocol import Kind, pack_header, unpack_header
 from .state import EpochState, HeldBatch, RankState, StreamState
 
@@ -40,7 +40,6 @@ FEED_RCVHWM = 4         # messages per feeder connection queued in the broker be
 BURST = 256             # requests drained from one socket before the others get a turn
 FEED_BURST = 32         # batches read before acknowledgements are handled and batches sent on
 POLL_MS = 100           # upper bound on how late a stop request or a heartbeat is noticed
-MAX_CREDIT = 1 << 20
 BIND_ATTEMPTS = 20       # system-chosen feed ports tried until feed + 2 is free for the control socket
 
 
@@ -57,7 +56,6 @@ class Broker:
         self._context = context
         self._stop = threading.Event()
         self.ledger = Ledger(Journal(config.journal) if config.journal else None)
-        self._rank_streams: dict[bytes, StreamState] = {}
         self.rejected: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self.endpoints: dict[str, str] = {}
         self.incarnation = secrets.token_hex(8)
@@ -160,7 +158,7 @@ class Broker:
             if feed in ready:
                 self._drain(feed, self._on_feed, until_full=True, burst=FEED_BURST)
             for stream in self.streams.values():
-                self._dispatch(stream)
+                self.ledger.dispatch(stream, self._send_batch, self._send_epoch_end)
             now = time.monotonic()
             if now >= next_heartbeat:
                 self._heartbeat()
@@ -232,8 +230,8 @@ class Broker:
             return self._send(sock, identity, Kind.ERROR, req=0, reason=exc.reason)
         handlers = self._control_handlers if socket == "control" else self._rank_handlers
         handler = handlers.get(header["kind"])
-        if socket == "ranks" and identity in self._rank_streams:
-            self._rank_streams[identity].ranks[identity].last_seen = time.monotonic()
+        if socket == "ranks" and identity in self.ledger.ranks:
+            self.ledger.ranks[identity].last_seen = time.monotonic()
         req = header.get("req", 0) if type(header.get("req")) is int else 0
         if handler is None:
             self._reject(socket, "unexpected_kind", header["kind"].name)
@@ -258,59 +256,33 @@ class Broker:
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EHOSTUNREACH:
                 raise
-            self._rank_gone(identity, "disconnected")
+            self.ledger.rank_gone(identity, "disconnected")
             return False
 
     def _hello(self, sock: zmq.Socket, identity: bytes, h: dict) -> None:
         if h["role"] not in protocol.ROLES:
             raise ProtocolError(f"unknown role {h['role']!r}; expected one of {', '.join(protocol.ROLES)}")
         if sock is self._ranks and h["role"] == "rank":
-            self._join_rank(identity, h)
+            self.ledger.join_rank(identity, h)
         self._send(sock, identity, Kind.WELCOME, req=h["req"], broker=f"sparkbus/{protocol.VERSION}",
                    incarnation=self.incarnation, journal=self.ledger.journal is not None)
 
-    def _join_rank(self, identity: bytes, h: dict) -> None:
-        size, rank, name = h["size"], h["rank"], h["stream"]
-        if not 0 <= rank < size:
-            raise ProtocolError(f"rank {rank} is outside a communicator of size {size}")
-        stream = self.ledger.stream(name)
-        if identity in self._rank_streams:
-            self._rank_gone(identity, "said hello again")
-        if stream.ranks and size != stream.expected_ranks:
-            raise ProtocolError(f"stream {name!r} is consumed by {stream.expected_ranks} ranks; "
-                                f"a rank of a communicator of size {size} cannot join it")
-        if size > 1 and any(r.rank == rank for r in stream.ranks.values()):
-            raise ProtocolError(f"rank {rank} of stream {name!r} is already connected")
-        stream.expected_ranks = size
-        stream.ranks[identity] = RankState(identity, name, rank, size, even=h["even"])
-        self._rank_streams[identity] = stream
-        log.info("rank %d/%d joined stream %r", rank, size, name)
-
-    def _rank(self, identity: bytes) -> RankState:
-        stream = self._rank_streams.get(identity)
-        if stream is None:
-            raise ProtocolError("unknown rank: send HELLO with role 'rank' first")
-        return stream.ranks[identity]
-
     def _credit(self, sock: zmq.Socket, identity: bytes, h: dict) -> None:
-        rank = self._rank(identity)
-        if not 0 <= h["credit"] <= MAX_CREDIT:
-            raise ProtocolError(f"credit {h['credit']} outside 0..{MAX_CREDIT}")
-        rank.credit += h["credit"]
+        self.ledger.grant(self.ledger.rank(identity), h["credit"])
 
     def _ack(self, sock: zmq.Socket, identity: bytes, h: dict) -> None:
-        rank = self._rank(identity)
-        unknown = self.ledger.acknowledge(self._rank_streams[identity], rank, h["ids"])
+        rank = self.ledger.rank(identity)
+        unknown = self.ledger.acknowledge(rank, h["ids"])
         if unknown:
             self._reject("ranks", "unknown_ack", f"{unknown} ids not in flight to rank {rank.rank}")
-        self._credit(sock, identity, h)
+        self.ledger.grant(rank, h["credit"])
 
     def _heartbeat_in(self, sock: zmq.Socket, identity: bytes, h: dict) -> None:
-        self._rank(identity)
+        self.ledger.rank(identity)
 
     def _bye(self, sock: zmq.Socket, identity: bytes, h: dict) -> None:
-        self._rank(identity)
-        self._rank_gone(identity, "said goodbye")
+        self.ledger.rank(identity)
+        self.ledger.rank_gone(identity, "said goodbye")
 
     def _stats(self, sock: zmq.Socket, identity: bytes, h: dict) -> None:
         self._send(sock, identity, Kind.STATS_REPLY, req=h["req"], stats=self.stats())
@@ -335,69 +307,25 @@ class Broker:
 
     # ---- to the ranks -----------------------------------------------------------------------------------
 
-    def _dispatch(self, stream: StreamState) -> None:
-        """Send queued batches of the delivering epoch against credits; end the epoch once it is delivered.
-
-        With even ranks, an epoch ends once every batch was sent (a rank waiting for its peers holds its last
-        batch unacknowledged); otherwise once every batch was also acknowledged, so that batches of a rank that
-        dies can still go to the others within the epoch.
-        """
-        while stream.ready():
-            ep = stream.delivering()
-            if ep is None:
-                return
-            progress = True
-            while ep.queue and progress:
-                progress = False
-                for rank in stream.ranks_with_credit():
-                    if not ep.queue:
-                        break
-                    if rank.identity in stream.ranks:          # it may have gone during this pass
-                        progress |= self._send_batch(rank, ep, ep.queue.popleft())
-            if not (ep.closed and not ep.queue and (stream.even() or ep.all_acked)):
-                return
-            for rank in list(stream.ranks.values()):
-                self._send(self._ranks, rank.identity, Kind.EPOCH_END, stream=stream.name, epoch=ep.epoch,
-                           batches=ep.batches_out)
-            ep.end_sent = True
-            log.info("stream %r epoch %d delivered to %d ranks", stream.name, ep.epoch, len(stream.ranks))
-            self.ledger.retire(stream)
-
-    def _send_batch(self, rank: RankState, ep: EpochState, batch: HeldBatch) -> bool:
+    def _send_batch(self, rank: RankState, batch: HeldBatch) -> bool:
         try:
             self._ranks.send_multipart([rank.identity, *batch.frames], zmq.NOBLOCK, copy=False)
+            return True
         except zmq.ZMQError as exc:
-            ep.queue.appendleft(batch)
             if exc.errno == zmq.EHOSTUNREACH:
-                self._rank_gone(rank.identity, "disconnected")
+                self.ledger.rank_gone(rank.identity, "disconnected")
             elif exc.errno != zmq.EAGAIN:
                 raise
             return False
-        rank.credit -= 1
-        rank.inflight[batch.id] = batch
-        rank.batches += 1
-        rank.bytes += batch.nbytes
-        ep.batches_out += 1
-        ep.bytes_out += batch.nbytes
-        return True
 
-    def _rank_gone(self, identity: bytes, why: str) -> None:
-        """Forget a rank; batches it held unacknowledged go back to the front of their epoch's queue."""
-        stream = self._rank_streams.pop(identity, None)
-        if stream is None:
-            return
-        rank = stream.ranks.pop(identity)
-        requeued = self.ledger.requeue(stream, rank)
-        if not stream.ranks:
-            stream.expected_ranks = 0            # the next job may have another size
-        log.info("rank %d of stream %r %s (%d unacknowledged batches requeued)", rank.rank, stream.name, why,
-                 requeued)
+    def _send_epoch_end(self, rank: RankState, ep: EpochState) -> None:
+        self._send(self._ranks, rank.identity, Kind.EPOCH_END, stream=rank.stream, epoch=ep.epoch,
+                   batches=ep.batches_out)
 
     def _heartbeat(self) -> None:
         """Heartbeat every rank; sending to one whose connection has closed is how its death is noticed."""
-        for stream in list(self.streams.values()):
-            for rank in list(stream.ranks.values()):
-                self._send(self._ranks, rank.identity, Kind.HEARTBEAT)
+        for identity in list(self.ledger.ranks):
+            self._send(self._ranks, identity, Kind.HEARTBEAT)
 
     # ---- figures ----------------------------------------------------------------------------------------
 

@@ -2,9 +2,10 @@
 
 Per stream and epoch there are two append-only files:
 
-- ``epoch-<n>.log``: records, each a 4-byte little-endian length and a msgpack map: ``open`` (partitions,
-  delivery), ``batch`` (the header frame, where its payload lies in the data file), ``commit`` (partition,
-  attempt), ``close``, ``ack`` (batch ids).
+- ``epoch-<n>.log``: records, each a 4-byte little-endian length, the CRC-32 of the body (4 bytes) and the
+  body, a msgpack map whose ``t`` is a :class:`Record` kind: ``open`` (partitions, delivery), ``batch`` (the
+  header frame, where its payload lies in the data file), ``commit`` (partition, attempt), ``close``, ``ack``
+  (batch ids).
 - ``epoch-<n>.data``: the batches' column frames, back to back.
 
 Records are written with plain ``write`` calls as they happen, so a killed broker (``kill -9``) loses none of
@@ -12,7 +13,8 @@ them: the kernel has them. They reach the disk (``fsync``) before a partition co
 answered, and at least every second for acknowledgements. When an epoch has been delivered and acknowledged,
 its files are deleted and one line in ``retired.log`` remembers that it was delivered.
 
-Replay stops at the first torn record (a write cut short by a crash); nothing after it was ever answered.
+Replay stops at the first torn record (a write cut short by a crash; nothing after it was ever answered) or the
+first record whose CRC does not match (a damaged disk block: what follows cannot be trusted either).
 """
 
 from __future__ import annotations
@@ -22,15 +24,27 @@ import mmap
 import os
 import struct
 import time
+import zlib
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any, Iterator
 
 import msgpack
 
 log = logging.getLogger("sparkbus.journal")
-_LENGTH = struct.Struct("<I")
+_PREFIX = struct.Struct("<II")      # body length, CRC-32 of the body
 ACK_SYNC_SECONDS = 1.0
+
+
+class Record(str, Enum):
+    """The kinds of journal records (the ``t`` field): each is one transition of the ledger."""
+
+    OPEN = "open"        # an epoch was opened: partitions, delivery
+    BATCH = "batch"      # a batch arrived: its header frame; its payload in the data file, if it was kept
+    COMMIT = "commit"    # a partition was committed: part, attempt
+    CLOSE = "close"      # the epoch was closed
+    ACK = "ack"          # batches were acknowledged by a rank: ids
 
 
 @dataclass
@@ -77,14 +91,13 @@ class Journal:
             self._files[(stream, epoch)] = files
         return files
 
-    def _append(self, files: EpochFiles, record: dict[str, Any]) -> None:
-        body = msgpack.packb(record, use_bin_type=True)
-        os.write(files.log_fd, _LENGTH.pack(len(body)) + body)
+    def _append(self, files: EpochFiles, kind: Record, **fields: Any) -> None:
+        os.write(files.log_fd, _frame({"t": kind.value, **fields}))
         files.dirty = True
 
     def record_open(self, stream: str, epoch: int, partitions: int, delivery: str) -> None:
         files = self._files_for(stream, epoch)
-        self._append(files, {"t": "open", "partitions": partitions, "delivery": delivery})
+        self._append(files, Record.OPEN, partitions=partitions, delivery=delivery)
         self._sync(files)
 
     def record_batch(self, stream: str, epoch: int, header: bytes, payload: list[Any]) -> None:
@@ -95,28 +108,27 @@ class Journal:
                                                 for f in payload])
             if written != sum(sizes):
                 raise OSError(f"short write to the journal ({written} of {sum(sizes)} bytes): disk full?")
-        self._append(files, {"t": "batch", "header": header, "offset": files.data_size, "sizes": sizes})
+        self._append(files, Record.BATCH, header=header, offset=files.data_size, sizes=sizes)
         files.data_size += sum(sizes)
 
     def record_commit(self, stream: str, epoch: int, part: int, attempt: int) -> None:
         files = self._files_for(stream, epoch)
-        self._append(files, {"t": "commit", "part": part, "attempt": attempt})
+        self._append(files, Record.COMMIT, part=part, attempt=attempt)
         self._sync(files)
 
     def record_close(self, stream: str, epoch: int) -> None:
         files = self._files_for(stream, epoch)
-        self._append(files, {"t": "close"})
+        self._append(files, Record.CLOSE)
         self._sync(files)
 
     def record_acks(self, stream: str, epoch: int, ids: list[list[int]]) -> None:
-        self._append(self._files_for(stream, epoch), {"t": "ack", "ids": ids})
+        self._append(self._files_for(stream, epoch), Record.ACK, ids=ids)
 
     def record_retired(self, stream: str, epoch: int, stats: dict[str, Any]) -> None:
         """The epoch was delivered and acknowledged: remember that, and free its files."""
         retired = os.open(self.directory / "retired.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
-            body = msgpack.packb({"stream": stream, "epoch": epoch, "stats": stats}, use_bin_type=True)
-            os.write(retired, _LENGTH.pack(len(body)) + body)
+            os.write(retired, _frame({"stream": stream, "epoch": epoch, "stats": stats}))
             os.fsync(retired)
         finally:
             os.close(retired)
@@ -166,7 +178,13 @@ class Journal:
                 data = self._map(data_path)
                 replayed = ReplayedEpoch(stream, epoch)
                 for record in _records(log_path.read_bytes(), log_path):
-                    if record.get("t") == "batch":
+                    try:
+                        record["t"] = Record(record.get("t"))
+                    except ValueError:
+                        log.warning("%s holds a record of unknown kind %r; replay stops there", log_path,
+                                    record.get("t"))
+                        break
+                    if record["t"] is Record.BATCH:
                         offset, views = record["offset"], []
                         for size in record["sizes"]:
                             views.append(data[offset:offset + size])
@@ -187,13 +205,29 @@ class Journal:
         return memoryview(mapped)
 
 
+def _frame(record: dict[str, Any]) -> bytes:
+    body = msgpack.packb(record, use_bin_type=True)
+    return _PREFIX.pack(len(body), zlib.crc32(body)) + body
+
+
 def _records(raw: bytes, path: Path) -> Iterator[dict[str, Any]]:
+    """The records of one file in order, up to the first torn or damaged one."""
     offset = 0
-    while offset + _LENGTH.size <= len(raw):
-        (length,) = _LENGTH.unpack_from(raw, offset)
-        body = raw[offset + _LENGTH.size:offset + _LENGTH.size + length]
+    while offset < len(raw):
+        if offset + _PREFIX.size > len(raw):
+            log.warning("%s ends with a torn record; replay stops there", path)
+            return
+        length, crc = _PREFIX.unpack_from(raw, offset)
+        body = raw[offset + _PREFIX.size:offset + _PREFIX.size + length]
         if len(body) < length:
             log.warning("%s ends with a torn record; replay stops there", path)
             return
-        yield msgpack.unpackb(body, raw=False)
-        offset += _LENGTH.size + length
+        if zlib.crc32(body) != crc:
+            log.error("%s: a record at byte %d fails its CRC; replay stops there", path, offset)
+            return
+        record = msgpack.unpackb(body, raw=False)
+        if not isinstance(record, dict):
+            log.error("%s: a record at byte %d is not a map; replay stops there", path, offset)
+            return
+        yield record
+        offset += _PREFIX.size + length

@@ -9,11 +9,11 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import deque
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 from . import protocol
-from .journal import Journal
 from .errors import ProtocolError
+from .journal import Journal, Record
 from .protocol import Kind
 from .state import EpochState, HeldBatch, PendingCommit, RankState, StreamState
 
@@ -22,6 +22,7 @@ log = logging.getLogger("sparkbus.broker")
 MAX_STREAMS = 4096            # a peer cannot make the broker track streams without bound
 MAX_STREAM_NAME = 256
 MAX_PARTITIONS = 10_000_000
+MAX_CREDIT = 1 << 20
 
 
 class Rejected(Exception):
@@ -41,11 +42,12 @@ class Reply(NamedTuple):
 
 
 class Ledger:
-    """Streams, epochs and partitions: every decision about a batch except which rank it goes to."""
+    """Streams, epochs, partitions and ranks: every decision about a batch. The daemon only moves frames."""
 
     def __init__(self, journal: Journal | None = None):
         self.journal = journal
         self.streams: dict[str, StreamState] = {}
+        self.ranks: dict[bytes, RankState] = {}      # by connection identity on the ranks socket
         self.buffered = 0          # bytes of batches held: queued, in flight, or awaiting an atomic commit
         self.held_bytes = 0        # of which: batches of uncommitted partitions in atomic delivery
 
@@ -207,8 +209,57 @@ class Ledger:
 
     # ---- ranks ------------------------------------------------------------------------------------------
 
-    def acknowledge(self, stream: StreamState, rank: RankState, ids: list[Any]) -> int:
+    def join_rank(self, identity: bytes, h: dict) -> RankState:
+        """Admit a rank that said HELLO on the ranks socket.
+
+        Raises:
+            ProtocolError: a rank number outside its communicator, a communicator size other than the stream's
+                ranks have, or a rank number that is already connected.
+        """
+        size, number, name = h["size"], h["rank"], h["stream"]
+        if not 0 <= number < size:
+            raise ProtocolError(f"rank {number} is outside a communicator of size {size}")
+        stream = self.stream(name)
+        if identity in self.ranks:
+            self.rank_gone(identity, "said hello again")
+        if stream.ranks and size != stream.expected_ranks:
+            raise ProtocolError(f"stream {name!r} is consumed by {stream.expected_ranks} ranks; "
+                                f"a rank of a communicator of size {size} cannot join it")
+        if size > 1 and any(r.rank == number for r in stream.ranks.values()):
+            raise ProtocolError(f"rank {number} of stream {name!r} is already connected")
+        stream.expected_ranks = size
+        rank = stream.ranks[identity] = self.ranks[identity] = RankState(identity, name, number, size,
+                                                                         even=h["even"])
+        if len(stream.ranks) >= stream.expected_ranks:
+            stream.complete = True
+        log.info("rank %d/%d joined stream %r", number, size, name)
+        return rank
+
+    def rank(self, identity: bytes) -> RankState:
+        """The rank on this connection. Raises :class:`ProtocolError` if it has not joined."""
+        rank = self.ranks.get(identity)
+        if rank is None:
+            raise ProtocolError("unknown rank: send HELLO with role 'rank' first")
+        return rank
+
+    def grant(self, rank: RankState, credit: int) -> None:
+        """A rank asks for ``credit`` more batches."""
+        if not 0 <= credit <= MAX_CREDIT:
+            raise ProtocolError(f"credit {credit} outside 0..{MAX_CREDIT}")
+        rank.credit += credit
+
+    def sent(self, rank: RankState, ep: EpochState, batch: HeldBatch) -> None:
+        """A batch went out to ``rank``: it spends a credit and is in flight until acknowledged."""
+        rank.credit -= 1
+        rank.inflight[batch.id] = batch
+        rank.batches += 1
+        rank.bytes += batch.nbytes
+        ep.batches_out += 1
+        ep.bytes_out += batch.nbytes
+
+    def acknowledge(self, rank: RankState, ids: list[Any]) -> int:
         """Forget acknowledged batches. Returns how many ids were not in flight to that rank."""
+        stream = self.streams[rank.stream]
         unknown = 0
         by_epoch: dict[int, list[list[int]]] = {}
         for raw in ids:
@@ -229,20 +280,61 @@ class Ledger:
         self.retire(stream)
         return unknown
 
-    def requeue(self, stream: StreamState, rank: RankState) -> int:
-        """A rank left: its unacknowledged batches go back to the front of their epochs' queues."""
+    def rank_gone(self, identity: bytes, why: str) -> None:
+        """Forget a rank; the batches it held unacknowledged go back to the front of their epochs' queues."""
+        rank = self.ranks.pop(identity, None)
+        if rank is None:
+            return
+        stream = self.streams[rank.stream]
+        del stream.ranks[identity]
         for batch in sorted(rank.inflight.values(), key=lambda b: b.id, reverse=True):
             ep = stream.epochs[batch.id[0]]
             ep.queue.appendleft(batch)
             ep.batches_out -= 1
             ep.bytes_out -= batch.nbytes
         if not stream.ranks:
+            stream.complete = False
+            stream.expected_ranks = 0            # the next job may have another size
             # The consumers are all gone (a job died): epochs they had been told were over, but that still hold
             # unacknowledged batches, are delivered again to whoever joins next, remainder first.
             for ep in stream.epochs.values():
                 if ep.end_sent and ep.queue:
                     ep.end_sent = False
-        return len(rank.inflight)
+        log.info("rank %d of stream %r %s (%d unacknowledged batches requeued)", rank.rank, stream.name, why,
+                 len(rank.inflight))
+
+    def dispatch(self, stream: StreamState, send_batch: Callable[[RankState, HeldBatch], bool],
+                 send_end: Callable[[RankState, EpochState], None]) -> None:
+        """Hand queued batches of the delivering epoch to ranks with credit; end the epoch once delivered.
+
+        ``send_batch(rank, batch)`` does the I/O and says whether the batch left (a rank found gone on the way
+        is reported through :meth:`rank_gone` by the caller); ``send_end`` tells one rank the epoch is over.
+        """
+        while stream.ready():
+            ep = stream.delivering()
+            if ep is None:
+                return
+            progress = True
+            while ep.queue and progress:
+                progress = False
+                for rank in stream.ranks_with_credit():
+                    if not ep.queue:
+                        break
+                    if rank.identity not in stream.ranks:          # it may have gone during this pass
+                        continue
+                    batch = ep.queue.popleft()
+                    if send_batch(rank, batch):
+                        self.sent(rank, ep, batch)
+                        progress = True
+                    else:
+                        ep.queue.appendleft(batch)
+            if not ep.delivered(stream.even()):
+                return
+            for rank in list(stream.ranks.values()):
+                send_end(rank, ep)
+            ep.end_sent = True
+            log.info("stream %r epoch %d delivered to %d ranks", stream.name, ep.epoch, len(stream.ranks))
+            self.retire(stream)
 
     def retire(self, stream: StreamState) -> None:
         """Drop epochs that ended and were fully acknowledged, keeping their counters."""
@@ -269,25 +361,25 @@ class Ledger:
             acked: set[tuple[int, int, int]] = set()
             ep = None
             for record in replayed.records:
-                kind = record.get("t")
-                if kind == "open":
+                kind = record["t"]
+                if kind is Record.OPEN:
                     ep = stream.epochs[replayed.epoch] = EpochState(replayed.epoch, record["partitions"],
                                                                    record["delivery"])
                 elif ep is None:
                     break
-                elif kind == "batch":
+                elif kind is Record.BATCH:
                     header = protocol.unpack_header(record["header"])
                     try:
                         self.accept_batch(header, [record["header"], *record.get("payload", [])])
                     except Rejected:
                         pass
-                elif kind == "commit":
+                elif kind is Record.COMMIT:
                     part = ep.part(record["part"])
                     if part.committed_attempt is None:
                         self.commit(stream, ep, record["part"], record["attempt"])
-                elif kind == "close":
+                elif kind is Record.CLOSE:
                     ep.closed = True
-                elif kind == "ack":
+                elif kind is Record.ACK:
                     acked.update(tuple(i) for i in record["ids"])
             if ep is None:
                 continue

@@ -76,6 +76,11 @@ class EpochState:
         """No batch of this epoch is in flight: every one sent was acknowledged (a requeue undoes its send)."""
         return self.acked >= self.batches_out
 
+    def delivered(self, even: bool) -> bool:
+        """Whether the epoch may end on the ranks: closed and fully sent, and with independent ranks (not
+        ``even``) also fully acknowledged, so that batches of a rank that dies still go to the others."""
+        return self.closed and not self.queue and (even or self.all_acked)
+
     @property
     def diverged(self) -> list[int]:
         return sorted(n for n, p in self.parts.items() if p.diverged)
@@ -134,11 +139,7 @@ class StreamState:
         return min(live, key=lambda e: e.epoch) if live else None
 
     def ready(self) -> bool:
-        """Deliver once every rank of the group has joined; a rank leaving later does not stop the others."""
-        if not self.ranks:
-            self.complete = False
-        elif len(self.ranks) >= self.expected_ranks:
-            self.complete = True
+        """Whether batches may go out: every rank of the group has joined since the stream last had none."""
         return self.complete
 
     def even(self) -> bool:

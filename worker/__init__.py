@@ -6,7 +6,7 @@ Importing this package starts nothing (no MPI initialisation, no sockets).
 from broker.errors import BrokerError, ProtocolError, SparkbusError
 
 from .stream import BatchStream, EpochStats, StreamStats
-from .torch_data import ShuffleBuffer, shuffled
+from .shuffle import ShuffleBuffer, shuffled
 
 __all__ = ["BatchStream", "BrokerError", "EpochStats", "ProtocolError", "SparkbusError", "StreamStats",
            "ShuffleBuffer", "shuffled"]

@@ -2,7 +2,7 @@
 
 A blocking MPI call in the mpich wheel busy-waits: a rank waiting in ``Allreduce`` burns a full core, which on
 a small node starves Spark and the broker. These start the non-blocking form of the collective and test it
-with a short sleep that grows to 250 µs: a wait costs at most that much latency and about 1 % of a core.
+with a short sleep that grows to 250 µs: a wait costs at most that much latency and little CPU.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from broker.codec import decode_batch
 from broker.errors import BrokerError
 from broker.protocol import Kind, pack_header, unpack_header
 
-from . import collectives, even as evenly
+from . import collectives, rebalance
 
 log = logging.getLogger("sparkbus.worker")
 
@@ -67,7 +67,7 @@ class BatchStream:
         even: yield the same number of batches on every rank of ``comm`` each epoch (default: when
             ``comm.size > 1``); at most ``size - 1`` batches per epoch are dropped, counted in ``stats``.
         timeout: seconds the broker may stay silent (it heartbeats while idle) before this rank gives up.
-        verify: check each batch's XXH3-64 checksum (about 57 GiB/s on one core).
+        verify: check each batch's XXH3-64 checksum.
         heartbeat: seconds between this rank's heartbeats while it waits.
         on_drop: called with each batch dropped to keep the ranks even.
         abort_on_error: when an exception leaves the ``with`` block on one rank of a communicator of size > 1,
@@ -174,16 +174,17 @@ class BatchStream:
             elif kind not in (Kind.HEARTBEAT, Kind.ERROR):
                 log.warning("ignoring unexpected %s from the broker", kind.name)
 
-    def _next_batch(self, ep: EpochStats, block: bool = True) -> tuple[dict, Batch] | None | bool:
-        """This rank's next batch of the epoch, or None at its end; the time waited is data-wait.
+    def _next_batch(self, ep: EpochStats, block: bool = True) -> tuple[dict, Batch] | None:
+        """This rank's next batch of the epoch; the time waited is data-wait.
 
-        With ``block=False``, False when no batch has arrived yet.
+        None at the epoch's end (``self._end_seen`` is then true) or, with ``block=False``, when no batch has
+        arrived yet.
         """
         started = time.monotonic()
         while True:
             message = self._receive(block)
             if message is None:
-                return False
+                return None
             header, frames = message
             if header["kind"] == Kind.EPOCH_END:
                 ep.wait_seconds += time.monotonic() - started
@@ -260,17 +261,13 @@ class BatchStream:
         # Lockstep in rounds: each rank takes the batches that have arrived (at least one, or the epoch's end),
         # and the ranks agree to take as many steps as the rank holding the fewest has batches.
         ready: deque[tuple[dict, Batch]] = deque()
-        ended = False
         while True:
-            if not ready and not ended:
+            if not ready and not self._end_seen:
                 item = self._next_batch(ep)
-                ended = item is None
                 if item is not None:
                     ready.append(item)
-            while not ended and (item := self._next_batch(ep, block=False)) is not False:
-                ended = item is None
-                if item is not None:
-                    ready.append(item)
+            while not self._end_seen and (item := self._next_batch(ep, block=False)) is not None:
+                ready.append(item)
             started = time.monotonic()
             steps = collectives.allreduce_min(self.comm, len(ready))
             ep.wait_seconds += time.monotonic() - started
@@ -283,12 +280,12 @@ class BatchStream:
         held = list(ready)
         for header, _ in held:
             self._ack(header)
-        if not ended:
+        if not self._end_seen:
             while (more := self._next_batch(ep)) is not None:
                 held.append(more)
                 self._ack(more[0])
-        transfers, target = evenly.plan_transfers(collectives.allgather_count(self.comm, len(held)))
-        held = evenly.exchange(self.comm, held, transfers)
+        transfers, target = rebalance.plan_transfers(collectives.allgather_count(self.comm, len(held)))
+        held = rebalance.exchange(self.comm, held, transfers)
         ep.wait_seconds += time.monotonic() - started
         for header, batch in held[target:]:
             ep.dropped_batches += 1

@@ -15,7 +15,8 @@ from broker.protocol import Kind
 from feeder.task import stream_partition
 from helpers import free_port_triple
 from worker import BatchStream
-from worker.torch_data import ShuffleBuffer, shuffled, to_tensors
+from worker.shuffle import ShuffleBuffer, shuffled
+from worker.torch_data import to_tensors
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -103,7 +104,7 @@ def test_shuffle_refuses_batches_of_another_layout():
 
 
 def test_importing_worker_and_the_adapter_does_not_import_torch():
-    code = ("import sys, worker, worker.torch_data; from worker.torch_data import shuffled, ShuffleBuffer; "
+    code = ("import sys, worker, worker.torch_data; from worker.shuffle import shuffled, ShuffleBuffer; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 

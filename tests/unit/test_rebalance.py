@@ -6,7 +6,7 @@ from hypothesis import given, strategies as st
 
 from broker import codec, protocol
 from broker.errors import ProtocolError
-from worker.even import pack_batch, plan_transfers, unpack_batch
+from worker.rebalance import pack_batch, plan_transfers, unpack_batch
 
 
 @given(st.lists(st.integers(0, 40), min_size=1, max_size=8))
