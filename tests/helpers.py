@@ -4,26 +4,12 @@ from __future__ import annotations
 
 import socket
 import time
-from typing import Callable, TypeVar
 
 from broker.protocol import Kind, pack_header, unpack_header
+from launch.processes import wait_for
 
-# The mpich wheel's network layer (UCX/libfabric) would otherwise also listen on the machine's other NICs.
-LOOPBACK_MPI = {"UCX_NET_DEVICES": "lo", "FI_TCP_IFACE": "lo"}
-
-T = TypeVar("T")
-
-
-def wait_for(condition: Callable[[], T], timeout: float, what: str, interval: float = 0.02) -> T:
-    """Poll ``condition`` until it returns something truthy; fail the test after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(interval)
+# wait_for: the tests' bounded wait, the one the benchmark and the demo use (WaitTimeout says what it awaited)
+__all__ = ["free_port_triple", "recv_header", "send", "wait_for"]
 
 
 def free_port_triple() -> int:

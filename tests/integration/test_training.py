@@ -2,8 +2,6 @@
 of the reshuffle, and examples/train_torch.py under mpiexec -n 2 learning through the broker, then resuming."""
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -14,11 +12,12 @@ import numpy as np
 import pytest
 
 from feeder.epochs import epoch_order, feed_epochs
-from helpers import LOOPBACK_MPI, wait_for
+from helpers import wait_for
+from launch.mpi import loopback_env, mpiexec_python
+from launch.processes import kill_tree, spawn
 
 pytestmark = pytest.mark.timeout(180)
 
-BIN = Path(sys.executable).parent
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 
@@ -127,17 +126,16 @@ def start_training(tmp_path):
 
     def start(address, *flags):
         summary = tmp_path / f"summary-{len(running)}.json"
-        proc = subprocess.Popen([str(BIN / "mpiexec"), "-n", "2", sys.executable, str(EXAMPLES / "train_torch.py"),
-                                 "--ranks", address, "--summary", str(summary), "--timeout", "60", *flags],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                                env={**os.environ, **LOOPBACK_MPI})
+        proc = spawn(mpiexec_python(2, EXAMPLES / "train_torch.py", "--ranks", address, "--summary", str(summary),
+                                    "--timeout", "60", *flags),
+                     env=loopback_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         running.append(proc)
 
         def wait(timeout=120):
             try:
                 out, err = proc.communicate(timeout=timeout)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)        # mpiexec, its proxies and the ranks
+                kill_tree(proc)                            # mpiexec, its proxies and the ranks
                 out, err = proc.communicate(timeout=10)
                 raise AssertionError(f"training did not finish within {timeout} s:\n{err[-3000:]}")
             assert proc.returncode == 0, f"training failed ({proc.returncode}):\n{out[-2000:]}\n{err[-3000:]}"
@@ -148,7 +146,7 @@ def start_training(tmp_path):
     yield start
     for proc in running:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc)
             proc.communicate(timeout=10)
 
 
