@@ -15,7 +15,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from common import agent_loop, die_with_parent
+from common import agent_loop
+from launch.processes import die_with_parent
 
 SENTINEL = b""       # a one-frame message ends a raw zmq measurement
 

@@ -171,9 +171,12 @@ class SparkPrep:
     def _run(self) -> None:
         try:
             import spark_data
+            from launch.spark import local_session
 
             self.log("starting Spark (local[2]) and caching the DataFrame")
-            self.spark = spark_data.start_session(self.sizes.driver_memory)
+            # must be the process's first session: the driver memory is a setting of the JVM
+            self.spark = local_session("local[2]", "sparkbus-bench",
+                                       {"spark.driver.memory": self.sizes.driver_memory})
             df, info = spark_data.cached_frame(self.spark, self.sizes.rows, self.sizes.partitions)
             spark_data.warm_up(df)
             self.value = (self.spark, df, info)

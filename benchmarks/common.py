@@ -1,38 +1,36 @@
-"""Shared pieces of the benchmark: sizes, child processes that are always cleaned up, the broker, mpiexec.
+"""Shared pieces of the benchmark: sizes, the children it starts (all cleaned up), the broker, mpiexec ranks.
 
 Every child is registered in a :class:`Children` and stopped by :meth:`Children.stop_all` on success, error and
-signal: brokers get SIGTERM (then SIGKILL after a grace period), mpiexec gets SIGTERM to its whole process
-group (it and its ranks), spawned agents are terminated. Children also get ``PR_SET_PDEATHSIG`` so that even a
-SIGKILLed benchmark leaves nothing behind. Every wait is a poll against a deadline.
+signal. Brokers, mpiexec and its ranks are ``launch`` children: in a session of their own, stopped with all they
+started (SIGTERM, then SIGKILL after a grace period), and given ``PR_SET_PDEATHSIG`` so that even a SIGKILLed
+benchmark leaves nothing behind; spawned agents are terminated and die with their parent too. Every wait is
+bounded.
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import multiprocessing
-import os
 import signal
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from launch.broker import BrokerProcess
+from launch.mpi import loopback_env, mpiexec_python
+from launch.processes import ChildProcess, die_with_parent, wait_for
+from rank_files import figures_path, ready_path
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-BIN = Path(sys.executable).parent          # the venv's bin: mpiexec lives next to its python
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-LOOPBACK_MPI = {"UCX_NET_DEVICES": "lo", "FI_TCP_IFACE": "lo"}     # keep the ranks' netmod on loopback
-
-_PR_SET_PDEATHSIG = 1
-_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
 class BenchError(RuntimeError):
-    """A part of the benchmark could not run (a child failed or did not answer in time)."""
+    """A part of the benchmark could not run (a child failed or did not answer)."""
 
 
 @dataclass
@@ -65,76 +63,7 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def wait_for(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.01) -> Any:
-    """Poll ``condition`` until it returns something truthy; :class:`BenchError` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise BenchError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(interval)
-
-
-def die_with_parent() -> None:
-    """In a child: get SIGTERM when the process that started us dies (even by SIGKILL)."""
-    if _libc is not None:
-        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 # ---- children ---------------------------------------------------------------------------------------------
-
-class Group:
-    """A subprocess in its own session; stopping it signals the whole group (mpiexec and its ranks)."""
-
-    def __init__(self, name: str, command: Sequence[str], log: Path, env: dict[str, str] | None = None):
-        self.name, self.log_path = name, log
-        self._log = open(log, "w")
-        self.proc = subprocess.Popen(list(command), cwd=ROOT, env={**os.environ, **(env or {})},
-                                     stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True, preexec_fn=die_with_parent)
-        self.pid = self.proc.pid
-
-    def poll(self) -> int | None:
-        return self.proc.poll()
-
-    def _signal(self, sig: int) -> None:
-        try:
-            os.killpg(self.proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-    def wait(self, timeout: float) -> int:
-        """Wait for a normal exit; on timeout stop the group and raise."""
-        try:
-            return self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.stop()
-            raise BenchError(f"{self.name} did not finish within {timeout:g} s:\n{self.tail()}") from None
-
-    def stop(self, grace: float = 5.0) -> None:
-        if self.proc.poll() is None:
-            self._signal(signal.SIGTERM)
-            try:
-                self.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                pass
-        self._signal(signal.SIGKILL)      # whatever is left in the group (ranks of an aborted mpiexec)
-        try:
-            self.proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            pass
-        if not self._log.closed:
-            self._log.close()
-
-    def tail(self, lines: int = 20) -> str:
-        try:
-            self._log.flush()
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except (OSError, ValueError):
-            return ""
-
 
 class Agent:
     """A ``multiprocessing`` (spawn) child running ``target(conn, *args)``, driven by messages on a pipe.
@@ -240,45 +169,16 @@ class Children:
     def agent(self, name: str, target: Callable, *args: Any) -> Agent:
         return self.add(Agent(name, target, *args))
 
-    def broker(self, max_buffer: int | str = "256MiB", timeout: float = 20.0) -> "BrokerProcess":
-        """``python -m broker`` on loopback ports it picks itself; returns once its ready file exists."""
-        log = self.log("broker")
-        ready = log.with_suffix(".ready.json")
-        group = Group("broker", [sys.executable, "-m", "broker", "--feed", "tcp://127.0.0.1:*",
-                                 "--ranks", "tcp://127.0.0.1:*", "--ready-file", str(ready),
-                                 "--max-buffer", str(max_buffer), "--log-level", "WARNING"], log)
-        self.add(group)
-        wait_for(lambda: ready.exists() or group.poll() is not None, timeout, "the broker's ready file")
-        if not ready.exists():
-            raise BenchError(f"the broker exited before it was ready:\n{group.tail()}")
-        info = json.loads(ready.read_text())
-        return BrokerProcess(group, info["feed"], info["ranks"], info["control"], int(info["pid"]),
-                             int(max_buffer) if isinstance(max_buffer, int) else max_buffer)
+    def broker(self, max_buffer: int | str = "256MiB", timeout: float = 20.0) -> BrokerProcess:
+        """``python -m broker`` on loopback ports it picks itself; returns once it is listening."""
+        broker = BrokerProcess(self.log("broker"), "--max-buffer", str(max_buffer), "--log-level", "WARNING",
+                               cwd=ROOT)
+        return self.add(broker.start(timeout))
 
-    def mpiexec(self, name: str, n: int, script: str, *args: str) -> Group:
-        """``mpiexec -n n python benchmarks/<script> args`` as a process group, logging to a file."""
-        env = {k: v for k, v in LOOPBACK_MPI.items() if k not in os.environ}
-        command = [str(BIN / "mpiexec"), "-n", str(n), sys.executable, "-u", str(HERE / script), *args]
-        return self.add(Group(name, command, self.log(name), env=env))
-
-
-@dataclass
-class BrokerProcess:
-    group: Group
-    feed: str
-    ranks: str
-    control: str
-    pid: int
-    max_buffer: Any = None
-    name: str = "broker"
-
-    def stop(self) -> None:
-        self.group.stop()
-
-    def stats(self, timeout: float = 5.0) -> dict:
-        from broker.client import fetch_stats
-
-        return fetch_stats(self.control, timeout)
+    def mpiexec(self, name: str, n: int, script: str, *args: str) -> ChildProcess:
+        """``mpiexec -n n python benchmarks/<script> args``, logging to a file."""
+        return self.add(ChildProcess(name, mpiexec_python(n, HERE / script, *args), self.log(name),
+                                     env=loopback_env(), cwd=ROOT))
 
 
 @dataclass
@@ -310,7 +210,7 @@ def run_ranks(children: Children, name: str, n: int, script: str, out: Path, arg
     out.mkdir(parents=True, exist_ok=True)
     ranks = children.mpiexec(name, n, script, "--out", str(out), *args)
     try:
-        wait_for(lambda: all((out / f"ready-{r}").exists() for r in range(n)) or ranks.poll() is not None,
+        wait_for(lambda: all(ready_path(out, r).exists() for r in range(n)) or ranks.poll() is not None,
                  ready_timeout, f"{n} ranks of {name} to be ready")
         if ranks.poll() is not None:
             raise BenchError(f"{name} ranks exited early ({ranks.poll()}):\n{ranks.tail()}")
@@ -318,7 +218,7 @@ def run_ranks(children: Children, name: str, n: int, script: str, out: Path, arg
         code = ranks.wait(timeout)
         if code != 0:
             raise BenchError(f"{name} ranks failed with exit status {code}:\n{ranks.tail()}")
-        return RankResult([json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]), value
+        return RankResult([json.loads(figures_path(out, r).read_text()) for r in range(n)]), value
     finally:
         children.discard(ranks)
 

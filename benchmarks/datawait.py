@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import spark_data
-from common import BenchError, Children, MiB, Sizes, run_ranks, wait_for
+from common import BenchError, Children, MiB, Sizes, run_ranks
+from launch.processes import wait_for
 from end_to_end import BATCH_SIZE, RANKS, Series
 
 GO_BUFFERED = 16 * MiB

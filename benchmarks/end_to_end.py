@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import spark_data
-from common import BrokerProcess, Children, Sizes, median, run_ranks
+from common import Children, Sizes, median, run_ranks
+from launch.broker import BrokerProcess
 
 RANKS = 2
 BATCH_SIZE = 1024

@@ -9,9 +9,6 @@ with wall-clock times of the first and last batch.
 """
 
 import argparse
-import json
-import os
-import sys
 import time
 from pathlib import Path
 
@@ -19,6 +16,7 @@ import pyarrow.parquet as pq
 from mpi4py import MPI
 
 from feeder.columns import arrow_columns
+from rank_files import ready_path, run_or_abort, wait_for_go, write_figures
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--dir", required=True)
@@ -34,12 +32,8 @@ out = Path(args.out)
 
 
 def main() -> None:
-    (out / f"ready-{rank}").touch()
-    deadline = time.monotonic() + args.timeout
-    while not os.path.exists(args.go):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{args.go} never appeared")
-        time.sleep(0.002)
+    ready_path(out, rank).touch()
+    wait_for_go(args.go, args.timeout)
     t_start = time.time()
     files = sorted(Path(args.dir).glob("*.parquet"))[rank::size]
     t_first = t_last = None
@@ -55,16 +49,7 @@ def main() -> None:
             nbytes += sum(a.nbytes for a in columns.values())
     result = {"rank": rank, "size": size, "files": len(files), "t_start": t_start, "t_first": t_first,
               "t_last": t_last, "t_end": time.time(), "batches": batches, "rows": rows, "bytes": nbytes}
-    tmp = out / f"rank{rank}.json.tmp"
-    tmp.write_text(json.dumps(result))
-    os.replace(tmp, out / f"rank{rank}.json")
+    write_figures(out, rank, result)
 
 
-try:
-    main()
-except BaseException:
-    import traceback
-
-    traceback.print_exc()
-    sys.stderr.flush()
-    comm.Abort(1)
+run_or_abort(main, comm)

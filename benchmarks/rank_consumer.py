@@ -12,14 +12,12 @@ between and the last one (EPOCH_END and the evening out).
 """
 
 import argparse
-import json
-import os
-import sys
 import time
 from pathlib import Path
 
 from mpi4py import MPI
 
+from rank_files import ready_path, run_or_abort, wait_for_go, write_figures
 from worker import BatchStream
 
 parser = argparse.ArgumentParser()
@@ -44,13 +42,9 @@ def main() -> None:
     with BatchStream(args.ranks, comm=comm, stream=args.stream, prefetch=args.prefetch,
                      even=None if args.even == "auto" else False, verify=not args.no_verify,
                      timeout=args.timeout) as stream:
-        (out / f"ready-{rank}").touch()
+        ready_path(out, rank).touch()
         if args.go:
-            deadline = time.monotonic() + args.timeout
-            while not os.path.exists(args.go):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{args.go} never appeared")
-                time.sleep(0.002)
+            wait_for_go(args.go, args.timeout)
         t_start = time.time()
         t_first = t_last = None
         waits = []                      # each time the loop asked for a batch: how long until it had one
@@ -79,16 +73,7 @@ def main() -> None:
                   "wait_first": waits[0] if len(waits) > 1 else 0.0, "wait_end": waits[-1],
                   "wait_steady": sum(steady), "wait_steady_max": max(steady, default=0.0),
                   "waits_over_1ms": sum(1 for w in steady if w > 1e-3)}
-    tmp = out / f"rank{rank}.json.tmp"
-    tmp.write_text(json.dumps(result))
-    os.replace(tmp, out / f"rank{rank}.json")
+    write_figures(out, rank, result)
 
 
-try:
-    main()
-except BaseException:
-    import traceback
-
-    traceback.print_exc()
-    sys.stderr.flush()
-    comm.Abort(1)          # never leave the other ranks waiting in a collective
+run_or_abort(main, comm)

@@ -1,33 +1,12 @@
-"""The one SparkSession of a run (local[2], loopback only, no UI) and the cached DataFrames it measures."""
+"""The cached DataFrames the benchmark measures (its SparkSession is ``launch.spark.local_session``)."""
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 from typing import Any
 
 FEATURES = 64
 ROW_BYTES = 8 + FEATURES * 4          # id long + 64 float32: what reaches a rank per row
-
-
-def start_session(driver_memory: str) -> Any:
-    """local[2] with the venv's Python on the executors; must run before any other SparkSession in the process."""
-    os.environ["PYSPARK_PYTHON"] = sys.executable
-    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
-    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"
-    from pyspark.sql import SparkSession
-
-    spark = (SparkSession.builder.master("local[2]").appName("sparkbus-bench")
-             .config("spark.driver.memory", driver_memory)
-             .config("spark.ui.enabled", "false")
-             .config("spark.ui.showConsoleProgress", "false")
-             .config("spark.driver.host", "127.0.0.1")
-             .config("spark.driver.bindAddress", "127.0.0.1")
-             .config("spark.sql.shuffle.partitions", "4")
-             .getOrCreate())
-    spark.sparkContext.setLogLevel("ERROR")
-    return spark
 
 
 def cached_frame(spark: Any, rows: int, partitions: int, seed: int = 7) -> tuple[Any, dict]:
