@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
 import time
@@ -27,14 +26,15 @@ from rich.text import Text
 
 from broker.client import fetch_stats
 from broker.errors import BrokerError
-from processes import Child, wait_for
+from launch.broker import BrokerProcess
+from launch.mpi import loopback_env, mpiexec_python
+from launch.processes import ChildProcess, LaunchError
+from launch.spark import local_env, submit_command
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-BIN = Path(sys.executable).parent      # the venv's bin: spark-submit and mpiexec live next to its Python
 SIZES = {"default": {"rows": 1_000_000, "epochs": 3, "batch_size": 1024},
          "quick": {"rows": 20_000, "epochs": 2, "batch_size": 256}}
-LOOPBACK_MPI = {"UCX_NET_DEVICES": "lo", "FI_TCP_IFACE": "lo"}   # keep the ranks' netmod off other NICs
 
 
 class DemoFailed(Exception):
@@ -83,7 +83,7 @@ class Demo:
 
     def __init__(self, args: argparse.Namespace, console: Console):
         self.args, self.console = args, console
-        self.children: dict[str, Child] = {}
+        self.children: dict[str, ChildProcess] = {}
         self.stopping = False
         self.out: Path = args.out
         self.started = time.monotonic()
@@ -91,46 +91,39 @@ class Demo:
 
     # ---- starting ---------------------------------------------------------------------------------------
 
-    def start_broker(self) -> dict[str, str]:
-        """Start the broker on loopback ports it picks itself; return its endpoints from its ready file."""
-        ready = self.out / "broker-ready.json"
-        ready.unlink(missing_ok=True)
-        broker = Child("broker", [sys.executable, "-m", "broker", "--feed", "tcp://127.0.0.1:*",
-                                  "--ranks", "tcp://127.0.0.1:*", "--ready-file", str(ready),
-                                  "--max-buffer", self.args.max_buffer],
-                       self.out / "broker.log", cwd=ROOT)
-        self.children["broker"] = broker
-        wait_for(lambda: ready.exists() or broker.returncode is not None, min(30.0, self.remaining()))
-        if not ready.exists():
-            code = broker.stop()
-            raise DemoFailed(f"the broker did not become ready (exit status {code}):\n{broker.tail()}")
-        return json.loads(ready.read_text())
+    def start_broker(self) -> BrokerProcess:
+        """Start the broker on loopback ports it picks itself; return it once it is listening."""
+        broker = BrokerProcess(self.out / "broker.log", "--max-buffer", self.args.max_buffer,
+                               ready_file=self.out / "broker-ready.json", cwd=ROOT)
+        try:
+            broker.start(timeout=min(30.0, self.remaining()))
+        except LaunchError as exc:      # nothing of it is left running
+            raise DemoFailed(f"the broker did not become ready: {exc}") from None
+        self.children["broker"] = broker.child
+        return broker
 
     def start_ranks(self, ranks: str) -> None:
         """``mpiexec -n NP python train.py`` against the broker's ranks address; rank 0 writes summary.json."""
         a = self.args
-        command = [str(BIN / "mpiexec"), "-n", str(a.np), sys.executable, "-u", str(HERE / "train.py"),
-                   "--ranks", ranks, "--epochs", str(a.epochs), "--features", str(a.features),
-                   "--classes", str(a.classes), "--seed", str(a.seed), "--summary", str(self.out / "summary.json")]
-        env = {k: v for k, v in LOOPBACK_MPI.items() if k not in os.environ}
-        self.children["ranks"] = Child("ranks", command, self.out / "ranks.log", self._echo("ranks", "cyan"),
-                                       env={**env, "PYTHONUNBUFFERED": "1"}, cwd=ROOT)
+        command = mpiexec_python(a.np, HERE / "train.py", "--ranks", ranks, "--epochs", str(a.epochs),
+                                 "--features", str(a.features), "--classes", str(a.classes), "--seed", str(a.seed),
+                                 "--summary", str(self.out / "summary.json"))
+        self.children["ranks"] = ChildProcess("ranks", command, self.out / "ranks.log",
+                                              echo=self._echo("ranks", "cyan"), cwd=ROOT,
+                                              env={**loopback_env(), "PYTHONUNBUFFERED": "1"})
 
     def start_feed(self, feed: str) -> None:
         """``spark-submit feed_job.py`` in local mode, on loopback, with the venv's Python for the executors."""
         a = self.args
-        loopback = ["spark.driver.host=127.0.0.1", "spark.driver.bindAddress=127.0.0.1", "spark.ui.enabled=false",
-                    "spark.ui.showConsoleProgress=false"]
-        command = [str(BIN / "spark-submit"), "--master", a.master, "--driver-memory", a.driver_memory,
-                   *[arg for conf in loopback for arg in ("--conf", conf)],
-                   str(HERE / "feed_job.py"), "--feed", feed, "--rows", str(a.rows), "--epochs", str(a.epochs),
-                   "--features", str(a.features), "--classes", str(a.classes), "--batch-size", str(a.batch_size),
-                   "--partitions", str(a.partitions), "--seed", str(a.seed),
-                   "--report", str(self.out / "feed-report.json")]
-        env = {"PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable,
-               "SPARK_LOCAL_IP": "127.0.0.1", "PYTHONUNBUFFERED": "1"}
-        self.children["feed"] = Child("feed", command, self.out / "feed.log", self._echo("spark", "magenta"),
-                                      env=env, cwd=ROOT)
+        command = submit_command(HERE / "feed_job.py", "--feed", feed, "--rows", str(a.rows),
+                                 "--epochs", str(a.epochs), "--features", str(a.features),
+                                 "--classes", str(a.classes), "--batch-size", str(a.batch_size),
+                                 "--partitions", str(a.partitions), "--seed", str(a.seed),
+                                 "--report", str(self.out / "feed-report.json"),
+                                 master=a.master, driver_memory=a.driver_memory)
+        self.children["feed"] = ChildProcess("feed", command, self.out / "feed.log",
+                                             echo=self._echo("spark", "magenta"), cwd=ROOT,
+                                             env={**local_env(), "PYTHONUNBUFFERED": "1"})
 
     def _echo(self, label: str, colour: str):
         def echo(line: str) -> None:
@@ -150,7 +143,7 @@ class Demo:
             code = child.returncode
             if code is not None and (code != 0 or name == "broker"):
                 raise DemoFailed(f"the {name} process exited with status {code}; the end of "
-                                 f"{child.log_path}:\n{child.tail()}")
+                                 f"{child.log}:\n{child.tail()}")
         return all(self.children[name].returncode == 0 for name in ("feed", "ranks"))
 
     def watch(self, control: str) -> None:
@@ -328,14 +321,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"{args.epochs} epochs, batches of {args.batch_size}, Spark {args.master}, {args.np} MPI ranks; "
                   f"logs in {args.out}")
     try:
-        endpoints = demo.start_broker()
-        console.print(f"broker pid {endpoints['pid']}: feed {endpoints['feed']}, ranks {endpoints['ranks']}, "
-                      f"control {endpoints['control']}")
-        demo.start_ranks(endpoints["ranks"])
-        demo.start_feed(endpoints["feed"])
+        broker = demo.start_broker()
+        console.print(f"broker pid {broker.pid}: feed {broker.feed}, ranks {broker.ranks}, control {broker.control}")
+        demo.start_ranks(broker.ranks)
+        demo.start_feed(broker.feed)
         for child in demo.children.values():
             child.start_echo()
-        demo.watch(endpoints["control"])
+        demo.watch(broker.control)
         wall = time.monotonic() - demo.started
         demo.stop_all()
         summarize(args, console, wall)

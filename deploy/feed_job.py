@@ -3,8 +3,9 @@
     spark-submit --master local[2] deploy/feed_job.py --feed tcp://127.0.0.1:5555 [--rows 1000000 --epochs 3]
 
 Each epoch is a fresh global shuffle of the cached set (``feeder.epoch_order``: by a hash of seed, epoch and the
-row, so a recomputed partition comes out the same) streamed with ``feeder.feed``. The executors' Python must be the one sparkbus is installed in (set PYSPARK_PYTHON or
-``spark.pyspark.python``).
+row, so a recomputed partition comes out the same) streamed with ``feeder.feed``. The executors' Python must be
+the one sparkbus is installed in (set PYSPARK_PYTHON or ``spark.pyspark.python``); ``sparkbus demo`` starts this
+job with ``launch.spark.submit_command`` and ``local_env``.
 """
 
 from __future__ import annotations
