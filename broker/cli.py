@@ -30,6 +30,10 @@ def add_broker_arguments(parser: argparse.ArgumentParser) -> None:
                         help="interval of heartbeats to the ranks (default 1s)")
     parser.add_argument("--dead-after", type=parse_duration, default=from_env("dead_after", parse_duration, 5.0),
                         help="declare a rank dead when its connection is silent this long (default 5s)")
+    parser.add_argument("--rejoin-grace", type=parse_duration,
+                        default=from_env("rejoin_grace", parse_duration, 10.0),
+                        help="a rank whose connection was lost keeps its unacknowledged batches this long, so that "
+                             "it finds them when it rejoins; then they go to the other ranks (default 10s)")
     parser.add_argument("--journal", default=from_env("journal", str, None),
                         help="directory for the append-only journal that lets a restarted broker go on")
     parser.add_argument("--ready-file", help="write the bound endpoints as JSON here once listening")
@@ -44,6 +48,7 @@ def run_broker(args: argparse.Namespace) -> int:
     broker = Broker(BrokerConfig(feed=args.feed, ranks=args.ranks, control=args.control,
                                  max_buffer=args.max_buffer, max_message=args.max_message,
                                  heartbeat=args.heartbeat, dead_after=args.dead_after,
+                                 rejoin_grace=args.rejoin_grace,
                                  journal=args.journal, ready_file=args.ready_file))
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: broker.stop())

@@ -60,7 +60,8 @@ class ControlClient:
 
     def hello(self, role: str, stream: str = "", timeout: float | None = None) -> dict[str, Any]:
         """Version handshake; proves the broker is there. Raises like :meth:`request`."""
-        return self.request(Kind.HELLO, timeout=timeout, role=role, stream=stream, rank=0, size=1, even=False)
+        return self.request(Kind.HELLO, timeout=timeout, role=role, stream=stream, rank=0, size=1, even=False,
+                            session="", resume=False, ended=-1)
 
     def close(self) -> None:
         self._sock.close(linger=0)

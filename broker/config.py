@@ -60,5 +60,6 @@ class BrokerConfig:
     max_message: int = 1 << 30         # ZeroMQ MAXMSGSIZE on every socket: no peer makes us allocate more
     heartbeat: float = 1.0             # seconds between heartbeats to ranks
     dead_after: float = 5.0            # a rank's connection silent this long (no transport heartbeat) is dead
+    rejoin_grace: float = 10.0         # a lost rank's unacknowledged batches wait this long for it to rejoin
     journal: str | None = None         # directory of the append-only journal; None: state lives in memory only
     ready_file: str | None = None      # written (JSON of the bound endpoints) once every socket is bound

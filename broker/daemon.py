@@ -30,7 +30,7 @@ from .address import control_address
 from .config import BrokerConfig
 from .errors import ProtocolError, VersionMismatch
 from .journal import Journal
-from .ledger import Ledger, Rejected, Reply
+from .ledger import Ledger, MissedEnd, Rejected, Reply
 from .protocol import Kind, pack_header, unpack_header
 from .state import EpochState, HeldBatch, RankState, StreamState
 
@@ -40,7 +40,15 @@ FEED_RCVHWM = 4         # messages per feeder connection queued in the broker be
 BURST = 256             # requests drained from one socket before the others get a turn
 FEED_BURST = 32         # batches read before acknowledgements are handled and batches sent on
 POLL_MS = 100           # upper bound on how late a stop request or a heartbeat is noticed
+REJOIN_FRAMES = ("held", "consumed")   # a rank's HELLO may carry these id frames (protocol.pack_ids)
 BIND_ATTEMPTS = 20       # system-chosen feed ports tried until feed + 2 is free for the control socket
+
+
+def _is_hello(frame: zmq.Frame) -> bool:
+    try:
+        return unpack_header(frame.bytes)["kind"] == Kind.HELLO
+    except ProtocolError:
+        return False
 
 
 class Broker:
@@ -55,7 +63,7 @@ class Broker:
         self.config = config
         self._context = context
         self._stop = threading.Event()
-        self.ledger = Ledger(Journal(config.journal) if config.journal else None)
+        self.ledger = Ledger(Journal(config.journal) if config.journal else None, config.rejoin_grace)
         self.rejected: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self.endpoints: dict[str, str] = {}
         self.incarnation = secrets.token_hex(8)
@@ -162,6 +170,7 @@ class Broker:
             now = time.monotonic()
             if now >= next_heartbeat:
                 self._heartbeat()
+                self.ledger.expire_orphans(now)
                 self._warn_if_atomic_stall(now)
                 if self.ledger.journal:
                     self.ledger.journal.sync_if_due()
@@ -219,10 +228,11 @@ class Broker:
 
     def _on_request(self, sock: zmq.Socket, frames: list[zmq.Frame], socket: str) -> None:
         identity = frames[0].bytes
-        if len(frames) != 2:
+        if len(frames) != 2 and not (len(frames) == 2 + len(REJOIN_FRAMES) and _is_hello(frames[1])):
             self._reject(socket, "malformed", f"{len(frames) - 1} frames after the identity, expected 1")
             return self._send(sock, identity, Kind.ERROR, req=0,
-                              reason=f"expected one header frame, got {len(frames) - 1} frames")
+                              reason=f"expected one header frame, got {len(frames) - 1} frames (a rank's HELLO "
+                                     f"with resume takes {1 + len(REJOIN_FRAMES)})")
         try:
             header = unpack_header(frames[1].bytes)
         except ProtocolError as exc:
@@ -238,7 +248,7 @@ class Broker:
             return self._send(sock, identity, Kind.ERROR, req=req,
                               reason=f"{header['kind'].name} is not accepted on the {socket} socket")
         try:
-            handler(self, sock, identity, header)
+            handler(self, sock, identity, header, frames[2:])
         except ProtocolError as exc:
             self._reject(socket, "refused", exc.reason)
             self._send(sock, identity, Kind.ERROR, req=req, reason=exc.reason)
@@ -259,42 +269,50 @@ class Broker:
             self.ledger.rank_gone(identity, "disconnected")
             return False
 
-    def _hello(self, sock: zmq.Socket, identity: bytes, h: dict) -> None:
+    def _hello(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
         if h["role"] not in protocol.ROLES:
             raise ProtocolError(f"unknown role {h['role']!r}; expected one of {', '.join(protocol.ROLES)}")
+        missed: list[MissedEnd] = []
         if sock is self._ranks and h["role"] == "rank":
-            self.ledger.join_rank(identity, h)
+            held, consumed = (protocol.unpack_ids(f.buffer) for f in body) if body else ((), ())
+            missed = self.ledger.join_rank(identity, h, held, consumed)
         self._send(sock, identity, Kind.WELCOME, req=h["req"], broker=f"sparkbus/{protocol.VERSION}",
                    incarnation=self.incarnation, journal=self.ledger.journal is not None)
+        for end in missed:           # what a rank that was away missed of epochs that ended meanwhile
+            for batch in end.resend:
+                rank = self.ledger.ranks.get(identity)
+                if rank is None or not self._send_batch(rank, batch):
+                    return           # gone again: what it holds waits for it as before
+            self._send(sock, identity, Kind.EPOCH_END, stream=h["stream"], epoch=end.epoch, batches=end.batches)
 
-    def _credit(self, sock: zmq.Socket, identity: bytes, h: dict) -> None:
+    def _credit(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
         self.ledger.grant(self.ledger.rank(identity), h["credit"])
 
-    def _ack(self, sock: zmq.Socket, identity: bytes, h: dict) -> None:
+    def _ack(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
         rank = self.ledger.rank(identity)
         unknown = self.ledger.acknowledge(rank, h["ids"])
         if unknown:
             self._reject("ranks", "unknown_ack", f"{unknown} ids not in flight to rank {rank.rank}")
         self.ledger.grant(rank, h["credit"])
 
-    def _heartbeat_in(self, sock: zmq.Socket, identity: bytes, h: dict) -> None:
+    def _heartbeat_in(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
         self.ledger.rank(identity)
 
-    def _bye(self, sock: zmq.Socket, identity: bytes, h: dict) -> None:
+    def _bye(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
         self.ledger.rank(identity)
-        self.ledger.rank_gone(identity, "said goodbye")
+        self.ledger.rank_gone(identity, "said goodbye", keep=False)
 
-    def _stats(self, sock: zmq.Socket, identity: bytes, h: dict) -> None:
+    def _stats(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
         self._send(sock, identity, Kind.STATS_REPLY, req=h["req"], stats=self.stats())
 
-    def _epoch_open(self, sock: zmq.Socket, identity: bytes, h: dict) -> None:
+    def _epoch_open(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
         self.ledger.open_epoch(h["stream"], h["epoch"], h["partitions"], h["delivery"])
         self._send(sock, identity, Kind.OK, req=h["req"])
 
-    def _partition_end(self, sock: zmq.Socket, identity: bytes, h: dict) -> None:
+    def _partition_end(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
         self._send_replies(self.ledger.end_partition(identity, h))
 
-    def _epoch_close(self, sock: zmq.Socket, identity: bytes, h: dict) -> None:
+    def _epoch_close(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
         diverged = self.ledger.close_epoch(h["stream"], h["epoch"], h["partitions"])
         self._send(sock, identity, Kind.OK, req=h["req"], diverged=diverged)
 

@@ -171,7 +171,11 @@ class Journal:
     def replay(self) -> Iterator[ReplayedEpoch]:
         """Every epoch still in the journal, its batch records carrying ``payload``: views of the data file."""
         for folder in sorted(p for p in self.directory.iterdir() if p.is_dir()):
-            stream = bytes.fromhex(folder.name).decode()
+            try:
+                stream = bytes.fromhex(folder.name).decode()
+            except ValueError:           # not one of ours (e.g. lost+found at the root of a fresh volume)
+                log.info("journal: ignoring the folder %s", folder)
+                continue
             for log_path in sorted(folder.glob("epoch-*.log"), key=lambda p: int(p.stem.split("-")[1])):
                 epoch = int(log_path.stem.split("-")[1])
                 data_path = log_path.with_suffix(".data")

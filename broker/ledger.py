@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections import deque
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Iterable, NamedTuple
 
 from . import protocol
 from .errors import ProtocolError
 from .journal import Journal, Record
 from .protocol import Kind
-from .state import EpochState, HeldBatch, PendingCommit, RankState, StreamState
+from .state import BatchId, EpochState, HeldBatch, Orphan, PendingCommit, RankState, StreamState
 
 log = logging.getLogger("sparkbus.broker")
 
@@ -41,11 +42,20 @@ class Reply(NamedTuple):
     fields: dict[str, Any]
 
 
+class MissedEnd(NamedTuple):
+    """An epoch that ended while a rank was away: what to send it again, then ``EPOCH_END(epoch, batches)``."""
+
+    epoch: int
+    batches: int
+    resend: list[HeldBatch]      # batches of the epoch sent into its lost connection, now in flight to it again
+
+
 class Ledger:
     """Streams, epochs, partitions and ranks: every decision about a batch. The daemon only moves frames."""
 
-    def __init__(self, journal: Journal | None = None):
+    def __init__(self, journal: Journal | None = None, rejoin_grace: float = 10.0):
         self.journal = journal
+        self.rejoin_grace = rejoin_grace
         self.streams: dict[str, StreamState] = {}
         self.ranks: dict[bytes, RankState] = {}      # by connection identity on the ranks socket
         self.buffered = 0          # bytes of batches held: queued, in flight, or awaiting an atomic commit
@@ -209,31 +219,120 @@ class Ledger:
 
     # ---- ranks ------------------------------------------------------------------------------------------
 
-    def join_rank(self, identity: bytes, h: dict) -> RankState:
-        """Admit a rank that said HELLO on the ranks socket.
+    def join_rank(self, identity: bytes, h: dict, held: Iterable[BatchId] = (),
+                  consumed: Iterable[BatchId] = ()) -> list[MissedEnd]:
+        """Admit a rank that said HELLO on the ranks socket, or take back one that rejoins.
 
+        A rank that comes back (its ``session`` is known: a new connection of the same BatchStream, or any
+        ``resume`` after a broker restart) names the batches of its current epoch that it ``held`` unacknowledged
+        and those it ``consumed``. Those are neither requeued nor sent again: held ones are in flight to the new
+        connection, consumed ones count as acknowledged. What the old connection had in flight beyond them never
+        reached the rank and goes back to the queue.
+
+        Returns:
+            Each epoch that ended while a resuming rank was away, in order: its EPOCH_END may have been lost with
+            the old connection, so it is sent again, after the batches of that epoch the old connection lost.
         Raises:
             ProtocolError: a rank number outside its communicator, a communicator size other than the stream's
-                ranks have, or a rank number that is already connected.
+                ranks have, or a rank number that another process (another session) holds connected.
         """
-        size, number, name = h["size"], h["rank"], h["stream"]
+        size, number, name, session = h["size"], h["rank"], h["stream"], h["session"]
         if not 0 <= number < size:
             raise ProtocolError(f"rank {number} is outside a communicator of size {size}")
         stream = self.stream(name)
-        if identity in self.ranks:
-            self.rank_gone(identity, "said hello again")
+        current = self.ranks.get(identity)
+        if current is not None and session and current.session == session and current.stream == name:
+            return []                    # the same HELLO again on the same connection: nothing changes
+        if current is not None:
+            self.rank_gone(identity, "said hello again", keep=False)
         if stream.ranks and size != stream.expected_ranks:
             raise ProtocolError(f"stream {name!r} is consumed by {stream.expected_ranks} ranks; "
                                 f"a rank of a communicator of size {size} cannot join it")
-        if size > 1 and any(r.rank == number for r in stream.ranks.values()):
+        previous = self._same_session(stream, session, number)
+        if size > 1 and any(r.rank == number and r is not previous for r in stream.ranks.values()):
             raise ProtocolError(f"rank {number} of stream {name!r} is already connected")
+        for other, orphan in list(stream.orphans.items()):
+            if size > 1 and orphan.rank.rank == number and other != session:
+                del stream.orphans[other]          # another process took this rank number: the old one is gone
+                self._requeue(stream, orphan.rank)
+        if previous is not None:
+            stream.orphans.pop(previous.session, None)
+            if self.ranks.get(previous.identity) is previous:
+                del self.ranks[previous.identity], stream.ranks[previous.identity]
         stream.expected_ranks = size
         rank = stream.ranks[identity] = self.ranks[identity] = RankState(identity, name, number, size,
-                                                                         even=h["even"])
+                                                                         even=h["even"], session=session)
         if len(stream.ranks) >= stream.expected_ranks:
             stream.complete = True
-        log.info("rank %d/%d joined stream %r", number, size, name)
-        return rank
+        if previous is None and not h["resume"]:
+            log.info("rank %d/%d joined stream %r", number, size, name)
+            return []
+        lost = self._reconcile(stream, rank, previous, set(held), set(consumed))
+        stream.rejoins += 1
+        missed = self._missed_ends(stream, h["ended"], lost)
+        self._requeue_batches(stream, lost)      # what is left of them belongs to epochs still being delivered
+        for batch in (b for m in missed for b in m.resend):
+            rank.inflight[batch.id] = batch      # sent again below, without credit: the rank owes them back first
+            rank.credit -= 1
+            batch.sends += 1
+            stream.epochs[batch.id[0]].redelivered += 1
+        log.info("rank %d/%d rejoined stream %r: %d batches stay with it, %d of its old connection's are requeued",
+                 number, size, name, len(rank.inflight), len(lost))
+        return missed
+
+    def _same_session(self, stream: StreamState, session: str, number: int) -> RankState | None:
+        """The earlier connection (live or orphaned) of the rank that says HELLO, if there is one."""
+        if not session:
+            return None
+        orphan = stream.orphans.get(session)
+        if orphan is not None and orphan.rank.rank == number:
+            return orphan.rank
+        return next((r for r in stream.ranks.values() if r.session == session and r.rank == number), None)
+
+    def _reconcile(self, stream: StreamState, rank: RankState, previous: RankState | None, held: set[BatchId],
+                   consumed: set[BatchId]) -> tuple[int, int]:
+        """Give ``rank`` the batches it holds and acknowledge those it consumed.
+
+        Returns the batches the old connection had in flight that never reached the rank.
+        """
+        inflight = previous.inflight if previous is not None else {}
+        wanted = held | consumed
+        found = {i: b for i, b in inflight.items() if i in wanted}
+        missing = wanted - found.keys()
+        if missing:                      # after a restart or a requeue they wait in a queue: take them out
+            for ep in stream.epochs.values():
+                if not any(b.id in missing for b in ep.queue):
+                    continue
+                rest: deque[HeldBatch] = deque()
+                for batch in ep.queue:
+                    if batch.id in missing:
+                        found[batch.id] = batch
+                        ep.batches_out += 1          # out again: to the rank that has it
+                        ep.bytes_out += batch.nbytes
+                    else:
+                        rest.append(batch)
+                ep.queue = rest
+        acked: list[HeldBatch] = []
+        for batch_id, batch in found.items():
+            if batch_id in held:
+                rank.inflight[batch_id] = batch
+            else:
+                acked.append(batch)
+        self._consumed(stream, rank, acked)
+        return [b for i, b in inflight.items() if i not in wanted]
+
+    def _missed_ends(self, stream: StreamState, ended: int, lost: list[HeldBatch]) -> list[MissedEnd]:
+        """Epochs after ``ended`` that ended meanwhile; lost batches of them move from ``lost`` to a resend."""
+        ends = {n: s["batches_out"] for n, s in stream.finished.items() if n > ended}
+        ends.update((n, e.batches_out) for n, e in stream.epochs.items() if n > ended and e.end_sent)
+        missed = []
+        for number, batches in sorted(ends.items()):
+            resend = sorted((b for b in lost if b.id[0] == number), key=lambda b: b.id)
+            missed.append(MissedEnd(number, batches, resend))
+        if missed:
+            rank_lost = {b.id for m in missed for b in m.resend}
+            lost[:] = [b for b in lost if b.id not in rank_lost]
+        return missed
 
     def rank(self, identity: bytes) -> RankState:
         """The rank on this connection. Raises :class:`ProtocolError` if it has not joined."""
@@ -250,6 +349,9 @@ class Ledger:
 
     def sent(self, rank: RankState, ep: EpochState, batch: HeldBatch) -> None:
         """A batch went out to ``rank``: it spends a credit and is in flight until acknowledged."""
+        batch.sends += 1
+        if batch.sends > 1:
+            ep.redelivered += 1
         rank.credit -= 1
         rank.inflight[batch.id] = batch
         rank.batches += 1
@@ -259,15 +361,19 @@ class Ledger:
 
     def acknowledge(self, rank: RankState, ids: list[Any]) -> int:
         """Forget acknowledged batches. Returns how many ids were not in flight to that rank."""
-        stream = self.streams[rank.stream]
-        unknown = 0
-        by_epoch: dict[int, list[list[int]]] = {}
+        consumed = []
         for raw in ids:
             well_formed = isinstance(raw, list) and len(raw) == 3 and all(type(x) is int for x in raw)
             batch = rank.inflight.pop(tuple(raw), None) if well_formed else None
-            if batch is None:
-                unknown += 1
-                continue
+            if batch is not None:
+                consumed.append(batch)
+        self._consumed(self.streams[rank.stream], rank, consumed)
+        return len(ids) - len(consumed)
+
+    def _consumed(self, stream: StreamState, rank: RankState, batches: list[HeldBatch]) -> None:
+        """Batches that a rank has consumed: their bytes are free, and the journal remembers them."""
+        by_epoch: dict[int, list[list[int]]] = {}
+        for batch in batches:
             self.buffered -= batch.nbytes
             rank.acked += 1
             ep = stream.epochs.get(batch.id[0])
@@ -277,31 +383,63 @@ class Ledger:
         if self.journal:
             for number, acked in by_epoch.items():
                 self.journal.record_acks(stream.name, number, acked)
-        self.retire(stream)
-        return unknown
+        if batches:
+            self.retire(stream)
 
-    def rank_gone(self, identity: bytes, why: str) -> None:
-        """Forget a rank; the batches it held unacknowledged go back to the front of their epochs' queues."""
+    def rank_gone(self, identity: bytes, why: str, keep: bool = True) -> None:
+        """Forget a rank's connection.
+
+        With ``keep`` (the connection was lost, not closed with BYE) and batches in flight to it, the rank is an
+        orphan for ``rejoin_grace`` seconds: its batches wait for it to come back on a new connection (it may be
+        alive behind a cut link) and go back to the front of their queues only when the grace runs out, so that a
+        rank that lives never sees them trained by another. Otherwise they go back at once.
+        """
         rank = self.ranks.pop(identity, None)
         if rank is None:
             return
         stream = self.streams[rank.stream]
         del stream.ranks[identity]
-        for batch in sorted(rank.inflight.values(), key=lambda b: b.id, reverse=True):
+        if not stream.ranks:
+            stream.complete = False
+            stream.expected_ranks = 0            # the next job may have another size
+        if keep and rank.session and rank.inflight and self.rejoin_grace > 0:
+            stream.orphans[rank.session] = Orphan(rank, time.monotonic() + self.rejoin_grace)
+            log.info("rank %d of stream %r %s; its %d unacknowledged batches wait %g s for it to rejoin",
+                     rank.rank, stream.name, why, len(rank.inflight), self.rejoin_grace)
+            return
+        self._requeue(stream, rank)
+        log.info("rank %d of stream %r %s (%d unacknowledged batches requeued)", rank.rank, stream.name, why,
+                 len(rank.inflight))
+
+    def expire_orphans(self, now: float) -> None:
+        """Requeue the batches of ranks that did not come back within the grace: they are dead."""
+        for stream in self.streams.values():
+            for session, orphan in list(stream.orphans.items()):
+                if orphan.deadline <= now:
+                    del stream.orphans[session]
+                    self._requeue(stream, orphan.rank)
+                    log.info("rank %d of stream %r did not rejoin within %g s: %d batches requeued",
+                             orphan.rank.rank, stream.name, self.rejoin_grace, len(orphan.rank.inflight))
+
+    def _requeue(self, stream: StreamState, rank: RankState) -> None:
+        self._requeue_batches(stream, rank.inflight.values())
+        self._reopen_if_abandoned(stream)
+
+    def _requeue_batches(self, stream: StreamState, batches: Iterable[HeldBatch]) -> None:
+        """Batches in flight that will not be acknowledged go back to the front of their queues, in order."""
+        for batch in sorted(batches, key=lambda b: b.id, reverse=True):
             ep = stream.epochs[batch.id[0]]
             ep.queue.appendleft(batch)
             ep.batches_out -= 1
             ep.bytes_out -= batch.nbytes
+
+    def _reopen_if_abandoned(self, stream: StreamState) -> None:
+        # The consumers are all gone (a job died): epochs they had been told were over, but that still hold
+        # unacknowledged batches, are delivered again to whoever joins next, remainder first.
         if not stream.ranks:
-            stream.complete = False
-            stream.expected_ranks = 0            # the next job may have another size
-            # The consumers are all gone (a job died): epochs they had been told were over, but that still hold
-            # unacknowledged batches, are delivered again to whoever joins next, remainder first.
             for ep in stream.epochs.values():
                 if ep.end_sent and ep.queue:
                     ep.end_sent = False
-        log.info("rank %d of stream %r %s (%d unacknowledged batches requeued)", rank.rank, stream.name, why,
-                 len(rank.inflight))
 
     def dispatch(self, stream: StreamState, send_batch: Callable[[RankState, HeldBatch], bool],
                  send_end: Callable[[RankState, EpochState], None]) -> None:

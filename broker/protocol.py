@@ -13,14 +13,15 @@ This module needs no numpy: the broker validates batches from their headers and 
 from __future__ import annotations
 
 import math
+import struct
 from enum import IntEnum
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import msgpack
 
 from .errors import ProtocolError, VersionMismatch
 
-VERSION = 1
+VERSION = 2
 MAX_HEADER_BYTES = 64 * 1024
 
 
@@ -56,7 +57,8 @@ SCHEMAS: dict[Kind, dict[str, type | tuple[type, ...]]] = {
     Kind.EPOCH_OPEN: {"req": int, "stream": str, "epoch": int, "partitions": int, "delivery": str},
     Kind.EPOCH_CLOSE: {"req": int, "stream": str, "epoch": int, "partitions": int},
     Kind.OK: {"req": int},
-    Kind.HELLO: {"req": int, "role": str, "stream": str, "rank": int, "size": int, "even": bool},
+    Kind.HELLO: {"req": int, "role": str, "stream": str, "rank": int, "size": int, "even": bool,
+                 "session": str, "resume": bool, "ended": int},
     Kind.WELCOME: {"req": int, "broker": str, "incarnation": str, "journal": bool},
     Kind.CREDIT: {"credit": int},
     Kind.ACK: {"ids": list, "credit": int},
@@ -158,3 +160,21 @@ def check_batch_frames(header: Mapping[str, Any], frame_sizes: Sequence[int]) ->
 def batch_id(header: Mapping[str, Any]) -> tuple[int, int, int]:
     """``(epoch, partition, seq)``: unique within a stream, and what ranks acknowledge."""
     return header["epoch"], header["part"], header["seq"]
+
+
+# ---- batch ids in a frame (a rank's HELLO when it rejoins) ----------------------------------------------------
+
+_ID = struct.Struct("<qqq")
+MAX_IDS = 1 << 22
+
+
+def pack_ids(ids: Iterable[tuple[int, int, int]]) -> bytes:
+    """Batch ids as one frame: little-endian int64 triples ``(epoch, part, seq)``, back to back."""
+    return b"".join(_ID.pack(*i) for i in ids)
+
+
+def unpack_ids(buf: bytes | memoryview) -> list[tuple[int, int, int]]:
+    """The inverse of :func:`pack_ids`. Raises :class:`ProtocolError` on a length that is not whole ids."""
+    if len(buf) % _ID.size or len(buf) // _ID.size > MAX_IDS:
+        raise ProtocolError(f"an id frame of {len(buf)} bytes is not a list of at most {MAX_IDS} batch ids")
+    return list(_ID.iter_unpack(buf))

@@ -22,6 +22,7 @@ class HeldBatch:
     frames: list[Any]       # header frame + column frames, exactly as received
     nbytes: int
     rows: int
+    sends: int = 0          # times sent to a rank: above 1, it was redelivered
 
 
 @dataclass
@@ -70,6 +71,7 @@ class EpochState:
     bytes_out: int = 0
     acked: int = 0
     duplicates: int = 0
+    redelivered: int = 0       # sends of a batch that had gone out before (its rank died or left)
 
     @property
     def all_acked(self) -> bool:
@@ -96,7 +98,7 @@ class EpochState:
                 "closed": self.closed, "ended": self.end_sent, "queued": len(self.queue),
                 "batches_in": self.batches_in, "bytes_in": self.bytes_in, "rows_in": self.rows_in,
                 "batches_out": self.batches_out, "bytes_out": self.bytes_out, "acked": self.acked,
-                "duplicates": self.duplicates, "diverged": self.diverged}
+                "duplicates": self.duplicates, "redelivered": self.redelivered, "diverged": self.diverged}
 
 
 @dataclass
@@ -108,6 +110,7 @@ class RankState:
     rank: int
     size: int
     even: bool = False
+    session: str = ""          # the rank's BatchStream: the same across its reconnections, new in a new process
     credit: int = 0
     inflight: dict[BatchId, HeldBatch] = field(default_factory=dict)
     batches: int = 0
@@ -122,6 +125,14 @@ class RankState:
 
 
 @dataclass
+class Orphan:
+    """A rank whose connection was lost while it held batches: they wait for it to rejoin until ``deadline``."""
+
+    rank: RankState
+    deadline: float
+
+
+@dataclass
 class StreamState:
     """A named stream ("train", "val", a job id): its epochs and the ranks consuming it. Streams share nothing."""
 
@@ -131,6 +142,8 @@ class StreamState:
     expected_ranks: int = 0    # the communicator size the first rank announced
     complete: bool = False     # all expected ranks have joined since the stream last had none
     finished: dict[int, dict[str, Any]] = field(default_factory=dict)   # stats of epochs done and acked
+    orphans: dict[str, Orphan] = field(default_factory=dict)           # by session
+    rejoins: int = 0           # ranks that came back (new connection or restarted broker) and were reconciled
     _turn: int = 0
 
     def delivering(self) -> EpochState | None:
@@ -159,5 +172,8 @@ class StreamState:
     def stats(self) -> dict[str, Any]:
         epochs = {str(n): s for n, s in self.finished.items()}
         epochs.update({str(n): e.stats() for n, e in self.epochs.items()})
-        return {"expected_ranks": self.expected_ranks, "epochs": epochs,
-                "ranks": [r.stats() for r in self.ranks.values()]}
+        now = time.monotonic()
+        return {"expected_ranks": self.expected_ranks, "epochs": epochs, "rejoins": self.rejoins,
+                "ranks": [r.stats() for r in self.ranks.values()],
+                "orphans": [{"rank": o.rank.rank, "inflight": len(o.rank.inflight),
+                             "expires_in_s": round(o.deadline - now, 3)} for o in self.orphans.values()]}

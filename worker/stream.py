@@ -13,10 +13,10 @@ import zmq
 
 from broker import protocol
 from broker.codec import decode_batch
-from broker.errors import BrokerError
-from broker.protocol import Kind, pack_header, unpack_header
+from broker.protocol import Kind
 
 from . import collectives, rebalance
+from .connection import BrokerConnection
 
 log = logging.getLogger("sparkbus.worker")
 
@@ -48,6 +48,7 @@ class StreamStats:
     dropped_rows: int = 0
     wait_seconds: float = 0.0
     skipped_batches: int = 0    # left unread when the loop broke out of an epoch early
+    rejoins: int = 0            # times this rank joined the broker again (a lost connection, a restarted broker)
     epochs: list[EpochStats] = field(default_factory=list)
 
     def add(self, ep: EpochStats) -> None:
@@ -94,85 +95,18 @@ class BatchStream:
         self.timeout, self.verify, self.heartbeat, self.on_drop = timeout, verify, heartbeat, on_drop
         self.prefetch, self.abort_on_error = prefetch, abort_on_error
         self.stats = StreamStats()
-        self._received: set[tuple[int, int, int]] = set()    # batch ids of the current epoch, to drop redeliveries
-        self._rejoining = False
         self._holding: dict | None = None      # header of the batch the loop has now (acknowledged on next)
         self._end_seen = True                  # the current epoch's EPOCH_END arrived (or no epoch begun)
         self._own_context = context is None
         self._context = context or zmq.Context()
-        self._sock = self._context.socket(zmq.DEALER)
-        self._sock.linger = 0
-        self._sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat * 1000))    # transport-level, answered by libzmq
-        self._sock.connect(address)
-        self._last_heard = time.monotonic()
-        self._last_said = time.monotonic()
         try:
-            self._handshake()
+            self._broker = BrokerConnection(address, self._context, stream=stream, rank=self.rank, size=self.size,
+                                            even=self.even, prefetch=prefetch, timeout=timeout,
+                                            heartbeat=heartbeat)
         except BaseException:
-            self._close_socket()
+            if self._own_context:
+                self._context.term()
             raise
-
-    # ---- talking to the broker ----------------------------------------------------------------------------
-
-    def _say(self, kind: Kind, **fields: Any) -> None:
-        self._sock.send(pack_header(kind, **fields))
-        self._last_said = time.monotonic()
-
-    def _hello(self) -> None:
-        self._say(Kind.HELLO, req=1, role="rank", stream=self.stream, rank=self.rank, size=self.size,
-                  even=self.even)
-
-    def _handshake(self) -> None:
-        self._hello()
-        if not self._sock.poll(self.timeout * 1000):
-            raise BrokerError(f"no answer from a sparkbus broker at {self.address} within {self.timeout:g} s: "
-                              f"is it running, and is this its ranks address?")
-        header = unpack_header(self._sock.recv_multipart()[0])
-        if header["kind"] == Kind.ERROR:
-            raise BrokerError(f"the broker at {self.address} refused rank {self.rank}: {header['reason']}")
-        if header["kind"] != Kind.WELCOME:
-            raise BrokerError(f"the broker at {self.address} answered HELLO with {header['kind'].name}")
-        self._last_heard = time.monotonic()
-        self._say(Kind.CREDIT, credit=self.prefetch)
-
-    def _receive(self, block: bool = True) -> tuple[dict, list[zmq.Frame]] | None:
-        """The next batch or epoch end from the broker; heartbeats both ways while waiting, never spinning.
-
-        With ``block=False``, None when nothing is waiting.
-        """
-        while True:
-            now = time.monotonic()
-            silent_for = now - self._last_heard
-            if silent_for > self.timeout:
-                raise BrokerError(f"the broker at {self.address} has been silent for {silent_for:.0f} s "
-                                  f"(timeout {self.timeout:g} s): it is gone or unreachable")
-            if now - self._last_said >= self.heartbeat:
-                self._say(Kind.HEARTBEAT)
-            try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)    # no poll when one is waiting
-            except zmq.Again:
-                if not block:
-                    return None
-                wait = min(self.heartbeat, self.timeout - silent_for)
-                self._sock.poll(max(wait, 0.001) * 1000)
-                continue
-            self._last_heard = time.monotonic()
-            header = unpack_header(frames[0].bytes)
-            kind = header["kind"]
-            if kind in (Kind.BATCH, Kind.EPOCH_END):
-                return header, frames[1:]
-            if kind == Kind.ERROR and header["reason"].startswith("unknown rank") and not self._rejoining:
-                # The broker restarted (or lost us): join again; what we held unacknowledged comes again.
-                log.warning("the broker at %s no longer knows this rank; joining again", self.address)
-                self._rejoining = True
-                self._hello()
-            elif kind == Kind.WELCOME and self._rejoining:
-                self._rejoining = False
-                self._say(Kind.CREDIT, credit=self.prefetch)
-            elif kind == Kind.ERROR and not self._rejoining:
-                raise BrokerError(f"the broker at {self.address} reported: {header['reason']}")
-            elif kind not in (Kind.HEARTBEAT, Kind.ERROR):
-                log.warning("ignoring unexpected %s from the broker", kind.name)
 
     def _next_batch(self, ep: EpochStats, block: bool = True) -> tuple[dict, Batch] | None:
         """This rank's next batch of the epoch; the time waited is data-wait.
@@ -182,27 +116,27 @@ class BatchStream:
         """
         started = time.monotonic()
         while True:
-            message = self._receive(block)
+            message = self._broker.receive(block)
             if message is None:
                 return None
             header, frames = message
             if header["kind"] == Kind.EPOCH_END:
                 ep.wait_seconds += time.monotonic() - started
-                self._received.clear()
                 self._end_seen = True
                 return None
             batch_id = protocol.batch_id(header)
-            if batch_id not in self._received:
+            if batch_id not in self._broker.received:
                 break
-            self._ack(header)       # a redelivery after a broker restart: we have it already
-        self._received.add(batch_id)
+            if batch_id not in self._broker.acked:
+                self._ack(header)   # a redelivery of one we have: it counts as consumed
+        self._broker.received.add(batch_id)
         ep.wait_seconds += time.monotonic() - started
         if ep.epoch < 0:
             ep.epoch = header["epoch"]
         return header, decode_batch(header, frames, verify=self.verify)
 
     def _ack(self, header: dict) -> None:
-        self._say(Kind.ACK, ids=[list(protocol.batch_id(header))], credit=1)
+        self._broker.ack(header)
 
     # ---- epochs -------------------------------------------------------------------------------------------
 
@@ -231,6 +165,7 @@ class BatchStream:
                 self._holding = None
             ep.seconds = time.monotonic() - started
             self.stats.add(ep)
+            self.stats.rejoins = self._broker.rejoins
 
     def _skip_rest_of_epoch(self) -> None:
         log.warning("rank %d left the previous epoch before its end; skipping its remaining batches", self.rank)
@@ -300,17 +235,14 @@ class BatchStream:
 
     def close(self) -> None:
         """Tell the broker this rank leaves (its unacknowledged batches go to other ranks), then close."""
-        if self._sock.closed:
+        if self._broker.closed:
             return
         try:
-            self._say(Kind.BYE)
+            self._broker.bye()
         finally:
-            self._close_socket()
-
-    def _close_socket(self) -> None:
-        self._sock.close(linger=200)     # long enough for BYE to leave, never a hang
-        if self._own_context:
-            self._context.term()
+            self._broker.close()
+            if self._own_context:
+                self._context.term()
 
     def __enter__(self) -> "BatchStream":
         return self

@@ -37,7 +37,8 @@ def bus(start_broker, sockets, context):
 
     def rank(rank=0, size=1, credit=0, stream="s", even=False):
         sock = sockets(zmq.DEALER, broker.config.ranks)
-        send(sock, Kind.HELLO, req=1, role="rank", stream=stream, rank=rank, size=size, even=even)
+        send(sock, Kind.HELLO, req=1, role="rank", stream=stream, rank=rank, size=size, even=even,
+             session=f"s{rank}-{id(sock)}", resume=False, ended=-1)
         assert recv_header(sock)[0]["kind"] == Kind.WELCOME
         if credit:
             send(sock, Kind.CREDIT, credit=credit)
@@ -213,7 +214,8 @@ def test_a_delivered_epoch_cannot_be_reopened(bus):
 def test_ranks_of_another_communicator_size_are_refused(bus):
     bus.rank(0, 2)
     other = bus.sockets(zmq.DEALER, bus.broker.config.ranks)
-    send(other, Kind.HELLO, req=1, role="rank", stream="s", rank=0, size=3, even=False)
+    send(other, Kind.HELLO, req=1, role="rank", stream="s", rank=0, size=3, even=False, session="x", resume=False,
+         ended=-1)
     reply = recv_header(other)[0]
     assert reply["kind"] == Kind.ERROR and "consumed by 2 ranks" in reply["reason"]
 

@@ -1,0 +1,205 @@
+"""A rank's connection to one broker: join, credit, heartbeats, acknowledgements, and rejoining.
+
+The connection keeps what the broker needs to hear when this rank comes back after its connection was lost (a
+cut link, a firewall that dropped the FIN, a restarted broker): the ids of the current epoch's batches it
+received, and which of those it acknowledged. Its HELLO then carries them (``resume``), and the broker neither
+sends those batches again nor hands them to another rank. See docs/PROTOCOL.md, "A rank".
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from typing import Any
+
+import zmq
+
+from broker import protocol
+from broker.errors import BrokerError
+from broker.protocol import Kind, pack_header, unpack_header
+
+log = logging.getLogger("sparkbus.worker")
+
+BatchId = tuple[int, int, int]
+ALREADY_CONNECTED = "is already connected"      # a refusal that clears once the broker drops a dead connection
+
+
+class BrokerConnection:
+    """The DEALER socket of one rank to one broker's ranks socket, and the rank's standing with that broker.
+
+    Args:
+        address: the broker's ranks address.
+        context: the ZeroMQ context to make the socket in.
+        stream, rank, size, even: what the rank announces in HELLO.
+        prefetch: the credit window: batches in flight to this rank, the one in use included.
+        timeout: seconds the broker may stay silent, or keep refusing a rejoin, before :class:`BrokerError`.
+        heartbeat: seconds between this rank's heartbeats (and HELLO retries) while it waits.
+    Raises:
+        BrokerError: no broker answers within ``timeout``, or it refuses this rank for good.
+    """
+
+    def __init__(self, address: str, context: zmq.Context, *, stream: str, rank: int, size: int, even: bool,
+                 prefetch: int, timeout: float, heartbeat: float):
+        self.address, self.stream, self.rank, self.size, self.even = address, stream, rank, size, even
+        self.prefetch, self.timeout, self.heartbeat = prefetch, timeout, heartbeat
+        self.session = secrets.token_hex(8)           # the same across reconnections of this rank
+        self.received: set[BatchId] = set()           # batch ids of the current epoch that arrived
+        self.acked: set[BatchId] = set()              # ... and of those, the ones acknowledged
+        self.ended = -1                               # the last epoch whose EPOCH_END arrived
+        self.rejoins = 0
+        self._req = 0
+        self._rejoin_since: float | None = None       # when the broker said it no longer knew this rank
+        self._refusal = ""
+        self._sock = context.socket(zmq.DEALER)
+        self._sock.linger = 0
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat * 1000))    # transport-level, answered by libzmq
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(3 * heartbeat * 1000))
+        self._sock.connect(address)
+        self._last_heard = self._last_said = time.monotonic()
+        try:
+            self._join()
+        except BaseException:
+            self._sock.close(linger=0)
+            raise
+
+    # ---- saying things --------------------------------------------------------------------------------------
+
+    def _say(self, kind: Kind, **fields: Any) -> None:
+        self._sock.send(pack_header(kind, **fields))
+        self._last_said = time.monotonic()
+
+    def _hello(self, resume: bool) -> None:
+        self._req += 1
+        header = pack_header(Kind.HELLO, req=self._req, role="rank", stream=self.stream, rank=self.rank,
+                             size=self.size, even=self.even, session=self.session, resume=resume,
+                             ended=self.ended)
+        if resume:
+            held = self.received - self.acked
+            self._sock.send_multipart([header, protocol.pack_ids(held), protocol.pack_ids(self.acked)])
+        else:
+            self._sock.send(header)
+        self._last_said = time.monotonic()
+
+    def _grant_window(self) -> None:
+        # Batches this rank still holds stay in flight to it: they return their credit when acknowledged.
+        self._say(Kind.CREDIT, credit=max(self.prefetch - len(self.received - self.acked), 0))
+
+    def ack(self, header: dict) -> None:
+        """Acknowledge one batch (the loop is done with it); it returns one credit."""
+        batch_id = protocol.batch_id(header)
+        self.acked.add(batch_id)
+        self._say(Kind.ACK, ids=[list(batch_id)], credit=1)
+
+    def bye(self) -> None:
+        """Tell the broker this rank leaves: what it holds unacknowledged goes to the other ranks at once."""
+        self._say(Kind.BYE)
+
+    def close(self) -> None:
+        self._sock.close(linger=200)     # long enough for BYE to leave, never a hang
+
+    @property
+    def closed(self) -> bool:
+        return self._sock.closed
+
+    # ---- joining ----------------------------------------------------------------------------------------------
+
+    def _join(self) -> None:
+        """The first HELLO. A rank number still held by a dead process's connection is retried until ``timeout``."""
+        deadline = time.monotonic() + self.timeout
+        self._hello(resume=False)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._sock.poll(min(remaining, self.heartbeat) * 1000):
+                if time.monotonic() < deadline:
+                    continue
+                if self._refusal:
+                    raise BrokerError(f"the broker at {self.address} refused rank {self.rank} for "
+                                      f"{self.timeout:g} s: {self._refusal}")
+                raise BrokerError(f"no answer from a sparkbus broker at {self.address} within {self.timeout:g} s: "
+                                  f"is it running, and is this its ranks address?")
+            header = unpack_header(self._sock.recv_multipart()[0])
+            if header["kind"] == Kind.WELCOME and header["req"] == self._req:
+                break
+            if header["kind"] == Kind.ERROR and ALREADY_CONNECTED in header["reason"]:
+                # Another process had this rank (a job that died); the broker lets go of it once its connection
+                # is found dead. Ask again.
+                self._refusal = header["reason"]
+                time.sleep(min(self.heartbeat, max(deadline - time.monotonic(), 0)))
+                self._hello(resume=False)
+            elif header["kind"] == Kind.ERROR:
+                raise BrokerError(f"the broker at {self.address} refused rank {self.rank}: {header['reason']}")
+            elif header["kind"] != Kind.HEARTBEAT:
+                raise BrokerError(f"the broker at {self.address} answered HELLO with {header['kind'].name}")
+        self._refusal = ""
+        self._last_heard = time.monotonic()
+        self._grant_window()
+
+    def _rejoin(self, reason: str) -> None:
+        """The broker does not know this rank (a new connection, or a restarted broker): HELLO with ``resume``,
+        every heartbeat until welcomed; :class:`BrokerError` once refused for ``timeout`` seconds."""
+        now = time.monotonic()
+        if self._rejoin_since is None:
+            log.warning("the broker at %s no longer knows rank %d (%s); joining again", self.address, self.rank,
+                        reason)
+            self._rejoin_since = now
+        elif now - self._rejoin_since > self.timeout:
+            raise BrokerError(f"rank {self.rank} could not rejoin the broker at {self.address} within "
+                              f"{self.timeout:g} s: {self._refusal or reason}")
+        elif now - self._last_said < self.heartbeat:
+            return                       # a HELLO is on its way; its answer comes in order
+        self._hello(resume=True)
+
+    # ---- receiving --------------------------------------------------------------------------------------------
+
+    def receive(self, block: bool = True) -> tuple[dict, list[zmq.Frame]] | None:
+        """The next BATCH or EPOCH_END from the broker; heartbeats both ways while waiting, never spinning.
+
+        Returns None only with ``block=False``, when nothing is waiting.
+        Raises:
+            BrokerError: the broker was silent for ``timeout``, could not be rejoined, or reported an error.
+        """
+        while True:
+            now = time.monotonic()
+            silent_for = now - self._last_heard
+            if silent_for > self.timeout:
+                raise BrokerError(f"the broker at {self.address} has been silent for {silent_for:.0f} s "
+                                  f"(timeout {self.timeout:g} s): it is gone or unreachable")
+            if self._rejoin_since is not None:
+                self._rejoin(self._refusal)
+            elif now - self._last_said >= self.heartbeat:
+                self._say(Kind.HEARTBEAT)
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)    # no poll when one is waiting
+            except zmq.Again:
+                if not block:
+                    return None
+                wait = min(self.heartbeat, self.timeout - silent_for)
+                self._sock.poll(max(wait, 0.001) * 1000)
+                continue
+            header = unpack_header(frames[0].bytes)
+            kind = header["kind"]
+            if kind == Kind.ERROR and self._rejoin_since is not None:
+                self._refusal = header["reason"]        # refusals while rejoining do not count as "heard"
+                continue
+            self._last_heard = time.monotonic()
+            if kind == Kind.BATCH:
+                return header, frames[1:]
+            if kind == Kind.EPOCH_END:
+                self.ended = header["epoch"]
+                self.received.clear()
+                self.acked.clear()
+                return header, frames[1:]
+            if kind == Kind.ERROR and header["reason"].startswith("unknown rank"):
+                self._refusal = ""
+                self._rejoin(header["reason"])
+            elif kind == Kind.WELCOME:
+                if self._rejoin_since is not None and header["req"] == self._req:
+                    self._rejoin_since = None
+                    self.rejoins += 1
+                    log.warning("rank %d rejoined the broker at %s", self.rank, self.address)
+                    self._grant_window()
+            elif kind == Kind.ERROR:
+                raise BrokerError(f"the broker at {self.address} reported: {header['reason']}")
+            elif kind != Kind.HEARTBEAT:
+                log.warning("ignoring unexpected %s from the broker", kind.name)
