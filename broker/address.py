@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from typing import Sequence
+
 
 def control_address(feed_address: str) -> str:
     """The broker's control (request/reply) endpoint that goes with a feed endpoint.
@@ -22,3 +25,26 @@ def control_address(feed_address: str) -> str:
             raise ValueError(f"tcp address {feed_address!r} needs an explicit numeric port")
         return f"tcp://{host}:{int(port) + 2}"
     return f"{feed_address}.control"
+
+
+def broker_addresses(value: str | Sequence[str] | None, variable: str) -> list[str]:
+    """The brokers' addresses from a list, a comma-separated string, or (when ``value`` is None) the environment
+    variable ``variable`` (e.g. ``SPARKBUS_FEED_ADDRESS``), in the order given.
+
+    Raises:
+        ValueError: no address, one that is not ``scheme://location``, or the same address twice.
+    """
+    if value is None:
+        value = os.environ.get(variable, "")
+        if not value:
+            raise ValueError(f"no broker address given, and {variable} is not set")
+    items = value.split(",") if isinstance(value, str) else list(value)
+    addresses = [a.strip() for a in items if a.strip()]
+    if not addresses:
+        raise ValueError(f"no broker address in {value!r}")
+    for address in addresses:
+        if "://" not in address:
+            raise ValueError(f"address {address!r} is not of the form scheme://location")
+    if len(set(addresses)) != len(addresses):
+        raise ValueError(f"a broker address is given twice in {value!r}")
+    return addresses

@@ -61,16 +61,30 @@ def run_broker(args: argparse.Namespace) -> int:
 
 
 def run_status(args: argparse.Namespace) -> int:
+    from .address import broker_addresses
     from .client import fetch_stats
     from .errors import BrokerError
-    from .status import render_stats
+    from .status import render_stats, render_totals, totals
 
     try:
-        stats = fetch_stats(args.address, parse_duration(args.timeout))
+        addresses = broker_addresses(args.address, "SPARKBUS_STATUS_ADDRESS")
+        timeout = parse_duration(args.timeout)
+    except ValueError as exc:
+        print(f"sparkbus status: {exc}", file=sys.stderr)
+        return 2
+    try:
+        stats = {address: fetch_stats(address, timeout) for address in addresses}
     except BrokerError as exc:
         print(f"sparkbus status: {exc}", file=sys.stderr)
         return 1
-    print(json.dumps(stats, indent=2, sort_keys=True) if args.json else render_stats(stats))
+    if len(stats) == 1:
+        (one,) = stats.values()
+        print(json.dumps(one, indent=2, sort_keys=True) if args.json else render_stats(one))
+    elif args.json:
+        print(json.dumps({"brokers": stats, "totals": totals(stats)}, indent=2, sort_keys=True))
+    else:
+        print("\n\n".join([*(f"{address}\n{render_stats(one)}" for address, one in stats.items()),
+                            render_totals(totals(stats))]))
     return 0
 
 
@@ -89,7 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     add_broker_arguments(commands.add_parser("broker", help="run the broker daemon"))
     status = commands.add_parser("status", help="print a broker's live figures")
-    status.add_argument("address", help="the broker's control or ranks address, e.g. tcp://host:5557")
+    status.add_argument("address", nargs="?", default=None,
+                        help="the broker's control or ranks address, e.g. tcp://host:5557; several brokers' as a "
+                             "comma-separated list (default: SPARKBUS_STATUS_ADDRESS)")
     status.add_argument("--json", action="store_true", help="print the raw figures as JSON")
     status.add_argument("--timeout", default="5s")
     commands.add_parser("demo", help="run the end-to-end demo (sparkbus demo --help)", add_help=False)

@@ -277,7 +277,8 @@ class Broker:
             held, consumed = (protocol.unpack_ids(f.buffer) for f in body) if body else ((), ())
             missed = self.ledger.join_rank(identity, h, held, consumed)
         self._send(sock, identity, Kind.WELCOME, req=h["req"], broker=f"sparkbus/{protocol.VERSION}",
-                   incarnation=self.incarnation, journal=self.ledger.journal is not None)
+                   incarnation=self.incarnation, journal=self.ledger.journal is not None,
+                   free=max(self.config.max_buffer - self.ledger.buffered, 0))
         for end in missed:           # what a rank that was away missed of epochs that ended meanwhile
             for batch in end.resend:
                 rank = self.ledger.ranks.get(identity)
@@ -312,13 +313,16 @@ class Broker:
     def _partition_end(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
         self._send_replies(self.ledger.end_partition(identity, h))
 
+    def _partition_claim(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
+        self._send(sock, identity, Kind.OK, req=h["req"], broker=self.ledger.claim_partition(h))
+
     def _epoch_close(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
-        diverged = self.ledger.close_epoch(h["stream"], h["epoch"], h["partitions"])
+        diverged = self.ledger.close_epoch(h["stream"], h["epoch"], h["partitions"], h.get("expected"))
         self._send(sock, identity, Kind.OK, req=h["req"], diverged=diverged)
 
     _control_handlers: dict[Kind, Callable] = {
         Kind.HELLO: _hello, Kind.EPOCH_OPEN: _epoch_open, Kind.PARTITION_END: _partition_end,
-        Kind.EPOCH_CLOSE: _epoch_close, Kind.STATS_REQUEST: _stats}
+        Kind.EPOCH_CLOSE: _epoch_close, Kind.PARTITION_CLAIM: _partition_claim, Kind.STATS_REQUEST: _stats}
     _rank_handlers: dict[Kind, Callable] = {
         Kind.HELLO: _hello, Kind.CREDIT: _credit, Kind.ACK: _ack, Kind.HEARTBEAT: _heartbeat_in,
         Kind.BYE: _bye, Kind.STATS_REQUEST: _stats}

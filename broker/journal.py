@@ -45,6 +45,7 @@ class Record(str, Enum):
     COMMIT = "commit"    # a partition was committed: part, attempt
     CLOSE = "close"      # the epoch was closed
     ACK = "ack"          # batches were acknowledged by a rank: ids
+    CLAIM = "claim"      # the broker (an index in the feed's list) that streams a partition: part, broker
 
 
 @dataclass
@@ -114,6 +115,11 @@ class Journal:
     def record_commit(self, stream: str, epoch: int, part: int, attempt: int) -> None:
         files = self._files_for(stream, epoch)
         self._append(files, Record.COMMIT, part=part, attempt=attempt)
+        self._sync(files)
+
+    def record_claim(self, stream: str, epoch: int, part: int, broker: int) -> None:
+        files = self._files_for(stream, epoch)
+        self._append(files, Record.CLAIM, part=part, broker=broker)
         self._sync(files)
 
     def record_close(self, stream: str, epoch: int) -> None:

@@ -100,13 +100,18 @@ class Ledger:
             raise ProtocolError(f"stream {name!r} epoch {number} is already open with {ep.partitions} "
                                 f"partitions and {ep.delivery} delivery")
 
-    def close_epoch(self, name: str, number: int, partitions: int) -> list[int]:
-        """Close an epoch whose partitions are all committed. Returns the partitions that diverged."""
+    def close_epoch(self, name: str, number: int, partitions: int, expected: int | None = None) -> list[int]:
+        """Close an epoch once the ``expected`` partitions streamed through this broker are committed (all of
+        them with one broker; this broker's share with several). Returns the partitions that diverged."""
         stream, ep = self.epoch(name, number)
-        if partitions != ep.partitions or len(ep.committed) != ep.partitions:
+        expected = ep.partitions if expected is None else expected
+        if partitions != ep.partitions or len(ep.committed) != expected:
             missing = list(itertools.islice((p for p in range(ep.partitions) if p not in ep.committed), 10))
-            raise ProtocolError(f"stream {name!r} epoch {number}: {len(ep.committed)} of {ep.partitions} "
-                                f"partitions committed (missing {missing}{'...' if len(missing) == 10 else ''})")
+            if expected == ep.partitions:
+                raise ProtocolError(f"stream {name!r} epoch {number}: {len(ep.committed)} of {ep.partitions} "
+                                    f"partitions committed (missing {missing}{'...' if len(missing) == 10 else ''})")
+            raise ProtocolError(f"stream {name!r} epoch {number}: {len(ep.committed)} of the {expected} partitions "
+                                f"streamed through this broker are committed")
         ep.closed = True
         if self.journal:
             self.journal.record_close(name, number)
@@ -165,6 +170,19 @@ class Ledger:
         ep.batches_in += 1
         ep.bytes_in += batch.nbytes
         ep.rows_in += batch.rows
+
+    def claim_partition(self, h: dict) -> int:
+        """Which broker streams a partition, decided once by its home broker: the first attempt's choice holds
+        for every later attempt (a retry or speculative copy must go where the first copy's batches went)."""
+        stream, ep = self.epoch(h["stream"], h["epoch"])
+        number, choice = h["part"], h["broker"]
+        if not 0 <= number < ep.partitions or choice < 0:
+            raise ProtocolError(f"partition {number} or broker {choice} out of range for epoch {ep.epoch}")
+        if number not in ep.claims:
+            ep.claims[number] = choice
+            if self.journal:
+                self.journal.record_claim(stream.name, ep.epoch, number, choice)
+        return ep.claims[number]
 
     def end_partition(self, identity: bytes, h: dict) -> list[Reply]:
         """A task's PARTITION_END: commit now if all its batches are here, else when the last one comes."""
@@ -517,6 +535,8 @@ class Ledger:
                         self.commit(stream, ep, record["part"], record["attempt"])
                 elif kind is Record.CLOSE:
                     ep.closed = True
+                elif kind is Record.CLAIM:
+                    ep.claims.setdefault(record["part"], record["broker"])
                 elif kind is Record.ACK:
                     acked.update(tuple(i) for i in record["ids"])
             if ep is None:

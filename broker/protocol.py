@@ -44,6 +44,7 @@ class Kind(IntEnum):
     STATS_REQUEST = 14        # anyone -> broker (control or ranks socket)
     STATS_REPLY = 15          # broker -> requester: `stats` map (see docs/PROTOCOL.md)
     BYE = 16                  # rank -> broker: leaving the stream
+    PARTITION_CLAIM = 17      # feeder -> the partition's home broker (control): which broker streams it (OK)
 
 
 # Per kind, the fields a header must carry beyond "v" and "kind", and their types.
@@ -59,7 +60,7 @@ SCHEMAS: dict[Kind, dict[str, type | tuple[type, ...]]] = {
     Kind.OK: {"req": int},
     Kind.HELLO: {"req": int, "role": str, "stream": str, "rank": int, "size": int, "even": bool,
                  "session": str, "resume": bool, "ended": int},
-    Kind.WELCOME: {"req": int, "broker": str, "incarnation": str, "journal": bool},
+    Kind.WELCOME: {"req": int, "broker": str, "incarnation": str, "journal": bool, "free": int},
     Kind.CREDIT: {"credit": int},
     Kind.ACK: {"ids": list, "credit": int},
     Kind.HEARTBEAT: {},
@@ -68,6 +69,12 @@ SCHEMAS: dict[Kind, dict[str, type | tuple[type, ...]]] = {
     Kind.STATS_REQUEST: {"req": int},
     Kind.STATS_REPLY: {"req": int, "stats": dict},
     Kind.BYE: {},
+    Kind.PARTITION_CLAIM: {"req": int, "stream": str, "epoch": int, "part": int, "broker": int},
+}
+
+# Fields a header may carry, checked for type when present (additions that older senders leave out).
+OPTIONAL: dict[Kind, dict[str, type]] = {
+    Kind.EPOCH_CLOSE: {"expected": int},   # partitions committed at this broker (default: all of them)
 }
 
 _KINDS = {int(k): k for k in Kind}
@@ -113,12 +120,18 @@ def unpack_header(buf: bytes | memoryview) -> dict[str, Any]:
         raise ProtocolError(f"unknown message kind {raw_kind!r}")
     header["kind"] = kind
     for name, expected in SCHEMAS[kind].items():
-        value = header.get(name)
-        # bool is an int subclass in Python; a flag where a count belongs is still a malformed header
-        if not isinstance(value, expected) or (isinstance(value, bool) and expected is not bool):
-            raise ProtocolError(f"{kind.name} header field {name!r} must be {_type_name(expected)}, "
-                                f"got {type(value).__name__}")
+        _check_field(kind, name, header.get(name), expected)
+    for name, expected in OPTIONAL.get(kind, {}).items():
+        if name in header:
+            _check_field(kind, name, header[name], expected)
     return header
+
+
+def _check_field(kind: Kind, name: str, value: Any, expected: type | tuple[type, ...]) -> None:
+    # bool is an int subclass in Python; a flag where a count belongs is still a malformed header
+    if not isinstance(value, expected) or (isinstance(value, bool) and expected is not bool):
+        raise ProtocolError(f"{kind.name} header field {name!r} must be {_type_name(expected)}, "
+                            f"got {type(value).__name__}")
 
 
 def _type_name(expected: type | tuple[type, ...]) -> str:

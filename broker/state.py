@@ -61,6 +61,7 @@ class EpochState:
     delivery: str = "stream"   # "stream": forward on arrival; "atomic": forward a partition once committed
     parts: dict[int, PartitionState] = field(default_factory=dict)
     committed: set[int] = field(default_factory=set)
+    claims: dict[int, int] = field(default_factory=dict)   # partition -> broker index (several brokers, home here)
     queue: deque[HeldBatch] = field(default_factory=deque)
     closed: bool = False       # EPOCH_CLOSE accepted: every partition is committed
     end_sent: bool = False     # EPOCH_END went to the ranks

@@ -6,10 +6,11 @@ import logging
 import secrets
 import time
 import warnings
+from contextlib import ExitStack
 from typing import Any, Iterator, NamedTuple, Sequence
 
 from broker.client import ControlClient
-from broker.address import control_address
+from broker.address import broker_addresses, control_address
 from broker.errors import BrokerError, FeedError
 from broker.protocol import Kind
 
@@ -18,7 +19,7 @@ from .task import PartitionReport, attempt_id, stream_partition
 
 log = logging.getLogger("sparkbus.feeder")
 DEFAULT_MAX_BATCH_BYTES = 16 << 20
-REPORT_SCHEMA = "partition long, batches long, rows long, bytes long, seconds double"
+REPORT_SCHEMA = "partition long, batches long, rows long, bytes long, seconds double, broker long"
 
 
 class DivergedPartitionsWarning(UserWarning):
@@ -35,11 +36,13 @@ class FeedReport(NamedTuple):
     bytes: int
     seconds: float
     diverged: tuple[int, ...] = ()
+    brokers: tuple[int, ...] = ()     # partitions streamed through each broker, in the order of the addresses
 
 
-def feed(data: Any, address: str, stream: str = "train", epoch: int = 0, batch_size: int = 1024,
-         columns: Sequence[str] | None = None, timeout: float = 60.0, *, delivery: str = "stream",
-         control: str | None = None, max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES) -> FeedReport:
+def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "train", epoch: int = 0,
+         batch_size: int = 1024, columns: Sequence[str] | None = None, timeout: float = 60.0, *,
+         delivery: str = "stream", control: str | Sequence[str] | None = None,
+         max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES) -> FeedReport:
     """Stream every row of a DataFrame or RDD to the broker as one epoch of ``stream``.
 
     Opens the epoch with the partition count, runs one Spark job whose tasks push their partitions in batches
@@ -49,7 +52,9 @@ def feed(data: Any, address: str, stream: str = "train", epoch: int = 0, batch_s
     Args:
         data: a DataFrame (numeric columns, fixed-length numeric arrays, ML vectors) or an RDD of dicts or
             tuples of numbers and numpy arrays.
-        address: the broker's feed address, e.g. ``tcp://broker-host:5555``.
+        address: the broker's feed address, e.g. ``tcp://broker-host:5555``; or several brokers' (a list, or a
+            comma-separated string): each partition then streams through one of them, the emptiest when its
+            first attempt starts. None: the variable ``SPARKBUS_FEED_ADDRESS``.
         stream: the stream name ("train", "val", a job id).
         epoch: the epoch number; each (stream, epoch) is fed once.
         batch_size: rows per batch (the last batch of a partition may be shorter).
@@ -58,7 +63,7 @@ def feed(data: Any, address: str, stream: str = "train", epoch: int = 0, batch_s
         delivery: ``"stream"`` forwards batches as they arrive; ``"atomic"`` forwards a partition's batches only
             once its task has committed, exactly-once even if Spark recomputes a partition in another order
             (costs a partition's worth of latency and broker memory). See docs/GUARANTEES.md.
-        control: the broker's control address, if it is not the feed port + 2.
+        control: the brokers' control addresses, in the same order, if they are not the feed ports + 2.
         max_batch_bytes: cap on a batch's payload; wide rows get fewer than ``batch_size`` rows per batch.
     Returns:
         A :class:`FeedReport`.
@@ -69,27 +74,37 @@ def feed(data: Any, address: str, stream: str = "train", epoch: int = 0, batch_s
         TypeError: an unsupported column type (named), found before any job runs.
     """
     started = time.monotonic()
-    control = control or control_address(address)
-    settings = dict(feed_address=address, control_address=control, stream=stream, epoch=epoch,
-                    timeout=timeout)
+    feeds = broker_addresses(address, "SPARKBUS_FEED_ADDRESS")
+    controls = (broker_addresses(control, "SPARKBUS_CONTROL_ADDRESS") if control
+                else [control_address(f) for f in feeds])
+    if len(controls) != len(feeds):
+        raise ValueError(f"{len(feeds)} feed addresses but {len(controls)} control addresses")
+    settings = dict(feed_address=feeds, control_address=controls, stream=stream, epoch=epoch, timeout=timeout)
     run = secrets.randbits(31)
     job = _dataframe_job(data, columns, batch_size, max_batch_bytes, run, settings) if _is_dataframe(data) \
         else _rdd_job(data, batch_size, max_batch_bytes, run, settings)
-    with ControlClient(control, timeout) as client:
-        broker = client.hello("feeder", stream)          # fail fast on an absent broker, before Spark plans
+    diverged: set[int] = set()
+    with ExitStack() as stack:
+        clients = [stack.enter_context(ControlClient(c, timeout)) for c in controls]
+        brokers = [c.hello("feeder", stream) for c in clients]   # fail fast on an absent broker, before Spark plans
         partitions = job.getNumPartitions()
-        client.request(Kind.EPOCH_OPEN, stream=stream, epoch=epoch, partitions=partitions, delivery=delivery)
+        for client in clients:
+            client.request(Kind.EPOCH_OPEN, stream=stream, epoch=epoch, partitions=partitions, delivery=delivery)
         try:
             reports = [PartitionReport(*r) for r in job.collect()]
         except Exception as exc:
-            _raise_if_broker_restarted(client, broker, stream, epoch, exc)
+            _raise_if_a_broker_restarted(clients, brokers, stream, epoch, exc)
             raise FeedError(_explain_job_failure(exc, stream, epoch)) from exc
-        try:
-            closed = client.request(Kind.EPOCH_CLOSE, stream=stream, epoch=epoch, partitions=partitions)
-        except BrokerError as exc:
-            _raise_if_broker_restarted(client, broker, stream, epoch, exc)
-            raise
-    diverged = tuple(closed.get("diverged", ()))
+        shares = [sum(1 for r in reports if r.broker == i) for i in range(len(clients))]
+        for client, share in zip(clients, shares):
+            try:
+                closed = client.request(Kind.EPOCH_CLOSE, stream=stream, epoch=epoch, partitions=partitions,
+                                        expected=share)
+            except BrokerError as exc:
+                _raise_if_a_broker_restarted(clients, brokers, stream, epoch, exc)
+                raise
+            diverged.update(closed.get("diverged", ()))
+    diverged = tuple(sorted(diverged))
     if diverged:
         message = (f"stream {stream!r} epoch {epoch}: Spark task attempts of partitions {list(diverged)} produced "
                    f"different batches (recomputed in another order?)")
@@ -98,19 +113,21 @@ def feed(data: Any, address: str, stream: str = "train", epoch: int = 0, batch_s
         log.warning(message)
         warnings.warn(message, DivergedPartitionsWarning, stacklevel=2)
     return FeedReport(partitions, sum(r.batches for r in reports), sum(r.rows for r in reports),
-                      sum(r.bytes for r in reports), time.monotonic() - started, diverged)
+                      sum(r.bytes for r in reports), time.monotonic() - started, diverged, tuple(shares))
 
 
-def _raise_if_broker_restarted(client: ControlClient, before: dict, stream: str, epoch: int,
-                               cause: Exception) -> None:
-    try:
-        now = client.hello("feeder", stream)
-    except BrokerError:
-        return
-    if now.get("incarnation") != before.get("incarnation") and not now.get("journal"):
-        raise BrokerError(f"the broker restarted while stream {stream!r} epoch {epoch} was being fed, and it runs "
-                          f"without --journal: the batches it held are lost. Feed the epoch again (a new epoch "
-                          f"number or stream), or run the broker with --journal to survive restarts") from cause
+def _raise_if_a_broker_restarted(clients: list[ControlClient], before: list[dict], stream: str, epoch: int,
+                                 cause: Exception) -> None:
+    for client, hello in zip(clients, before):
+        try:
+            now = client.hello("feeder", stream)
+        except BrokerError:
+            continue
+        if now.get("incarnation") != hello.get("incarnation") and not now.get("journal"):
+            raise BrokerError(f"the broker at {client.address} restarted while stream {stream!r} epoch {epoch} was "
+                              f"being fed, and it runs without --journal: the batches it held are lost. Feed the "
+                              f"epoch again (a new epoch number or stream), or run the broker with --journal to "
+                              f"survive restarts") from cause
 
 
 def _is_dataframe(data: Any) -> bool:
@@ -123,7 +140,7 @@ def _dataframe_job(df: Any, columns: Sequence[str] | None, batch_size: int, max_
 
     prepared = prepare_dataframe(df, columns)
     report_schema = pa.schema([("partition", pa.int64()), ("batches", pa.int64()), ("rows", pa.int64()),
-                               ("bytes", pa.int64()), ("seconds", pa.float64())])
+                               ("bytes", pa.int64()), ("seconds", pa.float64()), ("broker", pa.int64())])
 
     def stream_arrow_partition(record_batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         from pyspark import TaskContext

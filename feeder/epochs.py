@@ -77,9 +77,10 @@ def epoch_order(df: Any, epoch: int, seed: int, key: Sequence[str] | None = None
             .drop(ORDER_COLUMN))
 
 
-def feed_epochs(df: Any, address: str, epochs: int, stream: str = "train", shuffle_seed: int | None = None,
-                first_epoch: int = 0, *, shuffle: bool = True, key: Sequence[str] | None = None,
-                partitions: int | None = None, on_epoch: Callable[[int, FeedReport], None] | None = None,
+def feed_epochs(df: Any, address: str | Sequence[str] | None, epochs: int, stream: str = "train",
+                shuffle_seed: int | None = None, first_epoch: int = 0, *, shuffle: bool = True,
+                key: Sequence[str] | None = None, partitions: int | None = None,
+                on_epoch: Callable[[int, FeedReport], None] | None = None,
                 **feed_kwargs: Any) -> list[FeedReport]:
     """Feed epochs ``first_epoch .. first_epoch + epochs - 1`` of ``df`` to ``stream``, one after the other.
 
@@ -90,7 +91,7 @@ def feed_epochs(df: Any, address: str, epochs: int, stream: str = "train", shuff
 
     Args:
         df: a Spark DataFrame (see :func:`feeder.feed` for the column types).
-        address: the broker's feed address, e.g. ``tcp://broker-host:5555``.
+        address: the broker's feed address, e.g. ``tcp://broker-host:5555``, or several (see :func:`feeder.feed`).
         epochs: how many epochs to feed.
         stream: the stream name.
         shuffle_seed: the seed of the reshuffle. ``None`` draws one at random and logs it (INFO), so a run can

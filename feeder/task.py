@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import time
-from typing import Iterable, NamedTuple
+from contextlib import ExitStack
+from typing import Iterable, NamedTuple, Sequence
 
 import zmq
 
+from broker.address import broker_addresses, control_address as derived_control
 from broker.client import ControlClient
 from broker.codec import encode_batch
-from broker.errors import FeedTimeout
+from broker.errors import BrokerError, FeedTimeout
 from broker.protocol import Kind
 
 # Batches a task may have queued in its own PUSH socket. Past this, send blocks: that is the backpressure
@@ -35,25 +37,40 @@ class PartitionReport(NamedTuple):
     rows: int
     bytes: int
     seconds: float
+    broker: int = 0         # which of the feed's brokers streamed it (an index in its list)
 
 
-def stream_partition(batches: Iterable[dict], feed_address: str, control_address: str, stream: str,
-                     epoch: int, partition: int, attempt: int, timeout: float) -> PartitionReport:
+def stream_partition(batches: Iterable[dict], feed_address: str | Sequence[str],
+                     control_address: str | Sequence[str] | None, stream: str, epoch: int, partition: int,
+                     attempt: int, timeout: float) -> PartitionReport:
     """Push every batch of one partition, then return only once the broker confirms all of them arrived.
+
+    With several brokers, the partition goes to one of them, chosen when its first attempt starts and recorded by
+    the partition's home broker (``partition % len(brokers)``), so that every later attempt (a retry, a speculative
+    copy) streams to the same broker and its duplicates are recognised: the home broker itself, unless another
+    has more than twice its free buffer.
 
     Args:
         batches: column dicts, one per batch, in order.
-        feed_address: the broker's PULL endpoint; control_address: its control endpoint.
+        feed_address: the broker's PULL endpoint, or the endpoints of several brokers (a list, or comma-separated).
+        control_address: the brokers' control endpoints, in the same order (None: each feed port + 2).
         attempt: this attempt's identity, unique among the attempts that stream the partition (:func:`attempt_id`).
         timeout: seconds any single wait may take (handshake, each blocked send, the commit).
     Raises:
-        BrokerError: the broker is unreachable, speaks another protocol version, or refused the commit.
+        BrokerError: a broker is unreachable, speaks another protocol version, or refused the commit.
         FeedTimeout: the broker stayed full (no batch taken) for longer than ``timeout``.
     """
     started = time.monotonic()
+    feeds = broker_addresses(feed_address, "SPARKBUS_FEED_ADDRESS")
+    controls = (broker_addresses(control_address, "SPARKBUS_CONTROL_ADDRESS") if control_address
+                else [derived_control(f) for f in feeds])
+    if len(controls) != len(feeds):
+        raise ValueError(f"{len(feeds)} feed addresses but {len(controls)} control addresses")
     context = zmq.Context.instance()
-    with ControlClient(control_address, timeout, context) as control:
-        control.hello("feeder", stream)
+    with ExitStack() as clients:
+        controls_open = [clients.enter_context(ControlClient(c, timeout, context)) for c in controls]
+        index = _choose_broker(controls_open, stream, epoch, partition)
+        control, feed_address = controls_open[index], feeds[index]
         push = context.socket(zmq.PUSH)
         push.linger = 0
         push.sndhwm = PUSH_SNDHWM
@@ -76,4 +93,23 @@ def stream_partition(batches: Iterable[dict], feed_address: str, control_address
                             batches=count, rows=rows)
         finally:
             push.close(linger=0)    # after the commit nothing is left in it; on failure Spark retries
-    return PartitionReport(partition, count, rows, nbytes, time.monotonic() - started)
+    return PartitionReport(partition, count, rows, nbytes, time.monotonic() - started, index)
+
+
+def _choose_broker(clients: list[ControlClient], stream: str, epoch: int, partition: int) -> int:
+    """Say hello to every broker; with several, ask the partition's home broker which one streams it."""
+    free = [client.hello("feeder", stream)["free"] for client in clients]
+    if len(clients) == 1:
+        return 0
+    # The home broker spreads partitions evenly while the brokers are alike; one with less than half the free
+    # buffer of the emptiest is passed over for it (its ranks are slower, or it holds more).
+    home = partition % len(clients)
+    emptiest = max(range(len(clients)), key=free.__getitem__)
+    choice = home if free[home] * 2 >= free[emptiest] else emptiest
+    chosen = clients[home].request(Kind.PARTITION_CLAIM, stream=stream, epoch=epoch, part=partition,
+                                   broker=choice).get("broker")
+    if type(chosen) is not int or not 0 <= chosen < len(clients):
+        raise BrokerError(f"the broker at {clients[home].address} named broker {chosen!r} for partition "
+                          f"{partition}, but this feed has {len(clients)}: do the driver and the tasks list the same "
+                          f"brokers?")
+    return chosen

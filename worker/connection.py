@@ -102,6 +102,11 @@ class BrokerConnection:
     def closed(self) -> bool:
         return self._sock.closed
 
+    @property
+    def socket(self) -> zmq.Socket:
+        """The DEALER socket, to poll several connections at once."""
+        return self._sock
+
     # ---- joining ----------------------------------------------------------------------------------------------
 
     def _join(self) -> None:

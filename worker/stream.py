@@ -6,12 +6,13 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import zmq
 
 from broker import protocol
+from broker.address import broker_addresses
 from broker.codec import decode_batch
 from broker.protocol import Kind
 
@@ -61,7 +62,9 @@ class BatchStream:
     """Batches of one stream for this rank, as dicts of numpy arrays, one epoch at a time.
 
     Args:
-        address: the broker's ranks address, e.g. ``tcp://broker-host:5556``.
+        address: the broker's ranks address, e.g. ``tcp://broker-host:5556``; or several brokers' (a list, or a
+            comma-separated string): the rank consumes from all of them, and an epoch ends when every broker has
+            ended it. None: the variable ``SPARKBUS_RANKS_ADDRESS``.
         comm: an mpi4py communicator whose ranks consume the stream together, or None for one process.
         stream: the stream name the feeder used.
         prefetch: credits granted to the broker: batches in flight to this rank, the one in use included.
@@ -80,7 +83,7 @@ class BatchStream:
     The arrays of a batch are read-only views of the received frames; copy one to modify it.
     """
 
-    def __init__(self, address: str, comm: Any = None, stream: str = "train", prefetch: int = 4,
+    def __init__(self, address: str | Sequence[str] | None = None, comm: Any = None, stream: str = "train", prefetch: int = 4,
                  even: bool | None = None, timeout: float = 60.0, verify: bool = True, heartbeat: float = 1.0,
                  on_drop: Callable[[Batch], None] | None = None, abort_on_error: bool = True,
                  context: zmq.Context | None = None):
@@ -99,14 +102,38 @@ class BatchStream:
         self._end_seen = True                  # the current epoch's EPOCH_END arrived (or no epoch begun)
         self._own_context = context is None
         self._context = context or zmq.Context()
+        self._brokers: list[BrokerConnection] = []
         try:
-            self._broker = BrokerConnection(address, self._context, stream=stream, rank=self.rank, size=self.size,
-                                            even=self.even, prefetch=prefetch, timeout=timeout,
-                                            heartbeat=heartbeat)
+            for broker in broker_addresses(address, "SPARKBUS_RANKS_ADDRESS"):
+                self._brokers.append(BrokerConnection(broker, self._context, stream=stream, rank=self.rank,
+                                                      size=self.size, even=self.even, prefetch=prefetch,
+                                                      timeout=timeout, heartbeat=heartbeat))
         except BaseException:
-            if self._own_context:
-                self._context.term()
+            self._close_connections()
             raise
+        self._waiting = list(self._brokers)      # brokers that have not ended the current epoch yet
+        self._source: dict[tuple[int, int, int], BrokerConnection] = {}     # batch id -> where to acknowledge it
+        self._turn = 0
+
+    def _receive(self, block: bool) -> tuple[BrokerConnection, dict, list[zmq.Frame]] | None:
+        """The next BATCH or EPOCH_END from a broker still in the current epoch, taking turns among them."""
+        if len(self._waiting) == 1:
+            broker = self._waiting[0]
+            message = broker.receive(block)
+            return None if message is None else (broker, *message)
+        while True:
+            for _ in range(len(self._waiting)):
+                self._turn = (self._turn + 1) % len(self._waiting)
+                broker = self._waiting[self._turn]
+                message = broker.receive(block=False)
+                if message is not None:
+                    return (broker, *message)
+            if not block:
+                return None
+            poller = zmq.Poller()
+            for broker in self._waiting:
+                poller.register(broker.socket, zmq.POLLIN)
+            poller.poll(self.heartbeat * 1000)
 
     def _next_batch(self, ep: EpochStats, block: bool = True) -> tuple[dict, Batch] | None:
         """This rank's next batch of the epoch; the time waited is data-wait.
@@ -116,27 +143,32 @@ class BatchStream:
         """
         started = time.monotonic()
         while True:
-            message = self._broker.receive(block)
+            message = self._receive(block)
             if message is None:
                 return None
-            header, frames = message
+            broker, header, frames = message
             if header["kind"] == Kind.EPOCH_END:
+                self._waiting.remove(broker)         # its later batches wait until every broker ended this epoch
+                if self._waiting:
+                    continue
+                self._waiting = list(self._brokers)
                 ep.wait_seconds += time.monotonic() - started
                 self._end_seen = True
                 return None
             batch_id = protocol.batch_id(header)
-            if batch_id not in self._broker.received:
+            if batch_id not in broker.received:
                 break
-            if batch_id not in self._broker.acked:
-                self._ack(header)   # a redelivery of one we have: it counts as consumed
-        self._broker.received.add(batch_id)
+            if batch_id not in broker.acked:
+                broker.ack(header)  # a redelivery of one we have: it counts as consumed
+        broker.received.add(batch_id)
+        self._source[batch_id] = broker
         ep.wait_seconds += time.monotonic() - started
         if ep.epoch < 0:
             ep.epoch = header["epoch"]
         return header, decode_batch(header, frames, verify=self.verify)
 
     def _ack(self, header: dict) -> None:
-        self._broker.ack(header)
+        self._source.pop(protocol.batch_id(header)).ack(header)
 
     # ---- epochs -------------------------------------------------------------------------------------------
 
@@ -165,7 +197,7 @@ class BatchStream:
                 self._holding = None
             ep.seconds = time.monotonic() - started
             self.stats.add(ep)
-            self.stats.rejoins = self._broker.rejoins
+            self.stats.rejoins = sum(b.rejoins for b in self._brokers)
 
     def _skip_rest_of_epoch(self) -> None:
         log.warning("rank %d left the previous epoch before its end; skipping its remaining batches", self.rank)
@@ -235,14 +267,19 @@ class BatchStream:
 
     def close(self) -> None:
         """Tell the broker this rank leaves (its unacknowledged batches go to other ranks), then close."""
-        if self._broker.closed:
+        if not self._brokers or self._brokers[0].closed:
             return
         try:
-            self._broker.bye()
+            for broker in self._brokers:
+                broker.bye()
         finally:
-            self._broker.close()
-            if self._own_context:
-                self._context.term()
+            self._close_connections()
+
+    def _close_connections(self) -> None:
+        for broker in self._brokers:
+            broker.close()
+        if self._own_context:
+            self._context.term()
 
     def __enter__(self) -> "BatchStream":
         return self
