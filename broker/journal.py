@@ -172,7 +172,8 @@ class Journal:
         """Records of epochs already delivered: ``{"stream", "epoch", "stats"}``."""
         path = self.directory / "retired.log"
         if path.exists():
-            yield from _records(path.read_bytes(), path)
+            for _, record in _records(path.read_bytes(), path):
+                yield record
 
     def replay(self) -> Iterator[ReplayedEpoch]:
         """Every epoch still in the journal, its batch records carrying ``payload``: views of the data file."""
@@ -187,12 +188,13 @@ class Journal:
                 data_path = log_path.with_suffix(".data")
                 data = self._map(data_path)
                 replayed = ReplayedEpoch(stream, epoch)
-                for record in _records(log_path.read_bytes(), log_path):
+                for at, record in _records(log_path.read_bytes(), log_path):
                     try:
                         record["t"] = Record(record.get("t"))
                     except ValueError:
                         log.warning("%s holds a record of unknown kind %r; replay stops there", log_path,
                                     record.get("t"))
+                        _cut(log_path, at)
                         break
                     if record["t"] is Record.BATCH:
                         offset, views = record["offset"], []
@@ -201,6 +203,7 @@ class Journal:
                             offset += size
                         if offset > len(data):
                             log.warning("%s ends inside a batch's payload; replay stops there", data_path)
+                            _cut(log_path, at)
                             break
                         record["payload"] = views
                     replayed.records.append(record)
@@ -220,24 +223,27 @@ def _frame(record: dict[str, Any]) -> bytes:
     return _PREFIX.pack(len(body), zlib.crc32(body)) + body
 
 
-def _records(raw: bytes, path: Path) -> Iterator[dict[str, Any]]:
-    """The records of one file in order, up to the first torn or damaged one."""
+def _records(raw: bytes, path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(offset, record)`` of one file in order, up to the first torn or damaged record, where the file is cut."""
     offset = 0
     while offset < len(raw):
-        if offset + _PREFIX.size > len(raw):
-            log.warning("%s ends with a torn record; replay stops there", path)
-            return
-        length, crc = _PREFIX.unpack_from(raw, offset)
+        length, crc = _PREFIX.unpack_from(raw, offset) if offset + _PREFIX.size <= len(raw) else (len(raw), 0)
         body = raw[offset + _PREFIX.size:offset + _PREFIX.size + length]
         if len(body) < length:
             log.warning("%s ends with a torn record; replay stops there", path)
-            return
-        if zlib.crc32(body) != crc:
-            log.error("%s: a record at byte %d fails its CRC; replay stops there", path, offset)
-            return
-        record = msgpack.unpackb(body, raw=False)
+            return _cut(path, offset)
+        record = msgpack.unpackb(body, raw=False) if zlib.crc32(body) == crc else None
         if not isinstance(record, dict):
-            log.error("%s: a record at byte %d is not a map; replay stops there", path, offset)
-            return
-        yield record
+            log.error("%s: the record at byte %d fails its CRC; replay stops there", path, offset)
+            return _cut(path, offset)
+        yield offset, record
         offset += _PREFIX.size + length
+
+
+def _cut(path: Path, offset: int) -> None:
+    """Drop what follows the last good record, so that what this broker appends is read back after a restart
+    (records behind a torn one would never be)."""
+    with open(path, "r+b") as f:
+        f.truncate(offset)
+        os.fsync(f.fileno())
+    log.warning("%s cut to its %d bytes of good records", path, offset)
