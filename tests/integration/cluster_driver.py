@@ -1,0 +1,294 @@
+"""A Spark driver against a standalone cluster that feeds on request: the test module's second SparkContext.
+
+A Python process holds one SparkContext, and the suite's own (``spark`` in conftest.py) is in local mode, so
+tests/integration/test_cluster.py runs this script as a child process, once for the module:
+
+    python cluster_driver.py --ready FILE --events DIR --conf spark.master=spark://127.0.0.1:P --conf k=v ...
+
+It starts a SparkSession with those settings and Spark's event log in ``DIR``, waits until both executors have
+run a task (warm Python workers), writes ``FILE`` (``{"control": "tcp://127.0.0.1:N", "executors": [...]}``)
+and answers JSON requests on a ZeroMQ REP socket at ``control``:
+
+* ``{"cmd": "feed", "feed": ADDRESS, "stream": S, "rows": N, "partitions": P, "batch_size": B, "source":
+  "dataframe" | "rdd", "markers": DIR, "fail": {"partition": p, "after": rows} | null, "slow": {...} | null}``
+  feeds ids ``0..N-1`` (columns ``id`` and ``x`` = id as float32) with ``feeder.feed`` as epoch 0 of stream S,
+  and answers ``{"report": FeedReport, "tasks": [...]}``, the feed job's tasks as Spark's event log has them
+  (partition, attempt, executor, host, speculative, launch and finish times, end reason), or ``{"error": ...}``.
+* ``{"cmd": "stop"}`` stops the session and the process.
+
+``dataframe`` is ``spark.range`` (rows made in the JVM, the feeder's ``mapInArrow`` the only Python). ``rdd`` makes
+the rows in Python, in the same Python worker as the feeder's task code (PySpark chains the two functions), so
+that a task can misbehave part-way through its partition, on its first attempt, after ``after`` rows:
+
+* ``fail``: raise. Spark retries the task (``spark.excludeOnFailure.enabled`` keeps it off the executor where it
+  failed).
+* ``slow``: stall until a second attempt of the partition (a speculative copy) has started, produced all its rows
+  and committed the partition at the broker; then go on, so both attempts stream the partition to the broker.
+
+Before it fails or stalls, the attempt waits until the broker holds its first ``after`` rows (and every other
+partition, which is how their rows are told apart from its own): the batches a retry or a copy sends again are
+then certainly duplicates at the broker. (Not with a DataFrame source: there the misbehaving code would run in a
+Python worker of its own, whose output PySpark buffers up to 64 KiB, so "after N rows" would not be "after N rows
+reached the feeder".)
+
+Every attempt writes markers ``DIR/p{partition}-a{attempt}-{event}.json`` (``start``, ``fail``, ``stall``,
+``saw-copy``, ``resume``, ``done``) with its executor id (its working directory, which the standalone Worker makes
+per executor), its host (``SPARK_LOCAL_IP``, inherited from the Worker) and the time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import zmq
+
+from broker.address import control_address
+from feeder import feed
+
+log = logging.getLogger("sparkbus.tests.cluster_driver")
+WAIT_LIMIT = 60.0         # seconds a misbehaving attempt waits for the broker or for its copy before going on
+
+
+def mark(markers: str, info: dict, event: str, **more) -> None:
+    """Record one event of a task attempt as a small JSON file, written whole."""
+    path = Path(markers) / f"p{info['partition']}-a{info['attempt']}-{event}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({**info, "event": event, "time": time.time(), **more}))
+    tmp.rename(path)
+
+
+def poll(condition, timeout: float):
+    """``condition()`` once it is truthy, or its last value after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.05)
+
+
+def epoch_stats(broker: dict) -> dict:
+    from broker.client import fetch_stats
+
+    stream = fetch_stats(broker["control"], 5.0)["streams"].get(broker["stream"], {})
+    return stream.get("epochs", {}).get("0", {})
+
+
+def faulty_rdd(sc, rows: int, partitions: int, markers: str, broker: dict, fail: dict | None = None,
+               slow: dict | None = None):
+    """ids ``0..rows-1`` as rows ``{"id", "x"}`` in equal partitions, misbehaving as ``fail`` and ``slow`` say."""
+    per_partition = rows // partitions
+
+    def produce(part, ids):
+        from pyspark import TaskContext
+
+        import numpy as np
+
+        task = TaskContext.get()
+        attempt = task.attemptNumber()
+        info = {"partition": part, "attempt": attempt, "stage": task.stageId(), "task": task.taskAttemptId(),
+                "executor": os.path.basename(os.getcwd()), "host": os.environ.get("SPARK_LOCAL_IP", "?"),
+                "pid": os.getpid()}
+        mark(markers, info, "start")
+        for seen, value in enumerate(ids):
+            if attempt == 0 and fail and part == fail["partition"] and seen == fail["after"]:
+                mark(markers, info, "fail", rows=seen, broker_rows=in_broker(seen))
+                raise RuntimeError(f"injected failure in partition {part} after {seen} rows")
+            if attempt == 0 and slow and part == slow["partition"] and seen == slow["after"]:
+                stall(info, seen)
+            yield {"id": value, "x": np.float32(value)}
+        mark(markers, info, "done", rows=per_partition)
+
+    def in_broker(seen: int) -> int:
+        # the feeder has sent every full batch of the rows so far: wait until the broker holds them
+        need = rows - per_partition + seen
+        poll(lambda: epoch_stats(broker).get("rows_in", 0) >= need, WAIT_LIMIT)
+        return epoch_stats(broker).get("rows_in", 0)
+
+    def stall(info: dict, seen: int) -> None:
+        mark(markers, info, "stall", rows=seen, broker_rows=in_broker(seen))
+        pattern = f"p{info['partition']}-a[1-9]*-start.json"
+        copy = poll(lambda: sorted(Path(markers).glob(pattern)), WAIT_LIMIT)
+        if not copy:
+            mark(markers, info, "no-copy")
+            return
+        attempt = json.loads(copy[0].read_text())["attempt"]
+        mark(markers, info, "saw-copy", copy_attempt=attempt)
+        done = poll(lambda: Path(markers, f"p{info['partition']}-a{attempt}-done.json").exists(), WAIT_LIMIT)
+        committed = poll(lambda: epoch_stats(broker).get("committed", 0) == partitions, WAIT_LIMIT)
+        mark(markers, info, "resume", copy_done=bool(done), all_committed=bool(committed))
+
+    if rows % partitions:
+        raise ValueError("rows must split into equal partitions")
+    return sc.parallelize(range(rows), partitions).mapPartitionsWithIndex(produce)
+
+
+def id_frame(spark, rows: int, partitions: int):
+    """ids ``0..rows-1`` as ``id long, x float``, made in the JVM."""
+    from pyspark.sql import functions as F
+
+    return spark.range(rows, numPartitions=partitions).select("id", F.col("id").cast("float").alias("x"))
+
+
+def warm_up(spark, source: str, executors: int) -> list[str]:
+    """Run one task of the feed's kind on every executor, importing the feeder; return the executors' ids.
+
+    A cold Python worker (forked, then numpy, pyarrow, zmq and sparkbus imported) takes seconds here: its first
+    task would look slow and be speculated for the wrong reason. The warm-up is a barrier stage, one task per
+    slot at once, which Spark never speculates: a warm-up task killed in favour of a copy would leave its
+    executor as cold as before (a killed task's Python worker is not reused).
+    """
+    def executor_of() -> str:
+        import feeder  # noqa: F401
+
+        return os.path.basename(os.getcwd())
+
+    def arrow_executor(batches):
+        import pyarrow as pa
+
+        for _ in batches:
+            pass
+        yield pa.RecordBatch.from_pydict({"executor": [executor_of()]})
+
+    if source == "rdd":
+        rdd = spark.sparkContext.parallelize(range(executors), executors).barrier()
+        found = rdd.mapPartitions(lambda _: [executor_of()]).collect()
+    else:
+        frame = id_frame(spark, 100 * executors, executors)
+        found = [row.executor for row in frame.mapInArrow(arrow_executor, "executor string", barrier=True).collect()]
+    if len(set(found)) != executors:
+        raise RuntimeError(f"the warm-up's {executors} tasks ran on executors {found}")
+    return sorted(set(found))
+
+
+def wait_for_executors(spark, executors: int, timeout: float) -> None:
+    """Wait until ``executors`` executors have registered (a barrier stage needs all its slots at once)."""
+    tracker = spark.sparkContext._jsc.sc().statusTracker()
+    if not poll(lambda: len(tracker.getExecutorInfos()) > executors, timeout):      # the driver is listed too
+        raise TimeoutError(f"{executors} executors did not register within {timeout:g} s")
+
+
+def task_records(events: Path, group: str, timeout: float) -> list[dict]:
+    """The tasks of the jobs of ``group``, from Spark's event log once the last job's end is in it (the log is
+    flushed at each job's end; a task killed after that, such as a losing speculative attempt, has no end yet)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        jobs, stages, ended, tasks = set(), set(), set(), {}
+        for line in events.read_text().splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:           # the line being written
+                continue
+            kind = event["Event"]
+            if kind == "SparkListenerJobStart" and event.get("Properties", {}).get("spark.jobGroup.id") == group:
+                jobs.add(event["Job ID"])
+                stages.update(event["Stage IDs"])
+            elif kind == "SparkListenerJobEnd" and event["Job ID"] in jobs:
+                ended.add(event["Job ID"])
+            elif kind in ("SparkListenerTaskStart", "SparkListenerTaskEnd") and event["Stage ID"] in stages:
+                info = event["Task Info"]
+                record = tasks.setdefault(info["Task ID"], {"reason": None})
+                record.update(stage=event["Stage ID"], partition=info["Index"], attempt=info["Attempt"],
+                              executor=info["Executor ID"], host=info["Host"], speculative=info["Speculative"],
+                              launch=info["Launch Time"] / 1000, finish=info["Finish Time"] / 1000 or None)
+                if kind == "SparkListenerTaskEnd":
+                    record["reason"] = event["Task End Reason"]["Reason"]
+        if (jobs and ended == jobs) or time.monotonic() > deadline:
+            return sorted(tasks.values(), key=lambda t: (t["partition"], t["attempt"]))
+        time.sleep(0.1)
+
+
+def run_feed(spark, request: dict, events: Path) -> dict:
+    source, stream = request.get("source", "dataframe"), request["stream"]
+    warm_up(spark, source, 2)         # a Python worker idle for a minute is ended: warm them again
+    if source == "rdd":
+        Path(request["markers"]).mkdir(parents=True, exist_ok=True)
+        broker = {"control": control_address(request["feed"]), "stream": stream}
+        data = faulty_rdd(spark.sparkContext, request["rows"], request["partitions"], request["markers"], broker,
+                          request.get("fail"), request.get("slow"))
+    elif request.get("fail") or request.get("slow"):
+        raise ValueError("fail and slow need the rdd source")
+    else:
+        data = id_frame(spark, request["rows"], request["partitions"])
+    group = f"feed-{stream}"
+    spark.sparkContext.setJobGroup(group, f"feed stream {stream}")
+    try:
+        report = feed(data, request["feed"], stream=stream, batch_size=request["batch_size"],
+                      timeout=request.get("timeout", 30.0))
+    finally:
+        spark.sparkContext.setJobGroup("", "")
+    return {"report": report._asdict(), "tasks": task_records(events, group, 30.0)}
+
+
+def serve(spark, control: zmq.Socket, events: Path) -> None:
+    """Answer requests until ``stop``; a failed feed is answered with its error, for the test to fail on."""
+    while True:
+        if not control.poll(1000):
+            continue
+        request = json.loads(control.recv())
+        if request["cmd"] == "stop":
+            control.send(json.dumps({"stopped": True}).encode())
+            return
+        started = time.monotonic()
+        try:
+            reply = run_feed(spark, request, events)
+        except Exception as exc:
+            log.exception("the feed of stream %r failed", request.get("stream"))
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        log.info("fed stream %r in %.1f s", request.get("stream"), time.monotonic() - started)
+        control.send(json.dumps(reply).encode())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ready", required=True, help="write the control endpoint here once serving")
+    parser.add_argument("--events", required=True, help="Spark's event log directory")
+    parser.add_argument("--conf", action="append", default=[], help="a Spark setting, key=value")
+    parser.add_argument("--executors", type=int, default=2, help="executors to wait for before serving")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the executors")
+    args = parser.parse_args()
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    started = time.monotonic()
+    os.environ["PYSPARK_PYTHON"] = sys.executable       # the executors' Python: the venv's, with sparkbus
+    from pyspark.sql import SparkSession
+
+    settings = dict(item.split("=", 1) for item in args.conf)
+    settings.update({"spark.eventLog.enabled": "true", "spark.eventLog.dir": Path(args.events).as_uri(),
+                     "spark.eventLog.compress": "false", "spark.eventLog.rolling.enabled": "false"})
+    builder = SparkSession.builder.appName("sparkbus-cluster-tests")
+    for key, value in settings.items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("WARN")
+    log.info("session %s started after %.1f s", spark.sparkContext.applicationId, time.monotonic() - started)
+    context = zmq.Context()
+    control = context.socket(zmq.REP)
+    control.linger = 0
+    try:
+        wait_for_executors(spark, args.executors, args.timeout)
+        log.info("%d executors registered after %.1f s", args.executors, time.monotonic() - started)
+        executors = warm_up(spark, "rdd", args.executors)
+        log.info("warmed up after %.1f s: serving", time.monotonic() - started)
+        port = control.bind_to_random_port("tcp://127.0.0.1")
+        ready = Path(args.ready)
+        ready.with_suffix(".tmp").write_text(json.dumps({"control": f"tcp://127.0.0.1:{port}",
+                                                         "executors": executors}))
+        ready.with_suffix(".tmp").rename(ready)
+        events = Path(args.events) / f"{spark.sparkContext.applicationId}.inprogress"
+        serve(spark, control, events)
+    finally:
+        control.close(0)
+        context.term()
+        spark.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
