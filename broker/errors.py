@@ -39,4 +39,9 @@ class FeedTimeout(SparkbusError, TimeoutError):
     """The broker took no batch, or did not confirm a partition, within the timeout."""
 
 
-__all__ = ["SparkbusError", "ProtocolError", "VersionMismatch", "BrokerError", "FeedError", "FeedTimeout"]
+class AuthError(SparkbusError, ValueError):
+    """A CURVE key file or key directory that cannot be used: missing, unreadable, or not a key of that kind."""
+
+
+__all__ = ["SparkbusError", "ProtocolError", "VersionMismatch", "BrokerError", "FeedError", "FeedTimeout",
+           "AuthError"]
