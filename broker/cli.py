@@ -10,70 +10,103 @@ import signal
 import sys
 from pathlib import Path
 
-from .config import BrokerConfig, from_env, parse_duration, parse_size
+from .config import (BROKER_SETTINGS, broker_config, is_loopback_endpoint, parse_duration, resolve_settings)
+from .errors import AuthError
+
+log = logging.getLogger("sparkbus.broker")
+
+
+def _argument_type(parse):
+    """An argparse ``type`` whose error message is ``parse``'s own (argparse would say "invalid value")."""
+    def convert(text: str):
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    convert.__name__ = parse.__name__
+    return convert
 
 
 def add_broker_arguments(parser: argparse.ArgumentParser) -> None:
-    """The daemon's flags, shared by ``sparkbus broker`` and ``python -m broker``."""
-    parser.add_argument("--feed", default=from_env("feed", str, "tcp://0.0.0.0:5555"),
-                        help="PULL endpoint Spark tasks push batches to (default tcp://0.0.0.0:5555); a port "
-                             "of * is chosen by the system (see --ready-file)")
-    parser.add_argument("--ranks", default=from_env("ranks", str, "tcp://0.0.0.0:5556"),
-                        help="ROUTER endpoint the ranks connect to (default tcp://0.0.0.0:5556)")
-    parser.add_argument("--control", default=from_env("control", str, None),
-                        help="ROUTER endpoint for feeders' requests (default: the feed port + 2)")
-    parser.add_argument("--max-buffer", type=parse_size, default=from_env("max_buffer", parse_size, 1 << 30),
-                        help="bytes of batches held before the feed is throttled (default 1GiB)")
-    parser.add_argument("--max-message", type=parse_size, default=from_env("max_message", parse_size, 1 << 30),
-                        help="largest message any peer may send (default 1GiB)")
-    parser.add_argument("--heartbeat", type=parse_duration, default=from_env("heartbeat", parse_duration, 1.0),
-                        help="interval of heartbeats to the ranks (default 1s)")
-    parser.add_argument("--dead-after", type=parse_duration, default=from_env("dead_after", parse_duration, 5.0),
-                        help="declare a rank dead when its connection is silent this long (default 5s)")
-    parser.add_argument("--rejoin-grace", type=parse_duration,
-                        default=from_env("rejoin_grace", parse_duration, 10.0),
-                        help="a rank whose connection was lost keeps its unacknowledged batches this long, so that "
-                             "it finds them when it rejoins; then they go to the other ranks (default 10s)")
-    parser.add_argument("--journal", default=from_env("journal", str, None),
-                        help="directory for the append-only journal that lets a restarted broker go on")
-    parser.add_argument("--ready-file", help="write the bound endpoints as JSON here once listening")
-    parser.add_argument("--log-level", default=from_env("log_level", str, "INFO"))
+    """The daemon's flags, shared by ``sparkbus broker`` and ``python -m broker``.
+
+    Every flag defaults to None here: :func:`broker.config.resolve_settings` then takes the variable, the config
+    file or the default, in that order (so a flag given on the command line always wins).
+    """
+    parser.add_argument("--config", metavar="FILE",
+                        help="TOML file with any of these settings (keys as the flags: max_buffer = \"4GiB\"); "
+                             "flags, then SPARKBUS_* variables, take precedence over it (default: SPARKBUS_CONFIG)")
+    for setting in BROKER_SETTINGS:
+        help_text = f"{setting.help} (default {setting.shown or setting.default}; {setting.variable})"
+        if setting.flag:
+            parser.add_argument(setting.option, dest=setting.name, type=_argument_type(setting.parse),
+                                default=None, help=help_text, metavar=setting.metavar)
+        else:
+            parser.add_argument(setting.option, dest=setting.name, action="store_const", const=True,
+                                default=None, help=help_text)
+    parser.set_defaults(prog=parser.prog)
 
 
 def run_broker(args: argparse.Namespace) -> int:
-    """Run the daemon in the foreground until SIGTERM or SIGINT; exit 0 on either."""
+    """Run the daemon in the foreground until SIGTERM or SIGINT; exit 0 on either, 2 on a usage error."""
+    prog = getattr(args, "prog", "sparkbus broker")
+    try:
+        settings = resolve_settings({s.name: getattr(args, s.name, None) for s in BROKER_SETTINGS},
+                                    config_file=args.config)
+        config = broker_config(settings)
+        if config.auth:
+            from .auth import KeyAuthority
+            KeyAuthority(config.auth)          # a bad key directory is a usage error now, not a failed start
+    except (ValueError, AuthError) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+
     from .daemon import Broker
 
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    broker = Broker(BrokerConfig(feed=args.feed, ranks=args.ranks, control=args.control,
-                                 max_buffer=args.max_buffer, max_message=args.max_message,
-                                 heartbeat=args.heartbeat, dead_after=args.dead_after,
-                                 rejoin_grace=args.rejoin_grace,
-                                 journal=args.journal, ready_file=args.ready_file))
+    # Until the daemon applies the keys (Broker.serves_curve), --auth must not start a broker that is open while its
+    # operator believes it is closed.
+    if config.auth and not getattr(Broker, "serves_curve", False):
+        print(f"{prog}: error: this broker cannot apply --auth yet (CURVE is not wired into its loop)",
+              file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings["log_level"], format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if not config.auth:
+        exposed = [e for e in (config.feed, config.ranks, config.control) if e and not is_loopback_endpoint(e)]
+        log.warning("no --auth: connections are neither authenticated nor encrypted; %s",
+                    f"--insecure: anyone who reaches {', '.join(exposed)} can feed and take data" if exposed
+                    else "listening on this host only")
+    broker = Broker(config)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: broker.stop())
     try:
         broker.run()
     except OSError as exc:
-        logging.getLogger("sparkbus.broker").error("%s", exc)
+        log.error("%s", exc)
         return 2
     return 0
 
 
 def run_status(args: argparse.Namespace) -> int:
     from .address import broker_addresses
+    from .auth import BROKER_KEY_ENV, KEY_ENV, load_key_pair, load_public_key
     from .client import fetch_stats
     from .errors import BrokerError
     from .status import render_stats, render_totals, totals
 
     try:
         addresses = broker_addresses(args.address, "SPARKBUS_STATUS_ADDRESS")
-        timeout = parse_duration(args.timeout)
-    except ValueError as exc:
-        print(f"sparkbus status: {exc}", file=sys.stderr)
+        # the client reads SPARKBUS_KEY / SPARKBUS_BROKER_KEY (broker/auth.py make_curve_client): flags become those
+        for value, variable, check in ((args.key, KEY_ENV, load_key_pair),
+                                       (args.broker_key, BROKER_KEY_ENV, load_public_key)):
+            if value:
+                os.environ[variable] = value
+            if os.environ.get(variable):
+                check(os.environ[variable])
+    except (ValueError, AuthError) as exc:
+        print(f"sparkbus status: error: {exc}", file=sys.stderr)
         return 2
     try:
-        stats = {address: fetch_stats(address, timeout) for address in addresses}
+        stats = {address: fetch_stats(address, args.timeout) for address in addresses}
     except BrokerError as exc:
         print(f"sparkbus status: {exc}", file=sys.stderr)
         return 1
@@ -85,6 +118,37 @@ def run_status(args: argparse.Namespace) -> int:
     else:
         print("\n\n".join([*(f"{address}\n{render_stats(one)}" for address, one in stats.items()),
                             render_totals(totals(stats))]))
+    return 0
+
+
+KEYS_HELP = """\
+wrote {public} (public) and {secret} (secret, mode 0600: it stays on the machines of whoever it identifies)
+
+Where the files go (DIR is the broker's --auth directory):
+  as the broker's own pair   {secret} -> DIR/broker.key_secret
+                             and {public} to every client: SPARKBUS_BROKER_KEY={public}
+  as a feeder's pair         {public} -> DIR/feeders/   (Spark tasks, the driver, sparkbus status)
+  as a rank's pair           {public} -> DIR/ranks/     (BatchStream)
+  then reload the broker's keys: systemctl reload sparkbus-broker, or kill -HUP <broker pid>
+
+A client uses its own secret file and the broker's public one, by argument (key=, broker_key=) or variable:
+  Spark     --conf spark.executorEnv.SPARKBUS_KEY={secret}
+            --conf spark.executorEnv.SPARKBUS_BROKER_KEY=/path/to/broker.key   (and both in the driver's environment;
+            the files must exist at those paths on every executor)
+  mpiexec   -genv SPARKBUS_KEY {secret} -genv SPARKBUS_BROKER_KEY /path/to/broker.key   (Open MPI: -x NAME=value)
+  status    sparkbus status --key {secret} --broker-key /path/to/broker.key tcp://broker-host:5557
+A key in feeders/ may feed but not consume, one in ranks/ may consume but not feed."""
+
+
+def run_keys(args: argparse.Namespace) -> int:
+    from .auth import create_keypair
+
+    try:
+        public, secret = create_keypair(args.path)
+    except AuthError as exc:
+        print(f"sparkbus keys create: error: {exc}", file=sys.stderr)
+        return 2
+    print(KEYS_HELP.format(public=public.absolute(), secret=secret.absolute()))
     return 0
 
 
@@ -107,7 +171,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="the broker's control or ranks address, e.g. tcp://host:5557; several brokers' as a "
                              "comma-separated list (default: SPARKBUS_STATUS_ADDRESS)")
     status.add_argument("--json", action="store_true", help="print the raw figures as JSON")
-    status.add_argument("--timeout", default="5s")
+    status.add_argument("--timeout", type=_argument_type(parse_duration), default=5.0,
+                        help="how long to wait for each broker (default 5s)")
+    status.add_argument("--key", help="this client's .key_secret file, for a broker with --auth: a feeder's key "
+                                      "at the control address, a rank's at the ranks address (default: SPARKBUS_KEY)")
+    status.add_argument("--broker-key", help="the broker's public .key file (default: SPARKBUS_BROKER_KEY)")
+    keys = commands.add_parser("keys", help="CURVE key pairs for --auth (sparkbus keys create PATH)")
+    key_commands = keys.add_subparsers(dest="keys_command", required=True)
+    create = key_commands.add_parser("create", help="write PATH.key and PATH.key_secret and say where they go")
+    create.add_argument("path", help="the files' name without suffix, e.g. keys/spark-prod")
     commands.add_parser("demo", help="run the end-to-end demo (sparkbus demo --help)", add_help=False)
     commands.add_parser("bench", help="run the benchmark (sparkbus bench --help)", add_help=False)
     argv = sys.argv[1:] if argv is None else argv
@@ -117,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "broker":
         return run_broker(args)
+    if args.command == "keys":
+        return run_keys(args)
     return run_status(args)
 
 

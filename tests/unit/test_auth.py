@@ -10,7 +10,10 @@ from __future__ import annotations
 import os
 import queue
 import stat
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 import zmq
@@ -347,3 +350,33 @@ def test_a_peer_without_keys_or_with_another_broker_key_fails_the_handshake(curv
     assert auth.handshake_refusal(recv_monitor_message(monitor)) == "wrong_broker_key"
     assert received(sock, wait_ms=200) is None
     assert zap.decisions.empty()          # neither reached ZAP: libzmq refused them first
+
+
+# ---- sparkbus keys create -----------------------------------------------------------------------------------
+
+def sparkbus(*args, timeout=30):
+    command = [str(Path(sys.executable).with_name("sparkbus")), *args]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    assert "Traceback" not in result.stderr, result.stderr
+    return result
+
+
+def test_keys_create_writes_the_pair_and_says_where_each_file_goes_without_the_secret(tmp_path):
+    result = sparkbus("keys", "create", str(tmp_path / "spark-prod"))
+    assert result.returncode == 0, result.stderr
+    public_file, secret_file = tmp_path / "spark-prod.key", tmp_path / "spark-prod.key_secret"
+    assert stat.S_IMODE(secret_file.stat().st_mode) == 0o600
+    public, secret = zmq.auth.load_certificate(secret_file)
+    assert secret.decode() not in result.stdout + result.stderr
+    for where in ("DIR/broker.key_secret", "DIR/feeders/", "DIR/ranks/", "SPARKBUS_BROKER_KEY",
+                  "spark.executorEnv.SPARKBUS_KEY", "-genv SPARKBUS_KEY", str(public_file), str(secret_file)):
+        assert where in result.stdout, where
+
+
+def test_keys_create_refuses_to_overwrite_as_a_usage_error(tmp_path):
+    create_keypair(tmp_path / "node")
+    before = (tmp_path / "node.key_secret").read_bytes()
+    result = sparkbus("keys", "create", str(tmp_path / "node"))
+    assert result.returncode == 2 and "exists already" in result.stderr
+    assert (tmp_path / "node.key_secret").read_bytes() == before
+    assert sparkbus("keys").returncode == 2                      # a subcommand is required

@@ -20,9 +20,11 @@ def test_bad_units_are_refused(bad):
         parse_size(bad)
 
 
-def test_environment_overrides_with_warning_on_bad_values(monkeypatch, caplog):
+def test_environment_overrides_and_a_bad_value_is_an_error_naming_the_variable(monkeypatch):
     monkeypatch.setenv("SPARKBUS_MAX_BUFFER", "2GiB")
     assert from_env("max_buffer", parse_size, 1) == 2 << 30
-    monkeypatch.setenv("SPARKBUS_MAX_BUFFER", "huge")
+    monkeypatch.setenv("SPARKBUS_MAX_BUFFER", "")
     assert from_env("max_buffer", parse_size, 1) == 1
-    assert "ignoring SPARKBUS_MAX_BUFFER='huge'" in caplog.text
+    monkeypatch.setenv("SPARKBUS_MAX_BUFFER", "huge")
+    with pytest.raises(ValueError, match="SPARKBUS_MAX_BUFFER='huge': not a size"):
+        from_env("max_buffer", parse_size, 1)
