@@ -11,7 +11,8 @@ and answers JSON requests on a ZeroMQ REP socket at ``control``:
 
 * ``{"cmd": "feed", "feed": ADDRESS, "stream": S, "rows": N, "partitions": P, "batch_size": B, "source":
   "dataframe" | "rdd", "markers": DIR, "fail": {"partition": p, "after": rows} | null, "slow": {...} | null}``
-  feeds ids ``0..N-1`` (columns ``id`` and ``x`` = id as float32) with ``feeder.feed`` as epoch 0 of stream S,
+  feeds ids ``0..N-1`` (columns ``id`` and ``x``, the id as ``W`` float32s, ``"width": W``, default 64) with
+  ``feeder.feed`` as epoch 0 of stream S,
   and answers ``{"report": FeedReport, "tasks": [...]}``, the feed job's tasks as Spark's event log has them
   (partition, attempt, executor, host, speculative, launch and finish times, end reason), or ``{"error": ...}``.
 * ``{"cmd": "stop"}`` stops the session and the process.
@@ -25,11 +26,11 @@ that a task can misbehave part-way through its partition, on its first attempt, 
 * ``slow``: stall until a second attempt of the partition (a speculative copy) has started, produced all its rows
   and committed the partition at the broker; then go on, so both attempts stream the partition to the broker.
 
-Before it fails or stalls, the attempt waits until the broker holds its first ``after`` rows (and every other
-partition, which is how their rows are told apart from its own): the batches a retry or a copy sends again are
-then certainly duplicates at the broker. (Not with a DataFrame source: there the misbehaving code would run in a
-Python worker of its own, whose output PySpark buffers up to 64 KiB, so "after N rows" would not be "after N rows
-reached the feeder".)
+Before it fails or stalls, the attempt waits until the broker holds its first ``after`` rows, so that the batches
+a retry or a copy sends again are certainly duplicates there. (The broker counts an epoch's rows, not a
+partition's, so the attempt waits for every other partition too.) A DataFrame source could not do this: the
+misbehaving code would run in a Python worker of its own, whose output PySpark buffers (64 KiB), so "after N rows"
+would not mean that N rows had reached the feeder.
 
 Every attempt writes markers ``DIR/p{partition}-a{attempt}-{event}.json`` (``start``, ``fail``, ``stall``,
 ``saw-copy``, ``resume``, ``done``) with its executor id (its working directory, which the standalone Worker makes
@@ -39,6 +40,7 @@ per executor), its host (``SPARK_LOCAL_IP``, inherited from the Worker) and the 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
@@ -80,15 +82,14 @@ def epoch_stats(broker: dict) -> dict:
     return stream.get("epochs", {}).get("0", {})
 
 
-def faulty_rdd(sc, rows: int, partitions: int, markers: str, broker: dict, fail: dict | None = None,
+def faulty_rdd(sc, rows: int, partitions: int, width: int, markers: str, broker: dict, fail: dict | None = None,
                slow: dict | None = None):
     """ids ``0..rows-1`` as rows ``{"id", "x"}`` in equal partitions, misbehaving as ``fail`` and ``slow`` say."""
     per_partition = rows // partitions
 
     def produce(part, ids):
-        from pyspark import TaskContext
-
         import numpy as np
+        from pyspark import TaskContext
 
         task = TaskContext.get()
         attempt = task.attemptNumber()
@@ -102,7 +103,7 @@ def faulty_rdd(sc, rows: int, partitions: int, markers: str, broker: dict, fail:
                 raise RuntimeError(f"injected failure in partition {part} after {seen} rows")
             if attempt == 0 and slow and part == slow["partition"] and seen == slow["after"]:
                 stall(info, seen)
-            yield {"id": value, "x": np.float32(value)}
+            yield {"id": value, "x": np.full(width, value, np.float32)}
         mark(markers, info, "done", rows=per_partition)
 
     def in_broker(seen: int) -> int:
@@ -129,11 +130,12 @@ def faulty_rdd(sc, rows: int, partitions: int, markers: str, broker: dict, fail:
     return sc.parallelize(range(rows), partitions).mapPartitionsWithIndex(produce)
 
 
-def id_frame(spark, rows: int, partitions: int):
-    """ids ``0..rows-1`` as ``id long, x float``, made in the JVM."""
+def id_frame(spark, rows: int, partitions: int, width: int):
+    """ids ``0..rows-1`` as ``id long, x array<float>`` (the id ``width`` times), made in the JVM."""
     from pyspark.sql import functions as F
 
-    return spark.range(rows, numPartitions=partitions).select("id", F.col("id").cast("float").alias("x"))
+    return spark.range(rows, numPartitions=partitions).select(
+        "id", F.array_repeat(F.col("id").cast("float"), width).alias("x"))
 
 
 def warm_up(spark, source: str, executors: int) -> list[str]:
@@ -145,8 +147,7 @@ def warm_up(spark, source: str, executors: int) -> list[str]:
     executor as cold as before (a killed task's Python worker is not reused).
     """
     def executor_of() -> str:
-        import feeder  # noqa: F401
-
+        importlib.import_module("feeder")          # numpy, pyarrow, zmq and sparkbus, once per Python worker
         return os.path.basename(os.getcwd())
 
     def arrow_executor(batches):
@@ -160,8 +161,9 @@ def warm_up(spark, source: str, executors: int) -> list[str]:
         rdd = spark.sparkContext.parallelize(range(executors), executors).barrier()
         found = rdd.mapPartitions(lambda _: [executor_of()]).collect()
     else:
-        frame = id_frame(spark, 100 * executors, executors)
-        found = [row.executor for row in frame.mapInArrow(arrow_executor, "executor string", barrier=True).collect()]
+        frame = id_frame(spark, 100 * executors, executors, 1)
+        found = [row.executor for row in
+                 frame.mapInArrow(arrow_executor, "executor string", barrier=True).collect()]
     if len(set(found)) != executors:
         raise RuntimeError(f"the warm-up's {executors} tasks ran on executors {found}")
     return sorted(set(found))
@@ -204,18 +206,19 @@ def task_records(events: Path, group: str, timeout: float) -> list[dict]:
         time.sleep(0.1)
 
 
-def run_feed(spark, request: dict, events: Path) -> dict:
-    source, stream = request.get("source", "dataframe"), request["stream"]
-    warm_up(spark, source, 2)         # a Python worker idle for a minute is ended: warm them again
+def run_feed(spark, request: dict, events: Path, executors: int) -> dict:
+    """One ``feed`` request (see the module's docstring)."""
+    source, stream, width = request.get("source", "dataframe"), request["stream"], request.get("width", 64)
+    warm_up(spark, source, executors)         # a Python worker idle for a minute is ended: warm them again
     if source == "rdd":
         Path(request["markers"]).mkdir(parents=True, exist_ok=True)
         broker = {"control": control_address(request["feed"]), "stream": stream}
-        data = faulty_rdd(spark.sparkContext, request["rows"], request["partitions"], request["markers"], broker,
-                          request.get("fail"), request.get("slow"))
+        data = faulty_rdd(spark.sparkContext, request["rows"], request["partitions"], width, request["markers"],
+                          broker, request.get("fail"), request.get("slow"))
     elif request.get("fail") or request.get("slow"):
         raise ValueError("fail and slow need the rdd source")
     else:
-        data = id_frame(spark, request["rows"], request["partitions"])
+        data = id_frame(spark, request["rows"], request["partitions"], width)
     group = f"feed-{stream}"
     spark.sparkContext.setJobGroup(group, f"feed stream {stream}")
     try:
@@ -226,7 +229,7 @@ def run_feed(spark, request: dict, events: Path) -> dict:
     return {"report": report._asdict(), "tasks": task_records(events, group, 30.0)}
 
 
-def serve(spark, control: zmq.Socket, events: Path) -> None:
+def serve(spark, control: zmq.Socket, events: Path, executors: int) -> None:
     """Answer requests until ``stop``; a failed feed is answered with its error, for the test to fail on."""
     while True:
         if not control.poll(1000):
@@ -237,7 +240,7 @@ def serve(spark, control: zmq.Socket, events: Path) -> None:
             return
         started = time.monotonic()
         try:
-            reply = run_feed(spark, request, events)
+            reply = run_feed(spark, request, events, executors)
         except Exception as exc:
             log.exception("the feed of stream %r failed", request.get("stream"))
             reply = {"error": f"{type(exc).__name__}: {exc}"}
@@ -282,7 +285,7 @@ def main() -> int:
                                                          "executors": executors}))
         ready.with_suffix(".tmp").rename(ready)
         events = Path(args.events) / f"{spark.sparkContext.applicationId}.inprogress"
-        serve(spark, control, events)
+        serve(spark, control, events, args.executors)
     finally:
         control.close(0)
         context.term()

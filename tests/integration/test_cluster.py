@@ -22,8 +22,11 @@ from launch.processes import ChildProcess, LaunchError, wait_for
 
 HERE = Path(__file__).parent
 HOSTS = ("127.0.0.1", "127.0.0.2")      # two hosts to Spark's scheduler: a speculative copy needs another one
-ROWS_PER_PARTITION = 1_000
-BATCH = 100
+# The feeder's default batch, 1,024 rows of 64 float32 (256 KiB): each batch travels as a message of its own, so
+# a task that fails or stalls after five batches has sent five messages.
+BATCH = 1024
+ROWS_PER_PARTITION = 10 * BATCH
+AFTER = 5 * BATCH
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -114,6 +117,8 @@ def received(ranks, n: int = 2) -> np.ndarray:
     summaries = ranks.wait(120)
     assert len({s["epochs"][0]["batches"] for s in summaries}) == 1, f"unequal steps: {summaries}"
     epochs = [ranks.epoch(r, 0) for r in range(n)]
+    for epoch in epochs:
+        np.testing.assert_array_equal(epoch["x"], np.repeat(epoch["id"][:, None], 64, axis=1).astype(np.float32))
     return np.sort(np.concatenate([e[key] for e in epochs for key in ("id", "dropped_id")]))
 
 
@@ -135,6 +140,7 @@ def test_every_row_once_across_two_ranks_fed_by_two_executors(driver, start_brok
     # the partitions were streamed by both executors, from both hosts
     done = [t for t in reply["tasks"] if t["reason"] == "Success"]
     assert {t["host"] for t in done} == set(HOSTS), reply["tasks"]
+    assert {t["executor"] for t in done} == set(driver.executors), reply["tasks"]
 
 
 def test_a_task_failing_midway_is_retried_on_the_other_executor(driver, start_broker, start_ranks, tmp_path):
@@ -142,7 +148,7 @@ def test_a_task_failing_midway_is_retried_on_the_other_executor(driver, start_br
     broker = start_broker()
     ranks = start_ranks(2, broker.ranks, "--stream", "retry")
     reply = driver.feed(broker, "retry", 1, source="rdd", markers=tmp_path / "markers",
-                        fail={"partition": 0, "after": 500})
+                        fail={"partition": 0, "after": AFTER})
     np.testing.assert_array_equal(received(ranks), np.arange(ROWS_PER_PARTITION))
 
     failed, retry = reply["tasks"]
@@ -151,8 +157,8 @@ def test_a_task_failing_midway_is_retried_on_the_other_executor(driver, start_br
     assert retry["host"] != failed["host"] and retry["executor"] != failed["executor"]
     seen = markers(tmp_path / "markers")
     assert seen[0, 0, "fail"]["host"] == failed["host"] and seen[0, 1, "done"]["host"] == retry["host"]
-    # it failed once the broker held its first 500 rows; the retry sent those 5 batches again
-    assert seen[0, 0, "fail"]["broker_rows"] == 500
+    # it failed once the broker held its first five batches; the retry sent those again
+    assert seen[0, 0, "fail"]["broker_rows"] == AFTER
     epoch = broker.stats()["streams"]["retry"]["epochs"]["0"]
     assert (epoch["batches_in"], epoch["duplicates"], epoch["diverged"]) == (10, 5, [])
 
@@ -161,7 +167,7 @@ def test_spark_speculates_a_slow_partition_and_each_row_arrives_once(driver, sta
     broker = start_broker()
     ranks = start_ranks(2, broker.ranks, "--stream", "spec")
     reply = driver.feed(broker, "spec", 4, source="rdd", markers=tmp_path / "markers",
-                        slow={"partition": 0, "after": 500})
+                        slow={"partition": 0, "after": AFTER})
     np.testing.assert_array_equal(received(ranks), np.arange(4 * ROWS_PER_PARTITION))
 
     # Spark itself launched a copy of partition 0 as a speculative task, on the other host
@@ -172,11 +178,11 @@ def test_spark_speculates_a_slow_partition_and_each_row_arrives_once(driver, sta
     copy = copies[0]
     assert copy["host"] != first["host"] and copy["executor"] != first["executor"], attempts
     assert copy["reason"] == "Success", attempts
-    # ... while the first attempt was running: it had streamed 500 rows (the broker held them), stalled, and saw
-    # the copy start; it went on after the copy had committed, so both streamed the whole partition's start
+    # ... while the first attempt was running: it had streamed five batches (the broker held them), stalled, and
+    # saw the copy start; it went on after the copy had committed, so both streamed the partition's first half
     seen = markers(tmp_path / "markers")
-    assert seen[0, 0, "stall"]["rows"] == 500
-    assert seen[0, 0, "stall"]["broker_rows"] == 3 * ROWS_PER_PARTITION + 500
+    assert seen[0, 0, "stall"]["rows"] == AFTER
+    assert seen[0, 0, "stall"]["broker_rows"] == 3 * ROWS_PER_PARTITION + AFTER
     assert seen[0, 0, "saw-copy"]["copy_attempt"] == copy["attempt"]
     assert seen[0, copy["attempt"], "start"]["host"] == copy["host"]
     assert seen[0, copy["attempt"], "start"]["time"] < seen[0, 0, "saw-copy"]["time"]
