@@ -11,7 +11,13 @@ Per stream and epoch there are two append-only files:
 Records are written with plain ``write`` calls as they happen, so a killed broker (``kill -9``) loses none of
 them: the kernel has them. They reach the disk (``fsync``) before a partition commit or an epoch close is
 answered, and at least every second for acknowledgements. When an epoch has been delivered and acknowledged,
-its files are deleted and one line in ``retired.log`` remembers that it was delivered.
+its files are deleted and one record in ``retired.log`` remembers that it was delivered, with its figures.
+
+``retired.log`` stays bounded (compaction): when it holds more than ``compact_at`` records (and twice what the
+last compaction kept), it is rewritten (a temporary file, fsynced, renamed over it) as, per stream, one
+``delivered`` record listing every delivered epoch as ranges ``[[first, last], ...]``, followed by the records of
+its last ``keep_stats`` epochs with their figures. Every delivered epoch is still known after a restart, and a
+re-feed of one still refused; only the figures of old epochs are gone.
 
 Replay stops at the first torn record (a write cut short by a crash; nothing after it was ever answered) or the
 first record whose CRC does not match (a damaged disk block: what follows cannot be trusted either).
@@ -19,6 +25,7 @@ first record whose CRC does not match (a damaged disk block: what follows cannot
 
 from __future__ import annotations
 
+import bisect
 import logging
 import mmap
 import os
@@ -28,13 +35,15 @@ import zlib
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import msgpack
 
 log = logging.getLogger("sparkbus.journal")
 _PREFIX = struct.Struct("<II")      # body length, CRC-32 of the body
 ACK_SYNC_SECONDS = 1.0
+RETIRED_COMPACT_AT = 1024     # records in retired.log before it is compacted (a few hundred KiB)
+RETIRED_KEEP_STATS = 64       # epochs per stream whose figures survive a compaction
 
 
 class Record(str, Enum):
@@ -46,6 +55,86 @@ class Record(str, Enum):
     CLOSE = "close"      # the epoch was closed
     ACK = "ack"          # batches were acknowledged by a rank: ids
     CLAIM = "claim"      # the broker (an index in the feed's list) that streams a partition: part, broker
+
+
+class EpochRanges:
+    """A set of epoch numbers held as sorted, disjoint, inclusive ranges ``[[first, last], ...]``: a stream that
+    delivered epochs 0 to 9,999 costs one pair."""
+
+    def __init__(self, ranges: Iterable[Iterable[int]] = ()):
+        self._starts: list[int] = []
+        self._ends: list[int] = []
+        for first, last in ranges:
+            for number in (first, last):
+                if type(number) is not int:
+                    raise ValueError(f"an epoch range holds {number!r}, not an int")
+            self.add_range(first, last)
+
+    def add(self, epoch: int) -> None:
+        self.add_range(epoch, epoch)
+
+    def add_range(self, first: int, last: int) -> None:
+        if first > last:
+            raise ValueError(f"epoch range [{first}, {last}] is empty")
+        # the ranges that touch or overlap [first, last] merge into one
+        lo = bisect.bisect_left(self._ends, first - 1)
+        hi = bisect.bisect_right(self._starts, last + 1)
+        if lo < hi:
+            first, last = min(first, self._starts[lo]), max(last, self._ends[hi - 1])
+        self._starts[lo:hi], self._ends[lo:hi] = [first], [last]
+
+    def __contains__(self, epoch: object) -> bool:
+        if type(epoch) is not int:
+            return False
+        i = bisect.bisect_right(self._starts, epoch) - 1
+        return i >= 0 and epoch <= self._ends[i]
+
+    def ranges(self) -> list[list[int]]:
+        return [[a, b] for a, b in zip(self._starts, self._ends)]
+
+    def __len__(self) -> int:
+        """How many epochs (not ranges)."""
+        return sum(b - a + 1 for a, b in zip(self._starts, self._ends))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, EpochRanges) and self.ranges() == other.ranges()
+
+    def __repr__(self) -> str:
+        return f"EpochRanges({self.ranges()})"
+
+
+class DeliveredEpochs(dict):
+    """A stream's delivered epochs: a dict ``{epoch: figures}`` of the recent ones, plus :attr:`ranges` of those
+    whose figures were dropped. ``epoch in delivered`` is True for both, so a drop-in for ``StreamState.finished``;
+    ``items()``, ``len()`` and iteration see only the epochs with figures.
+
+    Args:
+        ranges: epochs delivered without figures, as ``[[first, last], ...]``.
+        figures: ``{epoch: figures}`` of recent epochs.
+        keep: how many epochs keep their figures; older ones move to :attr:`ranges` as epochs are added (None:
+            all keep them).
+    """
+
+    def __init__(self, ranges: Iterable[Iterable[int]] = (), figures: dict[int, Any] | None = None,
+                 keep: int | None = RETIRED_KEEP_STATS):
+        super().__init__()
+        self.ranges = EpochRanges(ranges)
+        self.keep = keep
+        for epoch, stats in sorted((figures or {}).items()):
+            self[epoch] = stats
+
+    def __contains__(self, epoch: object) -> bool:
+        return dict.__contains__(self, epoch) or epoch in self.ranges
+
+    def __setitem__(self, epoch: int, stats: Any) -> None:
+        super().__setitem__(epoch, stats)
+        if self.keep is not None and len(self) > self.keep:
+            for old in sorted(self)[:len(self) - self.keep]:
+                del self[old]
+                self.ranges.add(old)
+
+    def __repr__(self) -> str:
+        return f"DeliveredEpochs({self.ranges.ranges()}, {dict.__repr__(self)})"
 
 
 @dataclass
@@ -68,12 +157,16 @@ class ReplayedEpoch:
 class Journal:
     """Append-only journal of one broker. Not thread-safe: the broker loop owns it."""
 
-    def __init__(self, directory: str | os.PathLike):
+    def __init__(self, directory: str | os.PathLike, compact_at: int = RETIRED_COMPACT_AT,
+                 keep_stats: int = RETIRED_KEEP_STATS):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._files: dict[tuple[str, int], EpochFiles] = {}
         self._maps: list[mmap.mmap] = []
         self._last_sync = time.monotonic()
+        self.compact_at, self.keep_stats = compact_at, keep_stats
+        self._retired_records: int | None = None     # records in retired.log; counted when first needed
+        self._compacted_to = 0                        # records the last compaction kept
 
     # ---- writing ----------------------------------------------------------------------------------------
 
@@ -132,18 +225,54 @@ class Journal:
 
     def record_retired(self, stream: str, epoch: int, stats: dict[str, Any]) -> None:
         """The epoch was delivered and acknowledged: remember that, and free its files."""
+        if self._retired_records is None:
+            self._retired_records = sum(1 for _ in self.retired())
         retired = os.open(self.directory / "retired.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         try:
             os.write(retired, _frame({"stream": stream, "epoch": epoch, "stats": stats}))
             os.fsync(retired)
         finally:
             os.close(retired)
+        self._retired_records += 1
         files = self._files.pop((stream, epoch), None)
         if files is not None:
             os.close(files.log_fd)
             os.close(files.data_fd)
         for suffix in ("log", "data"):
             (self._epoch_dir(stream) / f"epoch-{epoch}.{suffix}").unlink(missing_ok=True)
+        if self._retired_records > max(self.compact_at, 2 * self._compacted_to):
+            self.compact_retired()
+
+    def compact_retired(self) -> None:
+        """Rewrite ``retired.log`` as one ``delivered`` record of ranges per stream and the records of each
+        stream's last ``keep_stats`` epochs. Atomic: a crash leaves the old file or the new one, both whole."""
+        path = self.directory / "retired.log"
+        delivered: dict[str, DeliveredEpochs] = {}
+        for record in self.retired():
+            epochs = delivered.setdefault(record["stream"], DeliveredEpochs(keep=self.keep_stats))
+            if "delivered" in record:
+                for first, last in record["delivered"]:
+                    epochs.ranges.add_range(first, last)
+            else:
+                epochs[record["epoch"]] = record["stats"]
+        records = []
+        for stream, epochs in delivered.items():
+            if epochs.ranges.ranges():
+                records.append({"stream": stream, "delivered": epochs.ranges.ranges()})
+            records.extend({"stream": stream, "epoch": n, "stats": epochs[n]} for n in sorted(epochs))
+        tmp = path.with_name("retired.log.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            body = b"".join(_frame(r) for r in records)
+            if os.write(fd, body) != len(body):
+                raise OSError(f"short write to {tmp}: disk full?")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+        _sync_directory(self.directory)
+        log.info("journal: retired.log compacted from %d to %d records", self._retired_records or 0, len(records))
+        self._retired_records = self._compacted_to = len(records)
 
     def _sync(self, files: EpochFiles) -> None:
         os.fsync(files.data_fd)
@@ -169,7 +298,9 @@ class Journal:
     # ---- reading back -----------------------------------------------------------------------------------
 
     def retired(self) -> Iterator[dict[str, Any]]:
-        """Records of epochs already delivered: ``{"stream", "epoch", "stats"}``."""
+        """Records of epochs already delivered, in order: ``{"stream", "epoch", "stats"}`` for one epoch, or, first
+        for a stream in a compacted journal, ``{"stream", "delivered": [[first, last], ...]}`` for epochs whose
+        figures were dropped (see :class:`DeliveredEpochs`)."""
         path = self.directory / "retired.log"
         if path.exists():
             for _, record in _records(path.read_bytes(), path):
@@ -238,6 +369,15 @@ def _records(raw: bytes, path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
             return _cut(path, offset)
         yield offset, record
         offset += _PREFIX.size + length
+
+
+def _sync_directory(directory: Path) -> None:
+    """fsync a directory, so that a rename in it survives a power cut."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _cut(path: Path, offset: int) -> None:

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 
 from . import protocol
 from .errors import ProtocolError
-from .journal import Journal, Record
+from .journal import DeliveredEpochs, Journal, Record
 from .protocol import Kind
 from .state import BatchId, EpochState, HeldBatch, Orphan, PendingCommit, RankState, StreamState
 
@@ -508,7 +508,11 @@ class Ledger:
         """Rebuild streams and epochs from the journal: committed and acknowledged state as it was."""
         assert self.journal is not None
         for record in self.journal.retired():
-            self.stream(record["stream"]).finished[record["epoch"]] = record["stats"]
+            stream = self.stream(record["stream"])
+            if "delivered" in record:        # a compacted journal: epochs delivered long ago, figures dropped
+                stream.finished = DeliveredEpochs(record["delivered"], stream.finished, self.journal.keep_stats)
+            else:
+                stream.finished[record["epoch"]] = record["stats"]
         restored = 0
         for replayed in self.journal.replay():
             stream = self.stream(replayed.stream)
