@@ -98,7 +98,9 @@ class StandaloneCluster:
                 extra_env: Mapping[str, str]) -> ChildProcess:
         home = spark_home()
         env = {"SPARK_HOME": str(home), "SPARK_LOCAL_IP": host, "SPARK_CONF_DIR": str(self.workdir / "conf"),
-               **self.env, **extra_env}
+               **self.env, **{key: value for key, value in extra_env.items() if value}}
+        if self.java_opts:
+            env["SPARK_DAEMON_JAVA_OPTS"] = _java_opts({}, self.java_opts)
         return ChildProcess(name, ["bash", str(home / "bin" / "spark-class"), main_class, *args],
                             self.workdir / f"{name}.log", env=env, cwd=self.workdir)
 
@@ -131,8 +133,7 @@ class StandaloneCluster:
                     f"worker-{i}", WORKER_CLASS,
                     [self.master_url, "--cores", str(self.cores), "--memory", self.memory, "--host", host,
                      "--port", "0", "--webui-port", "0"], host,
-                    {"SPARK_WORKER_DIR": str(work), "SPARK_WORKER_OPTS": _java_opts(self.conf, ()),
-                     "SPARK_DAEMON_JAVA_OPTS": _java_opts({}, self.java_opts)}))
+                    {"SPARK_WORKER_DIR": str(work), "SPARK_WORKER_OPTS": _java_opts(self.conf, ())}))
         except BaseException:
             self.stop()
             raise
@@ -158,8 +159,7 @@ class StandaloneCluster:
     def _start_master(self, timeout: float) -> None:
         master = self.master = self._daemon(
             "master", MASTER_CLASS, ["--host", self.master_host, "--port", "0", "--webui-port", "0"],
-            self.master_host, {"SPARK_MASTER_OPTS": _java_opts({**MASTER_CONF, **self.conf}, ()),
-                               "SPARK_DAEMON_JAVA_OPTS": _java_opts({}, self.java_opts)})
+            self.master_host, {"SPARK_MASTER_OPTS": _java_opts({**MASTER_CONF, **self.conf}, ())})
 
         def alive() -> bool:
             self._check_running(master)
