@@ -78,6 +78,9 @@ def run_broker(args: argparse.Namespace) -> int:
     broker = Broker(config)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: broker.stop())
+    # SIGHUP (systemctl reload) re-reads the key directory; never the default action, which would end the broker
+    signal.signal(signal.SIGHUP, lambda *_: broker.reload() if hasattr(broker, "reload") else
+                  log.info("SIGHUP: nothing to reload"))
     try:
         broker.run()
     except OSError as exc:

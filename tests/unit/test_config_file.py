@@ -232,3 +232,18 @@ def test_precedence_holds_in_a_running_broker(tmp_path):
     finally:
         for broker in brokers:
             broker.stop()
+
+
+def test_sighup_reloads_instead_of_ending_the_broker(tmp_path):
+    """systemctl reload sends SIGHUP. Its default action ends a process as soon as the signal is delivered, before
+    the process runs again: a broker that answers a request sent after the signal has handled it."""
+    import signal
+
+    broker = BrokerProcess(tmp_path / "broker.log", env=clean_environ())
+    try:
+        broker.start(timeout=RUN_SECONDS)
+        os.kill(broker.pid, signal.SIGHUP)
+        assert broker.stats(timeout=10)["broker"]["pid"] == broker.pid
+        assert broker.proc.poll() is None
+    finally:
+        broker.stop()
