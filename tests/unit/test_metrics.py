@@ -188,3 +188,20 @@ def test_a_port_in_use_is_an_os_error():
     with MetricsExporter(0) as first:
         with pytest.raises(OSError):
             MetricsExporter(first.port).start()
+
+
+def test_the_grafana_dashboard_parses_and_plots_only_metrics_the_exporter_serves(exporter):
+    import json
+    import re
+    from pathlib import Path
+
+    dashboard = json.loads((Path(__file__).parents[2] / "deploy" / "grafana" / "sparkbus.json").read_text())
+    expressions = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    assert expressions
+    exporter.publish(STATS)
+    served = {name for name, _ in scrape(exporter)}
+    plotted = {name for e in expressions for name in re.findall(r"\b((?:sparkbus|process)_[a-z_]+)", e)}
+    assert plotted <= served, plotted - served
+    assert {"sparkbus_bytes_in_total", "sparkbus_bytes_out_total", "sparkbus_buffer_use_ratio",
+            "sparkbus_feed_paused", "sparkbus_ranks_joined", "sparkbus_redelivered_batches_total",
+            "sparkbus_refused_messages_total", "sparkbus_rank_data_wait_seconds_total"} <= plotted
