@@ -147,15 +147,19 @@ def _rows(spark: Any, rows: int, partitions: int, batch_size: int, pause: float)
 
 
 def _feed(spark: Any, r: dict) -> dict:
+    import inspect
     import warnings
 
     from feeder import feed
 
+    # One message per batch: a feeder that packs small batches into one message would send a partition of
+    # these whole, and a fault could not land between its batches.
+    unpacked = {"pack_bytes": 0} if "pack_bytes" in inspect.signature(feed).parameters else {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         report = feed(_rows(spark, r["rows"], r["partitions"], r["batch_size"], r.get("pause", 0.0)),
                       r["address"], stream=r["stream"], epoch=r.get("epoch", 0), batch_size=r["batch_size"],
-                      timeout=r["timeout"])
+                      timeout=r["timeout"], **unpacked)
     return {**report._asdict(), "warnings": [str(w.message) for w in caught]}
 
 

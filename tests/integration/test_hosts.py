@@ -81,9 +81,11 @@ class Broker:
         address = net.address(host)
         self.log = log
         with open(log, "w") as err:
+            # Bound to the host's own address, on a network private to the test: no keys (SPARKBUS_INSECURE).
             self.proc = net.popen(host, [sys.executable, "-m", "broker", "--feed", f"tcp://{address}:*",
                                          "--ranks", f"tcp://{address}:*", "--ready-file", str(ready), *flags],
-                                  stdout=subprocess.DEVNULL, stderr=err)
+                                  env={**os.environ, "SPARKBUS_INSECURE": "1"}, stdout=subprocess.DEVNULL,
+                                  stderr=err)
         wait_for(lambda: ready.exists() or self.proc.poll() is not None, 20, "the broker's ready file")
         assert self.proc.poll() is None, f"the broker exited:\n{log.read_text()}"
         bound = json.loads(ready.read_text())
