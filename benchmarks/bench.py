@@ -1,6 +1,6 @@
-"""sparkbus benchmark: broker hop, end to end from Spark, scaling, broker memory and data-wait, in one run.
+"""sparkbus benchmark: broker hop, end to end from Spark, scaling, memory, data-wait, brokers, Spark set-ups.
 
-    .venv/bin/python benchmarks/bench.py [--quick] [--out docs/bench] [--only hop,rss,e2e,scaling,wait]
+    .venv/bin/python benchmarks/bench.py [--quick] [--out docs/bench] [--only hop,rss,e2e,scaling,wait,brokers,spark]
 
 Prints each figure as it is measured, then the tables and every target with its measured value and PASS/MISS,
 and writes ``OUT/RESULTS.md``, ``OUT/throughput.png`` and ``OUT/results.json``. Exit status 0 when every
@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SECTIONS = ("hop", "rss", "e2e", "scaling", "wait")
+SECTIONS = ("hop", "rss", "e2e", "scaling", "wait", "brokers", "spark")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -34,12 +34,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rows", type=int, help="rows of the cached DataFrame (default 4,194,304; --quick 100,000)")
     parser.add_argument("--rss-bytes", help="bytes pushed through the broker for its peak RSS (e.g. 1GiB)")
     parser.add_argument("--hop-seconds", type=float, help="minimum length of each broker-hop measurement")
+    parser.add_argument("--spark-configs", default="local,1x1,2x1,1x2",
+                        help="Spark set-ups of the spark section: local (local[2]) and standalone EXECUTORSxCORES "
+                             "(default local,1x1,2x1,1x2)")
+    parser.add_argument("--spark-partitions", default="4,16",
+                        help="partitions per epoch in the spark section (default 4,16)")
+    parser.add_argument("--spark-rows", type=int, help="rows fed by each Spark set-up (default 1,048,576; "
+                                                       "--quick 100,000)")
     parser.add_argument("--keep-logs", action="store_true", help="keep the children's logs (printed path)")
     args = parser.parse_args(argv)
     args.sections = [s.strip() for s in args.only.split(",") if s.strip()]
     unknown = set(args.sections) - set(SECTIONS)
     if unknown:
         parser.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+    try:
+        args.spark_partitions = tuple(int(p) for p in args.spark_partitions.split(",") if p.strip())
+    except ValueError:
+        parser.error(f"--spark-partitions takes comma-separated numbers, not {args.spark_partitions!r}")
     return args
 
 
@@ -56,7 +67,15 @@ def main(argv: list[str] | None = None) -> int:
     from broker.config import parse_size
 
     sizes = common.QUICK if args.quick else common.FULL
+    import spark_configs
+
+    try:
+        configs = spark_configs.parse_configs(args.spark_configs)
+    except ValueError as exc:
+        print(f"benchmarks/bench.py: error: --spark-configs: {exc}", file=sys.stderr)
+        return 2
     overrides = {"reps": args.reps, "rows": args.rows, "hop_seconds": args.hop_seconds,
+                 "spark_rows": args.spark_rows,
                  "rss_bytes": parse_size(args.rss_bytes) if args.rss_bytes else None}
     sizes = dataclasses.replace(sizes, **{k: v for k, v in overrides.items() if v is not None})
     if any(v is not None for v in overrides.values()):
@@ -77,48 +96,63 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.monotonic() - started:5.1f} s] {text}", flush=True)
 
     log(f"sparkbus benchmark, {sizes.name} size, {sizes.reps} repetition(s); work dir {work}")
-    needs_spark = bool({"e2e", "scaling", "wait"} & set(args.sections))
+    sections = set(args.sections)
+    # The cached DataFrame serves sections 2-5; the session alone also serves local[2] in section 6.
+    needs_frame = bool({"e2e", "scaling", "wait", "brokers"} & sections)
+    needs_session = needs_frame or ("spark" in sections and any(not c.executors for c in configs))
     # --quick: Spark's start-up (JVM, caching, warm-up) overlaps the hop and RSS sections, whose figures get
     # noisier but the run fits in a minute. At full size Spark starts after them, on a quiet machine.
-    prep = SparkPrep(sizes, log) if needs_spark and args.quick else None
+    prep = SparkPrep(sizes, needs_frame, log) if needs_session and args.quick else None
     try:
-        if "hop" in args.sections:
+        if "hop" in sections:
             import hop
 
             log("1. broker hop")
             results["hop"] = hop.run(children, sizes, log)
-        if "rss" in args.sections:
+        if "rss" in sections:
             import scaling
 
             log("3b. broker peak RSS")
             results["rss"] = scaling.run_rss(children, sizes, log)
-        if needs_spark:
-            prep = prep or SparkPrep(sizes, log)
+        df = info = None
+        if needs_session:
+            prep = prep or SparkPrep(sizes, needs_frame, log)
             spark, df, info = prep.result(sizes.timeout * 2)
+        if needs_frame:
             results["dataset"] = info
             log(f"  {info['rows']:,} rows, {info['payload_bytes'] / 2**30:.2f} GiB payload, cached "
                 f"{info['cached_memory_bytes'] / 2**30:.2f} GiB in memory / {info['cached_disk_bytes'] / 2**30:.2f} "
                 f"GiB on disk, built in {info['build_seconds']:.1f} s")
             if info["cached_disk_bytes"]:
                 results["notes"].append("part of the cached DataFrame spilled to disk: raise the driver memory")
-            rate = None
-            if "e2e" in args.sections:
-                import end_to_end
+        rate = None
+        if "e2e" in sections:
+            import end_to_end
 
-                log("2. end to end")
-                results["e2e"] = end_to_end.run(children, df, info["rows"], sizes, work, log)
-                rate = results["e2e"]["sparkbus"].med("rows_per_s")
-            if "scaling" in args.sections:
-                import scaling
+            log("2. end to end")
+            results["e2e"] = end_to_end.run(children, df, info["rows"], sizes, work, log)
+            rate = results["e2e"]["sparkbus"].med("rows_per_s")
+        if "scaling" in sections:
+            import scaling
 
-                log("3. scaling")
-                results["scaling"] = scaling.run(children, df, info["rows"], sizes, work, results.get("e2e", {})
-                                                 .get("sparkbus"), log)
-            if "wait" in args.sections:
-                import datawait
+            log("3. scaling")
+            results["scaling"] = scaling.run(children, df, info["rows"], sizes, work, results.get("e2e", {})
+                                             .get("sparkbus"), log)
+        if "wait" in sections:
+            import datawait
 
-                log("4. data-wait")
-                results["datawait"] = datawait.run(children, spark, df, info["rows"], sizes, work, rate, log)
+            log("4. data-wait")
+            results["datawait"] = datawait.run(children, spark, df, info["rows"], sizes, work, rate, log)
+        if "brokers" in sections:
+            import brokers
+
+            log("5. several brokers")
+            results["brokers"] = brokers.run(children, df, info["rows"], sizes, work, log)
+        if "spark" in sections:
+            log("6. Spark configurations")
+            results["spark"] = {}
+            spark_configs.run(children, spark, prep.session_seconds if prep else None, sizes, work, configs,
+                              args.spark_partitions, log, out=results["spark"])
     except KeyboardInterrupt as exc:
         failed = f"interrupted ({exc or 'Ctrl-C'})"
     except Exception as exc:
@@ -158,13 +192,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class SparkPrep:
-    """The SparkSession and the cached DataFrame, prepared in a thread (started at once)."""
+    """The SparkSession and (if ``frame``) the cached DataFrame, prepared in a thread (started at once)."""
 
-    def __init__(self, sizes, log):
+    def __init__(self, sizes, frame: bool, log):
         import threading
 
-        self.sizes, self.log = sizes, log
-        self.spark = self.value = self.error = None
+        self.sizes, self.frame, self.log = sizes, frame, log
+        self.spark = self.value = self.error = self.session_seconds = None
         self._thread = threading.Thread(target=self._run, name="spark-prep", daemon=True)
         self._thread.start()
 
@@ -173,10 +207,15 @@ class SparkPrep:
             import spark_data
             from launch.spark import local_session
 
-            self.log("starting Spark (local[2]) and caching the DataFrame")
+            self.log("starting Spark (local[2])" + (" and caching the DataFrame" if self.frame else ""))
+            started = time.monotonic()
             # must be the process's first session: the driver memory is a setting of the JVM
             self.spark = local_session("local[2]", "sparkbus-bench",
                                        {"spark.driver.memory": self.sizes.driver_memory})
+            self.session_seconds = time.monotonic() - started
+            if not self.frame:
+                self.value = (self.spark, None, None)
+                return
             df, info = spark_data.cached_frame(self.spark, self.sizes.rows, self.sizes.partitions)
             spark_data.warm_up(df)
             self.value = (self.spark, df, info)

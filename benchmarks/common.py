@@ -35,7 +35,7 @@ class BenchError(RuntimeError):
 
 @dataclass
 class Sizes:
-    """How big each measurement is. ``full`` is the default; ``quick`` must finish in under a minute."""
+    """How big each measurement is. ``full`` is the default; ``quick`` checks the harness at small sizes."""
 
     name: str
     reps: int                      # repetitions per figure (the median is reported)
@@ -46,15 +46,19 @@ class Sizes:
     rss_bytes: int                 # bytes pushed through the broker for its peak RSS
     rss_max_buffer: int            # the broker's --max-buffer for that
     wait_epoch_seconds: float      # target length of the data-wait epoch
+    spark_rows: int                # rows of the DataFrame each Spark configuration feeds (figure 6)
+    spark_executor_memory: str     # heap of a standalone executor (it caches that DataFrame)
     driver_memory: str
     timeout: float                 # bound on any single run (a feed, a set of ranks)
 
 
 FULL = Sizes("full", reps=3, hop_seconds=1.0, hop_min_batches=50, rows=1 << 22, partitions=4,
-             rss_bytes=4 * GiB, rss_max_buffer=64 * MiB, wait_epoch_seconds=3.0, driver_memory="4g",
+             rss_bytes=4 * GiB, rss_max_buffer=64 * MiB, wait_epoch_seconds=3.0, spark_rows=1 << 20,
+             spark_executor_memory="1g", driver_memory="4g",
              timeout=300.0)
 QUICK = Sizes("quick", reps=1, hop_seconds=0.12, hop_min_batches=16, rows=100_000, partitions=4,
-              rss_bytes=200 * MiB, rss_max_buffer=64 * MiB, wait_epoch_seconds=0.8, driver_memory="2g",
+              rss_bytes=200 * MiB, rss_max_buffer=64 * MiB, wait_epoch_seconds=0.8, spark_rows=100_000,
+              spark_executor_memory="1g", driver_memory="2g",
               timeout=60.0)
 
 

@@ -18,10 +18,10 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import spark_data
-from common import Children, Sizes, median, run_ranks
+from common import BenchError, Children, Sizes, median, run_ranks
 from launch.broker import BrokerProcess
 
 RANKS = 2
@@ -40,29 +40,43 @@ class Series:
         return median([r[key] for r in self.runs if r.get(key) is not None])
 
 
-def run_sparkbus(children: Children, broker: BrokerProcess, df: Any, rows: int, ranks: int, work: Path,
-                 timeout: float) -> dict:
-    """Feed ``df`` as one epoch to ``ranks`` ranks; figures relative to the call of ``feed``."""
+def run_sparkbus(children: Children, broker: BrokerProcess | Sequence[BrokerProcess], df: Any, rows: int,
+                 ranks: int, work: Path, timeout: float) -> dict:
+    """Feed ``df`` as one epoch to ``ranks`` ranks; figures relative to the call of ``feed``.
+
+    With several brokers, the feed spreads the partitions over them and every rank consumes from all of them.
+    """
     from feeder import feed
 
-    n = next(_runs)
-    stream = f"bench-{n}"
-    out = work / f"sparkbus-{n}"
-    clock: dict = {}
+    brokers = [broker] if isinstance(broker, BrokerProcess) else list(broker)
 
     def start():
-        clock["t0"] = time.time()
-        report = feed(df, broker.feed, stream=stream, epoch=0, batch_size=BATCH_SIZE, timeout=min(timeout, 120.0))
-        clock["t_fed"] = time.time()
-        return report
+        t0 = time.time()
+        report = feed(df, [b.feed for b in brokers], stream=stream, epoch=0, batch_size=BATCH_SIZE,
+                      timeout=min(timeout, 120.0))
+        return t0, time.time(), report
 
-    args = ["--ranks", broker.ranks, "--stream", stream, "--timeout", str(timeout)]
-    result, report = run_ranks(children, f"ranks-{n}", ranks, "rank_consumer.py", out, args, start, timeout)
-    last = result.last - clock["t0"]
+    stream = f"bench-{next(_runs)}"
+    return run_fed_ranks(children, brokers, stream, start, rows, ranks, work, timeout)
+
+
+def run_fed_ranks(children: Children, brokers: Sequence[BrokerProcess], stream: str, start: Callable[[], tuple],
+                  rows: int, ranks: int, work: Path, timeout: float) -> dict:
+    """Start ``ranks`` ranks on ``stream`` of ``brokers``; once they are ready, ``start()`` feeds the epoch and
+    returns ``(t0, t_fed, report)`` (wall-clock seconds, a ``FeedReport`` or its dict); figures relative to t0."""
+    out = work / f"ranks-{stream}"
+    args = ["--ranks", ",".join(b.ranks for b in brokers), "--stream", stream, "--timeout", str(timeout)]
+    result, (t0, t_fed, report) = run_ranks(children, f"ranks-{stream}", ranks, "rank_consumer.py", out, args,
+                                            start, timeout)
     shutil.rmtree(out, ignore_errors=True)
-    return {"first": result.first - clock["t0"], "last": last, "rows": rows, "rows_per_s": rows / last,
+    report = report if isinstance(report, dict) else report._asdict()
+    if result.rows + sum(r["dropped_rows"] for r in result.ranks) != rows:
+        raise BenchError(f"stream {stream}: the ranks took {result.rows} rows and dropped "
+                         f"{sum(r['dropped_rows'] for r in result.ranks)} of {rows}")
+    last = result.last - t0
+    return {"first": result.first - t0, "last": last, "rows": rows, "rows_per_s": rows / last,
             "received_rows": result.rows, "dropped_rows": sum(r["dropped_rows"] for r in result.ranks),
-            "feed_seconds": clock["t_fed"] - clock["t0"], "batches": report.batches,
+            "feed_seconds": t_fed - t0, "batches": report["batches"], "brokers": list(report.get("brokers") or ()),
             "wait_share": max(r["wait_seconds"] / r["seconds"] for r in result.ranks if r["seconds"] > 0)}
 
 

@@ -1,4 +1,4 @@
-"""Figure 1, the broker hop: batches of 1 KiB .. 4 MiB between separate processes, three ways.
+"""Figure 1, the broker hop: batches of 1, 16, 64, 256 KiB, 1 and 4 MiB between separate processes, three ways.
 
 * ``direct``: a raw pyzmq PUSH -> PULL (no broker).
 * ``zmq.proxy``: the same through ``zmq.proxy(PULL, PUSH)`` in a third process (the C broker: the limit of a hop).
@@ -24,7 +24,7 @@ from broker.client import ControlClient
 from broker.protocol import Kind
 from common import open_epoch, Agent, BenchError, KiB, MiB, Children, Sizes, median
 
-SIZES = (1 * KiB, 64 * KiB, 1 * MiB, 4 * MiB)
+SIZES = (1 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB)
 MODES = ("direct", "zmq.proxy", "sparkbus")
 HOP_MAX_BUFFER = 256 * MiB
 _streams = itertools.count()

@@ -61,3 +61,26 @@ def arrow_limit(df: Any) -> tuple[float, int]:
     started = time.time()
     rows = sum(r["rows"] for r in df.mapInArrow(_dropper(), "rows long").collect())
     return time.time() - started, rows
+
+
+def warm_up_feed(df: Any, rows: int, feed_address: str | list[str], stream: str, batch_size: int = 1024) -> None:
+    """Feed a small sample of every partition into ``stream``, which no rank reads (its rows stay in the broker).
+
+    Every task of ``df`` runs, so every executor slot that will feed gets a Python worker that has imported
+    sparkbus (a cold one pays seconds of imports on its first task). About 16 batches in all.
+    """
+    from feeder import feed
+
+    fraction = min(1.0, 16 * batch_size / max(1, rows))
+    feed(df.sample(fraction=fraction, seed=1), feed_address, stream=stream, epoch=0, batch_size=batch_size,
+         timeout=60.0)
+
+
+def timed_feed(df: Any, feed_address: str | list[str], stream: str, batch_size: int,
+               timeout: float) -> tuple[float, float, dict]:
+    """``feeder.feed`` of ``df`` as epoch 0 of ``stream``: (wall-clock start, wall-clock end, FeedReport as dict)."""
+    from feeder import feed
+
+    started = time.time()
+    report = feed(df, feed_address, stream=stream, epoch=0, batch_size=batch_size, timeout=timeout)
+    return started, time.time(), report._asdict()

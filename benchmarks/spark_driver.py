@@ -1,0 +1,169 @@
+"""A Spark driver of its own for one Spark configuration of figure 6, answering the benchmark's requests.
+
+A process holds one SparkContext, and the benchmark's own is ``local[2]``: each standalone configuration is a
+driver process of its own, started by ``spark_configs.py``:
+
+    python benchmarks/spark_driver.py --ready FILE --executors N --slots S \\
+        --conf spark.master=spark://127.0.0.1:P --conf k=v ...
+
+It starts a SparkSession with those settings, waits until ``N`` executors have registered and runs one task on
+each of their ``S`` slots at once (which says where they are, and starts their Python workers), writes ``FILE``
+(``{"control": "tcp://127.0.0.1:PORT", "executors": [{"executor", "host", "slots"}], "session_seconds": s}``) and
+answers JSON requests on a ZeroMQ REP socket bound to loopback, one at a time, each with a dict (or
+``{"error": text}``):
+
+* ``{"cmd": "prepare", "rows": N, "partitions": P, "feed": ADDRESS}``: the cached DataFrame of ``spark_data``
+  (``N`` rows, ``P`` partitions; the previous one is unpersisted), warmed up (a scan, a small feed into a stream no
+  rank reads); answers how it is stored.
+* ``{"cmd": "limit"}``: the cached DataFrame handed to Python by ``mapInArrow`` and dropped: ``{"seconds",
+  "rows"}``.
+* ``{"cmd": "feed", "feed": ADDRESS, "stream": S, "batch_size": B, "timeout": T}``: ``feeder.feed`` of it as
+  epoch 0 of ``S``: ``{"t0", "t_fed", "report"}`` (wall-clock seconds, the ``FeedReport`` as a dict).
+* ``{"cmd": "stop"}``: stop the session and exit.
+
+The process exits by itself if no request comes for ``--idle`` seconds (its parent is gone or stuck).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import zmq
+
+import spark_data
+
+log = logging.getLogger("sparkbus.bench.spark_driver")
+
+
+class Driver:
+    """The session and the DataFrame it measures."""
+
+    def __init__(self, spark):
+        self.spark = spark
+        self.df = None
+        self.rows = 0
+
+    def prepare(self, rows: int, partitions: int, feed: str) -> dict:
+        if self.df is not None:
+            self.df.unpersist(blocking=True)
+        self.df, info = spark_data.cached_frame(self.spark, rows, partitions)
+        self.rows = info["rows"]
+        started = time.monotonic()
+        spark_data.arrow_limit(self.df)             # the first full scan of a cache is slower than later ones
+        scanned = time.monotonic()
+        spark_data.warm_up_feed(self.df, self.rows, feed, f"warm-up-{os.getpid()}-{partitions}")
+        info["warm_up_seconds"] = time.monotonic() - started
+        log.info("cached %d rows in %d partitions in %.1f s; warm-up: scans %.1f s, feed %.1f s", self.rows,
+                 partitions, info["build_seconds"], scanned - started, time.monotonic() - scanned)
+        return info
+
+    def close(self) -> None:
+        if self.df is not None:
+            self.df.unpersist()
+            self.df = None
+
+    def limit(self) -> dict:
+        seconds, rows = spark_data.arrow_limit(self.df)
+        return {"seconds": seconds, "rows": rows}
+
+    def feed(self, feed: str, stream: str, batch_size: int, timeout: float) -> dict:
+        t0, t_fed, report = spark_data.timed_feed(self.df, feed, stream, batch_size, timeout)
+        return {"t0": t0, "t_fed": t_fed, "report": report}
+
+
+def wait_for_executors(spark, n: int, slots: int, timeout: float) -> list[dict]:
+    """Wait until ``n`` executors have registered, then run one task per slot at once (a barrier stage) to see
+    where they are: ``[{"executor", "host", "slots"}]``."""
+    tracker = spark.sparkContext._jsc.sc().statusTracker()
+    deadline = time.monotonic() + timeout
+    while len(tracker.getExecutorInfos()) <= n:          # the driver is listed too
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{n} executors did not register within {timeout:g} s")
+        time.sleep(0.1)
+
+    def where(_):
+        # a standalone Worker runs each executor in a work directory of its own: .../app-id/executor-id
+        yield os.path.basename(os.getcwd()), os.environ.get("SPARK_LOCAL_IP", "?")
+
+    log.info("%d executors registered", n)
+    found: dict[tuple[str, str], int] = {}
+    for place in spark.sparkContext.parallelize(range(slots), slots).barrier().mapPartitions(where).collect():
+        found[place] = found.get(place, 0) + 1
+    return [{"executor": e, "host": h, "slots": k} for (e, h), k in sorted(found.items())]
+
+
+def serve(driver: Driver, control: zmq.Socket, idle: float) -> None:
+    last = time.monotonic()
+    while True:
+        if not control.poll(1000):
+            if time.monotonic() - last > idle:
+                raise TimeoutError(f"no request for {idle:g} s")
+            continue
+        request = json.loads(control.recv())
+        last = time.monotonic()
+        cmd = request.pop("cmd")
+        if cmd == "stop":
+            control.send(json.dumps({"stopped": True}).encode())
+            return
+        started = time.monotonic()
+        try:
+            reply = getattr(driver, cmd)(**request)
+        except Exception:
+            log.exception("%s failed", cmd)
+            reply = {"error": traceback.format_exc()}
+        log.info("%s took %.2f s", cmd, time.monotonic() - started)
+        control.send(json.dumps(reply).encode())
+        last = time.monotonic()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ready", required=True, help="write the control endpoint here once serving")
+    parser.add_argument("--conf", action="append", default=[], help="a Spark setting, key=value")
+    parser.add_argument("--executors", type=int, required=True, help="executors to wait for before serving")
+    parser.add_argument("--slots", type=int, required=True, help="task slots in all (executors x cores)")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the executors")
+    parser.add_argument("--idle", type=float, default=600.0, help="exit after this long without a request")
+    args = parser.parse_args()
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    started = time.monotonic()
+    os.environ["PYSPARK_PYTHON"] = sys.executable       # the executors' Python: this one, with sparkbus
+    from pyspark.sql import SparkSession
+
+    builder = SparkSession.builder.appName("sparkbus-bench-driver")
+    for key, value in (item.split("=", 1) for item in args.conf):
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    log.info("session %s started after %.1f s", spark.sparkContext.applicationId, time.monotonic() - started)
+    context = zmq.Context()
+    control = context.socket(zmq.REP)
+    control.linger = 0
+    try:
+        found = wait_for_executors(spark, args.executors, args.slots, args.timeout)
+        session_seconds = time.monotonic() - started
+        log.info("executors %s ready after %.1f s", found, session_seconds)
+        port = control.bind_to_random_port("tcp://127.0.0.1")
+        ready = Path(args.ready)
+        ready.with_suffix(".tmp").write_text(json.dumps({"control": f"tcp://127.0.0.1:{port}",
+                                                         "executors": found,
+                                                         "session_seconds": session_seconds}))
+        ready.with_suffix(".tmp").rename(ready)
+        serve(Driver(spark), control, args.idle)
+    finally:
+        control.close(0)
+        context.term()
+        spark.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
