@@ -1,5 +1,7 @@
 """The benchmark command at its quick size: it runs and writes its report. Its figures are not asserted."""
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -7,17 +9,42 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.timeout(300)
+SPARKBUS = Path(sys.executable).parent / "sparkbus"
 
 
 def test_the_quick_benchmark_runs_and_writes_its_report(tmp_path):
-    sparkbus = Path(sys.executable).parent / "sparkbus"
-    result = subprocess.run([str(sparkbus), "bench", "--quick", "--out", str(tmp_path)],
+    # Every section; of the Spark set-ups only local[2]: the standalone ones start a cluster and a driver per
+    # set-up, minutes on 2 cores (test_the_standalone_spark_setups_run).
+    result = subprocess.run([str(SPARKBUS), "bench", "--quick", "--spark-configs", "local", "--out", str(tmp_path)],
                             capture_output=True, text=True, timeout=280)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = (tmp_path / "RESULTS.md").read_text()
-    for target in ("sparkbus broker throughput at 1 MiB batches", "sparkbus broker at 1 KiB batches",
+    for target in ("sparkbus broker throughput at 64 KiB batches", "sparkbus broker throughput at 1 MiB batches",
+                   "sparkbus broker at 1 KiB batches, delivered to the training loop",
                    "end to end from the cached DataFrame", "end to end vs Parquet staging",
-                   "broker peak RSS", "data-wait"):
+                   "data-wait (even=True)", "4 ranks vs 1 rank on one broker", "broker peak RSS"):
         assert target in report
     assert "not run" not in report                  # every section produced its figure
+    for section in ("## 5. Several brokers", "## 6. Spark configurations"):
+        assert section in report
+    figures = json.loads((tmp_path / "results.json").read_text())
+    assert {h["size"] for h in figures["hop"]} >= {1 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20}
+    assert sorted(figures["brokers"]["runs"]) == ["1", "2", "4"]
+    assert {(p["config"], p["partitions"]) for p in figures["spark"]["points"]} == {("local", 4), ("local", 16)}
     assert (tmp_path / "throughput.png").stat().st_size > 10_000
+
+
+@pytest.mark.skipif(not os.environ.get("SPARKBUS_TEST_STANDALONE_BENCH"),
+                    reason="a standalone cluster and a driver: about a minute on an idle 2-core machine; "
+                           "set SPARKBUS_TEST_STANDALONE_BENCH=1")
+@pytest.mark.timeout(420)
+def test_the_standalone_spark_setups_run(tmp_path):
+    result = subprocess.run([str(SPARKBUS), "bench", "--quick", "--only", "spark", "--spark-configs", "2x1",
+                             "--spark-partitions", "4", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=400)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    figures = json.loads((tmp_path / "results.json").read_text())
+    (point,) = figures["spark"]["points"]
+    assert (point["config"], point["partitions"]) == ("2x1", 4) and point["runs"]
+    # two executors, one on each Worker's host
+    assert sorted(e["host"] for e in figures["spark"]["configs"]["2x1"]["executors"]) == ["127.0.0.1", "127.0.0.2"]
