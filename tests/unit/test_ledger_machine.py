@@ -1,0 +1,481 @@
+"""A state machine over the ledger (`hypothesis.stateful`): tasks, drivers and ranks in any order, restarts too.
+
+The invariant is the delivery promise: every committed row is delivered once, nothing else is. Precisely:
+
+- a batch goes to a rank only as the copy the rules choose: in stream delivery the first copy the broker kept
+  of that (partition, seq); in atomic delivery the committed attempt's copy, and only once it committed;
+- a batch is *consumed* when a rank acknowledges it, and no id is consumed twice, even though a batch whose rank
+  died or whose broker restarted before the acknowledgement is sent again;
+- ``ledger.buffered`` is always the bytes of the batches queued, in flight and held for an atomic commit;
+- at the end (every partition committed, every epoch closed, ranks with credit acknowledging everything), each
+  committed partition's batches were consumed exactly once, as its committing attempt sent them, unless the
+  partition was reported diverged at close in stream delivery (where the promise is "detected", not "exact").
+
+Tasks are modelled per attempt: attempts 0 and 1 are Spark retries that recompute the partition identically;
+attempt 2 recomputes it differently (other data from seq 1 on, and one batch more).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import sys
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from broker import codec, protocol
+from broker.errors import ProtocolError
+from broker.journal import Journal
+from broker.ledger import Ledger, Rejected
+from broker.protocol import Kind
+from test_ledger import STREAM, batch_frames, hello
+
+MAX_EPOCHS = 3
+NEVER_OPENED = 99
+DELIVERY = st.sampled_from(protocol.DELIVERY_MODES)
+BATCHES = st.lists(st.sampled_from([2, 1, 3, 0]), min_size=1, max_size=2)
+PARTS = st.integers(0, 1)
+ATTEMPTS = st.sampled_from([0, 1, 2])
+DIVERGENT = 2            # the attempt that recomputes its partition in another way
+FINISHER = 9             # the attempt that completes, at the end, every partition still uncommitted
+WHICH = st.integers(0, 7)
+
+
+def planned(batches: int, attempt: int) -> int:
+    """How many batches an attempt sends for a partition whose honest attempts send ``batches``."""
+    return batches + 1 if attempt == DIVERGENT else batches
+
+
+def salt(attempt: int, seq: int) -> int:
+    return 50 if attempt == DIVERGENT and seq >= 1 else 0
+
+
+def task(epoch: int, part: int, attempt: int) -> bytes:
+    """The control identity of a task attempt: replies say which attempt they answer."""
+    return f"task {epoch} {part} {attempt}".encode()
+
+
+def journal_directory() -> str:
+    # Commits and closes are fsynced; on tmpfs that costs nothing, so the machine can run many of them.
+    shm = "/dev/shm"
+    return tempfile.mkdtemp(prefix="sparkbus-machine-", dir=shm if os.path.isdir(shm) else None)
+
+
+@dataclass
+class RankModel:
+    number: int
+    held: dict = field(default_factory=dict)      # batch id -> (attempt, checksum) of the copy it was sent
+    ended: set = field(default_factory=set)       # epochs it was told had ended
+
+
+class LedgerMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.directory: str | None = None
+        self.journals: list[Journal] = []
+        self.ledger = Ledger()
+        self.size, self.even = 1, False
+        self.opened: dict[int, dict] = {}                 # epoch -> partitions, delivery, batches per partition
+        self.closed: set[int] = set()
+        self.diverged: dict[int, set[int]] = {}           # epoch -> partitions the OK to EPOCH_CLOSE named
+        self.sent: dict[tuple, set[int]] = {}             # (epoch, part, attempt) -> seqs the broker accepted
+        self.checksums: dict[tuple, int] = {}             # (epoch, part, attempt, seq) -> checksum
+        self.first: dict[tuple, tuple] = {}               # batch id -> (attempt, checksum) of the copy kept first
+        self.committed: dict[tuple, tuple] = {}           # (epoch, part) -> (attempt, its seqs when it committed)
+        self.pending: dict[tuple, int] = {}               # (epoch, part, attempt) -> batches its PARTITION_END said
+        self.consumed: dict[tuple, tuple] = {}            # batch id -> the copy a rank acknowledged
+        self.ranks: dict[bytes, RankModel] = {}
+        self.identities = itertools.count()
+
+    # ---- helpers --------------------------------------------------------------------------------------------
+
+    def _journal(self) -> Journal:
+        journal = Journal(self.directory)
+        self.journals.append(journal)
+        return journal
+
+    def _pick(self, which: int, among=None) -> bytes:
+        identities = sorted(self.ranks if among is None else among)
+        return identities[which % len(identities)]
+
+    def _epoch(self, which: int) -> int:
+        return sorted(self.opened)[which % len(self.opened)]
+
+    def _part(self, epoch: int, part: int) -> int:
+        return part % self.opened[epoch]["partitions"]
+
+    def _count(self, epoch: int, part: int, attempt: int) -> int:
+        return planned(self.opened[epoch]["batches"][part], attempt)
+
+    def _push(self, epoch: int, part: int, attempt: int, seq: int) -> list:
+        frames = batch_frames(epoch, part, seq, attempt, salt=salt(attempt, seq))
+        return self.ledger.accept_batch(protocol.unpack_header(frames[0]), frames,
+                                        frames[0] if self.directory else None)
+
+    def _answered(self, replies, expected: list[tuple[Kind, tuple]]) -> None:
+        """Check the replies a step produced against the model's prediction, then apply them."""
+        assert [(r.kind, r.identity) for r in replies] == [(kind, task(*key)) for kind, key in expected]
+        for kind, (epoch, part, attempt) in expected:
+            self.pending.pop((epoch, part, attempt), None)
+            if kind == Kind.PARTITION_COMMITTED and (epoch, part) not in self.committed:
+                self.committed[(epoch, part)] = (attempt, frozenset(self.sent.get((epoch, part, attempt), ())))
+
+    def _grant(self, identity: bytes, credit: int) -> None:
+        self.ledger.grant(self.ledger.rank(identity), credit)
+
+    def _forget(self, identity: bytes) -> None:
+        """A rank is gone: what it held unacknowledged was not consumed and will be sent again."""
+        del self.ranks[identity]
+
+    def _join(self, number: int) -> bytes:
+        identity = f"rank {next(self.identities)}".encode()
+        self.ledger.join_rank(identity, hello(rank=number, size=self.size, even=self.even))
+        self.ranks[identity] = RankModel(number)
+        return identity
+
+    # ---- the feed: driver and tasks ------------------------------------------------------------------------
+
+    @initialize(size=st.sampled_from([1, 2]), even=st.booleans(), journal=st.sampled_from([True, False]),
+                prefetch=st.integers(1, 3), delivery=DELIVERY, batches=BATCHES)
+    def start(self, size, even, journal, prefetch, delivery, batches):
+        """A broker (with a journal or not), a job of ``size`` ranks waiting for the stream, a first epoch."""
+        self.size, self.even = size, even
+        if journal:
+            self.directory = journal_directory()
+            self.ledger = Ledger(self._journal())
+        for number in range(size):
+            self._grant(self._join(number), prefetch)
+        self.open_epoch(0, delivery, batches)
+
+    @precondition(lambda self: len(self.opened) < MAX_EPOCHS)
+    @rule(gap=st.sampled_from([0, 0, 0, 1]), delivery=DELIVERY, batches=BATCHES)
+    def open_epoch(self, gap, delivery, batches):
+        """The driver opens the next epoch (numbers may skip one: the lowest epoch not ended goes first).
+
+        ``batches``: per partition, how many batches its honest attempts send.
+        """
+        epoch = max(self.opened, default=-1) + 1 + gap
+        self.ledger.open_epoch(STREAM, epoch, len(batches), delivery)
+        self.opened[epoch] = {"partitions": len(batches), "delivery": delivery, "batches": batches}
+
+    @rule(which=WHICH, part=PARTS, attempt=ATTEMPTS, burst=st.integers(1, 3), again=st.booleans())
+    def push_batches(self, which, part, attempt, burst, again):
+        """A task attempt's next batches (and with ``again``, one it sent already), then the broker dispatches.
+
+        ``which`` picks an opened epoch, or one never opened.
+        """
+        epochs = sorted(self.opened) + [NEVER_OPENED]
+        epoch = epochs[which % len(epochs)]
+        if epoch == NEVER_OPENED:
+            with pytest.raises(Rejected) as refused:
+                self._push(epoch, 0, attempt, 0)
+            assert refused.value.reason == "unknown_epoch"
+            return
+        for _ in range(burst):
+            self._push_next(epoch, self._part(epoch, part), attempt)
+        if again:
+            self._push_next(epoch, self._part(epoch, part), attempt, again=True)
+        self._dispatch()
+
+    def _push_next(self, epoch, part, attempt, again=False) -> None:
+        key = (epoch, part, attempt)
+        sent = self.sent.setdefault(key, set())
+        if again and sent:
+            seq = max(sent)
+        else:
+            seq = len(sent)
+            if seq >= self._count(epoch, part, attempt):
+                return                          # this attempt has sent everything
+        stream = self.ledger.streams[STREAM]
+        if epoch in stream.finished or seq in sent:
+            reason = "late_duplicate" if epoch in stream.finished else "replayed"
+            with pytest.raises(Rejected) as refused:
+                self._push(epoch, part, attempt, seq)
+            assert refused.value.reason == reason
+            assert reason != "late_duplicate" or epoch in self.closed
+            return
+        batch_id = (epoch, part, seq)
+        was_committed = (epoch, part) in self.committed
+        replies = self._push(epoch, part, attempt, seq)
+        sent.add(seq)
+        checksum = codec.batch_checksum(batch_frames(epoch, part, seq, attempt, salt=salt(attempt, seq))[1:])
+        self.checksums[key + (seq,)] = checksum
+        if batch_id not in self.first and not was_committed:
+            self.first[batch_id] = (attempt, checksum)
+        waiting = self.pending.get(key)
+        self._answered(replies, [(Kind.PARTITION_COMMITTED, key)] if waiting is not None and len(sent) >= waiting
+                       else [])
+
+    @precondition(lambda self: self.opened)
+    @rule(which=WHICH, part=PARTS, attempt=ATTEMPTS, short=st.booleans())
+    def end_partition(self, which, part, attempt, short):
+        """A task attempt's PARTITION_END; with ``short``, it counts one batch fewer than the attempt sends."""
+        epoch = self._epoch(which)
+        part = self._part(epoch, part)
+        key = (epoch, part, attempt)
+        batches = max(self._count(epoch, part, attempt) - short, 0)
+        request = {"req": 1, "stream": STREAM, "epoch": epoch, "part": part, "attempt": attempt,
+                   "batches": batches, "rows": 2 * batches}
+        if epoch in self.closed:
+            with pytest.raises(ProtocolError, match="is not open"):
+                self.ledger.end_partition(task(*key), request)
+            return
+        replies = self.ledger.end_partition(task(*key), request)
+        got = len(self.sent.get(key, ()))
+        if (epoch, part) in self.committed or got == batches:
+            self._answered(replies, [(Kind.PARTITION_COMMITTED, key)])
+        elif got > batches:
+            self._answered(replies, [(Kind.ERROR, key)])
+        else:
+            self._answered(replies, [])
+            self.pending[key] = batches
+
+    @precondition(lambda self: self.opened)
+    @rule(which=WHICH, part=PARTS, attempt=ATTEMPTS, end_first=st.booleans())
+    def task_runs_to_its_end(self, which, part, attempt, end_first):
+        """A task attempt sends what it has left and its PARTITION_END, which may reach the broker first."""
+        epoch = self._epoch(which)
+        if end_first:
+            self.end_partition(which, part, attempt, short=False)
+        for _ in range(self._count(epoch, self._part(epoch, part), attempt)):
+            self._push_next(epoch, self._part(epoch, part), attempt)
+        if not end_first:
+            self.end_partition(which, part, attempt, short=False)
+        self._dispatch()                        # as the broker's loop does after reading a burst
+
+    @precondition(lambda self: self.opened.keys() - self.closed)
+    @rule(which=WHICH)
+    def close_epoch(self, which):
+        """The driver closes an epoch: refused unless every partition committed, and again once closed."""
+        epoch = sorted(self.opened.keys() - self.closed)[which % len(self.opened.keys() - self.closed)]
+        self._close(epoch)
+        self._close(epoch)                      # a driver repeating its request: refused now
+
+    def _close(self, epoch: int) -> None:
+        terms = self.opened[epoch]
+        if epoch in self.closed or any((epoch, p) not in self.committed for p in range(terms["partitions"])):
+            with pytest.raises(ProtocolError):
+                self.ledger.close_epoch(STREAM, epoch, terms["partitions"])
+            return
+        self.diverged[epoch] = set(self.ledger.close_epoch(STREAM, epoch, terms["partitions"]))
+        self.closed.add(epoch)
+
+    # ---- ranks ----------------------------------------------------------------------------------------------
+
+    @precondition(lambda self: len(self.ranks) < 3)
+    @rule(number=st.integers(0, 1), prefetch=st.integers(0, 3))
+    def join(self, number, prefetch):
+        """A rank says HELLO, then grants its prefetch as credit."""
+        number %= self.size
+        if self.size > 1 and any(r.number == number for r in self.ranks.values()):
+            with pytest.raises(ProtocolError, match="already connected"):
+                self.ledger.join_rank(b"intruder", hello(rank=number, size=self.size, even=self.even))
+            return
+        identity = self._join(number)
+        self._grant(identity, prefetch)
+
+    @precondition(lambda self: self.ranks)
+    @rule(which=WHICH, credit=st.integers(1, 3))
+    def credit(self, which, credit):
+        self._grant(self._pick(which), credit)
+
+    @rule(consume=st.sampled_from([1, 2, 0]), failure=st.sampled_from([None, "refused", "gone"]), which=WHICH)
+    def broker_loop(self, consume, failure, which):
+        """One turn of the broker's loop: each rank's training loop has consumed up to ``consume`` batches and
+        acknowledged them (ACK returns their credit); then the broker hands out batches, and a send to one rank
+        may fail (EAGAIN) or find it gone."""
+        for identity, model in sorted(self.ranks.items()):
+            ids = list(model.held)[:consume]
+            if ids:
+                self._acknowledge(identity, ids)
+                self._grant(identity, len(ids))
+        self._dispatch(failure, which)
+
+    def _dispatch(self, failure=None, which=0):
+        stream = self.ledger.streams.get(STREAM)
+        if stream is None:
+            return
+        victim = self._pick(which) if failure and self.ranks else None
+
+        def send_batch(rank, batch):
+            if rank.identity == victim:
+                if failure == "gone":
+                    self.ledger.rank_gone(rank.identity, "disconnected")
+                    self._forget(rank.identity)
+                return False
+            self._delivered(rank.identity, batch)
+            return True
+
+        self.ledger.dispatch(stream, send_batch, self._ended)
+
+    def _delivered(self, identity: bytes, batch) -> None:
+        """A batch leaves for a rank: check it is the right copy of a batch nobody consumed or holds."""
+        header = protocol.unpack_header(batch.frames[0])
+        epoch, part, seq = batch.id
+        assert protocol.batch_id(header) == batch.id
+        assert codec.batch_checksum(batch.frames[1:]) == header["checksum"], "payload damaged on the way"
+        assert batch.id not in self.consumed, f"{batch.id} sent again after it was consumed"
+        assert all(batch.id not in r.held for r in self.ranks.values()), f"{batch.id} sent to two ranks"
+        assert epoch not in self.ranks[identity].ended, f"{batch.id} sent after EPOCH_END({epoch})"
+        stream = self.ledger.streams[STREAM]
+        assert all(ep.end_sent for n, ep in stream.epochs.items() if n < epoch), "epochs out of order"
+        copy = (header["attempt"], header["checksum"])
+        if self.opened[epoch]["delivery"] == "atomic":
+            attempt, seqs = self.committed[(epoch, part)]
+            assert header["attempt"] == attempt and seq in seqs, "atomic: not the committed attempt's batch"
+        else:
+            assert self.first.get(batch.id) == copy, "stream: not the first copy kept"
+        self.ranks[identity].held[batch.id] = copy
+
+    def _ended(self, rank, ep) -> None:
+        assert ep.closed and not ep.queue
+        if not self.even:
+            assert all(i[0] != ep.epoch for r in self.ranks.values() for i in r.held), "ended with batches unacked"
+        stream = self.ledger.streams[STREAM]
+        assert all(e.end_sent for n, e in stream.epochs.items() if n < ep.epoch), "epochs ended out of order"
+        self.ranks[rank.identity].ended.add(ep.epoch)
+
+    @precondition(lambda self: any(r.held for r in self.ranks.values()))
+    @rule(which=WHICH, count=st.integers(1, 4), bogus=st.booleans())
+    def ack(self, which, count, bogus):
+        """A rank's loop consumed some batches: ACK(ids, credit=len(ids)), and the broker dispatches."""
+        identity = self._pick(which, [i for i, r in self.ranks.items() if r.held])
+        ids = list(self.ranks[identity].held)[:count]
+        self._acknowledge(identity, ids, bogus)
+        self._grant(identity, len(ids))
+        self._dispatch()
+
+    def _acknowledge(self, identity: bytes, ids: list[tuple], bogus: bool = False) -> None:
+        """The rank's training loop consumed ``ids`` (and, with ``bogus``, it names a batch it never had)."""
+        model = self.ranks[identity]
+        raw = [list(i) for i in ids] + ([[7, 0, 0]] if bogus else [])
+        assert self.ledger.acknowledge(self.ledger.rank(identity), raw) == int(bogus)
+        for batch_id in ids:
+            assert batch_id not in self.consumed, f"{batch_id} consumed twice"
+            self.consumed[batch_id] = model.held.pop(batch_id)
+
+    @precondition(lambda self: self.ranks)
+    @rule(which=WHICH)
+    def rank_gone(self, which):
+        identity = self._pick(which)
+        self.ledger.rank_gone(identity, "said goodbye")
+        self._forget(identity)
+
+    @precondition(lambda self: self.directory is not None)
+    @rule(ranks_return=st.booleans())
+    def restart(self, ranks_return):
+        """The broker is killed and restarted on its journal. Its ranks connect again, holding nothing (what they
+        held comes again), and grant their credit anew; or the job died too, and later ranks join."""
+        self.ledger = Ledger(self._journal())
+        self.ledger.replay()
+        self.pending.clear()                    # those tasks time out; Spark retries them
+        numbers = [r.number for r in self.ranks.values()] if ranks_return else []
+        self.ranks.clear()
+        for number in numbers:
+            self._grant(self._join(number), 2)
+
+    # ---- invariants -----------------------------------------------------------------------------------------
+
+    @invariant()
+    def every_byte_is_accounted_for(self):
+        ledger = self.ledger
+        stream = ledger.streams.get(STREAM)
+        epochs = stream.epochs if stream else {}
+        queued = sum(b.nbytes for ep in epochs.values() for b in ep.queue)
+        inflight = sum(b.nbytes for r in ledger.ranks.values() for b in r.inflight.values())
+        held = sum(b.nbytes for ep in epochs.values() for p in ep.parts.values() for h in p.held.values()
+                   for b in h)
+        assert ledger.buffered == queued + inflight + held
+        assert ledger.held_bytes == held
+
+    @invariant()
+    def each_batch_is_in_one_place_until_consumed(self):
+        stream = self.ledger.streams.get(STREAM)
+        epochs = stream.epochs if stream else {}
+        places = Counter(b.id for ep in epochs.values() for b in ep.queue)
+        places.update(i for r in self.ledger.ranks.values() for i in r.inflight)
+        assert all(n == 1 for n in places.values()), places
+        assert not places.keys() & self.consumed.keys()
+        for number, ep in epochs.items():
+            out = sum(1 for r in self.ledger.ranks.values() for i in r.inflight if i[0] == number)
+            assert ep.batches_out == ep.acked + out
+
+    @invariant()
+    def the_ranks_hold_what_the_ledger_thinks(self):
+        assert {i: set(r.inflight) for i, r in self.ledger.ranks.items()} == \
+            {i: set(r.held) for i, r in self.ranks.items()}
+
+    # ---- the end --------------------------------------------------------------------------------------------
+
+    def teardown(self):
+        try:
+            if sys.exc_info()[0] is None:       # a step failed: that is the failure to report, not this
+                self.finish_and_check()
+        finally:
+            for journal in self.journals:
+                journal.close()
+            if self.directory:
+                shutil.rmtree(self.directory, ignore_errors=True)
+
+    def finish_and_check(self):
+        """Spark finishes every partition, the driver closes every epoch, a new job consumes all of it."""
+        for epoch, terms in self.opened.items():
+            if epoch in self.closed:
+                continue
+            for part in range(terms["partitions"]):
+                if (epoch, part) in self.committed:
+                    continue
+                self.task_runs_to_its_end(sorted(self.opened).index(epoch), part, FINISHER, end_first=False)
+            self._close(epoch)
+        for identity in list(self.ranks):
+            self.ledger.rank_gone(identity, "job finished")
+            self._forget(identity)
+        for number in range(self.size):
+            self._join(number)
+        for identity in self.ranks:
+            self._grant(identity, 1000)
+        stream = self.ledger.streams.get(STREAM)
+        for _ in range(20):
+            if stream is None or not stream.epochs:
+                break
+            self._dispatch()
+            for identity, model in self.ranks.items():
+                self._acknowledge(identity, list(model.held))
+            self.each_batch_is_in_one_place_until_consumed()
+        assert stream is None or not stream.epochs, "epochs left undelivered"
+        assert sorted(stream.finished if stream else []) == sorted(self.opened)
+        assert self.ledger.buffered == 0 and self.ledger.held_bytes == 0
+
+        expected = set()
+        for (epoch, part), (attempt, seqs) in self.committed.items():
+            ids = {(epoch, part, seq) for seq in seqs}
+            expected |= ids
+            got = {i for i in self.consumed if i[:2] == (epoch, part)}
+            if self.opened[epoch]["delivery"] == "stream" and part in self.diverged[epoch]:
+                continue                        # reported to the driver: the promise is that it was said
+            assert got == ids, f"partition {part} of epoch {epoch}: consumed {sorted(got)}, committed {sorted(ids)}"
+            for batch_id in ids:
+                assert self.consumed[batch_id][1] == self.checksums[(epoch, part, attempt, batch_id[2])], \
+                    f"{batch_id} consumed with other data than its committing attempt's"
+        stray = {i for i in self.consumed if i not in expected and
+                 not (self.opened[i[0]]["delivery"] == "stream" and i[1] in self.diverged[i[0]])}
+        assert not stray, f"consumed batches no committed attempt sent: {sorted(stray)}"
+
+        if self.directory:                      # a broker restarted now remembers it all as delivered
+            again = Ledger(self._journal())
+            again.replay()
+            assert sorted(again.streams[STREAM].finished) == sorted(self.opened)
+            assert not again.streams[STREAM].epochs and again.buffered == 0
+
+
+# A few seconds in all. One failure is shrunk, not each distinct one: that keeps a failing run within the timeout.
+LedgerMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=60, deadline=None,
+                                           report_multiple_bugs=False, suppress_health_check=[HealthCheck.too_slow])
+test_ledger_machine = LedgerMachine.TestCase
