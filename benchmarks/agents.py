@@ -65,8 +65,9 @@ def _send_job(conn: Any, job: dict) -> dict:
     else:
         from feeder.task import stream_partition
 
+        more = {"pack_bytes": job["pack_bytes"]} if "pack_bytes" in job else {}     # a diagnostic's setting
         stream_partition(batches, job["feed"], job["control"], job["stream"], job.get("epoch", 0),
-                         job.get("partition", 0), 0, job.get("timeout", 60.0))
+                         job.get("partition", 0), 0, job.get("timeout", 60.0), **more)
     clock["t_done"] = time.time()
     return clock
 

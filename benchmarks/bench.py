@@ -153,6 +153,11 @@ def main(argv: list[str] | None = None) -> int:
             results["spark"] = {}
             spark_configs.run(children, spark, prep.session_seconds if prep else None, sizes, work, configs,
                               args.spark_partitions, log, out=results["spark"])
+            spilled = [f"{key} at {parts} partitions" for (key, parts), stored in results["spark"]["storage"].items()
+                       if stored.get("cached_disk_bytes")]
+            if spilled:
+                results["notes"].append(f"Spark set-ups whose cached data spilled to disk: {', '.join(spilled)} "
+                                        "(raise the executors' memory)")
     except KeyboardInterrupt as exc:
         failed = f"interrupted ({exc or 'Ctrl-C'})"
     except Exception as exc:

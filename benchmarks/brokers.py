@@ -5,11 +5,12 @@ streams through one of them) and ``mpiexec -n 2 rank_consumer.py --ranks ranks_1
 from every broker (``BatchStream`` with a comma-separated address list); an epoch ends when every broker has
 ended it. The figure is the aggregate rate: all rows / time from the call of ``feed`` to the last batch at any
 rank, as in the end-to-end section (the 1-broker point is that run again, not reused, so that all three points
-are measured the same way, interleaved).
+are measured the same way; repetitions interleave the three, each of them first in turn).
 
 The brokers are started once for the section and each run uses a new stream. On a machine with fewer cores than
-processes (the brokers, Spark's JVM and its Python workers, the ranks), more brokers cannot be faster: they add
-processes that compete for the same cores. The table prints the core count beside the figures for that reason.
+processes (the brokers, Spark's JVM and its Python workers, the ranks), more brokers bring no more CPU, so this is
+not a scaling figure: it shows what spreading one stream over several broker processes costs or saves on one
+machine. The table prints the core count beside the figures for that reason.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import end_to_end
+import spark_data
 from common import Children, Sizes
 from end_to_end import Series
 
@@ -36,10 +38,12 @@ def run(children: Children, df: Any, rows: int, sizes: Sizes, work: Path, log=pr
     series = {n: Series(f"{n} broker{'s' if n > 1 else ''}") for n in BROKERS}
     started = [children.broker(MAX_BUFFER) for _ in range(max(BROKERS))]
     try:
-        # The Python workers import sparkbus on their first feed: warm them up if no other section has.
+        # Unrecorded: the first full scan of the cache, and the Python workers' first feed (imports), in case no
+        # other section has run them yet.
+        spark_data.arrow_limit(df)
         end_to_end.warm_up_feed(df, started[0])
         for rep in range(sizes.reps):
-            for n in BROKERS:
+            for n in BROKERS[rep % len(BROKERS):] + BROKERS[:rep % len(BROKERS)]:     # each first in turn
                 series[n].runs.append(end_to_end.run_sparkbus(children, started[:n], df, rows, end_to_end.RANKS,
                                                               work, sizes.timeout))
                 r = series[n].runs[-1]

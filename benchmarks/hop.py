@@ -10,8 +10,9 @@ Every measurement sends one column of float32 of the given size for at least ``h
 ``hop_min_batches`` batches) and is timed from the sender's first send to the receiver's last receive. Raw
 modes send the very message sparkbus sends (header + column frame), encoded once.
 
-Two diagnostic rows (not targets) repeat the sparkbus hop with one default changed: ``prefetch=64`` at 1 KiB
-(how much of that figure is the credit round trip) and ``verify=False`` at 1 MiB (what the ranks' checksum costs).
+Diagnostic rows (not targets) repeat the sparkbus hop with one default changed: ``prefetch=64`` at 1 KiB (how much
+of that figure is the credit round trip), ``verify=False`` at 1 MiB (what the ranks' checksum costs) and, where the
+feeder packs small batches into one message, ``pack_bytes=0`` at 1 and 64 KiB (what packing gains).
 """
 
 from __future__ import annotations
@@ -77,16 +78,30 @@ def _measure(sender: Agent, receiver: Agent, send_job: dict, receive_job: dict, 
             "wait_seconds": got.get("wait_seconds"), "epoch_seconds": got.get("seconds")}
 
 
-# Diagnostics (not targets): the sparkbus hop again with one default changed, to tell causes apart.
-# label -> (batch size, BatchStream prefetch, BatchStream verify)
-DIAGNOSTICS = {"sparkbus, prefetch 64": (1 * KiB, 64, True),
-               "sparkbus, verify=False": (1 * MiB, 4, False)}
+def feeder_pack_bytes() -> int | None:
+    """The feeder's default pack size if this version packs consecutive small batches into one message, else None."""
+    import feeder.task
+
+    return getattr(feeder.task, "DEFAULT_PACK_BYTES", None)
+
+
+def diagnostics() -> list[tuple[str, int, dict]]:
+    """Diagnostics (not targets): the sparkbus hop again with one default changed, to tell causes apart.
+
+    ``(label, batch size, changed settings)``; the settings are ``prefetch``, ``verify`` (the rank's) and
+    ``pack_bytes`` (the feeder's, 0 = one message per batch, where the feeder packs small batches).
+    """
+    rows = [("sparkbus, prefetch 64", 1 * KiB, {"prefetch": 64}),
+            ("sparkbus, verify=False", 1 * MiB, {"verify": False})]
+    if feeder_pack_bytes():
+        rows += [("sparkbus, unpacked", size, {"pack_bytes": 0}) for size in (1 * KiB, 64 * KiB)]
+    return rows
 
 
 def run(children: Children, sizes: Sizes, log=print) -> list[HopResult]:
     """All hop measurements; repetitions are interleaved so that noise spreads over every mode."""
     results = {(m, s): HopResult(m, s) for m in MODES for s in SIZES}
-    extra = {label: HopResult(label, size) for label, (size, _, _) in DIAGNOSTICS.items()}
+    extra = {(label, size): HopResult(label, size) for label, size, _ in diagnostics()}
     sender = children.agent("hop-sender", agents.sender)
     receiver = children.agent("hop-receiver", agents.receiver)
     broker = children.broker(HOP_MAX_BUFFER)
@@ -109,10 +124,10 @@ def run(children: Children, sizes: Sizes, log=print) -> list[HopResult]:
                     }
                     for mode in MODES:
                         results[mode, size].runs.append(run_one[mode]())
-                    for label, (diag_size, prefetch, verify) in DIAGNOSTICS.items():
+                    for label, diag_size, changed in diagnostics():
                         if diag_size == size:
-                            extra[label].runs.append(_sparkbus(sender, receiver, broker, base, timeout, prefetch,
-                                                               verify))
+                            extra[label, size].runs.append(_sparkbus(sender, receiver, broker, base, timeout,
+                                                                     **changed))
             finally:
                 children.discard(proxy)
             line = "  ".join(f"{m} {results[m, size].mb_per_s:8.1f} MB/s {results[m, size].batches_per_s:9.0f} b/s"
@@ -127,7 +142,8 @@ def run(children: Children, sizes: Sizes, log=print) -> list[HopResult]:
     return [results[m, s] for s in SIZES for m in MODES] + list(extra.values())
 
 
-def _sparkbus(sender, receiver, broker, base: dict, timeout: float, prefetch: int = 4, verify: bool = True) -> dict:
+def _sparkbus(sender, receiver, broker, base: dict, timeout: float, prefetch: int = 4, verify: bool = True,
+              pack_bytes: int | None = None) -> dict:
     stream = f"hop-{next(_streams)}"
     client = ControlClient(broker.control, timeout)
     try:
@@ -135,7 +151,7 @@ def _sparkbus(sender, receiver, broker, base: dict, timeout: float, prefetch: in
         return _measure(
             sender, receiver,
             {**base, "mode": "sparkbus", "feed": broker.feed, "control": broker.control, "stream": stream,
-             "address": broker.feed},
+             "address": broker.feed, **({} if pack_bytes is None else {"pack_bytes": pack_bytes})},
             {**base, "mode": "sparkbus", "ranks": broker.ranks, "stream": stream, "prefetch": prefetch,
              "verify": verify},
             timeout, after=lambda: client.request(Kind.EPOCH_CLOSE, stream=stream, epoch=0, partitions=1))

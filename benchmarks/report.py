@@ -187,6 +187,17 @@ def _f(value: float | None, fmt: str = ",.0f") -> str:
     return format(value, fmt)
 
 
+def _packing_note() -> str:
+    from hop import feeder_pack_bytes
+
+    pack = feeder_pack_bytes()
+    if not pack:
+        return " sparkbus sends one message per batch."
+    return (f" The feeder packs consecutive batches smaller than {size_label(pack // 4)} into messages of up to "
+            f"{size_label(pack)} (its default); the ranks still get them one by one, and b/s counts the batches "
+            "the `BatchStream` loop received.")
+
+
 def _mb(value: float | None) -> str:
     """MB/s: a decimal below 10 (a 1 KiB hop moves a few MB/s)."""
     return _f(value, ",.1f" if value is not None and value < 10 else ",.0f")
@@ -224,7 +235,7 @@ def markdown(r: dict) -> str:
                   "receive; b/s = batches per second. Each batch is one float32 column of the given size. "
                   "`direct`: raw pyzmq PUSH -> PULL; `zmq.proxy`: through `zmq.proxy(PULL, PUSH)` in a third "
                   "process; `sparkbus`: `python -m broker`, fed by `feeder.task.stream_partition`, consumed by "
-                  "`BatchStream(comm=None)` (prefetch 4, checksum verified).", ""]
+                  "`BatchStream(comm=None)` (its defaults: prefetch 4, checksum verified)." + _packing_note(), ""]
         hop = {(h.mode, h.size): h for h in r["hop"]}
         rows = []
         for size in SIZES:
@@ -237,10 +248,12 @@ def markdown(r: dict) -> str:
         extra = [h for h in r["hop"] if h.mode not in MODES]
         if extra:
             parts += ["", "Diagnostics (not targets), the sparkbus hop with one default changed: " + "; ".join(
-                f"`{h.mode}` at {size_label(h.size)}: {_f(h.mb_per_s)} MB/s, {_f(h.batches_per_s)} b/s "
+                f"`{h.mode}` at {size_label(h.size)}: {_mb(h.mb_per_s)} MB/s, {_f(h.batches_per_s)} b/s "
                 f"({_f(h.mb_per_s / hop['sparkbus', h.size].mb_per_s, '.2f')} x the default)" for h in extra)
                 + ". More credits in flight show how much of the 1 KiB figure is the credit round trip; "
-                "`verify=False` shows what the ranks' checksum check costs."]
+                "`verify=False` shows what the ranks' checksum check costs" + (
+                    "; `unpacked` (the feeder's `pack_bytes=0`) what packing small batches gains." if any(
+                        h.mode.endswith("unpacked") for h in extra) else ".")]
 
     if r.get("e2e"):
         e2e = r["e2e"]
@@ -358,15 +371,16 @@ def _brokers_markdown(r: dict) -> list[str]:
                      _f(s.med("wait_share") * 100, ".0f"), _f(s.med("rows_per_s") / one, ".2f"), str(cores)])
     parts.append(_table(["brokers", "partitions per broker", "rows/s", "MB/s", "first batch (s)", "last batch (s)",
                          "ranks idle (% of epoch)", "vs 1 broker", "cores on this machine"], rows))
-    parts += ["", f"**What this shows on {cores} cores**: " + (
-        "the brokers, Spark's JVM and its Python workers, and the ranks all share the same "
-        f"{cores} cores, so a second or fourth broker process adds no CPU, only one more process (and more sockets "
-        "per rank and per task) competing for them; the figure shows what several brokers *cost* on one small "
-        "machine, not how they scale. Several brokers can pay off when each runs on a host of its own, with its "
-        "own cores and network link."
-        if cores <= 4 else
-        "more brokers only help while one broker's thread is the limit and cores are left for the others; on "
-        "one machine they still share its cores with Spark and the ranks.")]
+    ratios = ", ".join(f"{n} brokers {s.med('rows_per_s') / one:.2f} x" for n, s in sorted(series.items()) if n > 1)
+    parts += ["", f"**What this shows on {cores} cores** (here: {ratios} the rows/s of 1 broker): the brokers, "
+              f"Spark's JVM and its Python workers, and the ranks all share the same {cores} cores, so a second or "
+              "fourth broker brings no CPU of its own and this is not a scaling figure. It shows what spreading one "
+              "stream over several broker processes costs or saves on one machine: each broker is one Python "
+              "thread, so several overlap their per-batch work and their waits for credits (a gain where one "
+              "broker's loop, not the CPU, sets the pace), and they add processes, sockets and context switches (a "
+              "loss where the cores are saturated). On a machine shared with other work, more processes also take a "
+              "larger share of its CPU, which flatters the figure. Brokers scale out when each has cores and a "
+              "network link of its own, on other hosts."]
     return parts
 
 
