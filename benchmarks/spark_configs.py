@@ -38,7 +38,7 @@ import end_to_end
 from common import HERE, ROOT, BenchError, Children, Sizes
 from end_to_end import BATCH_SIZE, RANKS, Series
 from launch.cluster import QUICK_START_JAVA_OPTS, StandaloneCluster
-from launch.processes import ChildProcess, wait_for
+from launch.processes import ChildProcess, LaunchError, wait_for
 from launch.spark import LOCAL_CONF
 
 HOSTS = ("127.0.0.1", "127.0.0.2")        # two Workers on two loopback "hosts"
@@ -146,12 +146,15 @@ class DriverProcess:
         return self.request({"cmd": "feed", "feed": feed, "stream": stream, "batch_size": batch_size,
                              "timeout": timeout}, timeout + 30)
 
-    def stop(self) -> None:
-        """Stop the session (its executors end with the application), then the process."""
+    def stop(self, polite: bool = True) -> None:
+        """Ask the driver to stop its session (its executors end with the application) and wait for it to exit,
+        if ``polite``; then stop the process and all it started, whatever is left (a busy driver cannot answer)."""
         try:
-            if self.control and self.child.returncode is None:
+            if polite and self.control and self.child.returncode is None:
                 self.request({"cmd": "stop"}, 30)
                 self.child.wait(30)
+        except (BenchError, LaunchError):
+            pass                   # stopped below all the same
         finally:
             self.children.discard(self.child)
 
@@ -204,8 +207,10 @@ def run(children: Children, spark: Any, session_seconds: float | None, sizes: Si
                     + ", ".join(f"{e['executor']} on {e['host']} ({e['slots']} slot{'s' if e['slots'] > 1 else ''})"
                                 for e in info["executors"]))
                 _points(children, broker, config, driver, partitions, sizes, work, out, log)
-            finally:
-                driver.stop()
+            except BaseException:
+                driver.stop(polite=False)
+                raise
+            driver.stop()
     finally:
         if cluster is not None:
             children.discard(cluster)
