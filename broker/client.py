@@ -12,6 +12,7 @@ from typing import Any
 
 import zmq
 
+from .auth import make_curve_client
 from .errors import BrokerError, ProtocolError
 from .protocol import Kind, pack_header, unpack_header
 
@@ -23,14 +24,24 @@ class ControlClient:
         address: the broker's control endpoint (see :func:`broker.address.control_address`).
         timeout: seconds to wait for each reply.
         context: ZeroMQ context; the process-wide instance by default.
+        key, broker_key: this client's ``.key_secret`` file and the broker's ``.key`` file, for a broker run with
+            ``--auth`` (default: the variables ``SPARKBUS_KEY`` and ``SPARKBUS_BROKER_KEY``; neither: no CURVE).
+    Raises:
+        AuthError: only one of the two keys is given, or a key file is missing or malformed.
     """
 
-    def __init__(self, address: str, timeout: float = 60.0, context: zmq.Context | None = None):
+    def __init__(self, address: str, timeout: float = 60.0, context: zmq.Context | None = None,
+                 key: str | None = None, broker_key: str | None = None):
         self.address = address
         self.timeout = timeout
         self._req = itertools.count(1)
         self._sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
         self._sock.linger = 0
+        try:
+            make_curve_client(self._sock, key, broker_key)
+        except BaseException:
+            self._sock.close(linger=0)
+            raise
         self._sock.connect(address)
 
     def request(self, kind: Kind, timeout: float | None = None, **fields: Any) -> dict[str, Any]:
@@ -73,9 +84,10 @@ class ControlClient:
         self.close()
 
 
-def fetch_stats(address: str, timeout: float = 5.0) -> dict[str, Any]:
+def fetch_stats(address: str, timeout: float = 5.0, key: str | None = None,
+                broker_key: str | None = None) -> dict[str, Any]:
     """The broker's live figures from its control or ranks address. Raises :class:`BrokerError` on timeout."""
-    with ControlClient(address, timeout) as client:
+    with ControlClient(address, timeout, key=key, broker_key=broker_key) as client:
         return client.request(Kind.STATS_REQUEST)["stats"]
 
 

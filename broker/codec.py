@@ -44,12 +44,13 @@ def wire_array(name: str, array: np.ndarray) -> np.ndarray:
 
 
 def encode_batch(stream: str, epoch: int, part: int, seq: int,
-                 columns: Mapping[str, np.ndarray], attempt: int = 0) -> list[Any]:
+                 columns: Mapping[str, np.ndarray], attempt: int = 0, splits: list[int] | None = None) -> list[Any]:
     """Frames of one data batch: the header, then one C-contiguous buffer per column.
 
     Args:
         columns: equal-length numpy arrays with dtypes in :data:`~broker.protocol.WIRE_DTYPES` (converted if not).
         attempt: the Spark task attempt that produced the batch (retries and speculative copies differ).
+        splits: for a pack of small batches, the rows of each, in order (they add up to the columns' length).
     Returns:
         ``[header_bytes, buffer, ...]`` ready for ``send_multipart(..., copy=False)``.
     Raises:
@@ -65,9 +66,11 @@ def encode_batch(stream: str, epoch: int, part: int, seq: int,
             raise ValueError(f"column {name!r} has {len(array)} rows, expected {rows}")
         specs.append(column_spec(name, array))
         buffers.append(array.reshape(-1).view(np.uint8) if array.size else b"")
-    header = pack_header(Kind.BATCH, stream=stream, epoch=epoch, part=part, seq=seq, attempt=attempt,
-                         rows=rows or 0, cols=specs, checksum=batch_checksum(buffers))
-    return [header, *buffers]
+    fields = dict(stream=stream, epoch=epoch, part=part, seq=seq, attempt=attempt, rows=rows or 0, cols=specs,
+                  checksum=batch_checksum(buffers))
+    if splits is not None:
+        fields["splits"] = list(splits)
+    return [pack_header(Kind.BATCH, **fields), *buffers]
 
 
 def decode_batch(header: Mapping[str, Any], frames: Sequence[Any], verify: bool = True) -> dict[str, np.ndarray]:

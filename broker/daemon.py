@@ -1,4 +1,4 @@
-"""The broker: one loop that owns three sockets and moves batches from Spark tasks to ranks against credits.
+"""The broker: one loop that owns three sockets and moves batches from Spark tasks to ranks within their windows.
 
 ==========  =========  ===========================================================================
 socket      type       peers and traffic
@@ -29,6 +29,7 @@ from . import protocol
 from .address import control_address
 from .config import BrokerConfig
 from .errors import ProtocolError, VersionMismatch
+from .guard import Guard
 from .journal import Journal
 from .ledger import Ledger, MissedEnd, Rejected, Reply
 from .protocol import Kind, pack_header, unpack_header
@@ -59,10 +60,14 @@ class Broker:
         context: a ZeroMQ context to share (tests use ``inproc://``); by default the broker makes its own.
     """
 
+    serves_curve = True      # --auth is applied: CURVE on every socket, ZAP answered by the loop (broker.guard)
+
     def __init__(self, config: BrokerConfig, context: zmq.Context | None = None):
         self.config = config
         self._context = context
         self._stop = threading.Event()
+        self._reload = threading.Event()
+        self.guard = Guard(config.auth, self._refused_peer)
         self.ledger = Ledger(Journal(config.journal) if config.journal else None, config.rejoin_grace)
         self.rejected: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self.endpoints: dict[str, str] = {}
@@ -79,6 +84,10 @@ class Broker:
         """Ask the loop to finish; safe from a signal handler or another thread."""
         self._stop.set()
 
+    def reload(self) -> None:
+        """Ask the loop to read the key directory again (SIGHUP); safe from a signal handler."""
+        self._reload.set()
+
     # ---- lifecycle --------------------------------------------------------------------------------------
 
     def run(self) -> None:
@@ -88,24 +97,33 @@ class Broker:
         ctx = self._context or zmq.Context()
         socks = {name: ctx.socket(kind) for name, kind in
                  (("feed", zmq.PULL), ("control", zmq.ROUTER), ("ranks", zmq.ROUTER))}
+        metrics = None
         try:
+            self.guard.secure(ctx, socks)
             for sock in socks.values():
                 sock.linger = 0
                 sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_message)
             socks["feed"].rcvhwm = FEED_RCVHWM
             ranks = socks["ranks"]
             ranks.setsockopt(zmq.ROUTER_MANDATORY, 1)      # a gone rank is an error, not a silent drop
-            ranks.sndhwm = 0                               # credits bound what is queued to a rank
+            ranks.sndhwm = 0                               # windows bound what is queued to a rank
             # Transport heartbeats: libzmq answers them even while the rank's Python is busy training, so a
             # connection closes only when the rank's process or host is gone, never for a long step.
             ranks.setsockopt(zmq.HEARTBEAT_IVL, int(self.config.heartbeat * 1000))
             ranks.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.config.dead_after * 1000))
             self._bind(socks)
+            if self.config.metrics_port is not None:
+                from .metrics import MetricsExporter           # prometheus-client only when metrics are asked for
+                metrics = MetricsExporter(self.config.metrics_port, self.config.metrics_host)
+                self.endpoints["metrics"] = f"http://{self.config.metrics_host}:{metrics.start()}/metrics"
             self._announce()
-            self._loop(socks["feed"], socks["control"], ranks)
+            self._loop(socks["feed"], socks["control"], ranks, metrics)
         except zmq.ContextTerminated:
             pass
         finally:
+            if metrics is not None:
+                metrics.stop()
+            self.guard.close()
             for sock in socks.values():
                 sock.close(linger=0)
             if self._context is None:
@@ -146,11 +164,12 @@ class Broker:
                 json.dump({**self.endpoints, "pid": os.getpid(), "incarnation": self.incarnation}, out)
             os.replace(tmp, self.config.ready_file)
 
-    def _loop(self, feed: zmq.Socket, control: zmq.Socket, ranks: zmq.Socket) -> None:
+    def _loop(self, feed: zmq.Socket, control: zmq.Socket, ranks: zmq.Socket, metrics: Any = None) -> None:
         self._ranks, self._control = ranks, control
         poller = zmq.Poller()
-        for sock in (feed, control, ranks):
+        for sock in (feed, control, ranks, *self.guard.sockets):
             poller.register(sock, zmq.POLLIN)
+        guarded = set(self.guard.sockets)
         next_heartbeat = time.monotonic() + self.config.heartbeat
         while not self._stop.is_set():
             paused = self.ledger.buffered >= self.config.max_buffer
@@ -159,6 +178,8 @@ class Broker:
                 self._feed_paused = paused
                 log.debug("feed %s at %d buffered bytes", "paused" if paused else "resumed", self.ledger.buffered)
             ready = dict(poller.poll(POLL_MS))
+            for sock in guarded.intersection(ready):
+                self.guard.handle(sock)
             if control in ready:
                 self._drain(control, lambda frames: self._on_request(control, frames, "control"))
             if ranks in ready:
@@ -174,6 +195,11 @@ class Broker:
                 self._warn_if_atomic_stall(now)
                 if self.ledger.journal:
                     self.ledger.journal.sync_if_due()
+                if metrics is not None:
+                    metrics.publish(self.stats())
+                if self._reload.is_set():
+                    self._reload.clear()
+                    self.guard.reload()
                 next_heartbeat = now + self.config.heartbeat
 
     def _drain(self, sock: zmq.Socket, handle: Callable[[list[zmq.Frame]], None], until_full: bool = False,
@@ -186,6 +212,9 @@ class Broker:
             except zmq.Again:
                 return
             handle(frames)
+
+    def _refused_peer(self, socket: str, reason: str, detail: str) -> None:
+        self.rejected[socket][f"auth_{reason}"] += 1
 
     def _reject(self, socket: str, reason: str, detail: str) -> None:
         self.rejected[socket][reason] += 1
@@ -287,17 +316,17 @@ class Broker:
             self._send(sock, identity, Kind.EPOCH_END, stream=h["stream"], epoch=end.epoch, batches=end.batches)
 
     def _credit(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
-        self.ledger.grant(self.ledger.rank(identity), h["credit"])
+        self.ledger.set_window(self.ledger.rank(identity), h["window"], h["window_bytes"])
 
     def _ack(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
         rank = self.ledger.rank(identity)
         unknown = self.ledger.acknowledge(rank, h["ids"])
         if unknown:
             self._reject("ranks", "unknown_ack", f"{unknown} ids not in flight to rank {rank.rank}")
-        self.ledger.grant(rank, h["credit"])
+        self.ledger.report(rank, h)
 
     def _heartbeat_in(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
-        self.ledger.rank(identity)
+        self.ledger.report(self.ledger.rank(identity), h)
 
     def _bye(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
         self.ledger.rank(identity)

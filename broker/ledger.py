@@ -16,14 +16,15 @@ from . import protocol
 from .errors import ProtocolError
 from .journal import DeliveredEpochs, Journal, Record
 from .protocol import Kind
-from .state import BatchId, EpochState, HeldBatch, Orphan, PendingCommit, RankState, StreamState
+from .state import MAX_WINDOW, BatchId, EpochState, HeldBatch, Orphan, PendingCommit, RankState, StreamState
 
 log = logging.getLogger("sparkbus.broker")
 
 MAX_STREAMS = 4096            # a peer cannot make the broker track streams without bound
 MAX_STREAM_NAME = 256
 MAX_PARTITIONS = 10_000_000
-MAX_CREDIT = 1 << 20
+MAX_WINDOW_BYTES = 1 << 40
+REPORTED = ("wait_s", "first_batch_s", "consumed")      # a rank's own figures (protocol.OPTIONAL of ACK)
 
 
 class Rejected(Exception):
@@ -148,7 +149,9 @@ class Ledger:
         if self.journal and header_bytes is not None:
             self.journal.record_batch(stream.name, ep.epoch, header_bytes, frames[1:] if keep else [])
         if keep:
-            batch = HeldBatch(protocol.batch_id(header), frames, sum(len(f) for f in frames), header["rows"])
+            splits = header.get("splits")
+            batch = HeldBatch(protocol.batch_id(header), frames, sum(len(f) for f in frames), header["rows"],
+                              count=1 if splits is None else len(splits))
             part.checksums.setdefault(seq, checksum)
             self.buffered += batch.nbytes
             if ep.delivery == "atomic":
@@ -167,7 +170,7 @@ class Ledger:
 
     def _enqueue(self, ep: EpochState, batch: HeldBatch) -> None:
         ep.queue.append(batch)
-        ep.batches_in += 1
+        ep.batches_in += batch.count
         ep.bytes_in += batch.nbytes
         ep.rows_in += batch.rows
 
@@ -290,10 +293,10 @@ class Ledger:
         missed = self._missed_ends(stream, h["ended"], lost)
         self._requeue_batches(stream, lost)      # what is left of them belongs to epochs still being delivered
         for batch in (b for m in missed for b in m.resend):
-            rank.inflight[batch.id] = batch      # sent again below, without credit: the rank owes them back first
-            rank.credit -= 1
+            rank.inflight[batch.id] = batch      # sent again below, beyond its window: it acknowledges them first
+            rank.inflight_bytes += batch.nbytes
             batch.sends += 1
-            stream.epochs[batch.id[0]].redelivered += 1
+            stream.epochs[batch.id[0]].redelivered += batch.count
         log.info("rank %d/%d rejoined stream %r: %d batches stay with it, %d of its old connection's are requeued",
                  number, size, name, len(rank.inflight), len(lost))
         return missed
@@ -325,17 +328,30 @@ class Ledger:
                 for batch in ep.queue:
                     if batch.id in missing:
                         found[batch.id] = batch
-                        ep.batches_out += 1          # out again: to the rank that has it
+                        ep.batches_out += batch.count          # out again: to the rank that has it
                         ep.bytes_out += batch.nbytes
                     else:
                         rest.append(batch)
                 ep.queue = rest
+        late = missing - found.keys()
+        if late:
+            # Batches it had that are nowhere to take back from: its grace ran out and they went to another rank
+            # (or were consumed there). Both ranks have them; say so, loudly, and count them.
+            for epoch, _, _ in late:
+                ep = stream.epochs.get(epoch)
+                if ep is not None:
+                    ep.given_twice += 1
+            log.warning("rank %d of stream %r came back after --rejoin-grace: %d batches it held or consumed had "
+                        "already gone to another rank and are trained twice (raise --rejoin-grace above the "
+                        "longest outage to ride out)", rank.rank, stream.name, len(late))
         acked: list[HeldBatch] = []
         for batch_id, batch in found.items():
             if batch_id in held:
                 rank.inflight[batch_id] = batch
+                rank.inflight_bytes += batch.nbytes
             else:
                 acked.append(batch)
+                rank.inflight_bytes += batch.nbytes      # in flight to it for a moment: _consumed frees it
         self._consumed(stream, rank, acked)
         return [b for i, b in inflight.items() if i not in wanted]
 
@@ -359,50 +375,72 @@ class Ledger:
             raise ProtocolError("unknown rank: send HELLO with role 'rank' first")
         return rank
 
-    def grant(self, rank: RankState, credit: int) -> None:
-        """A rank asks for ``credit`` more batches."""
-        if not 0 <= credit <= MAX_CREDIT:
-            raise ProtocolError(f"credit {credit} outside 0..{MAX_CREDIT}")
-        rank.credit += credit
+    def set_window(self, rank: RankState, batches: int, nbytes: int) -> None:
+        """A rank says how much may be in flight to it: ``batches`` batches, or ``nbytes`` bytes of batches."""
+        if not 0 <= batches <= MAX_WINDOW or not 0 <= nbytes <= MAX_WINDOW_BYTES:
+            raise ProtocolError(f"a window of {batches} batches or {nbytes} bytes is outside 0..{MAX_WINDOW} "
+                                f"batches and 0..{MAX_WINDOW_BYTES} bytes")
+        rank.window, rank.window_bytes = batches, nbytes
+
+    def report(self, rank: RankState, h: dict) -> None:
+        """Keep the figures a rank reports about itself (data-wait, time to first batch, batches consumed)."""
+        for name in REPORTED:
+            if name in h:
+                rank.reported[name] = h[name]
 
     def sent(self, rank: RankState, ep: EpochState, batch: HeldBatch) -> None:
-        """A batch went out to ``rank``: it spends a credit and is in flight until acknowledged."""
+        """A batch went out to ``rank``: it takes room in the rank's window until acknowledged."""
         batch.sends += 1
         if batch.sends > 1:
-            ep.redelivered += 1
-        rank.credit -= 1
+            ep.redelivered += batch.count
         rank.inflight[batch.id] = batch
-        rank.batches += 1
+        rank.inflight_bytes += batch.nbytes
+        rank.batches += batch.count
         rank.bytes += batch.nbytes
-        ep.batches_out += 1
+        ep.batches_out += batch.count
         ep.bytes_out += batch.nbytes
 
     def acknowledge(self, rank: RankState, ids: list[Any]) -> int:
-        """Forget acknowledged batches. Returns how many ids were not in flight to that rank."""
-        consumed = []
-        for raw in ids:
-            well_formed = isinstance(raw, list) and len(raw) == 3 and all(type(x) is int for x in raw)
-            batch = rank.inflight.pop(tuple(raw), None) if well_formed else None
-            if batch is not None:
-                consumed.append(batch)
+        """Forget acknowledged batches (``ids``: epoch, part, seq, epoch, part, seq, ...).
+
+        Returns how many ids were not in flight to that rank.
+        Raises:
+            ProtocolError: ids that are not whole triples of integers.
+        """
+        if len(ids) % 3:
+            raise ProtocolError(f"ACK ids must be (epoch, part, seq) triples, got {len(ids)} numbers")
+        pop, consumed = rank.inflight.pop, []
+        triples = iter(ids)
+        try:
+            for key in zip(triples, triples, triples):
+                batch = pop(key, None)
+                if batch is not None:
+                    consumed.append(batch)
+        except TypeError:                      # an unhashable id
+            raise ProtocolError("ACK ids must be integers") from None
         self._consumed(self.streams[rank.stream], rank, consumed)
-        return len(ids) - len(consumed)
+        return len(ids) // 3 - len(consumed)
 
     def _consumed(self, stream: StreamState, rank: RankState, batches: list[HeldBatch]) -> None:
         """Batches that a rank has consumed: their bytes are free, and the journal remembers them."""
-        by_epoch: dict[int, list[list[int]]] = {}
+        if not batches:
+            return
+        freed = sum(b.nbytes for b in batches)
+        self.buffered -= freed
+        rank.inflight_bytes -= freed
+        epochs = stream.epochs
         for batch in batches:
-            self.buffered -= batch.nbytes
-            rank.acked += 1
-            ep = stream.epochs.get(batch.id[0])
+            rank.acked += batch.count
+            ep = epochs.get(batch.id[0])
             if ep is not None:
-                ep.acked += 1
-            by_epoch.setdefault(batch.id[0], []).append(list(batch.id))
+                ep.acked += batch.count
         if self.journal:
+            by_epoch: dict[int, list[list[int]]] = {}
+            for batch in batches:
+                by_epoch.setdefault(batch.id[0], []).append(list(batch.id))
             for number, acked in by_epoch.items():
                 self.journal.record_acks(stream.name, number, acked)
-        if batches:
-            self.retire(stream)
+        self.retire(stream)
 
     def rank_gone(self, identity: bytes, why: str, keep: bool = True) -> None:
         """Forget a rank's connection.
@@ -448,7 +486,7 @@ class Ledger:
         for batch in sorted(batches, key=lambda b: b.id, reverse=True):
             ep = stream.epochs[batch.id[0]]
             ep.queue.appendleft(batch)
-            ep.batches_out -= 1
+            ep.batches_out -= batch.count
             ep.bytes_out -= batch.nbytes
 
     def _reopen_if_abandoned(self, stream: StreamState) -> None:
@@ -461,7 +499,7 @@ class Ledger:
 
     def dispatch(self, stream: StreamState, send_batch: Callable[[RankState, HeldBatch], bool],
                  send_end: Callable[[RankState, EpochState], None]) -> None:
-        """Hand queued batches of the delivering epoch to ranks with credit; end the epoch once delivered.
+        """Hand queued batches of the delivering epoch to ranks with room; end the epoch once delivered.
 
         ``send_batch(rank, batch)`` does the I/O and says whether the batch left (a rank found gone on the way
         is reported through :meth:`rank_gone` by the caller); ``send_end`` tells one rank the epoch is over.
@@ -470,20 +508,23 @@ class Ledger:
             ep = stream.delivering()
             if ep is None:
                 return
+            queue, ranks = ep.queue, stream.ranks
+            rotation = stream.rotation() if queue else []
             progress = True
-            while ep.queue and progress:
+            while queue and progress:
                 progress = False
-                for rank in stream.ranks_with_credit():
-                    if not ep.queue:
+                for rank in rotation:
+                    if not queue:
                         break
-                    if rank.identity not in stream.ranks:          # it may have gone during this pass
+                    batch = queue[0]
+                    if rank.identity not in ranks or not rank.has_room(batch.nbytes):   # gone, or full
                         continue
-                    batch = ep.queue.popleft()
+                    queue.popleft()
                     if send_batch(rank, batch):
                         self.sent(rank, ep, batch)
                         progress = True
                     else:
-                        ep.queue.appendleft(batch)
+                        queue.appendleft(batch)
             if not ep.delivered(stream.even()):
                 return
             for rank in list(stream.ranks.values()):
@@ -546,10 +587,9 @@ class Ledger:
             if ep is None:
                 continue
             kept = deque(b for b in ep.queue if b.id not in acked)
-            for batch in ep.queue:
-                if batch.id in acked:
-                    self.buffered -= batch.nbytes
-            ep.queue, ep.acked = kept, len(acked)
+            done = [b for b in ep.queue if b.id in acked]
+            self.buffered -= sum(b.nbytes for b in done)
+            ep.queue, ep.acked = kept, sum(b.count for b in done)
             ep.batches_out = ep.acked
             restored += len(kept)
         log.info("journal replayed: %d epochs, %d unacknowledged batches to deliver",

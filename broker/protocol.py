@@ -21,8 +21,9 @@ import msgpack
 
 from .errors import ProtocolError, VersionMismatch
 
-VERSION = 2
+VERSION = 3
 MAX_HEADER_BYTES = 64 * 1024
+MAX_SPLITS = 4096         # small batches in one pack at most
 
 
 class Kind(IntEnum):
@@ -36,8 +37,8 @@ class Kind(IntEnum):
     OK = 6                    # broker -> driver/feeder (control): request done
     HELLO = 7                 # feeder or rank -> broker: version check, and a rank joins a stream
     WELCOME = 8               # broker -> feeder or rank: hello accepted
-    CREDIT = 9                # rank -> broker: send me `credit` more batches
-    ACK = 10                  # rank -> broker: these batches were consumed; returns `credit` credits
+    CREDIT = 9                # rank -> broker: my window: up to `window` batches or `window_bytes` in flight
+    ACK = 10                  # rank -> broker: these batches were consumed (their room in the window is free)
     HEARTBEAT = 11            # both ways on the ranks socket: "still here"
     EPOCH_END = 12            # broker -> rank: no more batches of `epoch` will come to you
     ERROR = 13                # broker -> anyone: a request was refused; `reason` says why
@@ -61,8 +62,8 @@ SCHEMAS: dict[Kind, dict[str, type | tuple[type, ...]]] = {
     Kind.HELLO: {"req": int, "role": str, "stream": str, "rank": int, "size": int, "even": bool,
                  "session": str, "resume": bool, "ended": int},
     Kind.WELCOME: {"req": int, "broker": str, "incarnation": str, "journal": bool, "free": int},
-    Kind.CREDIT: {"credit": int},
-    Kind.ACK: {"ids": list, "credit": int},
+    Kind.CREDIT: {"window": int, "window_bytes": int},
+    Kind.ACK: {"ids": list},
     Kind.HEARTBEAT: {},
     Kind.EPOCH_END: {"stream": str, "epoch": int, "batches": int},
     Kind.ERROR: {"req": int, "reason": str},
@@ -74,7 +75,11 @@ SCHEMAS: dict[Kind, dict[str, type | tuple[type, ...]]] = {
 
 # Fields a header may carry, checked for type when present (additions that older senders leave out).
 OPTIONAL: dict[Kind, dict[str, type]] = {
+    Kind.BATCH: {"splits": list},          # a pack of small batches: the rows of each, in order
     Kind.EPOCH_CLOSE: {"expected": int},   # partitions committed at this broker (default: all of them)
+    # a rank's own figures, on the messages it sends anyway: for `sparkbus status` and the metrics
+    Kind.ACK: {"wait_s": float, "first_batch_s": float, "consumed": int},
+    Kind.HEARTBEAT: {"wait_s": float, "first_batch_s": float, "consumed": int},
 }
 
 _KINDS = {int(k): k for k in Kind}
@@ -119,19 +124,24 @@ def unpack_header(buf: bytes | memoryview) -> dict[str, Any]:
     if kind is None:
         raise ProtocolError(f"unknown message kind {raw_kind!r}")
     header["kind"] = kind
-    for name, expected in SCHEMAS[kind].items():
-        _check_field(kind, name, header.get(name), expected)
-    for name, expected in OPTIONAL.get(kind, {}).items():
-        if name in header:
-            _check_field(kind, name, header[name], expected)
+    get = header.get
+    for name, expected in _REQUIRED[kind]:
+        if type(get(name)) is not expected:   # msgpack makes exact types; a bool is not an int here
+            raise _field_error(kind, name, get(name), expected)
+    for name, expected in _OPTIONAL[kind]:
+        if name in header and type(header[name]) is not expected:
+            raise _field_error(kind, name, header[name], expected)
     return header
 
 
-def _check_field(kind: Kind, name: str, value: Any, expected: type | tuple[type, ...]) -> None:
-    # bool is an int subclass in Python; a flag where a count belongs is still a malformed header
-    if not isinstance(value, expected) or (isinstance(value, bool) and expected is not bool):
-        raise ProtocolError(f"{kind.name} header field {name!r} must be {_type_name(expected)}, "
-                            f"got {type(value).__name__}")
+# The checks above, flattened once per kind: on the broker's hot path a header costs a few dict lookups.
+_REQUIRED = {kind: tuple(fields.items()) for kind, fields in SCHEMAS.items()}
+_OPTIONAL = {kind: tuple(OPTIONAL.get(kind, {}).items()) for kind in Kind}
+
+
+def _field_error(kind: Kind, name: str, value: Any, expected: type) -> ProtocolError:
+    return ProtocolError(f"{kind.name} header field {name!r} must be {_type_name(expected)}, "
+                         f"got {type(value).__name__}")
 
 
 def _type_name(expected: type | tuple[type, ...]) -> str:
@@ -168,6 +178,10 @@ def check_batch_frames(header: Mapping[str, Any], frame_sizes: Sequence[int]) ->
         expected = math.prod(shape) * itemsize
         if expected != size:
             raise ProtocolError(f"column {name!r}: frame of {size} bytes, header says {expected}")
+    splits = header.get("splits")
+    if splits is not None and (not splits or len(splits) > MAX_SPLITS or sum(splits) != rows
+                               or not all(type(n) is int and n >= 0 for n in splits)):
+        raise ProtocolError(f"a pack's splits must be 1 to {MAX_SPLITS} row counts that add up to its {rows} rows")
 
 
 def batch_id(header: Mapping[str, Any]) -> tuple[int, int, int]:

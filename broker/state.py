@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 BatchId = tuple[int, int, int]   # (epoch, partition, seq)
 
@@ -23,6 +23,7 @@ class HeldBatch:
     nbytes: int
     rows: int
     sends: int = 0          # times sent to a rank: above 1, it was redelivered
+    count: int = 1          # the batches it carries: a pack of small batches (header "splits") counts each
 
 
 @dataclass
@@ -73,6 +74,7 @@ class EpochState:
     acked: int = 0
     duplicates: int = 0
     redelivered: int = 0       # sends of a batch that had gone out before (its rank died or left)
+    given_twice: int = 0       # batches a rank came back with after --rejoin-grace, given to another meanwhile
 
     @property
     def all_acked(self) -> bool:
@@ -99,12 +101,21 @@ class EpochState:
                 "closed": self.closed, "ended": self.end_sent, "queued": len(self.queue),
                 "batches_in": self.batches_in, "bytes_in": self.bytes_in, "rows_in": self.rows_in,
                 "batches_out": self.batches_out, "bytes_out": self.bytes_out, "acked": self.acked,
-                "duplicates": self.duplicates, "redelivered": self.redelivered, "diverged": self.diverged}
+                "duplicates": self.duplicates, "redelivered": self.redelivered, "given_twice": self.given_twice,
+                "diverged": self.diverged}
+
+
+MAX_WINDOW = 4096     # batches in flight to one rank at most, however small they are
 
 
 @dataclass
 class RankState:
-    """A rank's connection: its credit (batches it asked for) and the batches it holds unacknowledged."""
+    """A rank's connection: its window (what it lets be in flight to it) and the batches it holds unacknowledged.
+
+    A batch fits the window when fewer than ``window`` batches are in flight, or when it fits in ``window_bytes``
+    beside those in flight (at most :data:`MAX_WINDOW` of them): whichever admits more. Small batches then flow
+    many at a time, large ones a few, and a rank's memory stays bounded by the larger of the two budgets.
+    """
 
     identity: bytes
     stream: str
@@ -112,17 +123,25 @@ class RankState:
     size: int
     even: bool = False
     session: str = ""          # the rank's BatchStream: the same across its reconnections, new in a new process
-    credit: int = 0
+    window: int = 0
+    window_bytes: int = 0
     inflight: dict[BatchId, HeldBatch] = field(default_factory=dict)
+    inflight_bytes: int = 0
     batches: int = 0
     bytes: int = 0
     acked: int = 0
+    reported: dict[str, Any] = field(default_factory=dict)     # the rank's own figures (wait_s, ...), as last said
     last_seen: float = field(default_factory=time.monotonic)
 
+    def has_room(self, nbytes: int) -> bool:
+        held = len(self.inflight)
+        return held < self.window or (held < MAX_WINDOW and self.inflight_bytes + nbytes <= self.window_bytes)
+
     def stats(self) -> dict[str, Any]:
-        return {"rank": self.rank, "size": self.size, "even": self.even, "credit": self.credit,
-                "inflight": len(self.inflight), "batches": self.batches, "bytes": self.bytes,
-                "acked": self.acked, "idle_s": round(time.monotonic() - self.last_seen, 3)}
+        return {"rank": self.rank, "size": self.size, "even": self.even, "window": self.window,
+                "window_bytes": self.window_bytes, "inflight": len(self.inflight),
+                "inflight_bytes": self.inflight_bytes, "batches": self.batches, "bytes": self.bytes,
+                "acked": self.acked, "idle_s": round(time.monotonic() - self.last_seen, 3), **self.reported}
 
 
 @dataclass
@@ -160,15 +179,13 @@ class StreamState:
         """Whether the ranks keep equal steps (then an epoch ends once sent, not once acknowledged)."""
         return any(r.even for r in self.ranks.values())
 
-    def ranks_with_credit(self) -> Iterator[RankState]:
-        """Ranks that may take a batch, in rotating order so that equal credit means equal shares."""
+    def rotation(self) -> list[RankState]:
+        """The ranks, starting one further each call, so that equal windows mean equal shares."""
         ranks = list(self.ranks.values())
-        if not ranks:
-            return
-        self._turn = (self._turn + 1) % len(ranks)
-        for rank in ranks[self._turn:] + ranks[:self._turn]:
-            if rank.credit > 0:
-                yield rank
+        if ranks:
+            self._turn = (self._turn + 1) % len(ranks)
+            ranks = ranks[self._turn:] + ranks[:self._turn]
+        return ranks
 
     def stats(self) -> dict[str, Any]:
         epochs = {str(n): s for n, s in self.finished.items()}

@@ -10,7 +10,7 @@ def _mib(n: int) -> str:
 
 
 def render_stats(stats: dict[str, Any]) -> str:
-    """Per stream and epoch: batches and bytes in and out; buffer use; ranks with credit and counts."""
+    """Per stream and epoch: batches and bytes in and out; buffer use; ranks with their windows and counts."""
     b = stats["broker"]
     lines = [f"sparkbus broker v{b['version']} pid {b['pid']}, up {b['uptime_s']:.0f} s; "
              f"buffer {_mib(b['buffered_bytes'])} of {_mib(b['max_buffer'])}"
@@ -27,7 +27,8 @@ def render_stats(stats: dict[str, Any]) -> str:
                          f"queued {e['queued']}, duplicates {e['duplicates']}, "
                          f"redelivered {e.get('redelivered', 0)}")
         for r in sorted(s["ranks"], key=lambda r: r["rank"]):
-            lines.append(f"  rank {r['rank']}/{r['size']}: credit {r['credit']}, in flight {r['inflight']}, "
+            lines.append(f"  rank {r['rank']}/{r['size']}: window {r['window']} / {_mib(r['window_bytes'])}, "
+                         f"in flight {r['inflight']}, "
                          f"batches {r['batches']} ({_mib(r['bytes'])}), acked {r['acked']}, "
                          f"idle {r['idle_s']:.1f} s")
     return "\n".join(lines)

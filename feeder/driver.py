@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import secrets
 import time
 import warnings
@@ -15,7 +16,7 @@ from broker.errors import BrokerError, FeedError
 from broker.protocol import Kind
 
 from .columns import arrow_columns, chunk_rows, rebatch
-from .task import PartitionReport, attempt_id, stream_partition
+from .task import DEFAULT_PACK_BYTES, PartitionReport, attempt_id, stream_partition
 
 log = logging.getLogger("sparkbus.feeder")
 DEFAULT_MAX_BATCH_BYTES = 16 << 20
@@ -42,7 +43,8 @@ class FeedReport(NamedTuple):
 def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "train", epoch: int = 0,
          batch_size: int = 1024, columns: Sequence[str] | None = None, timeout: float = 60.0, *,
          delivery: str = "stream", control: str | Sequence[str] | None = None,
-         max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES) -> FeedReport:
+         max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES, pack_bytes: int = DEFAULT_PACK_BYTES,
+         key: str | None = None, broker_key: str | None = None) -> FeedReport:
     """Stream every row of a DataFrame or RDD to the broker as one epoch of ``stream``.
 
     Opens the epoch with the partition count, runs one Spark job whose tasks push their partitions in batches
@@ -65,6 +67,12 @@ def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "t
             (costs a partition's worth of latency and broker memory). See docs/GUARANTEES.md.
         control: the brokers' control addresses, in the same order, if they are not the feed ports + 2.
         max_batch_bytes: cap on a batch's payload; wide rows get fewer than ``batch_size`` rows per batch.
+        pack_bytes: consecutive batches smaller than a quarter of this (256 KiB) travel as packs of up to this
+            size (1 MiB), one message each: the broker's and the ranks' cost is per message. Ranks still yield
+            the batches one by one, with ``batch_size`` rows each. 0 packs nothing.
+        key, broker_key: for a broker run with ``--auth``: this client's ``.key_secret`` file and the broker's
+            ``.key`` file (a feeder key; the same paths must exist on the executors), or the variables
+            ``SPARKBUS_KEY`` and ``SPARKBUS_BROKER_KEY`` (pass them to executors with ``spark.executorEnv.*``).
     Returns:
         A :class:`FeedReport`.
     Raises:
@@ -79,13 +87,14 @@ def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "t
                 else [control_address(f) for f in feeds])
     if len(controls) != len(feeds):
         raise ValueError(f"{len(feeds)} feed addresses but {len(controls)} control addresses")
-    settings = dict(feed_address=feeds, control_address=controls, stream=stream, epoch=epoch, timeout=timeout)
+    settings = dict(feed_address=feeds, control_address=controls, stream=stream, epoch=epoch, timeout=timeout,
+                    pack_bytes=pack_bytes, key=key, broker_key=broker_key)
     run = secrets.randbits(31)
     job = _dataframe_job(data, columns, batch_size, max_batch_bytes, run, settings) if _is_dataframe(data) \
         else _rdd_job(data, batch_size, max_batch_bytes, run, settings)
     diverged: set[int] = set()
     with ExitStack() as stack:
-        clients = [stack.enter_context(ControlClient(c, timeout)) for c in controls]
+        clients = [stack.enter_context(ControlClient(c, timeout, key=key, broker_key=broker_key)) for c in controls]
         brokers = [c.hello("feeder", stream) for c in clients]   # fail fast on an absent broker, before Spark plans
         partitions = job.getNumPartitions()
         for client in clients:
@@ -208,7 +217,9 @@ def _explain_job_failure(exc: Exception, stream: str, epoch: int) -> str:
         hint = (" Hint: the executors' Python cannot import sparkbus or its dependencies; set PYSPARK_PYTHON "
                 "(or spark.pyspark.python) to the interpreter sparkbus is installed in, before the SparkSession "
                 "starts.")
-    first = next((line for line in text.splitlines() if "Error" in line or "Exception" in line), text[:300])
+    # The last "SomeError: message" line of a Python traceback is the cause; lines of code above it may say "Error" too
+    causes = re.findall(r"^\s*([\w.]*(?:Error|Exception|Timeout): .*)$", text, re.MULTILINE)
+    first = causes[-1] if causes else next((line for line in text.splitlines() if "Error" in line), text[:300])
     return f"the Spark job feeding stream {stream!r} epoch {epoch} failed: {first.strip()[:500]}{hint}"
 
 

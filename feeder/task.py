@@ -9,14 +9,18 @@ from typing import Iterable, NamedTuple, Sequence
 import zmq
 
 from broker.address import broker_addresses, control_address as derived_control
+from broker.auth import make_curve_client
 from broker.client import ControlClient
 from broker.codec import encode_batch
 from broker.errors import BrokerError, FeedTimeout
 from broker.protocol import Kind
 
+from .columns import pack_small
+
 # Batches a task may have queued in its own PUSH socket. Past this, send blocks: that is the backpressure
 # that holds the Spark task (and so Spark's scheduling) back while the broker is full.
 PUSH_SNDHWM = 8
+DEFAULT_PACK_BYTES = 1 << 20
 
 
 def attempt_id(run: int, spark_attempt: int) -> int:
@@ -42,7 +46,8 @@ class PartitionReport(NamedTuple):
 
 def stream_partition(batches: Iterable[dict], feed_address: str | Sequence[str],
                      control_address: str | Sequence[str] | None, stream: str, epoch: int, partition: int,
-                     attempt: int, timeout: float) -> PartitionReport:
+                     attempt: int, timeout: float, pack_bytes: int = DEFAULT_PACK_BYTES, key: str | None = None,
+                     broker_key: str | None = None) -> PartitionReport:
     """Push every batch of one partition, then return only once the broker confirms all of them arrived.
 
     With several brokers, the partition goes to one of them, chosen when its first attempt starts and recorded by
@@ -56,6 +61,9 @@ def stream_partition(batches: Iterable[dict], feed_address: str | Sequence[str],
         control_address: the brokers' control endpoints, in the same order (None: each feed port + 2).
         attempt: this attempt's identity, unique among the attempts that stream the partition (:func:`attempt_id`).
         timeout: seconds any single wait may take (handshake, each blocked send, the commit).
+        pack_bytes: consecutive batches smaller than a quarter of this go as packs of up to this size (one message
+            each; ranks still see the batches one by one); 0 packs nothing.
+        key, broker_key: CURVE key files for a broker run with ``--auth`` (see :class:`broker.client.ControlClient`).
     Raises:
         BrokerError: a broker is unreachable, speaks another protocol version, or refused the commit.
         FeedTimeout: the broker stayed full (no batch taken) for longer than ``timeout``.
@@ -68,29 +76,32 @@ def stream_partition(batches: Iterable[dict], feed_address: str | Sequence[str],
         raise ValueError(f"{len(feeds)} feed addresses but {len(controls)} control addresses")
     context = zmq.Context.instance()
     with ExitStack() as clients:
-        controls_open = [clients.enter_context(ControlClient(c, timeout, context)) for c in controls]
+        controls_open = [clients.enter_context(ControlClient(c, timeout, context, key, broker_key))
+                         for c in controls]
         index = _choose_broker(controls_open, stream, epoch, partition)
         control, feed_address = controls_open[index], feeds[index]
         push = context.socket(zmq.PUSH)
+        make_curve_client(push, key, broker_key)
         push.linger = 0
         push.sndhwm = PUSH_SNDHWM
         push.sndtimeo = int(timeout * 1000)
         push.connect(feed_address)
-        count = rows = nbytes = 0
+        messages = count = rows = nbytes = 0
         try:
-            for seq, columns in enumerate(batches):
-                frames = encode_batch(stream, epoch, partition, seq, columns, attempt=attempt)
+            for seq, (columns, splits) in enumerate(pack_small(batches, pack_bytes)):
+                frames = encode_batch(stream, epoch, partition, seq, columns, attempt=attempt, splits=splits)
                 try:
                     push.send_multipart(frames, copy=False)
                 except zmq.Again:
                     raise FeedTimeout(f"the broker at {feed_address} took no batch for {timeout:g} s "
-                                      f"(partition {partition}, batch {seq}): it is full and its ranks are "
+                                      f"(partition {partition}, message {seq}): it is full and its ranks are "
                                       f"not consuming, or it is gone") from None
-                count += 1
+                messages += 1
+                count += 1 if splits is None else len(splits)
                 rows += len(next(iter(columns.values())))
                 nbytes += sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
             control.request(Kind.PARTITION_END, stream=stream, epoch=epoch, part=partition, attempt=attempt,
-                            batches=count, rows=rows)
+                            batches=messages, rows=rows)
         finally:
             push.close(linger=0)    # after the commit nothing is left in it; on failure Spark retries
     return PartitionReport(partition, count, rows, nbytes, time.monotonic() - started, index)

@@ -12,20 +12,29 @@ from typing import Any, Callable
 
 import numpy as np
 
-_MAX_SLEEP = 2.5e-4      # 4,000 wake-ups a second at most while waiting: ~1 % of a core
+_MAX_SLEEP = 2.5e-4      # 4,000 wake-ups a second at most while waiting
+IDLE_INTERVAL = 0.05     # seconds between calls of a wait's ``idle`` hook
 
 
-def wait_until(done: Callable[[], bool]) -> None:
-    """Call ``done`` until it returns true, sleeping 20 µs, then longer, up to 250 µs, in between."""
+def wait_until(done: Callable[[], bool], idle: Callable[[], None] | None = None) -> None:
+    """Call ``done`` until it returns true, sleeping 20 µs, then longer, up to 250 µs, in between.
+
+    ``idle`` (if given) is called every :data:`IDLE_INTERVAL` seconds while waiting: a rank keeps its broker
+    connection alive (heartbeats, a rejoin) while its peers are slow.
+    """
     delay = 0.0
+    next_idle = time.monotonic() + IDLE_INTERVAL
     while not done():
         time.sleep(delay)
         delay = min(max(delay * 2, 20e-6), _MAX_SLEEP)
+        if idle is not None and time.monotonic() >= next_idle:
+            idle()
+            next_idle = time.monotonic() + IDLE_INTERVAL
 
 
-def wait(request: Any) -> None:
-    """Complete an mpi4py request (``Isend``, ``Iallreduce``, …) without spinning."""
-    wait_until(request.Test)
+def wait(request: Any, idle: Callable[[], None] | None = None) -> None:
+    """Complete an mpi4py request (``Isend``, ``Iallreduce``, …) without spinning; ``idle`` as in wait_until."""
+    wait_until(request.Test, idle)
 
 
 def allreduce(comm: Any, send: np.ndarray, op: Any = None) -> np.ndarray:
@@ -51,15 +60,17 @@ def gather(comm: Any, send: np.ndarray, root: int = 0) -> np.ndarray | None:
     return recv
 
 
-def allreduce_min(comm: Any, value: int) -> int:
-    """The smallest ``value`` over the ranks of ``comm``, on every rank."""
+def allreduce_min(comm: Any, value: int, idle: Callable[[], None] | None = None) -> int:
+    """The smallest ``value`` over the ranks of ``comm``, on every rank; ``idle`` as in :func:`wait_until`."""
     from mpi4py import MPI
 
-    return int(allreduce(comm, np.array([value], dtype=np.int64), op=MPI.MIN)[0])
+    recv = np.empty(1, dtype=np.int64)
+    wait(comm.Iallreduce(np.array([value], dtype=np.int64), recv, op=MPI.MIN), idle)
+    return int(recv[0])
 
 
-def allgather_count(comm: Any, count: int) -> list[int]:
-    """Every rank's ``count``, in rank order."""
+def allgather_count(comm: Any, count: int, idle: Callable[[], None] | None = None) -> list[int]:
+    """Every rank's ``count``, in rank order; ``idle`` as in :func:`wait_until`."""
     recv = np.empty(comm.Get_size(), dtype=np.int64)
-    wait(comm.Iallgather(np.array([count], dtype=np.int64), recv))
+    wait(comm.Iallgather(np.array([count], dtype=np.int64), recv), idle)
     return [int(c) for c in recv]

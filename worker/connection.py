@@ -1,4 +1,9 @@
-"""A rank's connection to one broker: join, credit, heartbeats, acknowledgements, and rejoining.
+"""A rank's connection to one broker: join, window, heartbeats, acknowledgements, and rejoining.
+
+An ACK leaves when the training loop comes back for its next batch: what a rank that dies had consumed is then
+never trained again elsewhere. It acknowledges a whole message, so a pack of small batches costs one ACK, and
+acknowledgements that arise together (the rest of an epoch skipped or pooled at its end, redeliveries of batches
+the rank has) share one message.
 
 The connection keeps what the broker needs to hear when this rank comes back after its connection was lost (a
 cut link, a firewall that dropped the FIN, a restarted broker): the ids of the current epoch's batches it
@@ -11,15 +16,19 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections import deque
 from typing import Any
 
 import zmq
 
 from broker import protocol
+from broker.auth import make_curve_client
 from broker.errors import BrokerError
 from broker.protocol import Kind, pack_header, unpack_header
 
 log = logging.getLogger("sparkbus.worker")
+
+ACK_MAX = 256          # ids in one ACK at most
 
 BatchId = tuple[int, int, int]
 ALREADY_CONNECTED = "is already connected"      # a refusal that clears once the broker drops a dead connection
@@ -32,17 +41,23 @@ class BrokerConnection:
         address: the broker's ranks address.
         context: the ZeroMQ context to make the socket in.
         stream, rank, size, even: what the rank announces in HELLO.
-        prefetch: the credit window: batches in flight to this rank, the one in use included.
+        prefetch, prefetch_bytes: the window: the broker may have up to ``prefetch`` batches in flight to this
+            rank (the one in use included), or as many as fit in ``prefetch_bytes``, whichever admits more.
         timeout: seconds the broker may stay silent, or keep refusing a rejoin, before :class:`BrokerError`.
         heartbeat: seconds between this rank's heartbeats (and HELLO retries) while it waits.
+        key, broker_key: CURVE key files for a broker run with ``--auth`` (a rank key; see ``BatchStream``).
     Raises:
         BrokerError: no broker answers within ``timeout``, or it refuses this rank for good.
     """
 
     def __init__(self, address: str, context: zmq.Context, *, stream: str, rank: int, size: int, even: bool,
-                 prefetch: int, timeout: float, heartbeat: float):
+                 prefetch: int, prefetch_bytes: int, timeout: float, heartbeat: float, key: str | None = None,
+                 broker_key: str | None = None):
         self.address, self.stream, self.rank, self.size, self.even = address, stream, rank, size, even
-        self.prefetch, self.timeout, self.heartbeat = prefetch, timeout, heartbeat
+        self.prefetch, self.prefetch_bytes, self.timeout, self.heartbeat = prefetch, prefetch_bytes, timeout, heartbeat
+        self.report: dict[str, float | int] = {}     # the rank's own figures, sent with ACKs and heartbeats
+        self._unsent: list[int] = []                 # acknowledged ids not yet sent: epoch, part, seq, ...
+        self._inbox: deque[tuple[dict, list[zmq.Frame]]] = deque()   # kept by service() while the rank waited
         self.session = secrets.token_hex(8)           # the same across reconnections of this rank
         self.received: set[BatchId] = set()           # batch ids of the current epoch that arrived
         self.acked: set[BatchId] = set()              # ... and of those, the ones acknowledged
@@ -53,6 +68,11 @@ class BrokerConnection:
         self._refusal = ""
         self._sock = context.socket(zmq.DEALER)
         self._sock.linger = 0
+        try:
+            make_curve_client(self._sock, key, broker_key)
+        except BaseException:
+            self._sock.close(linger=0)
+            raise
         self._sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat * 1000))    # transport-level, answered by libzmq
         self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(3 * heartbeat * 1000))
         self._sock.connect(address)
@@ -75,6 +95,7 @@ class BrokerConnection:
                              size=self.size, even=self.even, session=self.session, resume=resume,
                              ended=self.ended)
         if resume:
+            self._unsent = []                            # the HELLO names every batch consumed
             held = self.received - self.acked
             self._sock.send_multipart([header, protocol.pack_ids(held), protocol.pack_ids(self.acked)])
         else:
@@ -82,17 +103,33 @@ class BrokerConnection:
         self._last_said = time.monotonic()
 
     def _grant_window(self) -> None:
-        # Batches this rank still holds stay in flight to it: they return their credit when acknowledged.
-        self._say(Kind.CREDIT, credit=max(self.prefetch - len(self.received - self.acked), 0))
+        # Absolute: batches this rank still holds stay in flight to it, and the broker counts them in the window.
+        self._say(Kind.CREDIT, window=self.prefetch, window_bytes=self.prefetch_bytes)
 
-    def ack(self, header: dict) -> None:
-        """Acknowledge one batch (the loop is done with it); it returns one credit."""
-        batch_id = protocol.batch_id(header)
+    def ack(self, batch_id: BatchId, send: bool = True) -> None:
+        """Acknowledge one batch (or pack): the loop is done with it. ``send=False`` keeps the id for the next
+        :meth:`flush`, to acknowledge several in one message."""
         self.acked.add(batch_id)
-        self._say(Kind.ACK, ids=[list(batch_id)], credit=1)
+        self._unsent.extend(batch_id)
+        if send or len(self._unsent) >= 3 * ACK_MAX:
+            self.flush()
+
+    def flush(self) -> None:
+        """Send the acknowledgements that wait, if any."""
+        if self._unsent:
+            self._say(Kind.ACK, ids=self._unsent, **self.report)
+            self._unsent = []
+
+    def service(self) -> None:
+        """While the rank waits for its peers (an MPI collective): heartbeat, rejoin if the broker lost this rank,
+        and keep what the broker sends for :meth:`receive`. A rank that cannot rejoin while its peers wait for it
+        would leave a stream that waits for every rank stuck."""
+        while (message := self._from_socket(block=False)) is not None:
+            self._inbox.append(message)
 
     def bye(self) -> None:
         """Tell the broker this rank leaves: what it holds unacknowledged goes to the other ranks at once."""
+        self.flush()
         self._say(Kind.BYE)
 
     def close(self) -> None:
@@ -164,6 +201,11 @@ class BrokerConnection:
         Raises:
             BrokerError: the broker was silent for ``timeout``, could not be rejoined, or reported an error.
         """
+        if self._inbox:
+            return self._inbox.popleft()
+        return self._from_socket(block)
+
+    def _from_socket(self, block: bool) -> tuple[dict, list[zmq.Frame]] | None:
         while True:
             now = time.monotonic()
             silent_for = now - self._last_heard
@@ -173,10 +215,12 @@ class BrokerConnection:
             if self._rejoin_since is not None:
                 self._rejoin(self._refusal)
             elif now - self._last_said >= self.heartbeat:
-                self._say(Kind.HEARTBEAT)
+                self._say(Kind.HEARTBEAT, **self.report)
             try:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)    # no poll when one is waiting
             except zmq.Again:
+                if self._unsent and self._rejoin_since is None:
+                    self.flush()                         # before waiting: the broker may be waiting for them
                 if not block:
                     return None
                 wait = min(self.heartbeat, self.timeout - silent_for)

@@ -9,7 +9,7 @@ nothing is pickled.
 from __future__ import annotations
 
 import struct
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -63,8 +63,11 @@ def unpack_batch(buf: bytes) -> tuple[dict, dict[str, np.ndarray]]:
     return header, codec.decode_batch(header, frames)
 
 
-def exchange(comm: Any, held: list[tuple[dict, dict]], transfers: list[tuple[int, int, int]]) -> list[tuple[dict, dict]]:
-    """Carry out ``transfers``: send from the end of ``held``, receive onto it. Returns what this rank holds."""
+def exchange(comm: Any, held: list[tuple[dict, dict]], transfers: list[tuple[int, int, int]],
+             idle: Callable[[], None] | None = None) -> list[tuple[dict, dict]]:
+    """Carry out ``transfers``: send from the end of ``held``, receive onto it. Returns what this rank holds.
+
+    ``idle`` is called now and then while waiting (see :func:`worker.collectives.wait_until`)."""
     from mpi4py import MPI
 
     me = comm.rank
@@ -79,10 +82,10 @@ def exchange(comm: Any, held: list[tuple[dict, dict]], transfers: list[tuple[int
         if dst == me:
             for _ in range(n):
                 status = MPI.Status()
-                wait_until(lambda: comm.Iprobe(source=src, tag=_TAG_BATCH, status=status))
+                wait_until(lambda: comm.Iprobe(source=src, tag=_TAG_BATCH, status=status), idle)
                 buf = bytearray(status.Get_count(MPI.BYTE))
-                wait(comm.Irecv([buf, MPI.BYTE], source=src, tag=_TAG_BATCH))
+                wait(comm.Irecv([buf, MPI.BYTE], source=src, tag=_TAG_BATCH), idle)
                 held.append(unpack_batch(bytes(buf)))
     for request, _ in sends:
-        wait(request)
+        wait(request, idle)
     return held

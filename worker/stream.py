@@ -17,11 +17,12 @@ from broker.codec import decode_batch
 from broker.protocol import Kind
 
 from . import collectives, rebalance
-from .connection import BrokerConnection
+from .connection import BatchId, BrokerConnection
 
 log = logging.getLogger("sparkbus.worker")
 
 Batch = dict[str, np.ndarray]
+DEFAULT_PREFETCH_BYTES = 8 << 20
 
 
 @dataclass
@@ -48,6 +49,7 @@ class StreamStats:
     dropped_batches: int = 0
     dropped_rows: int = 0
     wait_seconds: float = 0.0
+    first_batch_seconds: float = -1.0   # from the stream's start to its first batch (-1: none yet)
     skipped_batches: int = 0    # left unread when the loop broke out of an epoch early
     rejoins: int = 0            # times this rank joined the broker again (a lost connection, a restarted broker)
     epochs: list[EpochStats] = field(default_factory=list)
@@ -67,7 +69,9 @@ class BatchStream:
             ended it. None: the variable ``SPARKBUS_RANKS_ADDRESS``.
         comm: an mpi4py communicator whose ranks consume the stream together, or None for one process.
         stream: the stream name the feeder used.
-        prefetch: credits granted to the broker: batches in flight to this rank, the one in use included.
+        prefetch, prefetch_bytes: the window granted to each broker: up to ``prefetch`` batches in flight to this
+            rank (the one in use included), or as many as fit in ``prefetch_bytes`` (8 MiB), whichever admits
+            more: many small batches, a few large ones. The defaults suit batches from 1 KiB to 16 MiB.
         even: yield the same number of batches on every rank of ``comm`` each epoch (default: when
             ``comm.size > 1``); at most ``size - 1`` batches per epoch are dropped, counted in ``stats``.
         timeout: seconds the broker may stay silent (it heartbeats while idle) before this rank gives up.
@@ -77,18 +81,21 @@ class BatchStream:
         abort_on_error: when an exception leaves the ``with`` block on one rank of a communicator of size > 1,
             call ``comm.Abort(1)`` so that the other ranks are not left waiting in a collective forever.
         context: a ZeroMQ context to use (needed for ``inproc://`` addresses); by default a private one.
+        key, broker_key: for a broker run with ``--auth``: this rank's ``.key_secret`` file (a key allowed in the
+            ranks role) and the broker's ``.key`` file; default the variables ``SPARKBUS_KEY`` and
+            ``SPARKBUS_BROKER_KEY`` (``mpiexec -genv`` passes them to every rank).
     Raises:
         BrokerError: the broker does not answer within ``timeout``, refuses this rank, or goes silent.
 
     The arrays of a batch are read-only views of the received frames; copy one to modify it.
     """
 
-    def __init__(self, address: str | Sequence[str] | None = None, comm: Any = None, stream: str = "train", prefetch: int = 4,
-                 even: bool | None = None, timeout: float = 60.0, verify: bool = True, heartbeat: float = 1.0,
+    def __init__(self, address: str | Sequence[str] | None = None, comm: Any = None, stream: str = "train",
+                 prefetch: int = 4, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES, even: bool | None = None, timeout: float = 60.0, verify: bool = True, heartbeat: float = 1.0,
                  on_drop: Callable[[Batch], None] | None = None, abort_on_error: bool = True,
-                 context: zmq.Context | None = None):
-        if prefetch < 1:
-            raise ValueError("prefetch must be at least 1")
+                 context: zmq.Context | None = None, key: str | None = None, broker_key: str | None = None):
+        if prefetch < 1 or prefetch_bytes < 0:
+            raise ValueError("prefetch must be at least 1 and prefetch_bytes not negative")
         self.address, self.comm, self.stream = address, comm, stream
         self.rank = comm.Get_rank() if comm is not None else 0
         self.size = comm.Get_size() if comm is not None else 1
@@ -107,13 +114,18 @@ class BatchStream:
             for broker in broker_addresses(address, "SPARKBUS_RANKS_ADDRESS"):
                 self._brokers.append(BrokerConnection(broker, self._context, stream=stream, rank=self.rank,
                                                       size=self.size, even=self.even, prefetch=prefetch,
-                                                      timeout=timeout, heartbeat=heartbeat))
+                                                      prefetch_bytes=prefetch_bytes, timeout=timeout,
+                                                      heartbeat=heartbeat, key=key, broker_key=broker_key))
         except BaseException:
             self._close_connections()
             raise
         self._waiting = list(self._brokers)      # brokers that have not ended the current epoch yet
-        self._source: dict[tuple[int, int, int], BrokerConnection] = {}     # batch id -> where to acknowledge it
+        self._source: dict[BatchId, BrokerConnection] = {}     # batch id -> where to acknowledge it
+        self._unpacked: deque[tuple[dict, Batch]] = deque()    # the rest of a pack of small batches
+        self._pack_left: dict[BatchId, int] = {}              # a pack's batches not yet acknowledged
         self._turn = 0
+        self._started = time.monotonic()
+        self._ep = EpochStats(epoch=-1)           # the epoch being read
 
     def _receive(self, block: bool) -> tuple[BrokerConnection, dict, list[zmq.Frame]] | None:
         """The next BATCH or EPOCH_END from a broker still in the current epoch, taking turns among them."""
@@ -141,6 +153,8 @@ class BatchStream:
         None at the epoch's end (``self._end_seen`` is then true) or, with ``block=False``, when no batch has
         arrived yet.
         """
+        if self._unpacked:
+            return self._unpacked.popleft()
         started = time.monotonic()
         while True:
             message = self._receive(block)
@@ -152,6 +166,8 @@ class BatchStream:
                 if self._waiting:
                     continue
                 self._waiting = list(self._brokers)
+                if ep.epoch < 0:                     # a rank that got no batch of the epoch (others had them all)
+                    ep.epoch = header["epoch"]
                 ep.wait_seconds += time.monotonic() - started
                 self._end_seen = True
                 return None
@@ -159,16 +175,57 @@ class BatchStream:
             if batch_id not in broker.received:
                 break
             if batch_id not in broker.acked:
-                broker.ack(header)  # a redelivery of one we have: it counts as consumed
+                broker.ack(batch_id, send=False)   # a redelivery of one we have: it counts as consumed
         broker.received.add(batch_id)
-        self._source[batch_id] = broker
         ep.wait_seconds += time.monotonic() - started
         if ep.epoch < 0:
             ep.epoch = header["epoch"]
-        return header, decode_batch(header, frames, verify=self.verify)
+            if self.stats.first_batch_seconds < 0:
+                self.stats.first_batch_seconds = time.monotonic() - self._started
+                broker.report["first_batch_s"] = self.stats.first_batch_seconds
+        columns = decode_batch(header, frames, verify=self.verify)
+        nbytes = header["nbytes"] = sum(len(f) for f in frames)
+        self._source[batch_id] = broker
+        splits = header.get("splits")
+        if splits is None:
+            return header, columns
+        # A pack of small batches: each is a slice (a view) of the pack's columns, acknowledged with the last.
+        self._pack_left[batch_id] = len(splits)
+        row_bytes = nbytes // header["rows"] if header["rows"] else 0
+        start = 0
+        for rows in splits:
+            self._unpacked.append((dict(header, rows=rows, nbytes=rows * row_bytes),
+                                   {k: v[start:start + rows] for k, v in columns.items()}))
+            start += rows
+        return self._unpacked.popleft()
 
-    def _ack(self, header: dict) -> None:
-        self._source.pop(protocol.batch_id(header)).ack(header)
+    def _ack(self, header: dict, send: bool = True) -> None:
+        batch_id = protocol.batch_id(header)
+        left = self._pack_left.get(batch_id)
+        if left is not None:
+            if left > 1:
+                self._pack_left[batch_id] = left - 1
+                return
+            del self._pack_left[batch_id]
+        broker = self._source.pop(batch_id)
+        if send:
+            self._report(self._ep)
+        broker.ack(batch_id, send)
+
+    def _report(self, ep: EpochStats) -> None:
+        # What this rank tells its brokers about itself (for monitoring): once per message, and with each flush.
+        for broker in self._brokers:
+            broker.report["consumed"] = self.stats.batches + ep.batches
+            broker.report["wait_s"] = self.stats.wait_seconds + ep.wait_seconds
+
+    def _service(self) -> None:
+        for broker in self._brokers:
+            broker.service()
+
+    def _flush_acks(self, ep: EpochStats) -> None:
+        self._report(ep)
+        for broker in self._brokers:
+            broker.flush()
 
     # ---- epochs -------------------------------------------------------------------------------------------
 
@@ -186,7 +243,7 @@ class BatchStream:
         """
         if not self._end_seen:
             self._skip_rest_of_epoch()
-        ep = EpochStats(epoch=-1)
+        ep = self._ep = EpochStats(epoch=-1)
         started = time.monotonic()
         self._end_seen = False
         try:
@@ -195,6 +252,7 @@ class BatchStream:
             if self._holding is not None:         # the loop left with a batch in hand: it was consumed
                 self._ack(self._holding)
                 self._holding = None
+            self._flush_acks(ep)
             ep.seconds = time.monotonic() - started
             self.stats.add(ep)
             self.stats.rejoins = sum(b.rejoins for b in self._brokers)
@@ -203,18 +261,20 @@ class BatchStream:
         log.warning("rank %d left the previous epoch before its end; skipping its remaining batches", self.rank)
         ignored = EpochStats(epoch=-1)
         while (item := self._next_batch(ignored)) is not None:
-            self._ack(item[0])
+            self._ack(item[0], send=False)
             self.stats.skipped_batches += 1
+        self._flush_acks(ignored)
 
-    def _count(self, ep: EpochStats, batch: Batch) -> None:
-        first = next(iter(batch.values()), None)
+    @staticmethod
+    def _count(ep: EpochStats, header: dict, batch: Batch) -> None:
         ep.batches += 1
-        ep.rows += len(first) if first is not None else 0
-        ep.bytes += sum(a.nbytes for a in batch.values())
+        ep.rows += header["rows"]
+        nbytes = header.get("nbytes")         # not on a batch that came from another rank at the epoch's end
+        ep.bytes += nbytes if nbytes is not None else sum(a.nbytes for a in batch.values())
 
     def _hand_over(self, ep: EpochStats, header: dict, batch: Batch) -> Iterator[Batch]:
         """Yield one batch to the loop; acknowledge it when the loop comes back for the next."""
-        self._count(ep, batch)
+        self._count(ep, header, batch)
         self._holding = header
         yield batch
         self._holding = None
@@ -236,7 +296,8 @@ class BatchStream:
             while not self._end_seen and (item := self._next_batch(ep, block=False)) is not None:
                 ready.append(item)
             started = time.monotonic()
-            steps = collectives.allreduce_min(self.comm, len(ready))
+            self._flush_acks(ep)                # nothing of ours may hold the broker back while we agree
+            steps = collectives.allreduce_min(self.comm, len(ready), idle=self._service)
             ep.wait_seconds += time.monotonic() - started
             if steps == 0:
                 break
@@ -246,21 +307,23 @@ class BatchStream:
         started = time.monotonic()
         held = list(ready)
         for header, _ in held:
-            self._ack(header)
+            self._ack(header, send=False)
         if not self._end_seen:
             while (more := self._next_batch(ep)) is not None:
                 held.append(more)
-                self._ack(more[0])
-        transfers, target = rebalance.plan_transfers(collectives.allgather_count(self.comm, len(held)))
-        held = rebalance.exchange(self.comm, held, transfers)
+                self._ack(more[0], send=False)
+        self._flush_acks(ep)
+        counts = collectives.allgather_count(self.comm, len(held), idle=self._service)
+        transfers, target = rebalance.plan_transfers(counts)
+        held = rebalance.exchange(self.comm, held, transfers, idle=self._service)
         ep.wait_seconds += time.monotonic() - started
         for header, batch in held[target:]:
             ep.dropped_batches += 1
             ep.dropped_rows += header["rows"]
             if self.on_drop is not None:
                 self.on_drop(batch)
-        for _, batch in held[:target]:
-            self._count(ep, batch)
+        for header, batch in held[:target]:
+            self._count(ep, header, batch)
             yield batch
 
     # ---- lifetime -----------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ parser.add_argument("--epochs", type=int, default=1)
 parser.add_argument("--out", required=True)
 parser.add_argument("--even", choices=["auto", "yes", "no"], default="auto")
 parser.add_argument("--prefetch", type=int, default=4)
+parser.add_argument("--prefetch-bytes", type=int, default=None, help="the byte window (default: BatchStream's)")
 parser.add_argument("--slow-rank", type=int, default=-1, help="this rank sleeps --slow-seconds per batch")
 parser.add_argument("--slow-seconds", type=float, default=0.0)
 parser.add_argument("--stall-file", help="wait for this file to exist before consuming")
@@ -57,7 +58,8 @@ def main():
     dropped = []
     summary = {"rank": rank, "size": comm.Get_size() if comm else 1, "epochs": []}
     consumed = 0
-    with BatchStream(args.ranks, comm=comm, stream=args.stream, prefetch=args.prefetch, even=even,
+    window = {} if args.prefetch_bytes is None else {"prefetch_bytes": args.prefetch_bytes}
+    with BatchStream(args.ranks, comm=comm, stream=args.stream, prefetch=args.prefetch, **window, even=even,
                      timeout=args.timeout, on_drop=lambda b: dropped.append(b["id"].copy())) as stream:
         if args.stall_file:
             deadline = time.monotonic() + args.timeout

@@ -59,7 +59,7 @@ def test_request_sockets_answer_bad_messages_with_a_reason(start_broker, zmq_con
     assert "unknown message kind 77" in reasons["unknown_kind"]["reason"]
     assert "expected one header frame, got 3 frames" in reasons["extra_frames"]["reason"]
     # a well-formed message of a kind this socket does not take
-    wrong_place = reply_to(sock, [protocol.pack_header(Kind.CREDIT, credit=1)])
+    wrong_place = reply_to(sock, [protocol.pack_header(Kind.CREDIT, window=1, window_bytes=0)])
     assert wrong_place["kind"] == Kind.ERROR
     rejected = broker.stats()["broker"]["rejected"][socket_name]
     expected = {"malformed": 4, "version": 1}
@@ -79,7 +79,7 @@ def test_feed_socket_drops_and_counts_bad_batches(start_broker, zmq_context):
     for frames in BAD_MESSAGES.values():
         push.send_multipart(frames)
     push.send_multipart([good[0], b"short"])                                     # frame size mismatch
-    push.send_multipart([protocol.pack_header(Kind.CREDIT, credit=1)])          # not a batch
+    push.send_multipart([protocol.pack_header(Kind.CREDIT, window=1, window_bytes=0)])          # not a batch
     push.send_multipart(good)                                                    # no such epoch
     rejected = wait_for(lambda: (r := broker.stats()["broker"]["rejected"].get("feed")) and sum(r.values()) == 8
                         and r, 10, "eight rejections on the feed socket")

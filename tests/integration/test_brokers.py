@@ -41,14 +41,15 @@ def test_two_brokers_one_stream_every_row_once_with_equal_steps(spark, start_bro
 def test_a_retried_task_goes_to_the_broker_its_first_attempt_chose(spark, start_broker, start_ranks):
     brokers = [start_broker(), start_broker()]
     ranks = start_ranks(0, ",".join(b.ranks for b in brokers), "--stream", "retry2")
-    report = feed(staged_rdd(spark, 4_000, 4, fail=1, fail_after=500), [b.feed for b in brokers], stream="retry2",
-                  batch_size=100, timeout=60)
+    # 1,500 rows (15 batches, one per message) before the failure: more than the task's send queue holds
+    report = feed(staged_rdd(spark, 8_000, 4, fail=1), [b.feed for b in brokers], stream="retry2",
+                  batch_size=100, timeout=60, pack_bytes=0)
     (summary,) = ranks.wait()
     ids = ranks.epoch(ranks.name, 0)["id"]
-    np.testing.assert_array_equal(np.sort(ids), np.arange(4_000))
+    np.testing.assert_array_equal(np.sort(ids), np.arange(8_000))
     duplicates = sum(b.stats()["streams"]["retry2"]["epochs"]["0"]["duplicates"] for b in brokers)
     assert duplicates >= 1, "the retry's copies were not recognised as duplicates at one broker"
-    assert report.rows == 4_000 and summary["epochs"][0]["rows"] == 4_000
+    assert report.rows == 8_000 and summary["epochs"][0]["rows"] == 8_000
 
 
 def test_status_shows_each_broker_and_the_totals(spark, start_broker):

@@ -62,9 +62,11 @@ def test_even_ranks_yield_equal_counts_and_drop_at_most_one(spark, start_broker,
 def test_a_slow_rank_gets_markedly_fewer_batches(spark, start_broker, start_ranks):
     broker = start_broker()
     df = labelled_frame(spark, rows=6_000, partitions=2)
-    feed(df, broker.feed, stream="lb", batch_size=100, timeout=60)      # 60 batches wait in the broker
+    # 60 batches of 3 kB wait in the broker, one message each (pack_bytes=0), and each rank's window is 4 batches
+    # (no byte window, which would let the first rank to connect take all 60): shares are counted in batches
+    feed(df, broker.feed, stream="lb", batch_size=100, timeout=60, pack_bytes=0)
     ranks = start_ranks(2, broker.ranks, "--stream", "lb", "--even", "no", "--slow-rank", "1",
-                        "--slow-seconds", "0.05")
+                        "--slow-seconds", "0.05", "--prefetch-bytes", "0")
     summaries = ranks.wait()
     fast, slow = (s["epochs"][0]["batches"] for s in summaries)
     assert fast + slow == 60

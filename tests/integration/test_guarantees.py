@@ -31,7 +31,9 @@ def small_arrow_batches(spark):
 def test_a_task_failing_midway_is_retried_and_each_row_arrives_once(spark, start_broker):
     broker = start_broker()
     consumer = Collector(broker.ranks, "retry")
-    report = feed(staged_rdd(spark, 4_000, 2, fail=1), broker.feed, stream="retry", batch_size=100, timeout=30)
+    # pack_bytes=0: these 1.2 kB batches go one per message, so part of the partition is on the wire when it fails
+    report = feed(staged_rdd(spark, 4_000, 2, fail=1), broker.feed, stream="retry", batch_size=100, timeout=30,
+                  pack_bytes=0)
     (ids,) = consumer.result()
     np.testing.assert_array_equal(np.sort(ids), np.arange(4_000))
     assert report.rows == 4_000 and report.diverged == ()
@@ -39,6 +41,21 @@ def test_a_task_failing_midway_is_retried_and_each_row_arrives_once(spark, start
     # the failed attempt pushed 15 batches through a send queue of 8 before it died: some reached the broker
     assert epoch["duplicates"] >= 1, "the failed attempt's batches should have reached the broker first"
     assert epoch["batches_in"] == 40
+
+
+def test_a_task_failing_midway_through_packs_is_retried_and_each_row_arrives_once(spark, start_broker):
+    """Small batches travel in packs of 64; the failed attempt sent whole packs, the retry sends the same packs."""
+    broker = start_broker()
+    consumer = Collector(broker.ranks, "packs")
+    report = feed(staged_rdd(spark, 20_000, 2, fail=1, fail_after=8_000), broker.feed, stream="packs",
+                  batch_size=100, timeout=30)
+    (ids,) = consumer.result()
+    np.testing.assert_array_equal(np.sort(ids), np.arange(20_000))
+    assert report.rows == 20_000 and report.batches == 200 and report.diverged == ()
+    epoch = broker.stats()["streams"]["packs"]["epochs"]["0"]
+    assert epoch["batches_in"] == 200, "the broker counts the batches in its packs"
+    assert epoch["rows_in"] == 20_000
+    assert epoch["duplicates"] >= 1, "the failed attempt's first pack (6,400 rows) reached the broker first"
 
 
 def test_speculative_copies_stream_at_once_and_each_row_arrives_once(start_broker):
@@ -59,7 +76,8 @@ def test_speculative_copies_stream_at_once_and_each_row_arrives_once(start_broke
 
         reports = {}
         attempts = [threading.Thread(target=lambda a=a: reports.update({a: stream_partition(
-            batches(slow=a == 0), broker.feed, broker.control, "spec", 0, 0, a, 30)})) for a in (0, 1)]
+            batches(slow=a == 0), broker.feed, broker.control, "spec", 0, 0, a, 30, pack_bytes=0)}))
+            for a in (0, 1)]
         for t in attempts:
             t.start()
         for t in attempts:
@@ -78,7 +96,7 @@ def test_a_retry_in_another_order_is_reported_in_stream_delivery(spark, start_br
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         report = feed(staged_rdd(spark, 4_000, 2, fail=1, reverse_on_retry=True), broker.feed, stream="reorder",
-                      batch_size=100, timeout=30)
+                      batch_size=100, timeout=30, pack_bytes=0)
     (ids,) = consumer.result()
     assert report.diverged == (1,)
     assert any(issubclass(w.category, DivergedPartitionsWarning) and "partitions [1]" in str(w.message)
@@ -95,7 +113,7 @@ def test_atomic_delivery_is_exactly_once_even_when_a_retry_reorders(spark, start
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
         report = feed(staged_rdd(spark, 4_000, 2, fail=1, reverse_on_retry=True), broker.feed, stream="atomic",
-                      batch_size=100, timeout=30, delivery="atomic")
+                      batch_size=100, timeout=30, delivery="atomic", pack_bytes=0)
     (ids,) = consumer.result()
     np.testing.assert_array_equal(np.sort(ids), np.arange(4_000))
     assert report.diverged == (1,)
@@ -106,8 +124,9 @@ def test_a_consumer_killed_mid_epoch_leaves_its_batches_to_the_other(spark, star
     broker = start_broker("--heartbeat", "200ms")
     victim = start_ranks(0, broker.ranks, "--stream", "kill1", "--stop-after", "5", "--prefetch", "4")
     survivor = start_ranks(0, broker.ranks, "--stream", "kill1", "--slow-rank", "0", "--slow-seconds", "0.02")
+    # one batch a message (pack_bytes=0): the victim dies between batches, not inside a pack
     feeding = threading.Thread(target=feed, args=(staged_frame(spark, 6_000, 2), broker.feed),
-                               kwargs=dict(stream="kill1", batch_size=100, timeout=60))
+                               kwargs=dict(stream="kill1", batch_size=100, timeout=60, pack_bytes=0))
     feeding.start()
     wait_for(lambda: victim.stopped(victim.name), 60, "the victim to stop after five batches")
     wait_for(lambda: any(r["acked"] == 5 and r["inflight"] > 0
@@ -121,10 +140,33 @@ def test_a_consumer_killed_mid_epoch_leaves_its_batches_to_the_other(spark, star
     np.testing.assert_array_equal(np.sort(both), np.arange(6_000))
 
 
+def test_a_consumer_killed_inside_a_pack_costs_at_most_that_pack_again(spark, start_broker, start_ranks):
+    """Small batches travel in packs of 64, acknowledged with their last batch: a consumer that dies inside a pack
+    has the whole pack redelivered, so what it trained of that pack is trained again by the survivor, no more."""
+    broker = start_broker("--heartbeat", "200ms", "--rejoin-grace", "1s")
+    victim = start_ranks(0, broker.ranks, "--stream", "kill2", "--stop-after", "5")
+    survivor = start_ranks(0, broker.ranks, "--stream", "kill2", "--slow-rank", "0", "--slow-seconds", "0.005")
+    feeding = threading.Thread(target=feed, args=(staged_frame(spark, 25_600, 2), broker.feed),
+                               kwargs=dict(stream="kill2", batch_size=100, timeout=60))
+    feeding.start()
+    wait_for(lambda: victim.stopped(victim.name), 60, "the victim to stop after five batches")
+    victim.kill()
+    feeding.join(90)
+    survivor.wait()
+    taken = victim.epoch(victim.name, 0)["id"]
+    kept = survivor.epoch(survivor.name, 0)["id"]
+    np.testing.assert_array_equal(np.unique(np.concatenate([taken, kept])), np.arange(25_600))
+    assert len(taken) == 500 and len(kept) == 25_600, "the survivor has every row, the victim's five batches too"
+    # the five batches the victim trained lie in one pack of 64 batches, which came to the survivor whole
+    assert np.ptp(taken) < 64 * 100
+    assert broker.stats()["streams"]["kill2"]["epochs"]["0"]["redelivered"] >= 64, "the pack went again, whole"
+
+
 def test_an_mpi_job_killed_and_restarted_resumes_the_stream(spark, start_broker, start_ranks):
     broker = start_broker("--heartbeat", "200ms")
     first = start_ranks(2, broker.ranks, "--stream", "job", "--stop-after", "3")
-    report = feed(staged_frame(spark, 4_000, 2), broker.feed, stream="job", batch_size=100, timeout=60)
+    report = feed(staged_frame(spark, 4_000, 2), broker.feed, stream="job", batch_size=100, timeout=60,
+                  pack_bytes=0)     # one batch a message: the ranks stop between batches
     wait_for(lambda: first.stopped("rank0") and first.stopped("rank1"), 60, "both ranks to stop after 3 steps")
     wait_for(lambda: sum(r["acked"] for r in broker.stats()["streams"]["job"]["ranks"]) == 6, 10, "six acks")
     first.kill()

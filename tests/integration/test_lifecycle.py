@@ -119,7 +119,7 @@ def test_status_prints_live_figures(spark, start_broker):
     assert result.returncode == 0, result.stderr
     assert "stream 'st': 1 of 1 ranks" in result.stdout
     assert "epoch 0 (ended): partitions 2/2, in 10 batches" in result.stdout
-    assert "rank 0/1: credit 3, in flight 0, batches 10" in result.stdout
+    assert "rank 0/1: window 3 / 8.0 MiB, in flight 0, batches 10" in result.stdout
     unreachable = subprocess.run([sys.executable, "-m", "broker.cli", "status",
                                   f"tcp://127.0.0.1:{free_port_triple()}", "--timeout", "1s"],
                                  capture_output=True, text=True, timeout=30)

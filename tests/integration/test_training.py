@@ -70,8 +70,9 @@ def test_next_epoch_is_fed_while_ranks_train_and_epochs_arrive_whole_in_order(sp
     epoch_bytes = rows * 260
     broker = start_broker("--max-buffer", str(int(epoch_bytes * 2.5)))   # two epochs fit, three do not
     stall = tmp_path / "go"
+    # a window of 4 batches (no byte window): the stalled ranks hold 8 of epoch 0's 20 batches, not all of them
     ranks = start_ranks(2, broker.ranks, "--stream", "ovl", "--epochs", str(epochs), "--stall-file", str(stall),
-                        "--slow-rank", "1", "--slow-seconds", "0.01")
+                        "--slow-rank", "1", "--slow-seconds", "0.01", "--prefetch-bytes", "0")
     fed, result = [], {}
 
     def on_epoch(epoch, report):
@@ -80,7 +81,7 @@ def test_next_epoch_is_fed_while_ranks_train_and_epochs_arrive_whole_in_order(sp
     def run():
         try:
             result["reports"] = feed_epochs(df, broker.feed, epochs, stream="ovl", shuffle_seed=3, key=["id"],
-                                            batch_size=200, timeout=60, on_epoch=on_epoch)
+                                            batch_size=200, timeout=60, on_epoch=on_epoch, pack_bytes=0)
         except BaseException as exc:         # reported by the assertions below
             result["error"] = exc
 

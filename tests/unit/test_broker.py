@@ -41,7 +41,7 @@ def bus(start_broker, sockets, context):
              session=f"s{rank}-{id(sock)}", resume=False, ended=-1)
         assert recv_header(sock)[0]["kind"] == Kind.WELCOME
         if credit:
-            send(sock, Kind.CREDIT, credit=credit)
+            send(sock, Kind.CREDIT, window=credit, window_bytes=0)
         return sock
 
     bus.request, bus.push_batch, bus.rank = request, push, rank
@@ -56,7 +56,7 @@ def test_batches_go_only_against_credit(bus):
     first = [recv_header(r)[0] for _ in range(2)]
     assert [h["seq"] for h in first] == [0, 1]
     assert not r.poll(200), "a batch came without credit"
-    send(r, Kind.ACK, ids=[[0, 0, 0]], credit=1)
+    send(r, Kind.ACK, ids=[0, 0, 0])
     assert recv_header(r)[0]["seq"] == 2
 
 
@@ -108,7 +108,7 @@ def test_independent_ranks_hear_the_epoch_end_once_all_is_acknowledged(bus):
     bus.request(Kind.EPOCH_CLOSE, stream="s", epoch=0, partitions=1)
     assert recv_header(r)[0]["kind"] == Kind.BATCH
     assert not r.poll(300), "the epoch ended while a batch was unacknowledged"
-    send(r, Kind.ACK, ids=[[0, 0, 0]], credit=1)
+    send(r, Kind.ACK, ids=[0, 0, 0])
     end = recv_header(r)[0]
     assert end["kind"] == Kind.EPOCH_END and end["batches"] == 1
 
@@ -179,9 +179,9 @@ def test_a_rank_that_leaves_gives_back_its_unacknowledged_batches(bus):
     for seq in range(2):
         bus.push_batch(0, 0, seq)
     assert [recv_header(r0)[0]["seq"] for _ in range(2)] == [0, 1]
-    send(r0, Kind.ACK, ids=[[0, 0, 0]], credit=0)
+    send(r0, Kind.ACK, ids=[0, 0, 0])
     send(r0, Kind.BYE)
-    send(r1, Kind.CREDIT, credit=5)
+    send(r1, Kind.CREDIT, window=5, window_bytes=0)
     assert recv_header(r1)[0]["seq"] == 1, "the unacknowledged batch went to the other rank"
     assert not r1.poll(200)
 
@@ -244,7 +244,7 @@ def test_feed_stops_being_read_at_the_buffer_bound(bus):
     for seq in range(8):
         header, _ = recv_header(r)
         assert header["seq"] == seq
-        send(r, Kind.ACK, ids=[[0, 0, seq]], credit=1)
+        send(r, Kind.ACK, ids=[0, 0, seq])
 
 
 def test_a_loop_that_breaks_out_of_an_epoch_can_go_on_with_the_next(bus):

@@ -66,7 +66,7 @@ def test_columns_of_unequal_length_are_refused():
 
 
 def header(**fields):
-    base = {"v": protocol.VERSION, "kind": int(Kind.CREDIT), "credit": 4}
+    base = {"v": protocol.VERSION, "kind": int(Kind.CREDIT), "window": 4, "window_bytes": 0}
     base.update(fields)
     return msgpack.packb(base)
 
@@ -75,9 +75,9 @@ def header(**fields):
     (b"\xc1garbage", "not valid msgpack"),
     (msgpack.packb([1, 2, 3]), "must be a msgpack map"),
     (header(kind=99), "unknown message kind 99"),
-    (header(credit="four"), "'credit' must be int, got str"),
-    (header(credit=True), "'credit' must be int, got bool"),
-    (msgpack.packb({"v": protocol.VERSION, "kind": int(Kind.CREDIT)}), "'credit' must be int, got NoneType"),
+    (header(window="four"), "'window' must be int, got str"),
+    (header(window=True), "'window' must be int, got bool"),
+    (msgpack.packb({"v": protocol.VERSION, "kind": int(Kind.CREDIT)}), "'window' must be int, got NoneType"),
     (b"\x80" + b"x" * (protocol.MAX_HEADER_BYTES + 1), "exceeds the limit"),
     (msgpack.packb({1: 2}), "not valid msgpack"),       # non-string keys are refused by strict_map_key
 ])

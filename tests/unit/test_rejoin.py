@@ -62,12 +62,12 @@ def test_a_rank_whose_old_connection_lingers_takes_it_over_and_keeps_what_it_hol
     wire = Wire(ledger)
     for r in (0, 1):
         ledger.join_rank(f"old{r}".encode(), hello(r))
-        ledger.grant(ledger.rank(f"old{r}".encode()), 4)
+        ledger.set_window(ledger.rank(f"old{r}".encode()), 4, 0)
     wire.dispatch()
     got0 = list(wire.got[b"old0"])
     assert len(got0) == 4
     # Rank 0 consumed two, holds two, and its link drops; the broker still holds the old connection (FIN lost).
-    ledger.acknowledge(ledger.rank(b"old0"), [list(got0[0])])        # this ack arrived
+    ledger.acknowledge(ledger.rank(b"old0"), list(got0[0]))        # this ack arrived
     wire.cut.add(b"old0")
     # rank 0's second ack was lost in the cut; it reconnects on a new connection and says who it is
     missed = ledger.join_rank(b"new0", hello(0, resume=True), held=got0[2:], consumed=got0[:2])
@@ -76,7 +76,7 @@ def test_a_rank_whose_old_connection_lingers_takes_it_over_and_keeps_what_it_hol
     stats = ledger.streams["s"].epochs[0]
     assert stats.acked == 2 and ledger.streams["s"].rejoins == 1
     # nothing of rank 0's goes to anyone else, and the rest of the epoch is shared out as usual
-    ledger.grant(ledger.rank(b"new0"), 2)
+    ledger.set_window(ledger.rank(b"new0"), 4, 0)   # it holds two: room for two more
     wire.dispatch()
     assert not set(got0) & set(wire.got[b"old1"]) and not set(got0) & set(wire.got.get(b"new0", []))
 
@@ -90,7 +90,7 @@ def test_another_process_cannot_take_a_connected_rank_number(ledger):
 def test_the_same_hello_twice_on_one_connection_changes_nothing(ledger):
     feed(ledger, 4)
     ledger.join_rank(b"a", hello(0, size=1))
-    ledger.grant(ledger.rank(b"a"), 2)
+    ledger.set_window(ledger.rank(b"a"), 2, 0)
     Wire(ledger).dispatch()
     inflight = dict(ledger.rank(b"a").inflight)
     assert ledger.join_rank(b"a", hello(0, size=1, resume=True)) == []
@@ -102,18 +102,18 @@ def test_a_lost_rank_keeps_its_batches_for_the_grace_then_they_go_to_the_others(
     wire = Wire(ledger)
     for r in (0, 1):
         ledger.join_rank(f"r{r}".encode(), hello(r, even=False))
-        ledger.grant(ledger.rank(f"r{r}".encode()), 3)
+        ledger.set_window(ledger.rank(f"r{r}".encode()), 3, 0)
     wire.dispatch()
     lost = set(wire.got[b"r0"])
     ledger.rank_gone(b"r0", "disconnected")
     survivor = ledger.rank(b"r1")
-    ledger.acknowledge(survivor, [list(i) for i in wire.got[b"r1"]])
-    ledger.grant(survivor, 3)
+    ledger.acknowledge(survivor, [x for i in wire.got[b"r1"] for x in i])
+    ledger.set_window(survivor, 3, 0)
     wire.dispatch()
     assert not lost & set(wire.got[b"r1"]), "a lost rank's batches went to another rank within the grace"
     ledger.expire_orphans(now=float("inf"))
-    ledger.acknowledge(survivor, [list(i) for i in ledger.rank(b"r1").inflight])
-    ledger.grant(survivor, 12)
+    ledger.acknowledge(survivor, [x for i in ledger.rank(b"r1").inflight for x in i])
+    ledger.set_window(survivor, 12, 0)
     wire.dispatch()
     assert lost <= set(wire.got[b"r1"])
     assert ledger.streams["s"].epochs[0].redelivered == len(lost)
@@ -123,7 +123,7 @@ def test_a_rank_that_said_bye_gives_its_batches_back_at_once(ledger):
     feed(ledger, 6)
     wire = Wire(ledger)
     ledger.join_rank(b"a", hello(0, size=1, even=False))
-    ledger.grant(ledger.rank(b"a"), 2)
+    ledger.set_window(ledger.rank(b"a"), 2, 0)
     wire.dispatch()
     ledger.rank_gone(b"a", "said goodbye", keep=False)
     assert not ledger.streams["s"].orphans and len(ledger.streams["s"].epochs[0].queue) == 6
@@ -134,14 +134,14 @@ def test_a_new_job_on_the_same_rank_numbers_gets_the_dead_jobs_batches_at_once(l
     wire = Wire(ledger)
     for r in (0, 1):
         ledger.join_rank(f"old{r}".encode(), hello(r, session=f"old{r}"))
-        ledger.grant(ledger.rank(f"old{r}".encode()), 2)
+        ledger.set_window(ledger.rank(f"old{r}".encode()), 2, 0)
     wire.dispatch()
     for r in (0, 1):
         ledger.rank_gone(f"old{r}".encode(), "disconnected")
     assert len(ledger.streams["s"].orphans) == 2
     for r in (0, 1):
         ledger.join_rank(f"new{r}".encode(), hello(r, session=f"new{r}"))
-        ledger.grant(ledger.rank(f"new{r}".encode()), 10)
+        ledger.set_window(ledger.rank(f"new{r}".encode()), 10, 0)
     assert not ledger.streams["s"].orphans
     wire.dispatch()
     delivered = sorted(wire.got[b"new0"] + wire.got[b"new1"])
@@ -153,7 +153,7 @@ def test_a_rank_back_after_the_epoch_ended_gets_its_lost_batches_then_the_end(le
     wire = Wire(ledger)
     for r in (0, 1):
         ledger.join_rank(f"r{r}".encode(), hello(r))
-        ledger.grant(ledger.rank(f"r{r}".encode()), 2)
+        ledger.set_window(ledger.rank(f"r{r}".encode()), 2, 0)
     wire.cut.add(b"r0")                   # rank 0's link is down: its batches and the epoch's end never arrive
     wire.dispatch()
     stream = ledger.streams["s"]
@@ -171,10 +171,10 @@ def test_after_a_journalled_restart_a_rank_keeps_what_it_held_and_consumed(tmp_p
     wire = Wire(before)
     for r in (0, 1):
         before.join_rank(f"r{r}".encode(), hello(r))
-        before.grant(before.rank(f"r{r}".encode()), 2)
+        before.set_window(before.rank(f"r{r}".encode()), 2, 0)
     wire.dispatch()
     got = {r: list(wire.got[f"r{r}".encode()]) for r in (0, 1)}
-    before.acknowledge(before.rank(b"r0"), [list(got[0][0])])
+    before.acknowledge(before.rank(b"r0"), list(got[0][0]))
     before.journal.close()
 
     after = Ledger(Journal(tmp_path))
@@ -185,7 +185,7 @@ def test_after_a_journalled_restart_a_rank_keeps_what_it_held_and_consumed(tmp_p
     after.join_rank(b"n1", hello(1, resume=True), held=got[1], consumed=[])
     wire = Wire(after)
     for r in (0, 1):
-        after.grant(after.rank(f"n{r}".encode()), 8)
+        after.set_window(after.rank(f"n{r}".encode()), 8, 0)
     wire.dispatch()
     sent_again = set(wire.got.get(b"n0", [])) | set(wire.got.get(b"n1", []))
     assert not sent_again & (set(got[0]) | set(got[1])), "a batch a rank had was sent again"

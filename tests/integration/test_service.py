@@ -1,0 +1,112 @@
+"""The broker as a service: CURVE keys by role, refusals counted, and Prometheus metrics that match the ranks."""
+
+import json
+import threading
+import urllib.request
+
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from broker.auth import create_keypair
+from broker.client import ControlClient, fetch_stats
+from broker.errors import BrokerError
+from feeder import feed
+from sources import labelled_frame
+from worker import BatchStream
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture
+def keys(tmp_path):
+    """A key directory (the broker's pair, one allowed feeder, one allowed rank) and the clients' own pairs."""
+    authority, clients = tmp_path / "auth", tmp_path / "clients"
+    for folder in (authority / "feeders", authority / "ranks", clients):
+        folder.mkdir(parents=True)
+    create_keypair(authority / "broker")
+    made = {}
+    for name, role in (("feeder", "feeders"), ("rank", "ranks"), ("stranger", None)):
+        public, secret = create_keypair(clients / name)
+        if role:
+            (authority / role / public.name).write_bytes(public.read_bytes())
+        made[name] = str(secret)
+    made["broker"] = str(authority / "broker.key")
+    made["dir"] = str(authority)
+    return made
+
+
+def consume(address, out, **kwargs):
+    try:
+        with BatchStream(address, stream="secure", timeout=60, **kwargs) as stream:
+            out["ids"] = np.concatenate([batch["id"].copy() for batch in stream.epoch()])
+    except BaseException as exc:         # reported by the test
+        out["error"] = exc
+
+
+def test_only_allowed_keys_in_their_role_get_in_and_the_allowed_stream_is_exact(spark, start_broker, keys):
+    broker = start_broker("--auth", keys["dir"])
+    got = {}
+    consumer = threading.Thread(target=consume, args=(broker.ranks, got),
+                                kwargs=dict(key=keys["rank"], broker_key=keys["broker"]))
+    consumer.start()
+    refusals = {
+        "no key": dict(),
+        "a key the broker does not know": dict(key=keys["stranger"], broker_key=keys["broker"]),
+        "a feeder's key on the ranks socket": dict(key=keys["feeder"], broker_key=keys["broker"]),
+    }
+    for what, credentials in refusals.items():
+        with pytest.raises(BrokerError, match="no answer"):
+            BatchStream(broker.ranks, stream="secure", timeout=2, **credentials).close()
+    with ControlClient(broker.control, 2, key=keys["rank"], broker_key=keys["broker"]) as rank_as_feeder:
+        with pytest.raises(BrokerError, match="no reply"):
+            rank_as_feeder.hello("feeder", "secure")
+    report = feed(labelled_frame(spark, rows=5_000, partitions=2), broker.feed, stream="secure", batch_size=250,
+                  timeout=60, key=keys["feeder"], broker_key=keys["broker"])
+    consumer.join(60)
+    assert "error" not in got, got.get("error")
+    np.testing.assert_array_equal(np.sort(got["ids"]), np.arange(5_000))
+    assert report.rows == 5_000
+    stats = fetch_stats(broker.control, key=keys["feeder"], broker_key=keys["broker"])
+    refused = {**stats["broker"]["rejected"].get("ranks", {}), **stats["broker"]["rejected"].get("control", {})}
+    assert refused.get("auth_unknown_key", 0) >= 1 and refused.get("auth_wrong_role", 0) >= 1
+    assert refused.get("auth_no_key", 0) >= 1
+    log = broker.log.read_text()
+    assert "refused on the ranks socket (unknown_key): peer 127.0.0.1" in log
+
+
+def scrape(url):
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_over_http_match_what_the_ranks_received(spark, start_broker):
+    broker = start_broker("--metrics-port", "0", "--heartbeat", "200ms")
+    url = json.loads(broker.ready_file.read_text())["metrics"]
+    got = {}
+    with BatchStream(broker.ranks, stream="watched", timeout=60) as stream:
+        consumer = threading.Thread(target=lambda: got.update(
+            batches=sum(1 for _ in stream.epoch())))
+        consumer.start()
+        report = feed(labelled_frame(spark, rows=6_000, partitions=3), broker.feed, stream="watched",
+                      batch_size=500, timeout=60)
+        consumer.join(60)
+        epoch = {"stream": "watched", "epoch": "0"}
+
+        def settled():
+            samples = scrape(url)
+            key = ("sparkbus_batches_acked_total", tuple(sorted(epoch.items())))
+            return samples.get(key) == got["batches"] and samples
+
+        from helpers import wait_for
+        samples = wait_for(settled, 10, "the published figures to catch up with the rank")
+    labels = tuple(sorted(epoch.items()))
+    assert samples[("sparkbus_rows_in_total", labels)] == 6_000 == report.rows
+    assert samples[("sparkbus_batches_in_total", labels)] == got["batches"] == report.batches == 12
+    assert samples[("sparkbus_batches_out_total", labels)] == 12
+    assert samples[("sparkbus_partitions_committed", labels)] == 3
+    rank = tuple(sorted({"stream": "watched", "rank": "0"}.items()))
+    assert samples[("sparkbus_rank_batches_consumed_total", rank)] == 12
+    assert samples[("sparkbus_rank_first_batch_seconds", rank)] > 0
