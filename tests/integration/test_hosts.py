@@ -362,7 +362,8 @@ def test_a_broker_cut_shorter_than_the_feed_timeout_delays_the_epoch(net, hosts)
     the feed); the feed timeout is 15 s, so the tasks wait the cut out and the epoch completes. The ranks run on
     the broker's host here: this is about the feed (a cut of the ranks' own link is the two tests above)."""
     broker = hosts.start_broker("--max-buffer", "16KiB")
-    ranks = hosts.start_ranks(broker, "--stream", "feedcut", *SLOW, host="broker")
+    # windows of 4 batches (no byte window): the buffer stays full of batches waiting for the slow ranks
+    ranks = hosts.start_ranks(broker, "--stream", "feedcut", *SLOW, "--prefetch-bytes", "0", host="broker")
     fed = hosts.feed(broker, "feedcut", timeout=15)
     at_cut = wait_for(lambda: held_back(hosts.stats(broker), "feedcut"), 60, "the feed paused by a full buffer")
     net.cut("broker")
