@@ -108,6 +108,14 @@ def run_status(args: argparse.Namespace) -> int:
     except (ValueError, AuthError) as exc:
         print(f"sparkbus status: error: {exc}", file=sys.stderr)
         return 2
+    if args.watch:
+        from .status import watch
+        try:
+            watch(lambda: {address: fetch_stats(address, args.timeout) for address in addresses}, args.interval)
+        except BrokerError as exc:
+            print(f"sparkbus status: {exc}", file=sys.stderr)
+            return 1
+        return 0
     try:
         stats = {address: fetch_stats(address, args.timeout) for address in addresses}
     except BrokerError as exc:
@@ -174,6 +182,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="the broker's control or ranks address, e.g. tcp://host:5557; several brokers' as a "
                              "comma-separated list (default: SPARKBUS_STATUS_ADDRESS)")
     status.add_argument("--json", action="store_true", help="print the raw figures as JSON")
+    status.add_argument("--watch", action="store_true",
+                        help="redraw the live figures, with each rank's share of time waiting for data, until Ctrl-C")
+    status.add_argument("--interval", type=_argument_type(parse_duration), default=1.0,
+                        help="seconds between redraws with --watch (default 1s)")
     status.add_argument("--timeout", type=_argument_type(parse_duration), default=5.0,
                         help="how long to wait for each broker (default 5s)")
     status.add_argument("--key", help="this client's .key_secret file, for a broker with --auth: a feeder's key "

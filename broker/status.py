@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import Any, Callable
 
 
 def _mib(n: int) -> str:
@@ -56,3 +57,52 @@ def render_totals(total: dict[str, Any]) -> str:
         lines.append(f"stream {name!r}: {t['ranks']} ranks; in {t['batches_in']} batches {t['rows_in']} rows, "
                      f"out {t['batches_out']}, acked {t['acked']}, queued {t['queued']}")
     return "\n".join(lines)
+
+
+def watch(fetch: Callable[[], dict[str, dict[str, Any]]], interval: float) -> None:
+    """Redraw the figures of one or more brokers (``fetch`` returns them by address) until Ctrl-C (rich Live).
+
+    Each rank's wait share is the part of the last interval its training loop spent waiting for data, from the
+    ``wait_s`` it reports on its acknowledgements and heartbeats.
+    """
+    from rich.live import Live
+
+    previous: dict[tuple[str, str, int], tuple[float, float]] = {}
+    try:
+        with Live(_watch_table(fetch(), previous), refresh_per_second=4, screen=False) as live:
+            while True:
+                time.sleep(interval)
+                live.update(_watch_table(fetch(), previous))
+    except KeyboardInterrupt:
+        pass
+
+
+def _watch_table(stats: dict[str, dict[str, Any]], previous: dict) -> Any:
+    from rich.console import Group
+    from rich.table import Table
+
+    now = time.monotonic()
+    tables = []
+    for address, one in stats.items():
+        b = one["broker"]
+        table = Table(title=f"{address}: buffer {_mib(b['buffered_bytes'])} of {_mib(b['max_buffer'])}"
+                            f"{' (feed paused)' if b['feed_paused'] else ''}", title_justify="left")
+        for column in ("stream", "epoch", "in", "out", "acked", "queued", "rank", "in flight", "consumed",
+                       "wait share"):
+            table.add_column(column, justify="left" if column == "stream" else "right", no_wrap=True)
+        for name, s in sorted(one["streams"].items()):
+            live = [(n, e) for n, e in s["epochs"].items() if not e["ended"] or e["queued"]] or \
+                list(s["epochs"].items())[-1:]
+            for number, e in live:
+                table.add_row(name, number, str(e["batches_in"]), str(e["batches_out"]), str(e["acked"]),
+                              str(e["queued"]), "", "", "", "")
+            for r in sorted(s["ranks"], key=lambda r: r["rank"]):
+                key = (address, name, r["rank"])
+                wait = float(r.get("wait_s", 0.0))
+                before = previous.get(key)
+                share = f"{(wait - before[0]) / (now - before[1]):.0%}" if before and now > before[1] else "-"
+                previous[key] = (wait, now)
+                table.add_row(name, "", "", "", "", "", str(r["rank"]), str(r["inflight"]),
+                              str(r.get("consumed", "-")), share)
+        tables.append(table)
+    return Group(*tables)

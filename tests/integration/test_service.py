@@ -110,3 +110,29 @@ def test_metrics_over_http_match_what_the_ranks_received(spark, start_broker):
     rank = tuple(sorted({"stream": "watched", "rank": "0"}.items()))
     assert samples[("sparkbus_rank_batches_consumed_total", rank)] == 12
     assert samples[("sparkbus_rank_first_batch_seconds", rank)] > 0
+
+
+def test_status_watch_redraws_each_rank_until_interrupted(spark, start_broker):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    broker = start_broker()
+    with BatchStream(broker.ranks, stream="looked", timeout=60) as stream:
+        consumer = threading.Thread(target=lambda: sum(1 for _ in stream.epoch()))
+        consumer.start()
+        feed(labelled_frame(spark, rows=1_000, partitions=1), broker.feed, stream="looked", batch_size=100,
+             timeout=60)
+        consumer.join(60)
+        watcher = subprocess.Popen([sys.executable, "-m", "broker.cli", "status", "--watch", "--interval", "0.2",
+                                    broker.control], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                   env={**os.environ, "COLUMNS": "160"})
+        time.sleep(1.0)               # the behaviour under test: it keeps redrawing (5 intervals) until Ctrl-C
+        assert watcher.poll() is None, watcher.communicate(timeout=5)
+        watcher.send_signal(signal.SIGINT)
+        out, err = watcher.communicate(timeout=10)
+    assert watcher.returncode == 0, err
+    assert "wait share" in out and "looked" in out
+    assert f"{broker.control}: buffer" in out
