@@ -3,7 +3,8 @@
 The hosts are network namespaces on a bridge (launch/netns.py): ``spark`` 10.213.0.1 runs Spark in local mode
 and the feeder (a child process, tests/integration/host_agent.py, one for the module), ``broker`` 10.213.0.2
 runs ``python -m broker`` (and an agent that asks it for its figures), ``ranks`` 10.213.0.3 runs
-``mpiexec -n 2 rank_main.py``. Every sparkbus connection crosses two interfaces and the bridge; MPI stays on
+``mpiexec -n 2 rank_main.py``, ``broker2`` 10.213.0.4 a second broker when one stream is served by two. Every
+sparkbus connection crosses two interfaces and the bridge; MPI stays on
 the ranks' loopback. A link is cut by setting the host's bridge port down; a firewall that forgot the
 connections is a filter dropping the host's outgoing FIN and RST.
 
@@ -59,7 +60,7 @@ def net():
     if previous is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _interrupt)
     try:
-        with netns.Network(["spark", "broker", "ranks"]) as network:
+        with netns.Network(["spark", "broker", "ranks", "broker2"]) as network:
             yield network
     finally:
         signal.signal(signal.SIGTERM, previous)
@@ -154,23 +155,29 @@ class Hosts:
         self.brokers: list[Broker] = []
         self.jobs: list[RankJob] = []
 
-    def start_broker(self, *flags: str) -> Broker:
-        broker = Broker(self.net, "broker", self.tmp / f"broker{len(self.brokers)}.log", flags)
+    def start_broker(self, *flags: str, host: str = "broker") -> Broker:
+        broker = Broker(self.net, host, self.tmp / f"broker{len(self.brokers)}.log", flags)
         self.brokers.append(broker)
         return broker
 
-    def start_ranks(self, broker: Broker, *flags: str, host: str = "ranks") -> RankJob:
-        job = RankJob(self.net, host, self.tmp / f"ranks{len(self.jobs)}", broker.ranks, flags)
+    def start_ranks(self, broker: Broker | list[Broker], *flags: str, host: str = "ranks") -> RankJob:
+        brokers = broker if isinstance(broker, list) else [broker]
+        job = RankJob(self.net, host, self.tmp / f"ranks{len(self.jobs)}", ",".join(b.ranks for b in brokers),
+                      flags)
         self.jobs.append(job)
         return job
 
-    def feed(self, broker: Broker, stream: str, *, timeout: float, pause: float = 0.0) -> int:
-        """Start ``feed()`` of ROWS rows on the spark host (tasks sleep ``pause`` s per batch); see :meth:`fed`."""
+    def feed(self, broker: Broker | list[Broker], stream: str, *, timeout: float, pause: float = 0.0,
+             partitions: int = 2) -> int:
+        """Start ``feed()`` of ROWS rows on the spark host (tasks sleep ``pause`` s per batch) to one broker or
+        several; see :meth:`fed`."""
         if not getattr(self.agents, "spark_ready", False):
             self.agents.feeder.request("ping", wait=120)        # the SparkSession is up
             self.agents.spark_ready = True
-        return self.agents.feeder.submit("feed", address=broker.feed, stream=stream, rows=ROWS, partitions=2,
-                                         batch_size=BATCH, timeout=timeout, pause=pause)
+        brokers = broker if isinstance(broker, list) else [broker]
+        return self.agents.feeder.submit("feed", address=",".join(b.feed for b in brokers), stream=stream,
+                                         rows=ROWS, partitions=partitions, batch_size=BATCH, timeout=timeout,
+                                         pause=pause)
 
     def fed(self, number: int, wait: float) -> dict:
         """The FeedReport of a :meth:`feed` (raises AgentError with the feeder's exception if it failed)."""
@@ -312,6 +319,21 @@ def test_every_row_once_across_hosts(net, hosts):
     assert_equal_steps(summaries)
     received, _ = net.link_bytes("broker")
     assert received - before > ROWS * 12, "the batches did not cross the broker's interface"
+
+
+def test_two_brokers_on_two_hosts_serve_one_stream_to_ranks_on_a_third(net, hosts):
+    """Several brokers: each partition streams through one of them, the ranks read both (issue 9, part 3)."""
+    brokers = [hosts.start_broker(), hosts.start_broker(host="broker2")]
+    ranks = hosts.start_ranks(brokers, "--stream", "pair")
+    report = hosts.fed(hosts.feed(brokers, "pair", timeout=30, partitions=4), 120)
+    summaries = ranks.wait(60)
+    assert report["rows"] == ROWS and report["brokers"] == [2, 2]
+    assert_exactly_once(ranks.ids(), ROWS)
+    assert_equal_steps(summaries)
+    for broker, host in zip(brokers, ("broker", "broker2")):
+        epoch = hosts.epoch(broker, "pair")
+        assert epoch["committed"] == 2 and epoch["rows_in"] == ROWS // 2, (host, epoch)
+        assert net.address(host) in broker.feed
 
 
 def test_ranks_rejoin_after_a_cut_shorter_than_dead_after_while_fin_and_rst_are_lost(net, hosts):
