@@ -66,6 +66,7 @@ def _send_job(conn: Any, job: dict) -> dict:
         from feeder.task import stream_partition
 
         more = {"pack_bytes": job["pack_bytes"]} if "pack_bytes" in job else {}     # a diagnostic's setting
+        more |= {k: job[k] for k in ("key", "broker_key") if k in job}              # CURVE (a broker with --auth)
         stream_partition(batches, job["feed"], job["control"], job["stream"], job.get("epoch", 0),
                          job.get("partition", 0), 0, job.get("timeout", 60.0), **more)
     clock["t_done"] = time.time()
@@ -141,8 +142,9 @@ def _receive_zmq(conn: Any, job: dict) -> dict:
 def _receive_sparkbus(conn: Any, job: dict) -> dict:
     from worker import BatchStream
 
+    keys = {k: job[k] for k in ("key", "broker_key") if k in job}                  # CURVE (a broker with --auth)
     with BatchStream(job["ranks"], stream=job["stream"], comm=None, prefetch=job.get("prefetch", 4),
-                     verify=job.get("verify", True), timeout=job.get("timeout", 60.0)) as stream:
+                     verify=job.get("verify", True), timeout=job.get("timeout", 60.0), **keys) as stream:
         conn.send(("ok", {"endpoint": job["ranks"]}))      # joined: the parent may start the feed
         n, t_last, t_first = 0, None, None
         for batch in stream.epoch():

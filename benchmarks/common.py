@@ -173,10 +173,13 @@ class Children:
     def agent(self, name: str, target: Callable, *args: Any) -> Agent:
         return self.add(Agent(name, target, *args))
 
-    def broker(self, max_buffer: int | str = "256MiB", timeout: float = 20.0) -> BrokerProcess:
-        """``python -m broker`` on loopback ports it picks itself; returns once it is listening."""
+    def broker(self, max_buffer: int | str = "256MiB", timeout: float = 20.0, *flags: str) -> BrokerProcess:
+        """``python -m broker`` on loopback ports it picks itself; returns once it is listening.
+
+        ``flags``: more ``python -m broker`` flags, e.g. ``"--auth", DIR``.
+        """
         broker = BrokerProcess(self.log("broker"), "--max-buffer", str(max_buffer), "--log-level", "WARNING",
-                               cwd=ROOT)
+                               *flags, cwd=ROOT)
         return self.add(broker.start(timeout))
 
     def mpiexec(self, name: str, n: int, script: str, *args: str) -> ChildProcess:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from common import MiB, ROOT, Sizes, median
-from hop import MODES, SIZES, size_label
+from hop import CURVE_MODE, MODES, SIZES, curve_pairs, size_label
 from spark_data import ROW_BYTES
 
 NAN = float("nan")
@@ -245,7 +245,7 @@ def markdown(r: dict) -> str:
                          _f(s.mb_per_s / d.mb_per_s, ".2f")])
         parts.append(_table(["batch", "direct MB/s", "direct b/s", "zmq.proxy MB/s", "zmq.proxy b/s",
                              "sparkbus MB/s", "sparkbus b/s", "sparkbus / zmq.proxy", "sparkbus / direct"], rows))
-        extra = [h for h in r["hop"] if h.mode not in MODES]
+        extra = [h for h in r["hop"] if h.mode not in MODES and h.mode != CURVE_MODE]
         if extra:
             parts += ["", "Diagnostics (not targets), the sparkbus hop with one default changed: " + "; ".join(
                 f"`{h.mode}` at {size_label(h.size)}: {_mb(h.mb_per_s)} MB/s, {_f(h.batches_per_s)} b/s "
@@ -254,6 +254,7 @@ def markdown(r: dict) -> str:
                 "`verify=False` shows what the ranks' checksum check costs" + (
                     "; `unpacked` (the feeder's `pack_bytes=0`) what packing small batches gains." if any(
                         h.mode.endswith("unpacked") for h in extra) else ".")]
+        parts += _curve_markdown(r)
 
     if r.get("e2e"):
         e2e = r["e2e"]
@@ -352,6 +353,32 @@ def markdown(r: dict) -> str:
     return "\n".join(parts) + "\n"
 
 
+def _curve_markdown(r: dict) -> list[str]:
+    """The CURVE rows of section 1: the sparkbus hop with and without ``--auth``. A cost, not a target."""
+    pairs = curve_pairs(r["hop"])
+    if not pairs:
+        return []
+    rows = [[size_label(plain.size), _mb(plain.mb_per_s), _f(plain.batches_per_s), _mb(curve.mb_per_s),
+             _f(curve.batches_per_s), _f(curve.mb_per_s / plain.mb_per_s, ".2f")] for plain, curve in pairs]
+    return ["", "### What CURVE costs (`--auth`)", "",
+            "The sparkbus hop through a second broker started with `--auth DIR` (otherwise the same flags), with "
+            "keys made for this run (`broker.auth.create_keypair`: the broker's pair, a feeder's key in "
+            "`DIR/feeders`, a rank's in `DIR/ranks`), every client passing `key=` and `broker_key=`: each batch is "
+            "encrypted by the feeder, decrypted and encrypted again by the broker, and decrypted by the rank. Each "
+            "repetition runs right after the plain sparkbus hop of the same size (the `sparkbus` column above), "
+            "which is the plain figure here.", "",
+            _table(["batch", "plain MB/s", "plain b/s", "CURVE MB/s", "CURVE b/s", "CURVE / plain"], rows),
+            "", "Diagnostic (a cost, not a target): CURVE ran at " + curve_summary(r) + "."]
+
+
+def curve_summary(r: dict) -> str:
+    """``0.45 x the plain rate at 64 KiB, 0.31 x at 1 MiB`` (empty if the CURVE rows were not measured)."""
+    pairs = curve_pairs(r.get("hop") or [])
+    return ", ".join(f"{curve.mb_per_s / plain.mb_per_s:.2f} x{' the plain rate' if i == 0 else ''} at "
+                     f"{size_label(plain.size)} ({_mb(curve.mb_per_s)} vs {_mb(plain.mb_per_s)} MB/s)"
+                     for i, (plain, curve) in enumerate(pairs))
+
+
 def _brokers_markdown(r: dict) -> list[str]:
     b = r["brokers"]
     series = b["series"]
@@ -443,6 +470,8 @@ def console_targets(r: dict) -> str:
     w2 = max(len(t.goal) for t in ts)
     lines = [f"{'target'.ljust(w1)}  {'goal'.ljust(w2)}  verdict  measured"]
     lines += [f"{t.what.ljust(w1)}  {t.goal.ljust(w2)}  {t.verdict.ljust(7)}  {t.measured}" for t in ts]
+    if curve_summary(r):
+        lines += ["", f"CURVE (--auth) vs plain sparkbus hop (a cost, not a target): {curve_summary(r)}"]
     return "\n".join(lines)
 
 
@@ -454,6 +483,9 @@ def to_json(r: dict) -> dict:
     if r.get("hop"):
         out["hop"] = [{"mode": h.mode, "size": h.size, "mb_per_s": h.mb_per_s, "batches_per_s": h.batches_per_s,
                        "runs": h.runs} for h in r["hop"]]
+        out["curve"] = [{"size": plain.size, "plain_mb_per_s": plain.mb_per_s, "curve_mb_per_s": curve.mb_per_s,
+                         "plain_batches_per_s": plain.batches_per_s, "curve_batches_per_s": curve.batches_per_s,
+                         "ratio": curve.mb_per_s / plain.mb_per_s} for plain, curve in curve_pairs(r["hop"])]
     if r.get("e2e"):
         out["dataset"] = r["dataset"]
         out["e2e"] = {k: s.runs for k, s in r["e2e"].items()}

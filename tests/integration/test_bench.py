@@ -25,10 +25,20 @@ def test_the_quick_benchmark_runs_and_writes_its_report(tmp_path):
                    "data-wait (even=True)", "4 ranks vs 1 rank on one broker", "broker peak RSS"):
         assert target in report
     assert "not run" not in report                  # every section produced its figure
-    for section in ("## 5. Several brokers", "## 6. Spark configurations"):
+    for section in ("### What CURVE costs (`--auth`)", "## 5. Several brokers", "## 6. Spark configurations"):
         assert section in report
+    # the CURVE rows (a cost, not a target): 64 KiB and 1 MiB with and without --auth, and their ratio
+    curve = report.split("### What CURVE costs")[1].split("\n## ")[0]
+    for row in ("| 64 KiB |", "| 1 MiB |"):
+        assert any(line.startswith(row) for line in curve.splitlines())
+    assert "Diagnostic (a cost, not a target): CURVE ran at" in report
+    assert "CURVE" not in "".join(line for line in report.splitlines() if "**PASS**" in line or "**MISS**" in line)
     figures = json.loads((tmp_path / "results.json").read_text())
     assert {h["size"] for h in figures["hop"]} >= {1 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20}
+    assert {(h["mode"], h["size"]) for h in figures["hop"] if h["runs"]} >= {
+        ("sparkbus, CURVE", 64 << 10), ("sparkbus, CURVE", 1 << 20)}
+    assert [c["size"] for c in figures["curve"]] == [64 << 10, 1 << 20]
+    assert all(c["curve_mb_per_s"] > 0 and c["plain_mb_per_s"] > 0 and c["ratio"] > 0 for c in figures["curve"])
     assert sorted(figures["brokers"]["runs"]) == ["1", "2", "4"]
     assert {(p["config"], p["partitions"]) for p in figures["spark"]["points"]} == {("local", 4), ("local", 16)}
     assert (tmp_path / "throughput.png").stat().st_size > 10_000
