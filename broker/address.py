@@ -48,3 +48,19 @@ def broker_addresses(value: str | Sequence[str] | None, variable: str) -> list[s
     if len(set(addresses)) != len(addresses):
         raise ValueError(f"a broker address is given twice in {value!r}")
     return addresses
+
+
+def feed_and_control_addresses(feed: str | Sequence[str] | None,
+                               control: str | Sequence[str] | None = None) -> tuple[list[str], list[str]]:
+    """The brokers' feed addresses (``SPARKBUS_FEED_ADDRESS`` when None) and their control addresses, in the same
+    order: given (``SPARKBUS_CONTROL_ADDRESS``), or each feed port + 2.
+
+    Raises:
+        ValueError: as :func:`broker_addresses`, or not as many control addresses as feed addresses.
+    """
+    feeds = broker_addresses(feed, "SPARKBUS_FEED_ADDRESS")
+    controls = (broker_addresses(control, "SPARKBUS_CONTROL_ADDRESS") if control
+                else [control_address(f) for f in feeds])
+    if len(controls) != len(feeds):
+        raise ValueError(f"{len(feeds)} feed addresses but {len(controls)} control addresses")
+    return feeds, controls

@@ -342,6 +342,20 @@ def make_curve_client(socket: zmq.Socket, key: str | os.PathLike | None = None,
     return True
 
 
-__all__ = ["ZAP_ENDPOINT", "KEY_ENV", "BROKER_KEY_ENV", "BROKER_KEY_FILE", "DOMAIN_ROLES", "ROLE_FOLDERS",
+def client_socket(context: zmq.Context, kind: int, key: str | os.PathLike | None = None,
+                  broker_key: str | os.PathLike | None = None) -> zmq.Socket:
+    """A new socket of ``kind`` (linger 0) with the client's CURVE keys if configured (see
+    :func:`make_curve_client`), not yet connected. Raises :class:`AuthError` as that does, leaving no socket."""
+    sock = context.socket(kind)
+    sock.linger = 0
+    try:
+        make_curve_client(sock, key, broker_key)
+    except BaseException:
+        sock.close(linger=0)
+        raise
+    return sock
+
+
+__all__ = ["ZAP_ENDPOINT", "client_socket", "KEY_ENV", "BROKER_KEY_ENV", "BROKER_KEY_FILE", "DOMAIN_ROLES", "ROLE_FOLDERS",
            "create_keypair", "load_public_key", "load_key_pair", "KeyAuthority", "zap_reply", "handshake_refusal",
            "server_socket_options", "make_curve_server", "make_curve_client"]

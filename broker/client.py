@@ -12,7 +12,7 @@ from typing import Any
 
 import zmq
 
-from .auth import make_curve_client
+from .auth import client_socket
 from .errors import BrokerError, ProtocolError
 from .protocol import Kind, pack_header, unpack_header
 
@@ -35,13 +35,7 @@ class ControlClient:
         self.address = address
         self.timeout = timeout
         self._req = itertools.count(1)
-        self._sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
-        self._sock.linger = 0
-        try:
-            make_curve_client(self._sock, key, broker_key)
-        except BaseException:
-            self._sock.close(linger=0)
-            raise
+        self._sock = client_socket(context or zmq.Context.instance(), zmq.DEALER, key, broker_key)
         self._sock.connect(address)
 
     def request(self, kind: Kind, timeout: float | None = None, **fields: Any) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from contextlib import ExitStack
 from typing import Any, Iterator, NamedTuple, Sequence
 
 from broker.client import ControlClient
-from broker.address import broker_addresses, control_address
+from broker.address import feed_and_control_addresses
 from broker.errors import BrokerError, FeedError
 from broker.protocol import Kind
 
@@ -82,11 +82,7 @@ def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "t
         TypeError: an unsupported column type (named), found before any job runs.
     """
     started = time.monotonic()
-    feeds = broker_addresses(address, "SPARKBUS_FEED_ADDRESS")
-    controls = (broker_addresses(control, "SPARKBUS_CONTROL_ADDRESS") if control
-                else [control_address(f) for f in feeds])
-    if len(controls) != len(feeds):
-        raise ValueError(f"{len(feeds)} feed addresses but {len(controls)} control addresses")
+    feeds, controls = feed_and_control_addresses(address, control)
     settings = dict(feed_address=feeds, control_address=controls, stream=stream, epoch=epoch, timeout=timeout,
                     pack_bytes=pack_bytes, key=key, broker_key=broker_key)
     run = secrets.randbits(31)

@@ -8,8 +8,8 @@ from typing import Iterable, NamedTuple, Sequence
 
 import zmq
 
-from broker.address import broker_addresses, control_address as derived_control
-from broker.auth import make_curve_client
+from broker.address import feed_and_control_addresses
+from broker.auth import client_socket
 from broker.client import ControlClient
 from broker.codec import encode_batch
 from broker.errors import BrokerError, FeedTimeout
@@ -69,20 +69,14 @@ def stream_partition(batches: Iterable[dict], feed_address: str | Sequence[str],
         FeedTimeout: the broker stayed full (no batch taken) for longer than ``timeout``.
     """
     started = time.monotonic()
-    feeds = broker_addresses(feed_address, "SPARKBUS_FEED_ADDRESS")
-    controls = (broker_addresses(control_address, "SPARKBUS_CONTROL_ADDRESS") if control_address
-                else [derived_control(f) for f in feeds])
-    if len(controls) != len(feeds):
-        raise ValueError(f"{len(feeds)} feed addresses but {len(controls)} control addresses")
+    feeds, controls = feed_and_control_addresses(feed_address, control_address)
     context = zmq.Context.instance()
     with ExitStack() as clients:
         controls_open = [clients.enter_context(ControlClient(c, timeout, context, key, broker_key))
                          for c in controls]
         index = _choose_broker(controls_open, stream, epoch, partition)
         control, feed_address = controls_open[index], feeds[index]
-        push = context.socket(zmq.PUSH)
-        make_curve_client(push, key, broker_key)
-        push.linger = 0
+        push = client_socket(context, zmq.PUSH, key, broker_key)
         push.sndhwm = PUSH_SNDHWM
         push.sndtimeo = int(timeout * 1000)
         push.connect(feed_address)

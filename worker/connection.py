@@ -22,7 +22,7 @@ from typing import Any
 import zmq
 
 from broker import protocol
-from broker.auth import make_curve_client
+from broker.auth import client_socket
 from broker.errors import BrokerError
 from broker.protocol import Kind, pack_header, unpack_header
 
@@ -66,13 +66,7 @@ class BrokerConnection:
         self._req = 0
         self._rejoin_since: float | None = None       # when the broker said it no longer knew this rank
         self._refusal = ""
-        self._sock = context.socket(zmq.DEALER)
-        self._sock.linger = 0
-        try:
-            make_curve_client(self._sock, key, broker_key)
-        except BaseException:
-            self._sock.close(linger=0)
-            raise
+        self._sock = client_socket(context, zmq.DEALER, key, broker_key)
         self._sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat * 1000))    # transport-level, answered by libzmq
         self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(3 * heartbeat * 1000))
         self._sock.connect(address)
