@@ -1,9 +1,9 @@
 """The journal and `Ledger.replay`, on a temporary directory: what a restarted broker rebuilds from disk.
 
 The rule under test: a replay rebuilds what the journal holds, as the live ledger had it (what is not journaled
-on purpose: ranks, credit, deferred PARTITION_ENDs, and whether EPOCH_END went out); a torn or damaged record
-and everything after it replay as if never written, and what the restarted broker journals next is read back
-at the restart after that.
+on purpose: ranks and their windows, deferred PARTITION_ENDs, and whether EPOCH_END went out), packs of small
+batches counting their batches as live; a torn or damaged record and everything after it replay as if never
+written, and what the restarted broker journals next is read back at the restart after that.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from broker.errors import ProtocolError
 from broker.journal import Journal, Record
 from broker.ledger import Ledger, Rejected
 from broker.protocol import Kind
-from test_ledger import STREAM, Wire, ack, batch_frames, credit, end, hello, join
+from test_ledger import STREAM, Wire, ack, batch_frames, end, hello, join, nbytes, window
 
 PREFIX = struct.Struct("<II")      # a record: body length, CRC-32 of the body, then the msgpack body
 
@@ -69,7 +69,9 @@ def snapshot(ledger):
     """What a journal must preserve, comparable across a restart.
 
     Batches in flight to a rank count as waiting (a restart loses the ranks, so they are queued again), in no
-    particular order; each with its frames' bytes, so that payloads read back from the data file are checked too.
+    particular order; each with its frames' bytes, so that payloads read back from the data file are checked too,
+    and with the number of batches it carries (a pack, several). ``batches_out`` counts, as after a restart, only
+    what was acknowledged.
     """
     inflight = {i: b for r in ledger.ranks.values() for i, b in r.inflight.items()}
     streams = {}
@@ -77,11 +79,13 @@ def snapshot(ledger):
         epochs = {}
         for number, ep in stream.epochs.items():
             waiting = [b for b in ep.queue] + [b for i, b in inflight.items() if i[0] == number]
+            out = sum(b.count for i, b in inflight.items() if i[0] == number)
             epochs[number] = {
                 "partitions": ep.partitions, "delivery": ep.delivery, "committed": sorted(ep.committed),
                 "closed": ep.closed, "batches_in": ep.batches_in, "bytes_in": ep.bytes_in, "rows_in": ep.rows_in,
-                "acked": ep.acked, "duplicates": ep.duplicates, "diverged": ep.diverged, "claims": ep.claims,
-                "waiting": {b.id: [bytes(f) for f in b.frames] for b in waiting},
+                "batches_out": ep.batches_out - out, "acked": ep.acked, "duplicates": ep.duplicates,
+                "diverged": ep.diverged, "claims": ep.claims,
+                "waiting": {b.id: ([bytes(f) for f in b.frames], b.count) for b in waiting},
                 "parts": {p: {"attempts": {a: sorted(s) for a, s in part.attempts.items()},
                               "committed_attempt": part.committed_attempt, "checksums": part.checksums,
                               "held": {a: {b.id: [bytes(f) for f in b.frames] for b in held}
@@ -130,8 +134,8 @@ class Script:
                     step()
             return run
 
-        def deliver(more):
-            credit(ledger, b"r", more)
+        def deliver(batches):
+            window(ledger, b"r", batches)
             wire.dispatch()
 
         def claim(part, broker):
@@ -152,20 +156,20 @@ class Script:
             ("commit refused: another count", lambda: end(ledger, 0, 0, 1, 1)),
             ("commit", lambda: end(ledger, 0, 0, 0, 2)),
             ("partition end deferred", lambda: end(ledger, 0, 1, 2, 2)),
-            ("batch of the deferred attempt", lambda: push(ledger, 0, 1, 0, attempt=2, rows=5)),
+            ("pack of the deferred attempt", lambda: push(ledger, 0, 1, 0, attempt=2, splits=[2, 3])),
             ("batch completing a deferred commit", lambda: push(ledger, 0, 1, 1, attempt=2)),
             ("batch after the commit", lambda: push(ledger, 0, 1, 1, attempt=4)),
             ("partition end of a committed partition", lambda: end(ledger, 0, 1, 4, 7)),
             ("rank joins", lambda: join(ledger, b"r", hello())),
-            ("two sent", lambda: deliver(2)),
+            ("window of two: two sent", lambda: deliver(2)),
             ("ack", lambda: ack(ledger, b"r", wire.to(b"r")[:1])),
             ("close", lambda: ledger.close_epoch(STREAM, 0, 2)),
-            ("the rest sent", lambda: deliver(10)),
+            ("window of ten: the rest sent", lambda: deliver(10)),
             ("second epoch opened", lambda: ledger.open_epoch(STREAM, 1, 1, "stream")),
             ("its batch", lambda: push(ledger, 1, 0, 0)),
             ("acks of the rest", lambda: ack(ledger, b"r", wire.to(b"r")[1:])),
             ("ended and retired", wire.dispatch),
-            ("more credit", lambda: deliver(1)),
+            ("window of one", lambda: deliver(1)),
         ]
 
 
@@ -178,6 +182,8 @@ def test_every_transition_survives_a_restart_with_the_same_state(tmp_path, resta
         assert snapshot(restart(tmp_path)) == snapshot(live), f"after {name!r}"
     finished = restart(tmp_path).streams[STREAM]
     assert list(finished.finished) == [0] and list(finished.epochs) == [1]
+    stats = finished.finished[0]                     # partition 0: two batches; 1: a pack of two and one alone
+    assert stats["batches_in"] == stats["batches_out"] == stats["acked"] == 5
     log, data = epoch_files(tmp_path, 0)
     assert not log.exists() and not data.exists()
 
@@ -206,6 +212,46 @@ def test_a_replayed_journal_delivers_what_was_not_acknowledged_and_retires_like_
     stats = again.streams[STREAM].finished[0]
     assert stats["acked"] == 3 and stats["batches_in"] == 3
     assert again.buffered == 0
+    assert restart(tmp_path).streams[STREAM].finished[0] == stats
+
+
+def test_a_rank_resuming_after_a_restart_keeps_its_packs_and_the_figures_count_their_batches(tmp_path, restart,
+                                                                                             journals):
+    live = Ledger(journals(tmp_path))
+    live.open_epoch(STREAM, 0, 1, "stream")
+    push(live, 0, 0, 0, splits=[1, 1, 1])
+    push(live, 0, 0, 1, splits=[2, 2])
+    push(live, 0, 0, 2)
+    push(live, 0, 0, 3)
+    end(live, 0, 0, 0, 4)
+    live.close_epoch(STREAM, 0, 1)
+    h = dict(hello(), session="job")
+    join(live, b"r", h, prefetch=3)
+    Wire(live).dispatch()
+    ack(live, b"r", [(0, 0, 0)])                     # journaled: three batches consumed
+    # The broker dies. The rank consumed the second pack too (its ACK died with the broker) and holds the third.
+
+    again = restart(tmp_path)
+    ep = again.streams[STREAM].epochs[0]
+    assert ep.batches_in == 7 and ep.acked == ep.batches_out == 3
+    assert [(b.id, b.count) for b in ep.queue] == [((0, 0, 1), 2), ((0, 0, 2), 1), ((0, 0, 3), 1)]
+    assert again.join_rank(b"r2", dict(h, resume=True), held=[(0, 0, 2)], consumed=[(0, 0, 1)]) == []
+    rank = again.rank(b"r2")
+    assert set(rank.inflight) == {(0, 0, 2)} and rank.inflight_bytes == nbytes(0, 0, 2) and rank.acked == 2
+    assert ep.acked == 5 and ep.batches_out == 6 and [b.id for b in ep.queue] == [(0, 0, 3)]
+    assert ep.given_twice == 0
+    wire = Wire(again)
+    window(again, b"r2", 1)                          # what it holds fills a window of one
+    wire.dispatch()
+    assert wire.sent == [] and wire.ends == []
+    ack(again, b"r2", [(0, 0, 2)])
+    wire.dispatch()
+    assert wire.to(b"r2") == [(0, 0, 3)]
+    ack(again, b"r2", [(0, 0, 3)])
+    wire.dispatch()
+    assert wire.ends == [(b"r2", 0)] and again.buffered == 0
+    stats = again.streams[STREAM].finished[0]
+    assert stats["batches_in"] == stats["batches_out"] == stats["acked"] == 7 and stats["redelivered"] == 0
     assert restart(tmp_path).streams[STREAM].finished[0] == stats
 
 

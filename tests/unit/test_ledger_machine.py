@@ -4,15 +4,22 @@ The invariant is the delivery promise: every committed row is delivered once, no
 
 - a batch goes to a rank only as the copy the rules choose: in stream delivery the first copy the broker kept
   of that (partition, seq); in atomic delivery the committed attempt's copy, and only once it committed;
+- a batch goes to a rank only when its window has room for it (fewer than ``window`` batches in flight, or the
+  batch fits in ``window_bytes`` beside them), and after a dispatch no rank with room is left idle while the
+  delivering epoch has batches queued;
 - a batch is *consumed* when a rank acknowledges it, and no id is consumed twice, even though a batch whose rank
   died or whose broker restarted before the acknowledgement is sent again;
-- ``ledger.buffered`` is always the bytes of the batches queued, in flight and held for an atomic commit;
-- at the end (every partition committed, every epoch closed, ranks with credit acknowledging everything), each
+- ``ledger.buffered`` is always the bytes of the batches queued, in flight and held for an atomic commit, and a
+  rank's ``inflight_bytes`` the bytes of the batches in flight to it;
+- the figures count batches, a pack of small batches as many as it carries (``batches_in``, ``batches_out``,
+  ``acked``, ``redelivered``, a rank's ``batches`` and ``acked``), and ``duplicates`` counts messages;
+- at the end (every partition committed, every epoch closed, ranks with room acknowledging everything), each
   committed partition's batches were consumed exactly once, as its committing attempt sent them, unless the
   partition was reported diverged at close in stream delivery (where the promise is "detected", not "exact").
 
 Tasks are modelled per attempt: attempts 0 and 1 are Spark retries that recompute the partition identically;
-attempt 2 recomputes it differently (other data from seq 1 on, and one batch more).
+attempt 2 recomputes it differently (other data from seq 1 on, and one batch more). Any attempt may send a seq
+as a pack of two one-row batches (the same rows, so the same checksum, as that seq sent alone).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import sys
 import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -35,6 +43,7 @@ from broker.errors import ProtocolError
 from broker.journal import Journal
 from broker.ledger import Ledger, Rejected
 from broker.protocol import Kind
+from broker.state import MAX_WINDOW
 from test_ledger import STREAM, batch_frames, hello
 
 MAX_EPOCHS = 3
@@ -46,6 +55,9 @@ ATTEMPTS = st.sampled_from([0, 1, 2])
 DIVERGENT = 2            # the attempt that recomputes its partition in another way
 FINISHER = 9             # the attempt that completes, at the end, every partition still uncommitted
 WHICH = st.integers(0, 7)
+PACK = [1, 1]            # a seq sent as a pack: two one-row batches (a batch alone has two rows)
+# A window's bytes: none, about one batch (a batch alone has 101 bytes, a pack 111), two, three.
+WINDOW_BYTES = st.sampled_from([0, 120, 230, 340])
 
 
 def planned(batches: int, attempt: int) -> int:
@@ -68,11 +80,29 @@ def journal_directory() -> str:
     return tempfile.mkdtemp(prefix="sparkbus-machine-", dir=shm if os.path.isdir(shm) else None)
 
 
+class Copy(NamedTuple):
+    """One attempt's copy of a batch: which attempt, its data's checksum, the batches it carries (a pack: 2)."""
+
+    attempt: int
+    checksum: int
+    count: int
+
+
 @dataclass
 class RankModel:
     number: int
-    held: dict = field(default_factory=dict)      # batch id -> (attempt, checksum) of the copy it was sent
+    window: int = 0
+    window_bytes: int = 0
+    held: dict = field(default_factory=dict)      # batch id -> the Copy it was sent
+    nbytes: dict = field(default_factory=dict)    # batch id -> its bytes, while held
     ended: set = field(default_factory=set)       # epochs it was told had ended
+    batches: int = 0                              # batches sent to it, a pack counting its batches
+    acked: int = 0
+
+    def has_room(self, nbytes: int) -> bool:
+        """The window rule, as documented: by batches or by bytes, whichever admits more."""
+        held = len(self.held)
+        return held < self.window or (held < MAX_WINDOW and sum(self.nbytes.values()) + nbytes <= self.window_bytes)
 
 
 class LedgerMachine(RuleBasedStateMachine):
@@ -86,11 +116,15 @@ class LedgerMachine(RuleBasedStateMachine):
         self.closed: set[int] = set()
         self.diverged: dict[int, set[int]] = {}           # epoch -> partitions the OK to EPOCH_CLOSE named
         self.sent: dict[tuple, set[int]] = {}             # (epoch, part, attempt) -> seqs the broker accepted
-        self.checksums: dict[tuple, int] = {}             # (epoch, part, attempt, seq) -> checksum
-        self.first: dict[tuple, tuple] = {}               # batch id -> (attempt, checksum) of the copy kept first
+        self.copies: dict[tuple, Copy] = {}               # (epoch, part, attempt, seq) -> the copy it sent
+        self.splits: dict[tuple, list | None] = {}        # (epoch, part, attempt, seq) -> its splits (None: alone)
+        self.first: dict[tuple, Copy] = {}                # batch id -> the copy kept first
         self.committed: dict[tuple, tuple] = {}           # (epoch, part) -> (attempt, its seqs when it committed)
         self.pending: dict[tuple, int] = {}               # (epoch, part, attempt) -> batches its PARTITION_END said
-        self.consumed: dict[tuple, tuple] = {}            # batch id -> the copy a rank acknowledged
+        self.consumed: dict[tuple, Copy] = {}             # batch id -> the copy a rank acknowledged
+        self.duplicates: Counter = Counter()              # epoch -> messages accepted but not kept
+        self.redelivered: Counter = Counter()             # epoch -> batches sent again (since the last restart)
+        self.ever_sent: set = set()                       # batch ids sent to a rank (since the last restart)
         self.ranks: dict[bytes, RankModel] = {}
         self.identities = itertools.count()
 
@@ -114,8 +148,11 @@ class LedgerMachine(RuleBasedStateMachine):
     def _count(self, epoch: int, part: int, attempt: int) -> int:
         return planned(self.opened[epoch]["batches"][part], attempt)
 
-    def _push(self, epoch: int, part: int, attempt: int, seq: int) -> list:
-        frames = batch_frames(epoch, part, seq, attempt, salt=salt(attempt, seq))
+    def _frames(self, epoch: int, part: int, attempt: int, seq: int, splits=None) -> list:
+        return batch_frames(epoch, part, seq, attempt, salt=salt(attempt, seq), splits=splits)
+
+    def _push(self, epoch: int, part: int, attempt: int, seq: int, splits=None) -> list:
+        frames = self._frames(epoch, part, attempt, seq, splits)
         return self.ledger.accept_batch(protocol.unpack_header(frames[0]), frames,
                                         frames[0] if self.directory else None)
 
@@ -127,8 +164,10 @@ class LedgerMachine(RuleBasedStateMachine):
             if kind == Kind.PARTITION_COMMITTED and (epoch, part) not in self.committed:
                 self.committed[(epoch, part)] = (attempt, frozenset(self.sent.get((epoch, part, attempt), ())))
 
-    def _grant(self, identity: bytes, credit: int) -> None:
-        self.ledger.grant(self.ledger.rank(identity), credit)
+    def _window(self, identity: bytes, batches: int, nbytes: int = 0) -> None:
+        """The rank states its window (CREDIT): absolute, whatever it has in flight."""
+        self.ledger.set_window(self.ledger.rank(identity), batches, nbytes)
+        self.ranks[identity].window, self.ranks[identity].window_bytes = batches, nbytes
 
     def _forget(self, identity: bytes) -> None:
         """A rank is gone: what it held unacknowledged was not consumed and will be sent again."""
@@ -143,15 +182,15 @@ class LedgerMachine(RuleBasedStateMachine):
     # ---- the feed: driver and tasks ------------------------------------------------------------------------
 
     @initialize(size=st.sampled_from([1, 2]), even=st.booleans(), journal=st.sampled_from([True, False]),
-                prefetch=st.integers(1, 3), delivery=DELIVERY, batches=BATCHES)
-    def start(self, size, even, journal, prefetch, delivery, batches):
+                prefetch=st.integers(1, 3), prefetch_bytes=WINDOW_BYTES, delivery=DELIVERY, batches=BATCHES)
+    def start(self, size, even, journal, prefetch, prefetch_bytes, delivery, batches):
         """A broker (with a journal or not), a job of ``size`` ranks waiting for the stream, a first epoch."""
         self.size, self.even = size, even
         if journal:
             self.directory = journal_directory()
             self.ledger = Ledger(self._journal())
         for number in range(size):
-            self._grant(self._join(number), prefetch)
+            self._window(self._join(number), prefetch, prefetch_bytes)
         self.open_epoch(0, delivery, batches)
 
     @precondition(lambda self: len(self.opened) < MAX_EPOCHS)
@@ -165,11 +204,12 @@ class LedgerMachine(RuleBasedStateMachine):
         self.ledger.open_epoch(STREAM, epoch, len(batches), delivery)
         self.opened[epoch] = {"partitions": len(batches), "delivery": delivery, "batches": batches}
 
-    @rule(which=WHICH, part=PARTS, attempt=ATTEMPTS, burst=st.integers(1, 3), again=st.booleans())
-    def push_batches(self, which, part, attempt, burst, again):
+    @rule(which=WHICH, part=PARTS, attempt=ATTEMPTS, burst=st.integers(1, 3), again=st.booleans(),
+          pack=st.booleans())
+    def push_batches(self, which, part, attempt, burst, again, pack):
         """A task attempt's next batches (and with ``again``, one it sent already), then the broker dispatches.
 
-        ``which`` picks an opened epoch, or one never opened.
+        ``which`` picks an opened epoch, or one never opened; with ``pack``, each is a pack of small batches.
         """
         epochs = sorted(self.opened) + [NEVER_OPENED]
         epoch = epochs[which % len(epochs)]
@@ -179,12 +219,12 @@ class LedgerMachine(RuleBasedStateMachine):
             assert refused.value.reason == "unknown_epoch"
             return
         for _ in range(burst):
-            self._push_next(epoch, self._part(epoch, part), attempt)
+            self._push_next(epoch, self._part(epoch, part), attempt, pack=pack)
         if again:
             self._push_next(epoch, self._part(epoch, part), attempt, again=True)
         self._dispatch()
 
-    def _push_next(self, epoch, part, attempt, again=False) -> None:
+    def _push_next(self, epoch, part, attempt, again=False, pack=False) -> None:
         key = (epoch, part, attempt)
         sent = self.sent.setdefault(key, set())
         if again and sent:
@@ -193,22 +233,28 @@ class LedgerMachine(RuleBasedStateMachine):
             seq = len(sent)
             if seq >= self._count(epoch, part, attempt):
                 return                          # this attempt has sent everything
+        # a message sent again is the same message; a new one is a pack or not as the rule said
+        splits = self.splits.setdefault(key + (seq,), PACK if pack else None)
         stream = self.ledger.streams[STREAM]
         if epoch in stream.finished or seq in sent:
             reason = "late_duplicate" if epoch in stream.finished else "replayed"
             with pytest.raises(Rejected) as refused:
-                self._push(epoch, part, attempt, seq)
+                self._push(epoch, part, attempt, seq, splits)
             assert refused.value.reason == reason
             assert reason != "late_duplicate" or epoch in self.closed
             return
         batch_id = (epoch, part, seq)
         was_committed = (epoch, part) in self.committed
-        replies = self._push(epoch, part, attempt, seq)
+        kept = not was_committed and (batch_id not in self.first or self.opened[epoch]["delivery"] == "atomic")
+        replies = self._push(epoch, part, attempt, seq, splits)
         sent.add(seq)
-        checksum = codec.batch_checksum(batch_frames(epoch, part, seq, attempt, salt=salt(attempt, seq))[1:])
-        self.checksums[key + (seq,)] = checksum
+        copy = Copy(attempt, codec.batch_checksum(self._frames(epoch, part, attempt, seq, splits)[1:]),
+                    1 if splits is None else len(splits))
+        self.copies[key + (seq,)] = copy
+        if not kept:
+            self.duplicates[epoch] += 1         # one message, however many batches it carries
         if batch_id not in self.first and not was_committed:
-            self.first[batch_id] = (attempt, checksum)
+            self.first[batch_id] = copy
         waiting = self.pending.get(key)
         self._answered(replies, [(Kind.PARTITION_COMMITTED, key)] if waiting is not None and len(sent) >= waiting
                        else [])
@@ -238,14 +284,15 @@ class LedgerMachine(RuleBasedStateMachine):
             self.pending[key] = batches
 
     @precondition(lambda self: self.opened)
-    @rule(which=WHICH, part=PARTS, attempt=ATTEMPTS, end_first=st.booleans())
-    def task_runs_to_its_end(self, which, part, attempt, end_first):
-        """A task attempt sends what it has left and its PARTITION_END, which may reach the broker first."""
+    @rule(which=WHICH, part=PARTS, attempt=ATTEMPTS, end_first=st.booleans(), pack=st.booleans())
+    def task_runs_to_its_end(self, which, part, attempt, end_first, pack=False):
+        """A task attempt sends what it has left (as packs, with ``pack``) and its PARTITION_END, which may reach
+        the broker first."""
         epoch = self._epoch(which)
         if end_first:
             self.end_partition(which, part, attempt, short=False)
         for _ in range(self._count(epoch, self._part(epoch, part), attempt)):
-            self._push_next(epoch, self._part(epoch, part), attempt)
+            self._push_next(epoch, self._part(epoch, part), attempt, pack=pack)
         if not end_first:
             self.end_partition(which, part, attempt, short=False)
         self._dispatch()                        # as the broker's loop does after reading a burst
@@ -270,32 +317,32 @@ class LedgerMachine(RuleBasedStateMachine):
     # ---- ranks ----------------------------------------------------------------------------------------------
 
     @precondition(lambda self: len(self.ranks) < 3)
-    @rule(number=st.integers(0, 1), prefetch=st.integers(0, 3))
-    def join(self, number, prefetch):
-        """A rank says HELLO, then grants its prefetch as credit."""
+    @rule(number=st.integers(0, 1), prefetch=st.integers(0, 3), prefetch_bytes=WINDOW_BYTES)
+    def join(self, number, prefetch, prefetch_bytes):
+        """A rank says HELLO, then states its window."""
         number %= self.size
         if self.size > 1 and any(r.number == number for r in self.ranks.values()):
             with pytest.raises(ProtocolError, match="already connected"):
                 self.ledger.join_rank(b"intruder", hello(rank=number, size=self.size, even=self.even))
             return
         identity = self._join(number)
-        self._grant(identity, prefetch)
+        self._window(identity, prefetch, prefetch_bytes)
 
     @precondition(lambda self: self.ranks)
-    @rule(which=WHICH, credit=st.integers(1, 3))
-    def credit(self, which, credit):
-        self._grant(self._pick(which), credit)
+    @rule(which=WHICH, batches=st.integers(0, 3), nbytes=WINDOW_BYTES)
+    def window(self, which, batches, nbytes):
+        """A rank states another window: larger, or smaller than what it has in flight."""
+        self._window(self._pick(which), batches, nbytes)
 
     @rule(consume=st.sampled_from([1, 2, 0]), failure=st.sampled_from([None, "refused", "gone"]), which=WHICH)
     def broker_loop(self, consume, failure, which):
         """One turn of the broker's loop: each rank's training loop has consumed up to ``consume`` batches and
-        acknowledged them (ACK returns their credit); then the broker hands out batches, and a send to one rank
-        may fail (EAGAIN) or find it gone."""
+        acknowledged them (the ACK frees room in its window); then the broker hands out batches, and a send to one
+        rank may fail (EAGAIN) or find it gone."""
         for identity, model in sorted(self.ranks.items()):
             ids = list(model.held)[:consume]
             if ids:
                 self._acknowledge(identity, ids)
-                self._grant(identity, len(ids))
         self._dispatch(failure, which)
 
     def _dispatch(self, failure=None, which=0):
@@ -314,6 +361,12 @@ class LedgerMachine(RuleBasedStateMachine):
             return True
 
         self.ledger.dispatch(stream, send_batch, self._ended)
+        # No rank with room is left idle while the epoch being delivered has batches queued (but the one whose
+        # send failed: the batch waits for the next turn).
+        ep = stream.delivering()
+        if stream.ready() and ep is not None and ep.queue:
+            idle = [i for i in stream.ranks if i != victim and self.ranks[i].has_room(ep.queue[0].nbytes)]
+            assert not idle, f"ranks {idle} have room and {len(ep.queue)} batches of epoch {ep.epoch} wait"
 
     def _delivered(self, identity: bytes, batch) -> None:
         """A batch leaves for a rank: check it is the right copy of a batch nobody consumed or holds."""
@@ -326,13 +379,23 @@ class LedgerMachine(RuleBasedStateMachine):
         assert epoch not in self.ranks[identity].ended, f"{batch.id} sent after EPOCH_END({epoch})"
         stream = self.ledger.streams[STREAM]
         assert all(ep.end_sent for n, ep in stream.epochs.items() if n < epoch), "epochs out of order"
-        copy = (header["attempt"], header["checksum"])
+        splits = header.get("splits")
+        copy = Copy(header["attempt"], header["checksum"], 1 if splits is None else len(splits))
+        assert batch.count == copy.count and batch.nbytes == sum(len(f) for f in batch.frames)
         if self.opened[epoch]["delivery"] == "atomic":
             attempt, seqs = self.committed[(epoch, part)]
             assert header["attempt"] == attempt and seq in seqs, "atomic: not the committed attempt's batch"
+            assert self.copies[(epoch, part, attempt, seq)] == copy
         else:
             assert self.first.get(batch.id) == copy, "stream: not the first copy kept"
-        self.ranks[identity].held[batch.id] = copy
+        model = self.ranks[identity]
+        assert model.has_room(batch.nbytes), f"{batch.id} sent beyond the window of {identity!r}"
+        model.held[batch.id] = copy
+        model.nbytes[batch.id] = batch.nbytes
+        model.batches += copy.count
+        if batch.id in self.ever_sent:
+            self.redelivered[epoch] += copy.count
+        self.ever_sent.add(batch.id)
 
     def _ended(self, rank, ep) -> None:
         assert ep.closed and not ep.queue
@@ -343,23 +406,29 @@ class LedgerMachine(RuleBasedStateMachine):
         self.ranks[rank.identity].ended.add(ep.epoch)
 
     @precondition(lambda self: any(r.held for r in self.ranks.values()))
-    @rule(which=WHICH, count=st.integers(1, 4), bogus=st.booleans())
+    @rule(which=WHICH, count=st.integers(1, 4), bogus=st.sampled_from([None, "unknown", "short"]))
     def ack(self, which, count, bogus):
-        """A rank's loop consumed some batches: ACK(ids, credit=len(ids)), and the broker dispatches."""
+        """A rank's loop consumed some batches: ACK(ids), and the broker dispatches."""
         identity = self._pick(which, [i for i, r in self.ranks.items() if r.held])
         ids = list(self.ranks[identity].held)[:count]
         self._acknowledge(identity, ids, bogus)
-        self._grant(identity, len(ids))
         self._dispatch()
 
-    def _acknowledge(self, identity: bytes, ids: list[tuple], bogus: bool = False) -> None:
-        """The rank's training loop consumed ``ids`` (and, with ``bogus``, it names a batch it never had)."""
+    def _acknowledge(self, identity: bytes, ids: list[tuple], bogus: str | None = None) -> None:
+        """The rank's training loop consumed ``ids``, sent flat. With ``bogus`` "unknown" it also names a batch it
+        never had; with "short" the ids do not end on a whole triple, and the ACK is refused as a whole."""
         model = self.ranks[identity]
-        raw = [list(i) for i in ids] + ([[7, 0, 0]] if bogus else [])
-        assert self.ledger.acknowledge(self.ledger.rank(identity), raw) == int(bogus)
+        raw = [x for i in ids for x in i] + {None: [], "unknown": [7, 0, 0], "short": [7, 0]}[bogus]
+        if bogus == "short":
+            with pytest.raises(ProtocolError, match="triples"):
+                self.ledger.acknowledge(self.ledger.rank(identity), raw)
+            return
+        assert self.ledger.acknowledge(self.ledger.rank(identity), raw) == (bogus == "unknown")
         for batch_id in ids:
             assert batch_id not in self.consumed, f"{batch_id} consumed twice"
-            self.consumed[batch_id] = model.held.pop(batch_id)
+            self.consumed[batch_id] = copy = model.held.pop(batch_id)
+            del model.nbytes[batch_id]
+            model.acked += copy.count
 
     @precondition(lambda self: self.ranks)
     @rule(which=WHICH)
@@ -372,14 +441,16 @@ class LedgerMachine(RuleBasedStateMachine):
     @rule(ranks_return=st.booleans())
     def restart(self, ranks_return):
         """The broker is killed and restarted on its journal. Its ranks connect again, holding nothing (what they
-        held comes again), and grant their credit anew; or the job died too, and later ranks join."""
+        held comes again), and state their windows anew; or the job died too, and later ranks join."""
         self.ledger = Ledger(self._journal())
         self.ledger.replay()
         self.pending.clear()                    # those tasks time out; Spark retries them
+        self.redelivered.clear()                # the figures of sends start again with the new broker
+        self.ever_sent.clear()
         numbers = [r.number for r in self.ranks.values()] if ranks_return else []
         self.ranks.clear()
         for number in numbers:
-            self._grant(self._join(number), 2)
+            self._window(self._join(number), 2)
 
     # ---- invariants -----------------------------------------------------------------------------------------
 
@@ -394,6 +465,9 @@ class LedgerMachine(RuleBasedStateMachine):
                    for b in h)
         assert ledger.buffered == queued + inflight + held
         assert ledger.held_bytes == held
+        for identity, rank in ledger.ranks.items():
+            assert rank.inflight_bytes == sum(b.nbytes for b in rank.inflight.values()) == \
+                sum(self.ranks[identity].nbytes.values())
 
     @invariant()
     def each_batch_is_in_one_place_until_consumed(self):
@@ -403,9 +477,25 @@ class LedgerMachine(RuleBasedStateMachine):
         places.update(i for r in self.ledger.ranks.values() for i in r.inflight)
         assert all(n == 1 for n in places.values()), places
         assert not places.keys() & self.consumed.keys()
-        for number, ep in epochs.items():
-            out = sum(1 for r in self.ledger.ranks.values() for i in r.inflight if i[0] == number)
-            assert ep.batches_out == ep.acked + out
+
+    def _batches_in(self, epoch: int) -> int:
+        """The batches the rules keep of an epoch so far: first copies, or committed attempts' copies (atomic)."""
+        if self.opened[epoch]["delivery"] == "stream":
+            return sum(c.count for i, c in self.first.items() if i[0] == epoch)
+        return sum(self.copies[(e, part, attempt, seq)].count
+                   for (e, part), (attempt, seqs) in self.committed.items() if e == epoch for seq in seqs)
+
+    @invariant()
+    def the_figures_count_batches_and_duplicates_count_messages(self):
+        stream = self.ledger.streams.get(STREAM)
+        for number, ep in (stream.epochs if stream else {}).items():
+            out = sum(b.count for r in self.ledger.ranks.values() for i, b in r.inflight.items() if i[0] == number)
+            acked = sum(c.count for i, c in self.consumed.items() if i[0] == number)
+            assert (ep.batches_in, ep.acked, ep.batches_out, ep.duplicates, ep.redelivered) == \
+                (self._batches_in(number), acked, acked + out, self.duplicates[number], self.redelivered[number])
+        for identity, model in self.ranks.items():
+            rank = self.ledger.ranks[identity]
+            assert (rank.batches, rank.acked) == (model.batches, model.acked)
 
     @invariant()
     def the_ranks_hold_what_the_ledger_thinks(self):
@@ -432,7 +522,8 @@ class LedgerMachine(RuleBasedStateMachine):
             for part in range(terms["partitions"]):
                 if (epoch, part) in self.committed:
                     continue
-                self.task_runs_to_its_end(sorted(self.opened).index(epoch), part, FINISHER, end_first=False)
+                self.task_runs_to_its_end(sorted(self.opened).index(epoch), part, FINISHER, end_first=False,
+                                          pack=True)
             self._close(epoch)
         for identity in list(self.ranks):
             self.ledger.rank_gone(identity, "job finished")
@@ -440,7 +531,7 @@ class LedgerMachine(RuleBasedStateMachine):
         for number in range(self.size):
             self._join(number)
         for identity in self.ranks:
-            self._grant(identity, 1000)
+            self._window(identity, MAX_WINDOW)
         stream = self.ledger.streams.get(STREAM)
         for _ in range(20):
             if stream is None or not stream.epochs:
@@ -449,9 +540,16 @@ class LedgerMachine(RuleBasedStateMachine):
             for identity, model in self.ranks.items():
                 self._acknowledge(identity, list(model.held))
             self.each_batch_is_in_one_place_until_consumed()
+            self.the_figures_count_batches_and_duplicates_count_messages()
         assert stream is None or not stream.epochs, "epochs left undelivered"
         assert sorted(stream.finished if stream else []) == sorted(self.opened)
         assert self.ledger.buffered == 0 and self.ledger.held_bytes == 0
+        for epoch in self.opened:               # every batch kept was consumed, and the figures say so
+            stats = stream.finished[epoch]
+            kept = self._batches_in(epoch)
+            assert stats["batches_in"] == stats["batches_out"] == stats["acked"] == kept
+            assert kept == sum(c.count for i, c in self.consumed.items() if i[0] == epoch)
+            assert stats["duplicates"] == self.duplicates[epoch]
 
         expected = set()
         for (epoch, part), (attempt, seqs) in self.committed.items():
@@ -462,7 +560,8 @@ class LedgerMachine(RuleBasedStateMachine):
                 continue                        # reported to the driver: the promise is that it was said
             assert got == ids, f"partition {part} of epoch {epoch}: consumed {sorted(got)}, committed {sorted(ids)}"
             for batch_id in ids:
-                assert self.consumed[batch_id][1] == self.checksums[(epoch, part, attempt, batch_id[2])], \
+                committed_copy = self.copies[(epoch, part, attempt, batch_id[2])]
+                assert self.consumed[batch_id].checksum == committed_copy.checksum, \
                     f"{batch_id} consumed with other data than its committing attempt's"
         stray = {i for i in self.consumed if i not in expected and
                  not (self.opened[i[0]]["delivery"] == "stream" and i[1] in self.diverged[i[0]])}
