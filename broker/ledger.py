@@ -409,15 +409,14 @@ class Ledger:
         """
         if len(ids) % 3:
             raise ProtocolError(f"ACK ids must be (epoch, part, seq) triples, got {len(ids)} numbers")
+        if not all(type(i) is int for i in ids):      # checked whole first: a refused ACK changes nothing
+            raise ProtocolError("ACK ids must be integers")
         pop, consumed = rank.inflight.pop, []
         triples = iter(ids)
-        try:
-            for key in zip(triples, triples, triples):
-                batch = pop(key, None)
-                if batch is not None:
-                    consumed.append(batch)
-        except TypeError:                      # an unhashable id
-            raise ProtocolError("ACK ids must be integers") from None
+        for key in zip(triples, triples, triples):
+            batch = pop(key, None)
+            if batch is not None:
+                consumed.append(batch)
         self._consumed(self.streams[rank.stream], rank, consumed)
         return len(ids) // 3 - len(consumed)
 
