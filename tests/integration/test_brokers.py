@@ -3,12 +3,15 @@
 import json
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
 
+from broker.errors import BrokerError
 from feeder import feed
-from sources import check_values, labelled_frame, staged_rdd
+from helpers import wait_for
+from sources import Collector, check_values, labelled_frame, staged_frame, staged_rdd
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -65,3 +68,62 @@ def test_status_shows_each_broker_and_the_totals(spark, start_broker):
     text = subprocess.run([sys.executable, "-m", "broker.cli", "status", ",".join(b.control for b in brokers)],
                           capture_output=True, text=True, timeout=30, check=True).stdout
     assert "all 2 brokers" in text and all(b.control in text for b in brokers)
+
+
+@pytest.fixture
+def small_arrow_batches(spark):
+    """Arrow batches of 100 rows between Spark's Python stages, so a task streams part of a partition."""
+    spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "100")
+    yield
+    spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")
+
+
+def acked_at(broker, stream):
+    return broker.stats()["streams"].get(stream, {}).get("epochs", {}).get("0", {}).get("acked", 0)
+
+
+def test_one_of_two_brokers_killed_and_restarted_with_its_journal_loses_nothing(spark, small_arrow_batches,
+                                                                                start_broker, tmp_path):
+    steady = start_broker()
+    durable = start_broker("--journal", str(tmp_path / "journal"), "--heartbeat", "200ms")
+    consumer = Collector(f"{steady.ranks},{durable.ranks}", "durable2", timeout=60)
+    result = {}
+    frame = staged_frame(spark, 8_000, 4, slow=3, slow_seconds=0.1)     # partition 3 (the second broker's) is slow
+    feeding = threading.Thread(target=lambda: result.update(report=feed(
+        frame, [steady.feed, durable.feed], stream="durable2", batch_size=100, timeout=5, pack_bytes=0)))
+    feeding.start()
+    wait_for(lambda: acked_at(durable, "durable2") >= 20, 60, "some batches acknowledged by the second broker")
+    durable.proc.kill()                                  # kill -9, mid-epoch
+    durable.proc.wait(5)
+    durable.restart()
+    feeding.join(120)
+    assert "report" in result, "feed() did not finish after the restart"
+    assert result["report"].brokers == (2, 2)
+    (ids,) = consumer.result()
+    np.testing.assert_array_equal(np.sort(ids), np.arange(8_000))
+    assert "journal replayed" in durable.log.read_text()
+
+
+def test_one_of_two_brokers_restarted_without_journal_fails_the_feed_naming_it(spark, small_arrow_batches,
+                                                                               start_broker):
+    steady, volatile = start_broker(), start_broker()
+    frame = staged_frame(spark, 4_000, 4, slow=3, slow_seconds=0.2)
+    errors = []
+
+    def run():
+        try:
+            feed(frame, [steady.feed, volatile.feed], stream="volatile2", batch_size=100, timeout=3, pack_bytes=0)
+        except Exception as exc:       # checked below
+            errors.append(exc)
+
+    feeding = threading.Thread(target=run)
+    feeding.start()
+    wait_for(lambda: volatile.stats()["streams"].get("volatile2", {}).get("epochs", {}).get("0", {}).get(
+        "batches_in", 0) >= 5, 60, "some batches in at the second broker")
+    volatile.proc.kill()
+    volatile.proc.wait(5)
+    volatile.restart()
+    feeding.join(120)
+    assert len(errors) == 1 and isinstance(errors[0], BrokerError), errors
+    assert f"the broker at {volatile.control} restarted while stream 'volatile2' epoch 0" in str(errors[0])
+    assert "without --journal" in str(errors[0])
