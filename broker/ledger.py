@@ -380,7 +380,7 @@ class Ledger:
         if not 0 <= batches <= MAX_WINDOW or not 0 <= nbytes <= MAX_WINDOW_BYTES:
             raise ProtocolError(f"a window of {batches} batches or {nbytes} bytes is outside 0..{MAX_WINDOW} "
                                 f"batches and 0..{MAX_WINDOW_BYTES} bytes")
-        rank.window, rank.window_bytes = batches, nbytes
+        rank.window, rank.window_bytes, rank.window_stated = batches, nbytes, True
 
     def report(self, rank: RankState, h: dict) -> None:
         """Keep the figures a rank reports about itself (data-wait, time to first batch, batches consumed)."""
@@ -509,6 +509,7 @@ class Ledger:
                 return
             queue, ranks = ep.queue, stream.ranks
             rotation = stream.rotation() if queue else []
+            by_bytes = stream.windows_known()
             progress = True
             while queue and progress:
                 progress = False
@@ -516,7 +517,7 @@ class Ledger:
                     if not queue:
                         break
                     batch = queue[0]
-                    if rank.identity not in ranks or not rank.has_room(batch.nbytes):   # gone, or full
+                    if rank.identity not in ranks or not rank.has_room(batch.nbytes, by_bytes):   # gone, or full
                         continue
                     queue.popleft()
                     if send_batch(rank, batch):

@@ -125,6 +125,7 @@ class RankState:
     session: str = ""          # the rank's BatchStream: the same across its reconnections, new in a new process
     window: int = 0
     window_bytes: int = 0
+    window_stated: bool = False    # a CREDIT has come from this connection
     inflight: dict[BatchId, HeldBatch] = field(default_factory=dict)
     inflight_bytes: int = 0
     batches: int = 0
@@ -133,9 +134,10 @@ class RankState:
     reported: dict[str, Any] = field(default_factory=dict)     # the rank's own figures (wait_s, ...), as last said
     last_seen: float = field(default_factory=time.monotonic)
 
-    def has_room(self, nbytes: int) -> bool:
+    def has_room(self, nbytes: int, by_bytes: bool = True) -> bool:
         held = len(self.inflight)
-        return held < self.window or (held < MAX_WINDOW and self.inflight_bytes + nbytes <= self.window_bytes)
+        return held < self.window or (by_bytes and held < MAX_WINDOW
+                                      and self.inflight_bytes + nbytes <= self.window_bytes)
 
     def stats(self) -> dict[str, Any]:
         return {"rank": self.rank, "size": self.size, "even": self.even, "window": self.window,
@@ -174,6 +176,11 @@ class StreamState:
     def ready(self) -> bool:
         """Whether batches may go out: every rank of the group has joined since the stream last had none."""
         return self.complete
+
+    def windows_known(self) -> bool:
+        """Whether every rank has stated its window. Until then ranks get batches by their batch window only:
+        the first to state a byte window could otherwise take a whole window of small batches alone."""
+        return all(r.window_stated for r in self.ranks.values())
 
     def even(self) -> bool:
         """Whether the ranks keep equal steps (then an epoch ends once sent, not once acknowledged)."""

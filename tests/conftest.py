@@ -1,7 +1,37 @@
+import atexit
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))   # tests/helpers.py
+
+
+def _keys_for_every_broker_and_client() -> None:
+    """SPARKBUS_TEST_AUTH=1: every broker a test starts runs with --auth, and every client (the driver, Spark's
+    executors, mpiexec ranks, in-process streams) holds a key allowed in both roles. Set before any test starts
+    Spark or a broker, through the variables the broker and the clients read."""
+    from broker.auth import create_keypair
+
+    directory = Path(tempfile.mkdtemp(prefix="sparkbus-test-keys-"))
+    atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    for folder in ("feeders", "ranks", "clients"):
+        (directory / folder).mkdir()
+    create_keypair(directory / "broker")
+    public, secret = create_keypair(directory / "clients" / "tests")
+    for role in ("feeders", "ranks"):
+        shutil.copy(public, directory / role / public.name)
+    os.environ.update(SPARKBUS_AUTH=str(directory), SPARKBUS_KEY=str(secret),
+                      SPARKBUS_BROKER_KEY=str(directory / "broker.key"))
+
+
+if os.environ.get("SPARKBUS_TEST_AUTH") == "1":
+    _keys_for_every_broker_and_client()
+
+
+def pytest_report_header(config):
+    return "brokers run with --auth (SPARKBUS_TEST_AUTH=1)" if os.environ.get("SPARKBUS_TEST_AUTH") == "1" else None
 
 
 def pytest_collection_modifyitems(items):

@@ -12,6 +12,7 @@ import zmq
 from hypothesis import HealthCheck, Phase, given, settings, strategies as st
 
 from broker import protocol
+from broker.auth import client_socket
 from broker.client import ControlClient
 from broker.protocol import Kind
 from feeder import stream_partition
@@ -49,9 +50,10 @@ messages = st.tuples(st.sampled_from(["feed", "control", "ranks"]),
 def test_ten_thousand_hostile_messages_leave_a_valid_stream_intact(start_broker):
     broker = start_broker("--max-message", "1MiB", "--heartbeat", "200ms")
     ctx = zmq.Context()
-    sockets = {"feed": ctx.socket(zmq.PUSH), "control": ctx.socket(zmq.DEALER), "ranks": ctx.socket(zmq.DEALER)}
+    # client_socket: with SPARKBUS_TEST_AUTH=1 the hostile peer holds a valid key (an insider); otherwise plain
+    sockets = {"feed": client_socket(ctx, zmq.PUSH), "control": client_socket(ctx, zmq.DEALER),
+               "ranks": client_socket(ctx, zmq.DEALER)}
     for name, sock in sockets.items():
-        sock.linger = 0
         sock.sndhwm = 0
         sock.connect(getattr(broker, name))
     sent = [0]

@@ -168,7 +168,16 @@ def test_an_mpi_job_killed_and_restarted_resumes_the_stream(spark, start_broker,
     report = feed(staged_frame(spark, 4_000, 2), broker.feed, stream="job", batch_size=100, timeout=60,
                   pack_bytes=0)     # one batch a message: the ranks stop between batches
     wait_for(lambda: first.stopped("rank0") and first.stopped("rank1"), 60, "both ranks to stop after 3 steps")
-    wait_for(lambda: sum(r["acked"] for r in broker.stats()["streams"]["job"]["ranks"]) == 6, 10, "six acks")
+    seen = {}
+
+    def six_acks():
+        seen.update(broker.stats()["streams"]["job"])
+        return sum(r["acked"] for r in seen["ranks"]) == 6
+
+    try:
+        wait_for(six_acks, 10, "six acks")
+    except TimeoutError:
+        raise AssertionError(f"not six acks: {seen['ranks']}, epochs {seen['epochs']}") from None
     first.kill()
     wait_for(lambda: not broker.stats()["streams"]["job"]["ranks"], 10, "the broker to notice the dead job")
     second = start_ranks(2, broker.ranks, "--stream", "job")           # Spark is not run again
