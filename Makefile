@@ -20,8 +20,11 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(VENV)/bin/sparkbus demo $(ARGS)
 
+# The whole suite, then the guarantees and the fuzz test again with every broker run with --auth and every
+# client holding a key (tests/conftest.py, SPARKBUS_TEST_AUTH); only the first with ARGS (a selection).
 test: setup
 	$(PY) -m pytest $(ARGS)
+	$(if $(ARGS),,SPARKBUS_TEST_AUTH=1 $(PY) -m pytest tests/integration/test_fuzz.py tests/integration/test_guarantees.py)
 
 bench: setup
 	$(PY) benchmarks/bench.py $(ARGS)
