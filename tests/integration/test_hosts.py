@@ -341,7 +341,7 @@ def test_ranks_rejoin_after_a_cut_shorter_than_dead_after_while_fin_and_rst_are_
     after 10 s) still holds the ranks' old connections when they say HELLO again on new ones. Expected: the
     rejoin succeeds and the epoch completes, every row once (at the least, a loud error). Fails until fixed."""
     broker = hosts.start_broker("--dead-after", "10s", "--heartbeat", "1s", "--log-level", "DEBUG")
-    ranks = hosts.start_ranks(broker, "--stream", "short", *SLOW)
+    ranks = hosts.start_ranks(broker, "--stream", "short", *SLOW, "--prefetch-bytes", "0")   # as below
     fed = hosts.feed(broker, "short", timeout=30)
     acked_at_least(hosts, broker, "short", 10)
     net.drop_fin_rst("ranks")
@@ -361,7 +361,8 @@ def test_ranks_cut_longer_than_dead_after_rejoin_and_no_row_is_trained_twice(net
     batches are not theirs any more); once the link is back they join again. Expected: the epoch completes,
     nothing lost, nothing trained twice, every batch acknowledged once. Fails until fixed."""
     broker = hosts.start_broker("--dead-after", "2s", "--heartbeat", "500ms", "--log-level", "DEBUG")
-    ranks = hosts.start_ranks(broker, "--stream", "long", *SLOW)
+    # windows of 4 batches (no byte window): the ranks cannot hold the rest of the epoch and finish it offline
+    ranks = hosts.start_ranks(broker, "--stream", "long", *SLOW, "--prefetch-bytes", "0")
     fed = hosts.feed(broker, "long", timeout=30)
     acked_at_least(hosts, broker, "long", 10)
     net.cut("ranks")
