@@ -33,9 +33,10 @@ import os
 import sys
 import time
 import traceback
-from pathlib import Path
 
 import zmq
+
+from launch.processes import announce_ready
 
 import spark_data
 
@@ -152,11 +153,8 @@ def main() -> int:
         session_seconds = time.monotonic() - started
         log.info("executors %s ready after %.1f s", found, session_seconds)
         port = control.bind_to_random_port("tcp://127.0.0.1")
-        ready = Path(args.ready)
-        ready.with_suffix(".tmp").write_text(json.dumps({"control": f"tcp://127.0.0.1:{port}",
-                                                         "executors": found,
-                                                         "session_seconds": session_seconds}))
-        ready.with_suffix(".tmp").rename(ready)
+        announce_ready(args.ready, control=f"tcp://127.0.0.1:{port}", executors=found,
+                       session_seconds=session_seconds)
         serve(Driver(spark), control, args.idle)
     finally:
         control.close(0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import json
 import os
 import signal
 import subprocess
@@ -58,6 +59,15 @@ def _poll(condition: Callable[[], T], timeout: float, interval: float) -> T:
         if value or time.monotonic() > deadline:
             return value
         time.sleep(interval)
+
+
+def announce_ready(path: Path | str, **fields: Any) -> None:
+    """Write ``fields`` as JSON to ``path`` at once (a temporary file renamed over it): a process says it is ready,
+    and whoever polls for the file never reads half of it."""
+    path = Path(path)
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps(fields))
+    temporary.rename(path)
 
 
 def die_with_parent(parent: int | None = None) -> None:

@@ -51,6 +51,7 @@ from pathlib import Path
 import zmq
 
 from broker.address import control_address
+from launch.processes import announce_ready
 from feeder import feed
 
 log = logging.getLogger("sparkbus.tests.cluster_driver")
@@ -280,10 +281,7 @@ def main() -> int:
         executors = warm_up(spark, "rdd", args.executors)
         log.info("warmed up after %.1f s: serving", time.monotonic() - started)
         port = control.bind_to_random_port("tcp://127.0.0.1")
-        ready = Path(args.ready)
-        ready.with_suffix(".tmp").write_text(json.dumps({"control": f"tcp://127.0.0.1:{port}",
-                                                         "executors": executors}))
-        ready.with_suffix(".tmp").rename(ready)
+        announce_ready(args.ready, control=f"tcp://127.0.0.1:{port}", executors=executors)
         events = Path(args.events) / f"{spark.sparkContext.applicationId}.inprogress"
         serve(spark, control, events, args.executors)
     finally:

@@ -9,7 +9,6 @@ With ``--stop-after K`` it records its first K batches, writes ``OUT/{name}.stop
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
