@@ -69,6 +69,26 @@ def allreduce_min(comm: Any, value: int, idle: Callable[[], None] | None = None)
     return int(recv[0])
 
 
+class PendingMin:
+    """A started ``MIN`` allreduce of one int over ``comm``: every rank posts it, then asks :meth:`result`.
+
+    Starting the reduction early and asking for it later overlaps the agreement with the caller's work (the
+    training step), so a rank only waits when a peer is more than that work behind.
+    """
+
+    def __init__(self, comm: Any, value: int):
+        from mpi4py import MPI
+
+        self._send = np.array([value], dtype=np.int64)
+        self._recv = np.empty(1, dtype=np.int64)
+        self._request = comm.Iallreduce(self._send, self._recv, op=MPI.MIN)
+
+    def result(self, idle: Callable[[], None] | None = None) -> int:
+        """The smallest value over the ranks (waits, without spinning, until every rank has posted it)."""
+        wait(self._request, idle)
+        return int(self._recv[0])
+
+
 def allgather_count(comm: Any, count: int, idle: Callable[[], None] | None = None) -> list[int]:
     """Every rank's ``count``, in rank order; ``idle`` as in :func:`wait_until`."""
     recv = np.empty(comm.Get_size(), dtype=np.int64)

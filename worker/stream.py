@@ -241,7 +241,7 @@ class BatchStream:
             BrokerError: the broker goes silent for longer than ``timeout`` or reports an error.
             ProtocolError: a malformed batch (checksum or shape mismatch).
         """
-        if not self._end_seen:
+        if not self._end_seen or self._unpacked:
             self._skip_rest_of_epoch()
         ep = self._ep = EpochStats(epoch=-1)
         started = time.monotonic()
@@ -260,7 +260,7 @@ class BatchStream:
     def _skip_rest_of_epoch(self) -> None:
         log.warning("rank %d left the previous epoch before its end; skipping its remaining batches", self.rank)
         ignored = EpochStats(epoch=-1)
-        while (item := self._next_batch(ignored)) is not None:
+        while (self._unpacked or not self._end_seen) and (item := self._next_batch(ignored)) is not None:
             self._ack(item[0], send=False)
             self.stats.skipped_batches += 1
         self._flush_acks(ignored)
@@ -285,24 +285,44 @@ class BatchStream:
             yield from self._hand_over(ep, *item)
 
     def _even_epoch(self, ep: EpochStats) -> Iterator[Batch]:
-        # Lockstep in rounds: each rank takes the batches that have arrived (at least one, or the epoch's end),
-        # and the ranks agree to take as many steps as the rank holding the fewest has batches.
+        # Lockstep in rounds: the ranks agree to take as many steps as the rank holding the fewest batches has.
+        # A round of two or more steps starts the next round's agreement before its last step, on the batches
+        # each rank holds beyond it, so the agreement completes while the loop trains. Only when some rank holds
+        # nothing more (the data is late, or the epoch ends) do the ranks agree again, waiting for a batch each
+        # or the epoch's end; an agreement of 0 then ends the rounds.
         ready: deque[tuple[dict, Batch]] = deque()
-        while True:
-            if not ready and not self._end_seen:
-                item = self._next_batch(ep)
-                if item is not None:
-                    ready.append(item)
-            while not self._end_seen and (item := self._next_batch(ep, block=False)) is not None:
-                ready.append(item)
-            started = time.monotonic()
-            self._flush_acks(ep)                # nothing of ours may hold the broker back while we agree
-            steps = collectives.allreduce_min(self.comm, len(ready), idle=self._service)
-            ep.wait_seconds += time.monotonic() - started
-            if steps == 0:
-                break
-            for _ in range(steps):
-                yield from self._hand_over(ep, *ready.popleft())
+        ahead: collectives.PendingMin | None = None
+        try:
+            while True:
+                steps = 0
+                if ahead is not None:
+                    started = time.monotonic()
+                    steps = ahead.result(idle=self._service)
+                    ep.wait_seconds += time.monotonic() - started
+                    ahead = None
+                if steps == 0:
+                    if not ready and not self._end_seen:
+                        item = self._next_batch(ep)
+                        if item is not None:
+                            ready.append(item)
+                    self._take_arrived(ep, ready)
+                    started = time.monotonic()
+                    self._flush_acks(ep)        # nothing of ours may hold the broker back while we agree
+                    steps = collectives.allreduce_min(self.comm, len(ready), idle=self._service)
+                    ep.wait_seconds += time.monotonic() - started
+                    if steps == 0:
+                        break
+                for step in range(steps - 1, -1, -1):
+                    if step == 0 and steps > 1:
+                        self._take_arrived(ep, ready)
+                        self._flush_acks(ep)
+                        ahead = collectives.PendingMin(self.comm, len(ready) - 1)
+                    yield from self._hand_over(ep, *ready.popleft())
+        except BaseException:                   # the loop left early (break, or an error)
+            if ahead is not None:               # every rank posted it before this step
+                ahead.result(idle=self._service)
+            self._unpacked.extendleft(reversed(ready))      # the next epoch() skips and acknowledges these
+            raise
         # Some rank's share is used up: gather what is left everywhere and share it out evenly.
         started = time.monotonic()
         held = list(ready)
@@ -325,6 +345,11 @@ class BatchStream:
         for header, batch in held[:target]:
             self._count(ep, header, batch)
             yield batch
+
+    def _take_arrived(self, ep: EpochStats, ready: deque) -> None:
+        """Move the batches that have arrived (without waiting) to ``ready``."""
+        while not self._end_seen and (item := self._next_batch(ep, block=False)) is not None:
+            ready.append(item)
 
     # ---- lifetime -----------------------------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ parser.add_argument("--slow-rank", type=int, default=-1, help="this rank sleeps 
 parser.add_argument("--slow-seconds", type=float, default=0.0)
 parser.add_argument("--stall-file", help="wait for this file to exist before consuming")
 parser.add_argument("--stop-after", type=int, default=0, help="after this many batches, record and hang")
+parser.add_argument("--leave-after", type=int, default=0, help="leave epoch 0 (break) after this many batches")
 parser.add_argument("--raise-rank", type=int, default=-1, help="this rank raises after --raise-after batches")
 parser.add_argument("--raise-after", type=int, default=0)
 parser.add_argument("--no-mpi", action="store_true")
@@ -74,6 +75,8 @@ def main():
                     save(e, columns, dropped)          # this batch is not acknowledged: it is not recorded
                     (out / f"{name}.stopped").touch()
                     time.sleep(3600)
+                if e == 0 and args.leave_after and consumed == args.leave_after:
+                    break
                 if rank == args.raise_rank and consumed == args.raise_after:
                     raise RuntimeError(f"rank {rank} fails on purpose")
                 for key, array in batch.items():
@@ -89,6 +92,7 @@ def main():
                 "wait_seconds": stats.wait_seconds,
                 "dtypes": {k: str(v.dtype) for k, v in joined.items() if k != "dropped_id"},
                 "shapes": {k: list(v.shape) for k, v in joined.items() if k != "dropped_id"}})
+    summary["skipped_batches"] = stream.stats.skipped_batches
     (out / f"{name}.json").write_text(json.dumps(summary))
 
 

@@ -11,8 +11,7 @@ from broker.errors import ProtocolError
 from broker.protocol import Kind
 from broker.state import MAX_WINDOW, RankState
 from feeder.columns import pack_small
-from helpers import recv_header, send
-from worker import BatchStream
+from helpers import FakeBroker, joined, recv_header, send
 
 
 def batch(first, rows, width=4):
@@ -64,51 +63,8 @@ def test_the_window_admits_by_batches_or_by_bytes_whichever_admits_more():
 
 # ---- a rank against a broker it talks to over inproc --------------------------------------------------------
 
-class FakeBroker:
-    """A ROUTER standing in for the broker: it welcomes one rank, sends what it is told, and records ACKs."""
-
-    def __init__(self, context, address):
-        self.sock = context.socket(zmq.ROUTER)
-        self.sock.linger = 0
-        self.sock.bind(address)
-        self.acks: list[list[int]] = []
-        self.window = None
-
-    def welcome(self):
-        assert self.sock.poll(5000), "no HELLO from the rank"
-        identity, raw = self.sock.recv_multipart()
-        hello = protocol.unpack_header(raw)
-        self.identity = identity
-        self.sock.send_multipart([identity, protocol.pack_header(
-            Kind.WELCOME, req=hello["req"], broker="fake", incarnation="x", journal=False, free=0)])
-        self.window = self.next(Kind.CREDIT)
-
-    def next(self, kind, timeout=5.0):
-        while True:
-            assert self.sock.poll(timeout * 1000), f"no {kind.name} from the rank"
-            identity, raw, *_ = self.sock.recv_multipart()
-            header = protocol.unpack_header(raw)
-            if header["kind"] == kind:
-                return header
-
-    def send(self, frames):
-        self.sock.send_multipart([self.identity, *frames])
-
-    def end(self, epoch, batches):
-        self.send([protocol.pack_header(Kind.EPOCH_END, stream="s", epoch=epoch, batches=batches)])
-
-
 def consume(stream, out):
     out.extend(stream.epoch())
-
-
-def joined(broker, address, context):
-    """A BatchStream whose HELLO the fake broker answers (from a thread: the constructor waits for WELCOME)."""
-    welcomer = threading.Thread(target=broker.welcome)
-    welcomer.start()
-    stream = BatchStream(address, stream="s", timeout=10, context=context)
-    welcomer.join(10)
-    return stream
 
 
 def test_a_rank_yields_a_packs_batches_one_by_one_and_acknowledges_the_pack_once(context):

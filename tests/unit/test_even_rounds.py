@@ -1,0 +1,116 @@
+"""Even ranks agree in rounds, and start the next round's agreement before the last step of a round.
+
+One real rank (a BatchStream against a stand-in broker over inproc) and a scripted peer: a communicator whose
+``Iallreduce(MIN)`` takes the smaller of this rank's value and the peer's next one, and records what was
+posted and how many batches the loop had been given by then.
+"""
+
+import numpy as np
+import pytest
+
+from broker import codec
+from broker.protocol import Kind
+from helpers import FakeBroker, joined
+
+
+class Request:
+    """Completes on its second ``Test``, so that every wait really waits."""
+
+    def __init__(self):
+        self.tests = 0
+
+    def Test(self):
+        self.tests += 1
+        return self.tests >= 2
+
+
+class ScriptedPeer:
+    """A 2-rank communicator seen from rank 0; the peer's counts come from ``mins`` and ``gathers``."""
+
+    rank = 0
+
+    def __init__(self, mins, gathers):
+        self.mins, self.gathers = list(mins), list(gathers)
+        self.posted: list[tuple[int, int]] = []       # (value, batches the loop had been given)
+        self.requests: list[Request] = []
+        self.given = 0
+
+    def Get_rank(self):
+        return 0
+
+    def Get_size(self):
+        return 2
+
+    def _request(self):
+        self.requests.append(Request())
+        return self.requests[-1]
+
+    def Iallreduce(self, send, recv, op=None):
+        self.posted.append((int(send[0]), self.given))
+        recv[0] = min(int(send[0]), self.mins.pop(0))
+        return self._request()
+
+    def Iallgather(self, send, recv):
+        recv[:] = [int(send[0]), self.gathers.pop(0)]
+        return self._request()
+
+
+def batch(seq):
+    return {"id": np.array([seq]), "x": np.full((1, 2), seq, np.float32)}
+
+
+@pytest.fixture
+def ten_batches(context):
+    broker = FakeBroker(context, "inproc://even-broker")
+
+    def start(peer):
+        stream = joined(broker, "inproc://even-broker", context, comm=peer, even=True, abort_on_error=False)
+        for seq in range(10):
+            broker.send(codec.encode_batch("s", 0, 0, seq, batch(seq)))
+        broker.end(0, 10)
+        return stream, broker
+
+    return start
+
+
+def test_the_next_rounds_agreement_is_posted_before_the_last_step_of_a_round(ten_batches):
+    # the peer holds 4, then 6 beyond that, then nothing more; at the end it holds nothing either
+    peer = ScriptedPeer(mins=[4, 6, 0, 0], gathers=[0])
+    stream, _ = ten_batches(peer)
+    with stream:
+        got = []
+        for b in stream.epoch():
+            got.append(int(b["id"][0]))
+            peer.given += 1
+    assert got == list(range(10))
+    # (10 held, before any step): 4 steps; before the 4th, 6 held beyond it: 6 steps; before the 10th, 0 beyond:
+    # then one waiting agreement (0: the epoch ended) ends the rounds
+    assert peer.posted == [(10, 0), (6, 3), (0, 9), (0, 10)]
+    assert all(r.tests >= 2 for r in peer.requests), "every agreement was completed"
+    ep = stream.stats.epochs[-1]
+    assert (ep.batches, ep.dropped_batches) == (10, 0)
+
+
+def test_a_loop_that_leaves_while_an_agreement_is_posted_completes_it_and_skips_what_it_held(ten_batches):
+    peer = ScriptedPeer(mins=[4, 6, 2, 0, 0], gathers=[0])
+    stream, broker = ten_batches(peer)
+    with stream:
+        for n, b in enumerate(stream.epoch()):
+            peer.given += 1
+            if n == 3:                  # the round's last step: the next agreement is already posted
+                assert len(peer.posted) == 2 and peer.requests[-1].tests == 0
+                break
+        assert peer.posted == [(10, 0), (6, 3)]
+        assert peer.requests[-1].tests >= 2, "the posted agreement was completed when the loop left"
+        assert stream.stats.epochs[-1].batches == 4
+        # the 6 batches the round had taken in are skipped and acknowledged by the next epoch, not lost
+        broker.send(codec.encode_batch("s", 1, 0, 0, batch(100)))
+        broker.send(codec.encode_batch("s", 1, 0, 1, batch(101)))
+        broker.end(1, 2)
+        assert [int(b["id"][0]) for b in stream.epoch()] == [100, 101]
+        assert stream.stats.skipped_batches == 6
+        acked = set()
+        while len(acked) < 12:
+            ids = broker.next(Kind.ACK)["ids"]
+            acked |= {tuple(ids[i:i + 3]) for i in range(0, len(ids), 3)}
+        assert acked == {(0, 0, seq) for seq in range(10)} | {(1, 0, 0), (1, 0, 1)}
