@@ -77,7 +77,8 @@ def run_fed_ranks(children: Children, brokers: Sequence[BrokerProcess], stream: 
     return {"first": result.first - t0, "last": last, "rows": rows, "rows_per_s": rows / last,
             "received_rows": result.rows, "dropped_rows": sum(r["dropped_rows"] for r in result.ranks),
             "feed_seconds": t_fed - t0, "batches": report["batches"], "brokers": list(report.get("brokers") or ()),
-            "wait_share": max(r["wait_seconds"] / r["seconds"] for r in result.ranks if r["seconds"] > 0)}
+            "wait_share": max(r["wait_seconds"] / r["seconds"] for r in result.ranks if r["seconds"] > 0),
+            "ranks_cpu": sum(r["cpu_seconds"] for r in result.ranks)}
 
 
 def run_parquet(children: Children, df: Any, rows: int, ranks: int, work: Path, timeout: float) -> dict:

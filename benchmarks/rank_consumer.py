@@ -45,7 +45,7 @@ def main() -> None:
         ready_path(out, rank).touch()
         if args.go:
             wait_for_go(args.go, args.timeout)
-        t_start = time.time()
+        t_start, cpu_start = time.time(), time.process_time()
         t_first = t_last = None
         waits = []                      # each time the loop asked for a batch: how long until it had one
         batches = stream.epoch()
@@ -62,13 +62,13 @@ def main() -> None:
                 t_first = t_last
             if args.compute:
                 time.sleep(args.compute)
-        t_end = time.time()
+        t_end, cpu = time.time(), time.process_time() - cpu_start
         ep = stream.stats.epochs[-1]
         steady = waits[1:-1]
         result = {"rank": rank, "size": comm.Get_size(), "t_start": t_start, "t_first": t_first,
                   "t_last": t_last, "t_end": t_end, "batches": ep.batches, "rows": ep.rows, "bytes": ep.bytes,
                   "dropped_batches": ep.dropped_batches, "dropped_rows": ep.dropped_rows,
-                  "wait_seconds": ep.wait_seconds, "seconds": ep.seconds,
+                  "wait_seconds": ep.wait_seconds, "seconds": ep.seconds, "cpu_seconds": cpu,
                   # the loop's own view of the same waits: the first batch, the steady state, the epoch's end
                   "wait_first": waits[0] if len(waits) > 1 else 0.0, "wait_end": waits[-1],
                   "wait_steady": sum(steady), "wait_steady_max": max(steady, default=0.0),

@@ -2,7 +2,8 @@
 
 A blocking MPI call in the mpich wheel busy-waits: a rank waiting in ``Allreduce`` burns a full core, which on
 a small node starves Spark and the broker. These start the non-blocking form of the collective and test it
-with a short sleep that grows to 250 µs: a wait costs at most that much latency and little CPU.
+with a short sleep that grows to 250 µs, and in a long wait to an eighth of the time waited so far (at most
+2 ms): a wait costs at most that much latency, and a long one (peers waiting for data) few wake-ups.
 """
 
 from __future__ import annotations
@@ -12,24 +13,30 @@ from typing import Any, Callable
 
 import numpy as np
 
-_MAX_SLEEP = 2.5e-4      # 4,000 wake-ups a second at most while waiting
+_SHORT_SLEEP = 2.5e-4    # the longest sleep of a short wait: 4,000 wake-ups a second
+_LONG_SLEEP = 4e-3       # the longest sleep of a long one: 250 wake-ups a second
+_LATENCY_SHARE = 0.25    # a sleep adds at most this share of the time already waited
 IDLE_INTERVAL = 0.05     # seconds between calls of a wait's ``idle`` hook
 
 
 def wait_until(done: Callable[[], bool], idle: Callable[[], None] | None = None) -> None:
-    """Call ``done`` until it returns true, sleeping 20 µs, then longer, up to 250 µs, in between.
+    """Call ``done`` until it returns true, sleeping 20 µs, then longer, in between: up to 250 µs, and once the
+    wait is long, up to an eighth of the time waited (at most 2 ms).
 
     ``idle`` (if given) is called every :data:`IDLE_INTERVAL` seconds while waiting: a rank keeps its broker
     connection alive (heartbeats, a rejoin) while its peers are slow.
     """
     delay = 0.0
-    next_idle = time.monotonic() + IDLE_INTERVAL
+    started = now = time.monotonic()
+    next_idle = started + IDLE_INTERVAL
     while not done():
         time.sleep(delay)
-        delay = min(max(delay * 2, 20e-6), _MAX_SLEEP)
-        if idle is not None and time.monotonic() >= next_idle:
+        now = time.monotonic()
+        longest = min(max(_SHORT_SLEEP, (now - started) * _LATENCY_SHARE), _LONG_SLEEP)
+        delay = min(max(delay * 2, 20e-6), longest)
+        if idle is not None and now >= next_idle:
             idle()
-            next_idle = time.monotonic() + IDLE_INTERVAL
+            next_idle = now + IDLE_INTERVAL
 
 
 def wait(request: Any, idle: Callable[[], None] | None = None) -> None:
