@@ -29,6 +29,48 @@ BATCH_SIZE = 1024
 _runs = itertools.count()
 
 
+class CpuMeter:
+    """CPU seconds (user + system, psutil) spent during a run by Spark's JVM, by its Python workers (where the
+    feeder runs) and by the brokers; started when made, read by :meth:`stop`."""
+
+    def __init__(self, brokers: Sequence[BrokerProcess] = ()):
+        self._broker_pids = [b.pid for b in brokers]
+        self._start = self._read()
+
+    def _read(self) -> dict[str, dict[int, float]]:
+        import psutil
+
+        groups: dict[str, dict[int, float]] = {"jvm": {}, "workers": {}, "broker": {}}
+
+        def add(group: str, proc: psutil.Process) -> None:
+            try:
+                t = proc.cpu_times()
+                groups[group][proc.pid] = t.user + t.system
+            except psutil.Error:
+                pass
+
+        for proc in psutil.Process().children(recursive=True):
+            try:
+                if proc.name() != "java":
+                    continue
+                add("jvm", proc)
+                for worker in proc.children(recursive=True):
+                    add("workers", worker)
+            except psutil.Error:
+                pass
+        for pid in self._broker_pids:
+            try:
+                add("broker", psutil.Process(pid))
+            except psutil.Error:
+                pass
+        return groups
+
+    def stop(self) -> dict[str, float]:
+        end = self._read()
+        return {group: sum(max(0.0, t - self._start[group].get(pid, 0.0)) for pid, t in pids.items())
+                for group, pids in end.items()}
+
+
 @dataclass
 class Series:
     """Repetitions of one way of getting the data to the ranks."""
@@ -57,7 +99,10 @@ def run_sparkbus(children: Children, broker: BrokerProcess | Sequence[BrokerProc
         return t0, time.time(), report
 
     stream = f"bench-{next(_runs)}"
-    return run_fed_ranks(children, brokers, stream, start, rows, ranks, work, timeout)
+    meter = CpuMeter(brokers)
+    result = run_fed_ranks(children, brokers, stream, start, rows, ranks, work, timeout)
+    result["cpu"] = {**meter.stop(), "ranks": result["ranks_cpu"]}
+    return result
 
 
 def run_fed_ranks(children: Children, brokers: Sequence[BrokerProcess], stream: str, start: Callable[[], tuple],
@@ -118,8 +163,9 @@ def warm_up_feed(df: Any, broker: BrokerProcess) -> None:
 
 
 def run_limit(df: Any) -> dict:
+    meter = CpuMeter()
     seconds, rows = spark_data.arrow_limit(df)
-    return {"first": None, "last": seconds, "rows": rows, "rows_per_s": rows / seconds}
+    return {"first": None, "last": seconds, "rows": rows, "rows_per_s": rows / seconds, "cpu": meter.stop()}
 
 
 def run(children: Children, df: Any, rows: int, sizes: Sizes, work: Path, log=print) -> dict[str, Series]:

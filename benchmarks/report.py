@@ -282,6 +282,7 @@ def markdown(r: dict) -> str:
                   f"({_f(median([x['staged_bytes'] for x in p.runs]) / 2**20)} MiB in "
                   f"{p.runs[0]['files']} files); sparkbus: `feed()` returned after {s.med('feed_seconds'):.2f} s, "
                   f"{_f(s.med('dropped_rows'))} rows dropped to keep the ranks even"]
+        parts += _cpu_markdown(lim, s, ds["payload_bytes"], r["machine"].get("nproc"))
 
     if r.get("scaling"):
         parts += ["", "## 3. Scaling", "",
@@ -351,6 +352,38 @@ def markdown(r: dict) -> str:
     if r.get("notes"):
         parts += ["", "## Notes", ""] + [f"- {n}" for n in r["notes"]]
     return "\n".join(parts) + "\n"
+
+
+def _cpu_markdown(limit, sparkbus, payload_bytes: int, cores: int | None) -> list[str]:
+    """Where the CPU of the end-to-end runs went: the limit's and sparkbus's, per process group (medians)."""
+    if not all(run.get("cpu") for run in (*limit.runs, *sparkbus.runs)):
+        return []
+    groups = [("jvm", "Spark JVM"), ("workers", "Spark's Python workers (the feeder)"), ("broker", "broker"),
+              ("ranks", "ranks")]
+
+    def cpu(series, group):
+        return median([run["cpu"].get(group, 0.0) for run in series.runs])
+
+    rows = []
+    for series, label in ((limit, "Arrow hand-off limit"), (sparkbus, "sparkbus")):
+        total = sum(cpu(series, g) for g, _ in groups)
+        rows.append([label, *[_f(cpu(series, g), ".2f") for g, _ in groups], _f(total, ".2f"),
+                     _f(series.med("last"), ".2f"), _f(total / series.med("last"), ".2f")])
+    gb = payload_bytes / 1e9
+    extra = sum(cpu(sparkbus, g) - cpu(limit, g) for g, _ in groups)
+    limit_total = sum(cpu(limit, g) for g, _ in groups)
+    out = ["", "CPU seconds per run (medians; user + system of each process group, psutil), and the cores they "
+           "kept busy on average:", "",
+           _table(["run", *[label for _, label in groups], "all", "wall (s)", "cores busy"], rows), "",
+           f"sparkbus adds {extra:.2f} CPU-s to the limit's {limit_total:.2f} ({extra / gb:.2f} CPU-s per GB of "
+           f"payload)."]
+    if cores:
+        best = (limit_total + extra) / cores
+        out[-1] += (f" With {cores} cores shared by every process, the limit's work plus that cannot take less than "
+                    f"{best:.2f} s of wall time, {limit.med('last') / best:.2f} x the limit's rate at best; 0.9 x "
+                    f"would need sparkbus to add at most {(limit.med('last') / 0.9 * cores - limit_total) / gb:.2f} "
+                    f"CPU-s per GB here.")
+    return out
 
 
 def _curve_markdown(r: dict) -> list[str]:
