@@ -23,6 +23,8 @@ log = logging.getLogger("sparkbus.worker")
 
 Batch = dict[str, np.ndarray]
 DEFAULT_PREFETCH_BYTES = 8 << 20
+ROUND_BATCHES = 4       # even ranks short of data wait for this many batches a round (at most ``prefetch``)
+ROUND_LINGER = 0.01     # ... but no longer than this (seconds)
 
 
 @dataclass
@@ -305,7 +307,9 @@ class BatchStream:
                         item = self._next_batch(ep)
                         if item is not None:
                             ready.append(item)
-                    self._take_arrived(ep, ready)
+                    # Some rank ran short: agreements would come one step at a time while the data trickles in,
+                    # each costing every rank wake-ups; hold on briefly for a round's worth instead.
+                    self._take_arrived(ep, ready, want=min(ROUND_BATCHES, self.prefetch), linger=ROUND_LINGER)
                     started = time.monotonic()
                     self._flush_acks(ep)        # nothing of ours may hold the broker back while we agree
                     steps = collectives.allreduce_min(self.comm, len(ready), idle=self._service)
@@ -346,10 +350,23 @@ class BatchStream:
             self._count(ep, header, batch)
             yield batch
 
-    def _take_arrived(self, ep: EpochStats, ready: deque) -> None:
-        """Move the batches that have arrived (without waiting) to ``ready``."""
-        while not self._end_seen and (item := self._next_batch(ep, block=False)) is not None:
-            ready.append(item)
+    def _take_arrived(self, ep: EpochStats, ready: deque, want: int = 0, linger: float = 0.0) -> None:
+        """Move the batches that have arrived to ``ready``; if it then holds fewer than ``want``, wait up to
+        ``linger`` seconds (in ``poll``, counted as data-wait) for more or for the epoch's end."""
+        deadline = time.monotonic() + linger
+        while not self._end_seen:
+            item = self._next_batch(ep, block=False)
+            if item is not None:
+                ready.append(item)
+                continue
+            started = time.monotonic()
+            if len(ready) >= want or started >= deadline:
+                return
+            poller = zmq.Poller()
+            for broker in self._waiting:
+                poller.register(broker.socket, zmq.POLLIN)
+            poller.poll((deadline - started) * 1000)
+            ep.wait_seconds += time.monotonic() - started
 
     # ---- lifetime -----------------------------------------------------------------------------------------
 

@@ -114,3 +114,28 @@ def test_a_loop_that_leaves_while_an_agreement_is_posted_completes_it_and_skips_
             ids = broker.next(Kind.ACK)["ids"]
             acked |= {tuple(ids[i:i + 3]) for i in range(0, len(ids), 3)}
         assert acked == {(0, 0, seq) for seq in range(10)} | {(1, 0, 0), (1, 0, 1)}
+
+
+def test_a_rank_short_of_data_holds_on_for_a_rounds_worth_before_it_agrees(context, monkeypatch):
+    import threading
+
+    from worker import stream as stream_module
+
+    monkeypatch.setattr(stream_module, "ROUND_LINGER", 30.0)      # only a round's worth (4) or the end frees it
+    broker = FakeBroker(context, "inproc://even-short")
+    peer = ScriptedPeer(mins=[4, 0, 0], gathers=[0])
+    stream = joined(broker, "inproc://even-short", context, comm=peer, even=True, abort_on_error=False)
+    with stream:
+        broker.send(codec.encode_batch("s", 0, 0, 0, batch(0)))
+
+        def trickle():
+            for seq in (1, 2, 3):
+                broker.send(codec.encode_batch("s", 0, 0, seq, batch(seq)))
+            broker.end(0, 4)
+
+        late = threading.Timer(0.2, trickle)
+        late.start()
+        got = [int(b["id"][0]) for b in stream.epoch()]
+        late.join()
+    assert got == [0, 1, 2, 3]
+    assert peer.posted[0] == (4, 0), "the first agreement waited for 4 batches, not 1"
