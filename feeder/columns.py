@@ -84,7 +84,7 @@ def rebatch(pieces: Iterable[Columns], batch_size: int, max_bytes: int) -> Itera
 
 def pack_small(batches: Iterable[Columns], pack_bytes: int,
                max_batches: int = 64) -> Iterator[tuple[Columns, list[int] | None]]:
-    """Consecutive batches smaller than ``pack_bytes / 4`` as packs of up to ``pack_bytes`` and ``max_batches``.
+    """Consecutive batches smaller than ``pack_bytes / 2`` as packs of up to ``pack_bytes`` and ``max_batches``.
 
     Yields ``(columns, splits)``: a batch as it was with ``splits=None``, or a pack (its batches' columns
     concatenated) with the rows of each batch in ``splits``. Per message, the broker and a rank pay tens of
@@ -98,7 +98,7 @@ def pack_small(batches: Iterable[Columns], pack_bytes: int,
     group_bytes = 0
     for batch in batches:
         nbytes = sum(a.nbytes for a in batch.values())
-        alone = 4 * nbytes >= pack_bytes
+        alone = 2 * nbytes >= pack_bytes
         if group and (alone or group_bytes + nbytes > pack_bytes or len(group) == max_batches
                       or not _same_kind(group[0], batch)):
             yield _pack(group)

@@ -67,7 +67,7 @@ def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "t
             (costs a partition's worth of latency and broker memory). See docs/GUARANTEES.md.
         control: the brokers' control addresses, in the same order, if they are not the feed ports + 2.
         max_batch_bytes: cap on a batch's payload; wide rows get fewer than ``batch_size`` rows per batch.
-        pack_bytes: consecutive batches smaller than a quarter of this (256 KiB) travel as packs of up to this
+        pack_bytes: consecutive batches smaller than half of this (512 KiB) travel as packs of up to this
             size (1 MiB), one message each: the broker's and the ranks' cost is per message. Ranks still yield
             the batches one by one, with ``batch_size`` rows each. 0 packs nothing.
         key, broker_key: for a broker run with ``--auth``: this client's ``.key_secret`` file and the broker's

@@ -61,7 +61,7 @@ def stream_partition(batches: Iterable[dict], feed_address: str | Sequence[str],
         control_address: the brokers' control endpoints, in the same order (None: each feed port + 2).
         attempt: this attempt's identity, unique among the attempts that stream the partition (:func:`attempt_id`).
         timeout: seconds any single wait may take (handshake, each blocked send, the commit).
-        pack_bytes: consecutive batches smaller than a quarter of this go as packs of up to this size (one message
+        pack_bytes: consecutive batches smaller than half of this go as packs of up to this size (one message
             each; ranks still see the batches one by one); 0 packs nothing.
         key, broker_key: CURVE key files for a broker run with ``--auth`` (see :class:`broker.client.ControlClient`).
     Raises:
