@@ -37,6 +37,7 @@ from .state import EpochState, HeldBatch, RankState, StreamState
 
 log = logging.getLogger("sparkbus.broker")
 
+IO_THREADS = 2          # ZeroMQ I/O threads: the feed's and the ranks' bytes are copied on two cores, not one
 FEED_RCVHWM = 4         # messages per feeder connection queued in the broker beyond --max-buffer
 BURST = 256             # requests drained from one socket before the others get a turn
 FEED_BURST = 32         # batches read before acknowledgements are handled and batches sent on
@@ -94,7 +95,7 @@ class Broker:
         """Replay the journal, bind, serve until :meth:`stop`, close every socket."""
         if self.ledger.journal:
             self.ledger.replay()
-        ctx = self._context or zmq.Context()
+        ctx = self._context or zmq.Context(io_threads=IO_THREADS)
         socks = {name: ctx.socket(kind) for name, kind in
                  (("feed", zmq.PULL), ("control", zmq.ROUTER), ("ranks", zmq.ROUTER))}
         metrics = None
