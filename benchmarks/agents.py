@@ -160,11 +160,15 @@ def _receive_sparkbus(conn: Any, job: dict) -> dict:
 # ---- zmq.proxy -------------------------------------------------------------------------------------------------
 
 def proxy(conn: Any, hwm: int) -> None:
-    """Bind PULL and PUSH on free loopback ports, report them, then forward forever (the parent terminates us)."""
+    """Bind PULL and PUSH on free loopback ports, report them, then forward forever (the parent terminates us).
+
+    Its context has as many I/O threads as the broker's, so that the two hops copy bytes on as many threads."""
     import zmq
 
+    from broker.daemon import IO_THREADS
+
     die_with_parent()
-    ctx = zmq.Context()
+    ctx = zmq.Context(io_threads=IO_THREADS)
     front, back = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     for sock in (front, back):
         sock.linger = 0

@@ -65,28 +65,48 @@ class HopResult:
     def mb_per_s(self) -> float:
         return median([r["batches"] * self.size / r["seconds"] / 1e6 for r in self.runs])
 
+    def cpu_per_gb(self, role: str) -> float | None:
+        """Median CPU seconds per GB of payload of ``role`` (sender, middle, receiver), if measured."""
+        per_gb = [r["cpu"][role] / (r["batches"] * self.size / 1e9) for r in self.runs if r.get("cpu")]
+        return median(per_gb) if per_gb else None
+
     @property
     def spread(self) -> tuple[float, float]:
         rates = [r["batches"] * self.size / r["seconds"] / 1e6 for r in self.runs]
         return min(rates), max(rates)
 
 
+def _cpu_seconds(pid: int | None) -> float:
+    """User + system CPU seconds of process ``pid`` (all its threads) so far; 0 without one."""
+    import psutil
+
+    if pid is None:
+        return 0.0
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
+
+
 def _measure(sender: Agent, receiver: Agent, send_job: dict, receive_job: dict, timeout: float,
-             before=None, after=None) -> dict:
+             before=None, after=None, middle: int | None = None) -> dict:
+    """One hop; also the CPU seconds the sender, the process in the middle (pid ``middle``) and the receiver
+    spent from before the first send to after the last receive."""
     receiver.send(receive_job)
     ready = receiver.recv(timeout, "its ready message")
     if before:
         before()
+    pids = {"sender": sender.pid, "middle": middle, "receiver": receiver.pid}
+    cpu = {role: _cpu_seconds(pid) for role, pid in pids.items()}
     sender.send({**send_job, "address": send_job.get("address") or ready["endpoint"]})
     sent = sender.recv(timeout + 60 * (send_job["size"] >= MiB), "the end of its send")
     if after:
         after()
     got = receiver.recv(timeout, "the end of its receive")
+    cpu = {role: _cpu_seconds(pid) - cpu[role] for role, pid in pids.items()}
     if got["received"] != sent["sent"]:
         raise BenchError(f"{send_job['mode']} hop at {size_label(send_job['size'])}: sent {sent['sent']}, "
                            f"received {got['received']}")
     return {"batches": got["received"], "seconds": got["t_last"] - sent["t_first"],
-            "wait_seconds": got.get("wait_seconds"), "epoch_seconds": got.get("seconds")}
+            "wait_seconds": got.get("wait_seconds"), "epoch_seconds": got.get("seconds"), "cpu": cpu}
 
 
 def feeder_pack_bytes() -> int | None:
@@ -169,7 +189,8 @@ def run(children: Children, sizes: Sizes, log=print) -> list[HopResult]:
                                                    {**base, "mode": "zmq", "hwm": hwm_for(size)}, timeout),
                         "zmq.proxy": lambda: _measure(
                             sender, receiver, {**base, "mode": "zmq", "hwm": hwm_for(size), "address": ends["front"]},
-                            {**base, "mode": "zmq", "hwm": hwm_for(size), "address": ends["back"]}, timeout),
+                            {**base, "mode": "zmq", "hwm": hwm_for(size), "address": ends["back"]}, timeout,
+                            middle=proxy.pid),
                         "sparkbus": lambda: _sparkbus(sender, receiver, broker, base, timeout),
                     }
                     for mode in MODES:
@@ -213,7 +234,8 @@ def _sparkbus(sender, receiver, broker, base: dict, timeout: float, prefetch: in
              "address": broker.feed, **({} if pack_bytes is None else {"pack_bytes": pack_bytes}), **feeder_keys},
             {**base, "mode": "sparkbus", "ranks": broker.ranks, "stream": stream, "prefetch": prefetch,
              "verify": verify, **rank_keys},
-            timeout, after=lambda: client.request(Kind.EPOCH_CLOSE, stream=stream, epoch=0, partitions=1))
+            timeout, after=lambda: client.request(Kind.EPOCH_CLOSE, stream=stream, epoch=0, partitions=1),
+            middle=broker.pid)
     finally:
         client.close()
 

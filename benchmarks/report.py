@@ -15,6 +15,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from broker.daemon import IO_THREADS
 from common import MiB, ROOT, Sizes, median
 from hop import CURVE_MODE, MODES, SIZES, curve_pairs, size_label
 from spark_data import ROW_BYTES
@@ -254,6 +255,7 @@ def markdown(r: dict) -> str:
                 "`verify=False` shows what the ranks' checksum check costs" + (
                     "; `unpacked` (the feeder's `pack_bytes=0`) what packing small batches gains." if any(
                         h.mode.endswith("unpacked") for h in extra) else ".")]
+        parts += _hop_cpu_markdown(r)
         parts += _curve_markdown(r)
 
     if r.get("e2e"):
@@ -384,6 +386,35 @@ def _cpu_markdown(limit, sparkbus, payload_bytes: int, cores: int | None) -> lis
                     f"would need sparkbus to add at most {(limit.med('last') / 0.9 * cores - limit_total) / gb:.2f} "
                     f"CPU-s per GB here.")
     return out
+
+
+def _hop_cpu_markdown(r: dict) -> list[str]:
+    """CPU seconds per GB of payload in each process of the three hops (medians), where they were measured."""
+    by = {(h.mode, h.size): h for h in r["hop"]}
+    roles = ("sender", "middle", "receiver")
+    rows = []
+    for size in sorted({h.size for h in r["hop"]}):
+        cells = []
+        for mode in ("direct", "zmq.proxy", "sparkbus"):
+            h = by.get((mode, size))
+            per_gb = [h.cpu_per_gb(role) for role in roles] if h and h.runs else [None] * 3
+            if None in per_gb:
+                break
+            cells.append("/".join(_f(x, ".2f") for x in per_gb) if mode != "direct"
+                         else f"{_f(per_gb[0], '.2f')}/-/{_f(per_gb[2], '.2f')}")
+            cells.append(_f(sum(per_gb), ".2f"))
+        else:
+            rows.append([size_label(size), *cells])
+    if not rows:
+        return []
+    return ["", "CPU seconds per GB of payload in each process of a hop (medians, user + system of all its threads, "
+            "psutil): sender / middle / receiver, then their sum. The sender is raw pyzmq for `direct` and "
+            "`zmq.proxy` and `feeder.task.stream_partition` (encoding, checksum) for sparkbus; the middle is the "
+            f"proxy process or the broker (both with {IO_THREADS} ZeroMQ I/O threads); the receiver is raw pyzmq "
+            "or a `BatchStream` (checksum, acknowledgements). On a machine whose cores all three share, the hop "
+            "with the larger sum is the slower one.", "",
+            _table(["batch", "direct CPU-s/GB", "sum", "zmq.proxy CPU-s/GB", "sum", "sparkbus CPU-s/GB", "sum"],
+                   rows)]
 
 
 def _curve_markdown(r: dict) -> list[str]:
