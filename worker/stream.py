@@ -23,8 +23,8 @@ log = logging.getLogger("sparkbus.worker")
 
 Batch = dict[str, np.ndarray]
 DEFAULT_PREFETCH_BYTES = 8 << 20
-ROUND_BATCHES = 4       # even ranks short of data wait for this many batches a round (at most ``prefetch``)
-ROUND_LINGER = 0.01     # ... but no longer than this (seconds)
+ROUND_BATCHES = 8       # even ranks short of data wait for a round of this many batches, or half a byte window,
+ROUND_LINGER = 0.02     # ... but no longer than this (seconds)
 
 
 @dataclass
@@ -105,7 +105,7 @@ class BatchStream:
         if self.even and comm is None:
             self.even = False
         self.timeout, self.verify, self.heartbeat, self.on_drop = timeout, verify, heartbeat, on_drop
-        self.prefetch, self.abort_on_error = prefetch, abort_on_error
+        self.prefetch, self.prefetch_bytes, self.abort_on_error = prefetch, prefetch_bytes, abort_on_error
         self.stats = StreamStats()
         self._holding: dict | None = None      # header of the batch the loop has now (acknowledged on next)
         self._end_seen = True                  # the current epoch's EPOCH_END arrived (or no epoch begun)
@@ -288,10 +288,11 @@ class BatchStream:
 
     def _even_epoch(self, ep: EpochStats) -> Iterator[Batch]:
         # Lockstep in rounds: the ranks agree to take as many steps as the rank holding the fewest batches has.
-        # A round of two or more steps starts the next round's agreement before its last step, on the batches
-        # each rank holds beyond it, so the agreement completes while the loop trains. Only when some rank holds
-        # nothing more (the data is late, or the epoch ends) do the ranks agree again, waiting for a batch each
-        # or the epoch's end; an agreement of 0 then ends the rounds.
+        # A round longer than ROUND_BATCHES (the data keeps ahead) starts the next round's agreement before its
+        # last step, on the batches each rank holds beyond it, so the agreement completes while the loop trains.
+        # Otherwise, or when some rank holds nothing more (the data is late, or the epoch ends), the ranks agree
+        # again at the round's end, waiting for a round's worth of batches each or the epoch's end; an agreement
+        # of 0 then ends the rounds. Every agreement costs each rank a few wake-ups, so rounds are kept long.
         ready: deque[tuple[dict, Batch]] = deque()
         ahead: collectives.PendingMin | None = None
         try:
@@ -307,9 +308,9 @@ class BatchStream:
                         item = self._next_batch(ep)
                         if item is not None:
                             ready.append(item)
-                    # Some rank ran short: agreements would come one step at a time while the data trickles in,
-                    # each costing every rank wake-ups; hold on briefly for a round's worth instead.
-                    self._take_arrived(ep, ready, want=min(ROUND_BATCHES, self.prefetch), linger=ROUND_LINGER)
+                    # Some rank ran short: agreements would come one step at a time while the data trickles in;
+                    # hold on briefly for a round's worth instead.
+                    self._take_arrived(ep, ready, until_full=True)
                     started = time.monotonic()
                     self._flush_acks(ep)        # nothing of ours may hold the broker back while we agree
                     steps = collectives.allreduce_min(self.comm, len(ready), idle=self._service)
@@ -317,7 +318,7 @@ class BatchStream:
                     if steps == 0:
                         break
                 for step in range(steps - 1, -1, -1):
-                    if step == 0 and steps > 1:
+                    if step == 0 and steps > ROUND_BATCHES:
                         self._take_arrived(ep, ready)
                         self._flush_acks(ep)
                         ahead = collectives.PendingMin(self.comm, len(ready) - 1)
@@ -350,23 +351,31 @@ class BatchStream:
             self._count(ep, header, batch)
             yield batch
 
-    def _take_arrived(self, ep: EpochStats, ready: deque, want: int = 0, linger: float = 0.0) -> None:
-        """Move the batches that have arrived to ``ready``; if it then holds fewer than ``want``, wait up to
-        ``linger`` seconds (in ``poll``, counted as data-wait) for more or for the epoch's end."""
-        deadline = time.monotonic() + linger
+    def _take_arrived(self, ep: EpochStats, ready: deque, until_full: bool = False) -> None:
+        """Move the batches that have arrived to ``ready``. With ``until_full``, then wait up to ``ROUND_LINGER``
+        seconds (in ``poll``, counted as data-wait) for it to hold a round's worth (:meth:`_round_full`) or for
+        the epoch's end."""
+        deadline = time.monotonic() + ROUND_LINGER
         while not self._end_seen:
             item = self._next_batch(ep, block=False)
             if item is not None:
                 ready.append(item)
                 continue
             started = time.monotonic()
-            if len(ready) >= want or started >= deadline:
+            if self._end_seen or not until_full or started >= deadline or self._round_full(ready):
                 return
             poller = zmq.Poller()
             for broker in self._waiting:
                 poller.register(broker.socket, zmq.POLLIN)
             poller.poll((deadline - started) * 1000)
             ep.wait_seconds += time.monotonic() - started
+
+    def _round_full(self, ready: deque) -> bool:
+        """``ready`` holds ROUND_BATCHES batches, or as many as the window is sure to admit (``prefetch``) and
+        half its bytes: more may not come until this rank consumes."""
+        if len(ready) >= ROUND_BATCHES:
+            return True
+        return len(ready) >= self.prefetch and 2 * sum(h["nbytes"] for h, _ in ready) >= self.prefetch_bytes
 
     # ---- lifetime -----------------------------------------------------------------------------------------
 

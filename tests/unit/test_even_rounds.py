@@ -11,6 +11,7 @@ import pytest
 from broker import codec
 from broker.protocol import Kind
 from helpers import FakeBroker, joined
+from worker.stream import ROUND_BATCHES
 
 
 class Request:
@@ -60,70 +61,72 @@ def batch(seq):
 
 
 @pytest.fixture
-def ten_batches(context):
+def twenty_batches(context):
     broker = FakeBroker(context, "inproc://even-broker")
 
     def start(peer):
         stream = joined(broker, "inproc://even-broker", context, comm=peer, even=True, abort_on_error=False)
-        for seq in range(10):
+        for seq in range(20):
             broker.send(codec.encode_batch("s", 0, 0, seq, batch(seq)))
-        broker.end(0, 10)
+        broker.end(0, 20)
         return stream, broker
 
     return start
 
 
-def test_the_next_rounds_agreement_is_posted_before_the_last_step_of_a_round(ten_batches):
-    # the peer holds 4, then 6 beyond that, then nothing more; at the end it holds nothing either
-    peer = ScriptedPeer(mins=[4, 6, 0, 0], gathers=[0])
-    stream, _ = ten_batches(peer)
+def test_the_next_rounds_agreement_is_posted_before_the_last_step_of_a_long_round(twenty_batches):
+    # the peer holds 12, then 8 beyond that, then nothing more; at the end it holds nothing either
+    peer = ScriptedPeer(mins=[12, 8, 0], gathers=[0])
+    stream, _ = twenty_batches(peer)
     with stream:
         got = []
         for b in stream.epoch():
             got.append(int(b["id"][0]))
             peer.given += 1
-    assert got == list(range(10))
-    # (10 held, before any step): 4 steps; before the 4th, 6 held beyond it: 6 steps; before the 10th, 0 beyond:
-    # then one waiting agreement (0: the epoch ended) ends the rounds
-    assert peer.posted == [(10, 0), (6, 3), (0, 9), (0, 10)]
+    assert got == list(range(20))
+    # (20 held, before any step): 12 steps, a long round: before its 12th step, 8 held beyond it: 8 steps, a
+    # round of ROUND_BATCHES, which agrees at its end: 0 (the epoch ended) ends the rounds
+    assert ROUND_BATCHES == 8
+    assert peer.posted == [(20, 0), (8, 11), (0, 20)]
     assert all(r.tests >= 2 for r in peer.requests), "every agreement was completed"
     ep = stream.stats.epochs[-1]
-    assert (ep.batches, ep.dropped_batches) == (10, 0)
+    assert (ep.batches, ep.dropped_batches) == (20, 0)
 
 
-def test_a_loop_that_leaves_while_an_agreement_is_posted_completes_it_and_skips_what_it_held(ten_batches):
-    peer = ScriptedPeer(mins=[4, 6, 2, 0, 0], gathers=[0])
-    stream, broker = ten_batches(peer)
+def test_a_loop_that_leaves_while_an_agreement_is_posted_completes_it_and_skips_what_it_held(twenty_batches):
+    peer = ScriptedPeer(mins=[12, 8, 2, 0], gathers=[0])
+    stream, broker = twenty_batches(peer)
     with stream:
         for n, b in enumerate(stream.epoch()):
             peer.given += 1
-            if n == 3:                  # the round's last step: the next agreement is already posted
+            if n == 11:                 # the round's last step: the next agreement is already posted
                 assert len(peer.posted) == 2 and peer.requests[-1].tests == 0
                 break
-        assert peer.posted == [(10, 0), (6, 3)]
+        assert peer.posted == [(20, 0), (8, 11)]
         assert peer.requests[-1].tests >= 2, "the posted agreement was completed when the loop left"
-        assert stream.stats.epochs[-1].batches == 4
-        # the 6 batches the round had taken in are skipped and acknowledged by the next epoch, not lost
+        assert stream.stats.epochs[-1].batches == 12
+        # the 8 batches the round had taken in are skipped and acknowledged by the next epoch, not lost
         broker.send(codec.encode_batch("s", 1, 0, 0, batch(100)))
         broker.send(codec.encode_batch("s", 1, 0, 1, batch(101)))
         broker.end(1, 2)
         assert [int(b["id"][0]) for b in stream.epoch()] == [100, 101]
-        assert stream.stats.skipped_batches == 6
+        assert stream.stats.skipped_batches == 8
         acked = set()
-        while len(acked) < 12:
+        while len(acked) < 22:
             ids = broker.next(Kind.ACK)["ids"]
             acked |= {tuple(ids[i:i + 3]) for i in range(0, len(ids), 3)}
-        assert acked == {(0, 0, seq) for seq in range(10)} | {(1, 0, 0), (1, 0, 1)}
+        assert acked == {(0, 0, seq) for seq in range(20)} | {(1, 0, 0), (1, 0, 1)}
 
 
-def test_a_rank_short_of_data_holds_on_for_a_rounds_worth_before_it_agrees(context, monkeypatch):
+@pytest.mark.timeout(10)     # the linger is 30 s here: the epoch's end must cut it short
+def test_a_rank_short_of_data_holds_on_for_a_round_or_the_epochs_end_before_it_agrees(context, monkeypatch):
     import threading
 
     from worker import stream as stream_module
 
-    monkeypatch.setattr(stream_module, "ROUND_LINGER", 30.0)      # only a round's worth (4) or the end frees it
+    monkeypatch.setattr(stream_module, "ROUND_LINGER", 30.0)      # only a round's worth or the end frees it
     broker = FakeBroker(context, "inproc://even-short")
-    peer = ScriptedPeer(mins=[4, 0, 0], gathers=[0])
+    peer = ScriptedPeer(mins=[4, 0], gathers=[0])
     stream = joined(broker, "inproc://even-short", context, comm=peer, even=True, abort_on_error=False)
     with stream:
         broker.send(codec.encode_batch("s", 0, 0, 0, batch(0)))
@@ -138,4 +141,4 @@ def test_a_rank_short_of_data_holds_on_for_a_rounds_worth_before_it_agrees(conte
         got = [int(b["id"][0]) for b in stream.epoch()]
         late.join()
     assert got == [0, 1, 2, 3]
-    assert peer.posted[0] == (4, 0), "the first agreement waited for 4 batches, not 1"
+    assert peer.posted[0] == (4, 0), "the first agreement waited for the epoch's end, not agreeing on 1"
