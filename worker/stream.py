@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -367,7 +368,7 @@ class BatchStream:
             poller = zmq.Poller()
             for broker in self._waiting:
                 poller.register(broker.socket, zmq.POLLIN)
-            poller.poll((deadline - started) * 1000)
+            poller.poll(math.ceil((deadline - started) * 1000))      # whole ms: 0 would not wait at all
             ep.wait_seconds += time.monotonic() - started
 
     def _round_full(self, ready: deque) -> bool:
