@@ -146,6 +146,8 @@ def test_a_consumer_killed_inside_a_pack_costs_at_most_that_pack_again(spark, st
     broker = start_broker("--heartbeat", "200ms", "--rejoin-grace", "1s")
     victim = start_ranks(0, broker.ranks, "--stream", "kill2", "--stop-after", "5")
     survivor = start_ranks(0, broker.ranks, "--stream", "kill2", "--slow-rank", "0", "--slow-seconds", "0.005")
+    # both joined before the feed: there are only 4 packs, which a consumer alone could take in its window
+    wait_for(lambda: len(broker.stats()["streams"].get("kill2", {}).get("ranks", [])) == 2, 60, "both consumers")
     feeding = threading.Thread(target=feed, args=(staged_frame(spark, 25_600, 2), broker.feed),
                                kwargs=dict(stream="kill2", batch_size=100, timeout=60))
     feeding.start()
