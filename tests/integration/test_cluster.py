@@ -177,10 +177,14 @@ def test_spark_speculates_a_slow_partition_and_each_row_arrives_once(driver, sta
     assert len(copies) == 1 and not first["speculative"], attempts
     copy = copies[0]
     assert copy["host"] != first["host"] and copy["executor"] != first["executor"], attempts
-    assert copy["reason"] == "Success", attempts
     # ... while the first attempt was running: it had streamed five batches (the broker held them), stalled, and
-    # saw the copy start; it went on after the copy had committed, so both streamed the partition's first half
+    # saw the copy start; it went on after the copy had streamed the whole partition and the broker had committed
+    # it, so both streamed the partition. Which of the two Spark then records as the winner is a race (the loser
+    # is killed and has no end in the event log), so the test asks for one success, not the copy's.
     seen = markers(tmp_path / "markers")
+    assert seen[0, copy["attempt"], "done"]["rows"] == ROWS_PER_PARTITION
+    assert seen[0, 0, "resume"]["copy_done"] and seen[0, 0, "resume"]["all_committed"]
+    assert "Success" in (first["reason"], copy["reason"]), attempts
     assert seen[0, 0, "stall"]["rows"] == AFTER
     assert seen[0, 0, "stall"]["broker_rows"] == 3 * ROWS_PER_PARTITION + AFTER
     assert seen[0, 0, "saw-copy"]["copy_attempt"] == copy["attempt"]
