@@ -301,9 +301,9 @@ class BatchStream:
                 steps = 0
                 if ahead is not None:
                     started = time.monotonic()
-                    steps = ahead.result(idle=self._service)
+                    pending, ahead = ahead, None         # an error while waiting must not wait again below
+                    steps = pending.result(idle=self._service)
                     ep.wait_seconds += time.monotonic() - started
-                    ahead = None
                 if steps == 0:
                     if not ready and not self._end_seen:
                         item = self._next_batch(ep)
