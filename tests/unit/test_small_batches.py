@@ -32,6 +32,13 @@ def test_small_batches_are_packed_up_to_the_pack_size_and_large_ones_go_alone():
                                   np.concatenate([b["id"] for b in small + [batch(1000, 100)] + small[:2]]))
 
 
+def test_batches_under_half_the_pack_size_are_packed():
+    # 12 rows x 24 bytes = 288 bytes: under half of 1,000 (packed, three to a pack), though over a quarter
+    out = list(pack_small([batch(12 * i, 12) for i in range(3)], pack_bytes=1000))
+    assert [s for _, s in out] == [[12, 12, 12]]
+    assert [s for _, s in pack_small([batch(0, 21)] * 2, pack_bytes=1000)] == [None, None], "504 bytes: alone"
+
+
 def test_packing_keeps_batches_of_another_kind_apart_and_can_be_off():
     mixed = [batch(0, 5), {"id": np.arange(5, 10)}, batch(10, 5)]
     assert [s for _, s in pack_small(mixed, pack_bytes=1 << 20)] == [None, None, None]
