@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 	# torch pinned first: the CPU build that lies on our machines' disk (an open range would pull a
 	# multi-GB CUDA build from PyPI); the [torch] extra's range is then already satisfied
 	$(PY) -m pip install --quiet 'torch==2.13.0'
-	$(PY) -m pip install --quiet -e '.[test,torch,bench]'
+	$(PY) -m pip install --quiet -e '.[test,torch,bench,images]'
 	touch $@
 
 demo: setup
