@@ -1,0 +1,167 @@
+"""Padding share of per-batch padding, in Spark's order and with ``bucket_by``, measured through a broker.
+
+A batch of variable-length rows padded to its longest row holds ``n * max(lengths)`` slots, of which
+``sum(lengths)`` are real tokens; the **padding share** of a set of batches is ``1 - real / slots`` (padded slots
+that are padding / all padded slots). :func:`padding_share` computes it from the row lengths of each batch;
+:func:`measure` feeds one DataFrame twice, once as is and once with ``bucket_by``, reads both epochs back with one
+:class:`worker.BatchStream` (no MPI) and returns the two shares and their ratio (target: bucketed / plain <= 0.3).
+
+    .venv/bin/python benchmarks/padding.py [--rows 20000] [--batch-size 64] [--bucket-window 64]
+
+runs :func:`measure` on the synthetic sentences of ``examples/train_text.py`` and prints the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+
+
+def padding_share(lengths_per_batch: Iterable[Sequence[int] | np.ndarray]) -> float:
+    """Padded slots that are padding / all padded slots, each batch padded to its own longest row.
+
+    Args:
+        lengths_per_batch: for each batch, the lengths of its rows (empty batches are ignored).
+    Returns:
+        The share in [0, 1); 0.0 when there are no slots at all.
+    """
+    slots = real = 0
+    for lengths in lengths_per_batch:
+        lengths = np.asarray(lengths, dtype=np.int64)
+        if lengths.size:
+            slots += lengths.size * int(lengths.max())
+            real += int(lengths.sum())
+    return 1.0 - real / slots if slots else 0.0
+
+
+@dataclass(frozen=True)
+class PaddingShares:
+    """What :func:`measure` found: the padding share of each epoch, their ratio, and what was fed."""
+
+    plain: float                # Spark's order
+    bucketed: float             # bucket_by=column
+    ratio: float                # bucketed / plain (inf if plain is 0 and bucketed is not)
+    rows: int                   # rows per epoch
+    batches: tuple[int, int]    # batches of the plain and the bucketed epoch
+    batch_size: int
+    bucket_window: int
+    seconds: float              # both feeds and reads, broker start excluded
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def lengths_of(column: Any) -> np.ndarray:
+    """Row lengths of a received variable-length column: a ragged column's ``lengths()``, or ``k`` for every row
+    of a ``[n, k]`` array (a batch whose rows happened to share one length)."""
+    if hasattr(column, "lengths"):
+        return np.asarray(column.lengths())
+    return np.full(len(column), column.shape[1] if column.ndim > 1 else 1, dtype=np.int64)
+
+
+def measure(df: Any, column: str = "tokens", *, batch_size: int = 64, bucket_window: int = 64,
+            feed_address: str | None = None, ranks_address: str | None = None, stream: str = "padding",
+            first_epoch: int = 0, timeout: float = 60.0, **feed_kwargs: Any) -> PaddingShares:
+    """Feed one epoch of ``df[column]`` as is and one with ``bucket_by=column``, and measure both padding shares.
+
+    Only ``column`` is fed (``columns=[column]``, ``ragged=[column]``). The epochs are ``first_epoch`` (plain)
+    and ``first_epoch + 1`` (bucketed) of ``stream``; one :class:`worker.BatchStream` without MPI reads them
+    in a thread while the feed runs, so every batch is counted as Spark made it (nothing dropped).
+
+    Args:
+        df: a DataFrame with a variable-length array column ``column`` (e.g. token ids).
+        column: the column to pad and bucket by.
+        batch_size: rows per batch; bucket_window: ``feed``'s window, in batches' worth of rows.
+        feed_address, ranks_address: a running broker's addresses (both or neither). Neither: a broker is
+            started for the measurement (``python -m broker`` on loopback) and stopped after it.
+        stream, first_epoch: where on the broker (a stream with these epochs unfed, no other reader).
+        timeout: bounds every wait of the feed and of the reader, and the whole read at the end.
+        feed_kwargs: more :func:`feeder.feed` arguments (``partitions`` is not one: repartition ``df``).
+    Returns:
+        A :class:`PaddingShares`.
+    Raises:
+        ValueError: only one of the two addresses was given.
+        BrokerError, FeedError: as :func:`feeder.feed`; RuntimeError: the reader failed or did not finish.
+    """
+    if (feed_address is None) != (ranks_address is None):
+        raise ValueError("give both feed_address and ranks_address, or neither (a broker is then started)")
+    if feed_address is None:
+        from launch.broker import BrokerProcess
+
+        with tempfile.TemporaryDirectory(prefix="sparkbus-padding-") as tmp:
+            broker = BrokerProcess(Path(tmp) / "broker.log").start(timeout=30)
+            try:
+                return measure(df, column, batch_size=batch_size, bucket_window=bucket_window,
+                               feed_address=broker.feed, ranks_address=broker.ranks, stream=stream,
+                               first_epoch=first_epoch, timeout=timeout, **feed_kwargs)
+            finally:
+                broker.stop()
+
+    from feeder import feed
+    from worker import BatchStream
+
+    lengths: list[list[np.ndarray]] = [[], []]
+    failure: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            with BatchStream(ranks_address, stream=stream, timeout=timeout) as s:
+                for epoch in range(2):
+                    lengths[epoch] = [lengths_of(batch[column]) for batch in s.epoch()]
+        except BaseException as exc:          # re-raised in the caller's thread below
+            failure.append(exc)
+
+    started = time.monotonic()
+    reader = threading.Thread(target=read, name="padding-reader", daemon=True)
+    reader.start()
+    reports = [feed(df, feed_address, stream=stream, epoch=first_epoch + i, batch_size=batch_size,
+                    columns=[column], ragged=[column], timeout=timeout, **feed_kwargs, **bucketing)
+               for i, bucketing in enumerate(({}, {"bucket_by": column, "bucket_window": bucket_window}))]
+    reader.join(timeout)
+    if reader.is_alive():
+        raise RuntimeError(f"the reader of stream {stream!r} did not finish both epochs within {timeout} s")
+    if failure:
+        raise RuntimeError(f"the reader of stream {stream!r} failed: {failure[0]!r}") from failure[0]
+    plain, bucketed = padding_share(lengths[0]), padding_share(lengths[1])
+    ratio = bucketed / plain if plain else (float("inf") if bucketed else 1.0)
+    return PaddingShares(plain, bucketed, ratio, reports[0].rows, (len(lengths[0]), len(lengths[1])), batch_size,
+                         bucket_window, time.monotonic() - started)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="benchmarks/padding.py", description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=20_000)
+    parser.add_argument("--partitions", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--bucket-window", type=int, default=64)
+    parser.add_argument("--seed", type=int, default=7)
+    args = parser.parse_args(argv)
+    sys.path.insert(0, str(HERE.parent / "examples"))
+    from launch.spark import local_session
+    from train_text import text_frame
+
+    spark = local_session("local[2]", "sparkbus-padding")
+    try:
+        df = text_frame(spark, args.rows, args.seed, args.partitions).cache()
+        df.count()
+        shares = measure(df, batch_size=args.batch_size, bucket_window=args.bucket_window)
+    finally:
+        spark.stop()
+    print(f"padding share over {shares.rows:,} rows, batches of {shares.batch_size}: plain {shares.plain:.1%} "
+          f"({shares.batches[0]} batches), bucket_by window {shares.bucket_window} {shares.bucketed:.1%} "
+          f"({shares.batches[1]} batches); bucketed / plain {shares.ratio:.2f} (target <= 0.3)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
