@@ -1,12 +1,12 @@
 """The sparkbus wire protocol: message kinds, their header schemas, and validation on receipt.
 
-Every message is a ZeroMQ multipart message. Frame 0 is a msgpack map, the *header*; a data batch adds one
-raw frame per column (a C-contiguous buffer). Nothing on the wire is ever pickled. The prose contract is
+Every message is a ZeroMQ multipart message. Frame 0 is a msgpack map, the *header*; a data batch adds its
+columns' buffers as raw frames, laid out as Arrow lays them out (validity bitmaps, offsets, values). Nothing on the wire is ever pickled. The prose contract is
 ``docs/PROTOCOL.md``; this module is its implementation, and the two must say the same thing (a unit test
 compares the document's message table with :data:`SCHEMAS`).
 
-The rest of the contract lives beside this module, one role each: :mod:`broker.codec` turns numpy columns
-into batch frames and back, :mod:`broker.address` derives endpoints, :mod:`broker.errors` holds the errors.
+The rest of the contract lives beside this module, one role each: :mod:`broker.codec` turns columns into
+batch frames and back, :mod:`broker.ragged` is the rank's view of a variable-length column, :mod:`broker.address` derives endpoints, :mod:`broker.errors` holds the errors.
 This module needs no numpy: the broker validates batches from their headers and frame lengths alone.
 """
 
@@ -21,7 +21,7 @@ import msgpack
 
 from .errors import ProtocolError, VersionMismatch
 
-VERSION = 3
+VERSION = 4
 MAX_HEADER_BYTES = 64 * 1024
 MAX_SPLITS = 4096         # small batches in one pack at most
 
@@ -86,10 +86,15 @@ _KINDS = {int(k): k for k in Kind}
 ROLES = ("feeder", "rank", "client")
 DELIVERY_MODES = ("stream", "atomic")
 
-# Column dtypes allowed on the wire (numpy's ``dtype.str``): fixed-size numbers, little-endian or byte-sized.
+# Leaf dtypes allowed on the wire (numpy's ``dtype.str``): fixed-size numbers, little-endian or byte-sized,
+# dates and times as datetime64/timedelta64, and the byte strings of binary ("bin") and string ("str") columns.
 ITEMSIZE = {"|b1": 1, "|i1": 1, "|u1": 1, "<i2": 2, "<u2": 2, "<i4": 4, "<u4": 4, "<i8": 8, "<u8": 8,
-            "<f2": 2, "<f4": 4, "<f8": 8}
+            "<f2": 2, "<f4": 4, "<f8": 8,
+            **{f"<{kind}8[{unit}]": 8 for kind in "Mm" for unit in ("D", "s", "ms", "us", "ns")},
+            "bin": 1, "str": 1}
 WIRE_DTYPES = frozenset(ITEMSIZE)
+BYTE_STRINGS = frozenset({"bin", "str"})     # leaves whose innermost level is the offsets of each value's bytes
+OFFSET_WIDTHS = (4, 8)                         # int32 or int64 offsets, as Arrow's list/large_list
 
 
 def pack_header(kind: Kind, **fields: Any) -> bytes:
@@ -153,35 +158,71 @@ def _type_name(expected: type | tuple[type, ...]) -> str:
 def check_batch_frames(header: Mapping[str, Any], frame_sizes: Sequence[int]) -> None:
     """Check that a BATCH header describes exactly the column frames that came with it.
 
-    The broker calls this with frame lengths only, so it never touches the payload.
+    The broker calls this with frame lengths only, so it never touches the payload. What only the payload can
+    show (offsets that rise and end where the next level's count says) is checked by the rank's decoder.
 
     Raises:
         ProtocolError: wrong frame count, bad column spec, unsupported dtype, or size mismatch.
     """
-    cols = header["cols"]
-    if len(cols) != len(frame_sizes):
-        raise ProtocolError(f"batch header names {len(cols)} columns but {len(frame_sizes)} frames came")
     rows = header["rows"]
     if rows < 0:
         raise ProtocolError(f"negative row count {rows}")
-    for spec, size in zip(cols, frame_sizes):
-        if (not isinstance(spec, list) or len(spec) != 3 or not isinstance(spec[0], str)
-                or not isinstance(spec[1], str) or not isinstance(spec[2], list)
-                or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in spec[2])):
-            raise ProtocolError(f"malformed column spec {spec!r:.80}")
-        name, dtype, shape = spec
-        itemsize = ITEMSIZE.get(dtype)
-        if itemsize is None:
-            raise ProtocolError(f"column {name!r}: dtype {dtype!r} is not allowed on the wire")
-        if not shape or shape[0] != rows:
-            raise ProtocolError(f"column {name!r}: shape {shape} does not start with the row count {rows}")
-        expected = math.prod(shape) * itemsize
-        if expected != size:
-            raise ProtocolError(f"column {name!r}: frame of {size} bytes, header says {expected}")
+    expected = []
+    for spec in header["cols"]:
+        expected.extend(column_frame_sizes(spec, rows))
+    if len(expected) != len(frame_sizes):
+        raise ProtocolError(f"batch header describes {len(expected)} frames but {len(frame_sizes)} came")
+    for i, (want, size) in enumerate(zip(expected, frame_sizes)):
+        if want != size:
+            raise ProtocolError(f"frame {i + 1}: {size} bytes, the header says {want}")
     splits = header.get("splits")
     if splits is not None and (not splits or len(splits) > MAX_SPLITS or sum(splits) != rows
                                or not all(type(n) is int and n >= 0 for n in splits)):
         raise ProtocolError(f"a pack's splits must be 1 to {MAX_SPLITS} row counts that add up to its {rows} rows")
+
+
+def column_frame_sizes(spec: Any, rows: int) -> list[int]:
+    """The byte size of each frame of one column, from its spec ``[name, dtype, shape(, levels, nulls)]``.
+
+    ``levels`` lists the column's variable-length levels, outermost first, each ``[count, width, nulls]``: its
+    entries, its offsets' width (4 or 8) and whether a validity bitmap precedes its offsets. The leaf is
+    ``prod(shape)`` values of ``dtype``, after its own bitmap when ``nulls`` is true. A bitmap holds one bit per
+    entry, least significant bit first (Arrow's), ``ceil(count / 8)`` bytes.
+
+    Raises:
+        ProtocolError: a malformed spec, a dtype not allowed, or counts that do not start with ``rows``.
+    """
+    if not isinstance(spec, list) or len(spec) not in (3, 5) or not isinstance(spec[0], str) \
+            or not isinstance(spec[1], str) or not _counts(spec[2]):
+        raise ProtocolError(f"malformed column spec {spec!r:.80}")
+    name, dtype, shape = spec[:3]
+    levels, leaf_nulls = (spec[3], spec[4]) if len(spec) == 5 else ([], False)
+    if not isinstance(levels, list) or type(leaf_nulls) is not bool or not all(
+            isinstance(lv, list) and len(lv) == 3 and _counts(lv[:1]) and lv[1] in OFFSET_WIDTHS
+            and type(lv[2]) is bool for lv in levels):
+        raise ProtocolError(f"malformed column spec {spec!r:.80}")
+    itemsize = ITEMSIZE.get(dtype)
+    if itemsize is None:
+        raise ProtocolError(f"column {name!r}: dtype {dtype!r} is not allowed on the wire")
+    if dtype in BYTE_STRINGS and (not levels or len(shape) != 1):
+        raise ProtocolError(f"column {name!r}: a {dtype} column needs a level of offsets and a 1-D shape")
+    top = levels[0][0] if levels else (shape[0] if shape else -1)
+    if top != rows:
+        raise ProtocolError(f"column {name!r}: {top} entries, the batch has {rows} rows")
+    sizes = []
+    for count, width, nulls in levels:
+        if nulls:
+            sizes.append((count + 7) // 8)
+        sizes.append((count + 1) * width)
+    values = math.prod(shape)
+    if leaf_nulls:
+        sizes.append((values + 7) // 8)
+    sizes.append(values * itemsize)
+    return sizes
+
+
+def _counts(values: Any) -> bool:
+    return isinstance(values, list) and len(values) > 0 and all(type(d) is int and d >= 0 for d in values)
 
 
 def batch_id(header: Mapping[str, Any]) -> tuple[int, int, int]:

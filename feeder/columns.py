@@ -1,98 +1,334 @@
-"""Rows to columns: Arrow record batches (DataFrames) and Python rows (RDDs) into wire-ready numpy batches.
+"""A partition's rows to messages: Arrow record batches cut into batches, packed, and put in wire form.
 
-Arrow columns become numpy arrays without per-row Python and, for primitive columns without nulls, without a
-copy. Lists of equal length become ``[n, k]`` arrays (nested lists ``[n, k, m]``).
+The path of a DataFrame partition, without per-row Python:
+
+1. :func:`flatten_record_batch`: structs become ``parent.child`` columns; every type is checked once.
+2. :func:`cut`: batches of ``batch_size`` rows, fewer where ``max_bytes`` would be exceeded (bytes counted per row,
+   so the cap holds for variable-length rows; a single row larger than the cap travels alone). A batch is a slice
+   of a record batch; only a batch that spans two record batches is concatenated (one copy).
+   :func:`bucketed` instead sorts windows of rows by the length of one column first (length bucketing).
+3. :func:`messages`: consecutive small batches as packs (one message, several batches: see ``pack_bytes``). The
+   batches of a pack that are slices of one record batch are one slice of it: no copy.
+4. :func:`feeder.arrow.wire_column` for each column: the Arrow buffers themselves become the frames.
+
+RDD rows take the same path once :func:`record_batches_from_rows` has made record batches of them (that step is
+Python per row, as any RDD of Python objects is).
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
+
+from broker.ragged import WireColumn
+
+from .arrow import UnsupportedColumn, byte_lengths, check_type, flatten_structs, wire_column, wire_form
 
 Columns = dict[str, np.ndarray]
+Message = tuple[dict[str, WireColumn], "list[int] | None"]
+MAX_PACK_BATCHES = 64
 
 
-def arrow_column(name: str, array: pa.Array) -> np.ndarray:
-    """One Arrow column as numpy: ``[n]`` for numbers and booleans, ``[n, k, ...]`` for equal-length lists.
+class Batch(NamedTuple):
+    """One batch cut from a partition: its rows, and where they lie if they are a slice of one record batch."""
 
+    data: pa.RecordBatch
+    parent: pa.RecordBatch | None     # the record batch ``data`` is a slice of (None: concatenated)
+    start: int                        # its first row in ``parent``
+    nbytes: int                       # payload bytes, as counted for ``max_bytes`` and ``pack_bytes``
+
+
+# ---- 1. types and structs ---------------------------------------------------------------------------------
+
+def flatten_record_batch(batch: pa.RecordBatch, checked: dict | None = None) -> pa.RecordBatch:
+    """``batch`` with struct columns flattened to ``parent.child`` columns (nested structs the same way).
+
+    Args:
+        checked: a dict kept by the caller: schemas already checked are not checked again.
     Raises:
-        ValueError: nulls, or lists of unequal length.
-        TypeError: a type with no numpy equivalent sparkbus sends (strings, structs, maps, decimals, dates).
+        UnsupportedColumn: a column sparkbus cannot carry (named, with what to do).
     """
-    if array.null_count:
-        raise ValueError(f"column {name!r} has {array.null_count} null values; fill or drop them in Spark first")
-    kind = array.type
-    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
-        n = len(array)
-        values = array.flatten()            # respects slicing, unlike .values
-        if pa.types.is_fixed_size_list(kind):
-            width = kind.list_size
+    schema = batch.schema
+    has_structs = None if checked is None else checked.get(schema)
+    if has_structs is None:
+        for field in schema:
+            check_type(field.name, field.type)
+        has_structs = any(pa.types.is_struct(f.type) for f in schema)
+        if checked is not None:
+            checked[schema] = has_structs
+    if not has_structs:
+        return batch
+    names, arrays = [], []
+    for field, column in zip(schema, batch.columns):
+        for name, array in flatten_structs(field.name, column):
+            names.append(name)
+            arrays.append(array)
+    return pa.RecordBatch.from_arrays(arrays, names=names)
+
+
+# ---- 2. cutting ---------------------------------------------------------------------------------------------
+
+def row_bytes(batch: pa.RecordBatch) -> np.ndarray | int:
+    """Payload bytes of each row (an int when all rows have the same size)."""
+    return sum((byte_lengths(column) for column in batch.columns), 0)
+
+
+def cut(record_batches: Iterable[pa.RecordBatch], batch_size: int, max_bytes: int) -> Iterator[Batch]:
+    """Batches of exactly ``batch_size`` rows, fewer where ``max_bytes`` would be exceeded; the last may be short.
+
+    A row larger than ``max_bytes`` is a batch of its own (the broker's ``--max-message`` still bounds it).
+    """
+    pending: list[tuple[pa.RecordBatch, int, int]] = []
+    pending_rows = pending_bytes = 0
+
+    def emit() -> Batch:
+        nonlocal pending, pending_rows, pending_bytes
+        if len(pending) == 1:
+            parent, start, rows = pending[0]
+            batch = Batch(parent.slice(start, rows), parent, start, pending_bytes)
         else:
-            lengths = np.diff(array.offsets.to_numpy())
-            width = int(lengths[0]) if n else 0
-            if n and (lengths != width).any():
-                raise ValueError(f"column {name!r} holds arrays of unequal lengths "
-                                 f"({int(lengths.min())}..{int(lengths.max())}); sparkbus needs fixed-length arrays")
-        inner = arrow_column(name, values)
-        return inner.reshape(n, width, *inner.shape[1:])
-    if pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind):
-        return array.to_numpy(zero_copy_only=False)
-    raise TypeError(f"column {name!r} has type {kind}, which sparkbus cannot feed "
-                    f"(numbers, booleans, fixed-length numeric arrays and ML vectors only)")
+            batch = Batch(pa.concat_batches([p.slice(s, r) for p, s, r in pending]), None, 0, pending_bytes)
+        pending, pending_rows, pending_bytes = [], 0, 0
+        return batch
 
-
-def arrow_columns(batch: pa.RecordBatch, names: Iterable[str] | None = None) -> Columns:
-    """Every column of a record batch (or those named) as numpy arrays."""
-    names = batch.schema.names if names is None else list(names)
-    return {name: arrow_column(name, batch.column(name)) for name in names}
-
-
-def batch_rows(columns: Mapping[str, np.ndarray], batch_size: int, max_bytes: int) -> int:
-    """Rows per batch: ``batch_size``, fewer if a batch of that many rows would exceed ``max_bytes``."""
-    row_bytes = sum(a.itemsize * int(np.prod(a.shape[1:], dtype=np.int64)) for a in columns.values())
-    return max(1, min(batch_size, max_bytes // max(row_bytes, 1)))
-
-
-def rebatch(pieces: Iterable[Columns], batch_size: int, max_bytes: int) -> Iterator[Columns]:
-    """Cut a stream of column chunks into batches of exactly ``batch_size`` rows (capped in bytes).
-
-    Chunks are sliced, not copied; only a batch that spans two chunks is concatenated. The last batch of the
-    stream may be shorter.
-    """
-    pending: list[Columns] = []
-    pending_rows = 0
-    for chunk in pieces:
-        n = len(next(iter(chunk.values()))) if chunk else 0
-        if n == 0:
+    for record_batch in record_batches:
+        n = record_batch.num_rows
+        if not n:
             continue
-        cap = batch_rows(chunk, batch_size, max_bytes)
+        if pending and pending[0][0].schema != record_batch.schema:
+            yield emit()                  # RDD chunks may infer other types: batches do not mix them
+        sizes = row_bytes(record_batch)
+        cumulative = None if isinstance(sizes, int) else np.cumsum(sizes)
         start = 0
         while start < n:
-            take = min(cap - pending_rows, n - start) if pending_rows < cap else 0
-            if take:
-                pending.append({k: v[start:start + take] for k, v in chunk.items()})
-                pending_rows += take
-                start += take
-            if pending_rows >= cap:
-                yield _merge(pending)
-                pending, pending_rows = [], 0
+            room_rows, room_bytes = batch_size - pending_rows, max_bytes - pending_bytes
+            if cumulative is None:
+                take = min(room_rows, n - start, room_bytes // max(sizes, 1))
+            else:
+                base = int(cumulative[start - 1]) if start else 0
+                fits = int(np.searchsorted(cumulative, base + room_bytes, side="right")) - start
+                take = min(room_rows, n - start, fits)
+            if take <= 0:
+                if pending:
+                    yield emit()
+                    continue
+                take = 1
+            taken = take * sizes if cumulative is None else \
+                int(cumulative[start + take - 1]) - (int(cumulative[start - 1]) if start else 0)
+            pending.append((record_batch, start, take))
+            pending_rows += take
+            pending_bytes += taken
+            start += take
+            if pending_rows >= batch_size or start < n:
+                yield emit()
     if pending:
-        yield _merge(pending)
+        yield emit()
 
+
+def bucketed(record_batches: Iterable[pa.RecordBatch], batch_size: int, max_bytes: int, column: str,
+             window: int, seed: Sequence[int]) -> Iterator[Batch]:
+    """Length bucketing: windows of ``window * batch_size`` rows, each sorted by the length of ``column`` (stable),
+    cut into batches, and yielded in an order shuffled by ``(seed, window number)``.
+
+    Rows of similar length share a batch, so padding to the longest row of a batch wastes little. Everything
+    depends on the partition's rows alone, so a retried task sends the very same batches. The sort is one copy.
+    """
+    window_rows = window * batch_size
+    held: list[pa.RecordBatch] = []
+    rows = number = 0
+    for record_batch in record_batches:
+        while record_batch.num_rows:
+            take = min(window_rows - rows, record_batch.num_rows)
+            held.append(record_batch.slice(0, take))
+            rows += take
+            record_batch = record_batch.slice(take)
+            if rows == window_rows:
+                yield from _sorted_window(held, batch_size, max_bytes, column, (*seed, number))
+                held, rows, number = [], 0, number + 1
+    if held:
+        yield from _sorted_window(held, batch_size, max_bytes, column, (*seed, number))
+
+
+def _sorted_window(pieces: list[pa.RecordBatch], batch_size: int, max_bytes: int, column: str,
+                   seed: Sequence[int]) -> Iterator[Batch]:
+    data = pieces[0] if len(pieces) == 1 else pa.concat_batches(pieces)
+    if column not in data.schema.names:
+        raise KeyError(f"bucket_by names {column!r}, which is not a column (columns: {', '.join(data.schema.names)})")
+    order = np.argsort(row_lengths(data.column(column)), kind="stable")
+    batches = list(cut([data.take(pa.array(order))], batch_size, max_bytes))
+    rng = np.random.default_rng([abs(int(s)) for s in seed])
+    for i in rng.permutation(len(batches)):
+        yield batches[i]
+
+
+def row_lengths(array: pa.Array) -> np.ndarray:
+    """The length of each row of a list, binary or string column (0 for a null row), as numpy int64."""
+    kind = array.type
+    if pa.types.is_binary(kind) or pa.types.is_string(kind) or pa.types.is_large_binary(kind) \
+            or pa.types.is_large_string(kind):
+        lengths = pc.binary_length(array)
+    elif pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+        lengths = pc.list_value_length(array)
+    else:
+        raise TypeError(f"bucket_by needs a column of arrays, binary or strings, not {kind}")
+    return lengths.fill_null(0).to_numpy().astype(np.int64, copy=False)
+
+
+# ---- 3. packs and 4. wire form --------------------------------------------------------------------------
+
+def messages(batches: Iterable[Batch], pack_bytes: int, ragged: Sequence[str] = (),
+             max_batches: int = MAX_PACK_BATCHES) -> Iterator[Message]:
+    """Each batch as a message of wire columns, or consecutive small batches as one pack.
+
+    A batch smaller than ``pack_bytes / 2`` joins the pack of the batches before it while the pack stays within
+    ``pack_bytes`` and ``max_batches`` and its batches have the same forms (a list column dense in all of them
+    with the same shape, or ragged in all), so that every batch arrives on the rank in the form it would have
+    alone. Packs depend on the batches alone, never on timing, so a retried task sends the very same packs.
+
+    Yields:
+        ``(columns, splits)``: ``splits`` is None for a batch alone, and the rows of each batch for a pack.
+    """
+    declared = frozenset(ragged)
+    group: list[Batch] = []
+    group_bytes = 0
+    group_form: Any = None
+    for batch in batches:
+        alone = 2 * batch.nbytes >= pack_bytes
+        form = None if alone else _form(batch.data, declared)
+        if group and (alone or group_bytes + batch.nbytes > pack_bytes or len(group) == max_batches
+                      or form != group_form):
+            yield _pack(group, declared)
+            group, group_bytes = [], 0
+        if alone:
+            yield wire_columns(batch.data, declared), None
+        else:
+            if not group:
+                group_form = form
+            group.append(batch)
+            group_bytes += batch.nbytes
+    if group:
+        yield _pack(group, declared)
+
+
+def _form(batch: pa.RecordBatch, declared: frozenset) -> tuple:
+    return (batch.schema, *(wire_form(array, name in declared) for name, array in zip(batch.schema.names,
+                                                                                       batch.columns)))
+
+
+def _pack(group: list[Batch], declared: frozenset) -> Message:
+    if len(group) == 1:
+        return wire_columns(group[0].data, declared), None
+    splits = [b.data.num_rows for b in group]
+    first = group[0]
+    contiguous = first.parent is not None and all(
+        b.parent is first.parent and b.start == first.start + sum(splits[:i]) for i, b in enumerate(group))
+    data = first.parent.slice(first.start, sum(splits)) if contiguous \
+        else pa.concat_batches([b.data for b in group])
+    return wire_columns(data, declared), splits
+
+
+def wire_columns(batch: pa.RecordBatch, ragged: frozenset | Sequence[str] = ()) -> dict[str, WireColumn]:
+    """Every column of a (flattened) record batch in wire form."""
+    return {name: wire_column(name, array, name in ragged) for name, array in zip(batch.schema.names, batch.columns)}
+
+
+def partition_messages(record_batches: Iterable[pa.RecordBatch], batch_size: int, max_bytes: int, pack_bytes: int,
+                       ragged: Sequence[str] = (), bucket_by: str | None = None, bucket_window: int = 64,
+                       seed: Sequence[int] = (0,)) -> Iterator[Message]:
+    """The whole path of a partition (steps 1-4 of the module notes): its record batches to wire messages."""
+    checked: dict = {}
+    flat = (flatten_record_batch(b, checked) for b in record_batches)
+    batches = bucketed(flat, batch_size, max_bytes, bucket_by, bucket_window, seed) if bucket_by \
+        else cut(flat, batch_size, max_bytes)
+    return messages(batches, pack_bytes, ragged)
+
+
+# ---- RDD rows -----------------------------------------------------------------------------------------------
+
+def record_batches_from_rows(rows: Iterable[Any], size: int) -> Iterator[pa.RecordBatch]:
+    """Python rows of an RDD in record batches of ``size`` rows.
+
+    Rows are dicts (keys are column names; a dict value is a struct) or tuples (columns ``_1``, ``_2``, … as Spark
+    names them). Values are numbers, booleans, ``bytes``, ``str``, dates and datetimes, None, lists (of any
+    length, nested), numpy arrays and dicts. A column's type is inferred by pyarrow per record batch; a column
+    that holds only None in one keeps the type it had before.
+
+    Raises:
+        TypeError: rows that are neither dicts nor tuples, or whose keys or widths differ.
+        UnsupportedColumn: values sparkbus cannot carry, or a column of only None before any typed value.
+    """
+    known: dict[str, pa.DataType] = {}
+    chunk: list[Any] = []
+    for row in rows:
+        chunk.append(row)
+        if len(chunk) == size:
+            yield rows_to_record_batch(chunk, known)
+            chunk = []
+    if chunk:
+        yield rows_to_record_batch(chunk, known)
+
+
+def rows_to_record_batch(rows: list[Any], known: dict[str, pa.DataType] | None = None) -> pa.RecordBatch:
+    """One record batch of Python rows (see :func:`record_batches_from_rows`)."""
+    known = {} if known is None else known
+    first = rows[0]
+    if isinstance(first, Mapping):
+        names = list(first.keys())
+        try:
+            values = [[row[name] for row in rows] for name in names]
+        except (KeyError, TypeError) as exc:
+            raise TypeError(f"RDD rows must all be dicts with the keys {names}: {exc!r}") from None
+    elif isinstance(first, (tuple, list)):
+        width = len(first)
+        if any(not isinstance(row, (tuple, list)) or len(row) != width for row in rows):
+            raise TypeError(f"RDD rows must all be tuples of {width} values")
+        names = [f"_{i + 1}" for i in range(width)]
+        values = [[row[i] for row in rows] for i in range(width)]
+    else:
+        raise TypeError(f"RDD rows must be dicts or tuples, got {type(first).__name__}")
+    arrays = [_python_column(name, column, known) for name, column in zip(names, values)]
+    return pa.RecordBatch.from_arrays(arrays, names=names)
+
+
+def _python_column(name: str, values: list[Any], known: dict[str, pa.DataType]) -> pa.Array:
+    sample = next((v for v in values if v is not None), None)
+    if isinstance(sample, np.ndarray) and sample.ndim > 1 and all(
+            isinstance(v, np.ndarray) and v.shape == sample.shape for v in values):
+        array = _fixed_shape(np.stack(values))          # rows of one multi-dimensional shape, as numpy gives
+    else:
+        try:
+            array = pa.array([v.tolist() if isinstance(v, np.ndarray) and v.ndim > 1 else v for v in values])
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+            raise UnsupportedColumn(f"column {name!r}: its values cannot be carried as one Arrow type ({exc})") \
+                from None
+    if pa.types.is_null(array.type):
+        if name not in known:
+            raise UnsupportedColumn(f"column {name!r} holds only None in its first {len(values)} rows, so its type "
+                                    f"is unknown: feed a DataFrame with a schema, or give the column a value")
+        return pa.nulls(len(values), known[name])
+    known.setdefault(name, array.type)
+    return array
+
+
+def _fixed_shape(stacked: np.ndarray) -> pa.Array:
+    array: pa.Array = pa.array(np.ascontiguousarray(stacked).reshape(-1))
+    for width in reversed(stacked.shape[1:]):
+        array = pa.FixedSizeListArray.from_arrays(array, width)
+    return array
+
+
+# ---- numpy batches (stream_partition's own callers: tests, benchmarks) ------------------------------------
 
 def pack_small(batches: Iterable[Columns], pack_bytes: int,
-               max_batches: int = 64) -> Iterator[tuple[Columns, list[int] | None]]:
-    """Consecutive batches smaller than ``pack_bytes / 2`` as packs of up to ``pack_bytes`` and ``max_batches``.
+               max_batches: int = MAX_PACK_BATCHES) -> Iterator[tuple[Columns, list[int] | None]]:
+    """Consecutive numpy batches smaller than ``pack_bytes / 2`` as packs of up to ``pack_bytes`` and
+    ``max_batches`` (their columns concatenated: one copy), as :func:`messages` packs Arrow batches.
 
-    Yields ``(columns, splits)``: a batch as it was with ``splits=None``, or a pack (its batches' columns
-    concatenated) with the rows of each batch in ``splits``. Per message, the broker and a rank pay tens of
-    microseconds of Python whatever its size; packing makes that cost per pack instead of per small batch, at the
-    price of one copy of the small batches. ``pack_bytes=0`` packs nothing.
-
-    Packs depend on the batches alone, never on timing, so that a retried task sends the very same packs (the
-    broker recognises duplicates by pack); ``max_batches`` bounds how long a pack waits for a slow producer.
+    Yields ``(columns, splits)``: a batch as it was with ``splits=None``, or a pack with the rows of each batch in
+    ``splits``. ``pack_bytes=0`` packs nothing.
     """
     group: list[Columns] = []
     group_bytes = 0
@@ -101,7 +337,7 @@ def pack_small(batches: Iterable[Columns], pack_bytes: int,
         alone = 2 * nbytes >= pack_bytes
         if group and (alone or group_bytes + nbytes > pack_bytes or len(group) == max_batches
                       or not _same_kind(group[0], batch)):
-            yield _pack(group)
+            yield _merge(group)
             group, group_bytes = [], 0
         if alone:
             yield batch, None
@@ -109,56 +345,15 @@ def pack_small(batches: Iterable[Columns], pack_bytes: int,
             group.append(batch)
             group_bytes += nbytes
     if group:
-        yield _pack(group)
+        yield _merge(group)
 
 
 def _same_kind(a: Columns, b: Columns) -> bool:
     return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and a[k].shape[1:] == b[k].shape[1:] for k in a)
 
 
-def _pack(group: list[Columns]) -> tuple[Columns, list[int] | None]:
+def _merge(group: list[Columns]) -> tuple[Columns, list[int] | None]:
     if len(group) == 1:
         return group[0], None
     splits = [len(next(iter(b.values()))) for b in group]
-    return _merge(group), splits
-
-
-def _merge(pieces: list[Columns]) -> Columns:
-    if len(pieces) == 1:
-        return pieces[0]
-    return {name: np.concatenate([p[name] for p in pieces]) for name in pieces[0]}
-
-
-def rows_to_columns(rows: list[Any]) -> Columns:
-    """Python rows of an RDD (dicts, or tuples whose columns are named ``_1``, ``_2``, … as Spark does).
-
-    Values are numbers or numpy arrays of one shape per column.
-
-    Raises:
-        TypeError: rows that are neither dicts nor tuples, or that do not all have the same keys.
-    """
-    first = rows[0]
-    if isinstance(first, Mapping):
-        names = list(first.keys())
-        try:
-            return {name: np.asarray([row[name] for row in rows]) for name in names}
-        except (KeyError, TypeError) as exc:
-            raise TypeError(f"RDD rows must all be dicts with the keys {names}: {exc!r}") from None
-    if isinstance(first, (tuple, list)):
-        width = len(first)
-        if any(len(row) != width for row in rows):
-            raise TypeError(f"RDD rows must all be tuples of {width} values")
-        return {f"_{i + 1}": np.asarray([row[i] for row in rows]) for i in range(width)}
-    raise TypeError(f"RDD rows must be dicts or tuples, got {type(first).__name__}")
-
-
-def chunk_rows(rows: Iterable[Any], size: int) -> Iterator[Columns]:
-    """Group an iterator of Python rows into column chunks of ``size`` rows."""
-    chunk: list[Any] = []
-    for row in rows:
-        chunk.append(row)
-        if len(chunk) == size:
-            yield rows_to_columns(chunk)
-            chunk = []
-    if chunk:
-        yield rows_to_columns(chunk)
+    return {name: np.concatenate([b[name] for b in group]) for name in group[0]}, splits

@@ -15,8 +15,8 @@ from broker.address import feed_and_control_addresses
 from broker.errors import BrokerError, FeedError
 from broker.protocol import Kind
 
-from .columns import arrow_columns, chunk_rows, rebatch
-from .task import DEFAULT_PACK_BYTES, PartitionReport, attempt_id, stream_partition
+from .columns import partition_messages, record_batches_from_rows
+from .task import DEFAULT_PACK_BYTES, PartitionReport, attempt_id, stream_messages
 
 log = logging.getLogger("sparkbus.feeder")
 DEFAULT_MAX_BATCH_BYTES = 16 << 20
@@ -44,6 +44,7 @@ def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "t
          batch_size: int = 1024, columns: Sequence[str] | None = None, timeout: float = 60.0, *,
          delivery: str = "stream", control: str | Sequence[str] | None = None,
          max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES, pack_bytes: int = DEFAULT_PACK_BYTES,
+         ragged: Sequence[str] = (), bucket_by: str | None = None, bucket_window: int = 64,
          key: str | None = None, broker_key: str | None = None) -> FeedReport:
     """Stream every row of a DataFrame or RDD to the broker as one epoch of ``stream``.
 
@@ -52,8 +53,11 @@ def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "t
     the job has succeeded. Ranks see the epoch end only after that.
 
     Args:
-        data: a DataFrame (numeric columns, fixed-length numeric arrays, ML vectors) or an RDD of dicts or
-            tuples of numbers and numpy arrays.
+        data: a DataFrame or an RDD of dicts or tuples. Columns may be numbers, booleans, binary, strings,
+            dates, timestamps, arrays of those of any length (nested to any depth), structs (they arrive as
+            ``parent.child`` columns) and ML vectors, with nulls anywhere. RDD values may be the Python
+            equivalents (``bytes``, ``str``, lists, None, dicts, numpy arrays). Decimals and maps are refused
+            (see ``TypeError``).
         address: the broker's feed address, e.g. ``tcp://broker-host:5555``; or several brokers' (a list, or a
             comma-separated string): each partition then streams through one of them, the emptiest when its
             first attempt starts. None: the variable ``SPARKBUS_FEED_ADDRESS``.
@@ -66,10 +70,19 @@ def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "t
             once its task has committed, exactly-once even if Spark recomputes a partition in another order
             (costs a partition's worth of latency and broker memory). See docs/GUARANTEES.md.
         control: the brokers' control addresses, in the same order, if they are not the feed ports + 2.
-        max_batch_bytes: cap on a batch's payload; wide rows get fewer than ``batch_size`` rows per batch.
+        max_batch_bytes: cap on a batch's payload, counted per row, so it holds for variable-length rows too;
+            wide rows get fewer than ``batch_size`` rows per batch. A single row larger than the cap travels as
+            a batch of its own.
         pack_bytes: consecutive batches smaller than half of this (512 KiB) travel as packs of up to this
             size (1 MiB), one message each: the broker's and the ranks' cost is per message. Ranks still yield
             the batches one by one, with ``batch_size`` rows each. 0 packs nothing.
+        ragged: columns that always arrive as :class:`worker.RaggedColumn`, even in a batch whose arrays happen
+            to share one length (undeclared array columns arrive as numpy ``[n, k]`` in such a batch). Declare
+            every array column whose lengths vary, so that a training loop meets one form only.
+        bucket_by: a column of arrays, strings or binary: rows of similar length are batched together within
+            windows of ``bucket_window`` batches' worth of rows of a partition (sorted by length, then the
+            window's batches in a shuffled order), so padding to the longest row of a batch wastes little.
+            Deterministic: a retried task sends the same batches.
         key, broker_key: for a broker run with ``--auth``: this client's ``.key_secret`` file and the broker's
             ``.key`` file (a feeder key; the same paths must exist on the executors), or the variables
             ``SPARKBUS_KEY`` and ``SPARKBUS_BROKER_KEY`` (pass them to executors with ``spark.executorEnv.*``).
@@ -78,16 +91,22 @@ def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "t
     Raises:
         BrokerError: the broker is unreachable within ``timeout``, refused the epoch, or restarted without a
             journal while the epoch was being fed (its batches are lost: feed the epoch again).
-        FeedError: the Spark job failed (a task could not reach the broker, a column is unsupported, ...).
-        TypeError: an unsupported column type (named), found before any job runs.
+        FeedError: the Spark job failed (a task could not reach the broker, an RDD value is unsupported, ...).
+        TypeError: a DataFrame column of a type sparkbus cannot carry (named, with what to do), or a
+            ``ragged``/``bucket_by`` name that is not such a column: found from the schema, before any job runs.
+        ValueError: ``bucket_window`` below 1.
     """
     started = time.monotonic()
     feeds, controls = feed_and_control_addresses(address, control)
+    if bucket_window < 1:
+        raise ValueError(f"bucket_window must be at least 1, not {bucket_window}")
     settings = dict(feed_address=feeds, control_address=controls, stream=stream, epoch=epoch, timeout=timeout,
-                    pack_bytes=pack_bytes, key=key, broker_key=broker_key)
+                    key=key, broker_key=broker_key)
+    cutting = dict(batch_size=batch_size, max_bytes=max_batch_bytes, pack_bytes=pack_bytes, ragged=tuple(ragged),
+                   bucket_by=bucket_by, bucket_window=bucket_window)
     run = secrets.randbits(31)
-    job = _dataframe_job(data, columns, batch_size, max_batch_bytes, run, settings) if _is_dataframe(data) \
-        else _rdd_job(data, batch_size, max_batch_bytes, run, settings)
+    job = _dataframe_job(data, columns, cutting, run, settings) if _is_dataframe(data) \
+        else _rdd_job(data, cutting, run, settings)
     diverged: set[int] = set()
     with ExitStack() as stack:
         clients = [stack.enter_context(ControlClient(c, timeout, key=key, broker_key=broker_key)) for c in controls]
@@ -139,49 +158,55 @@ def _is_dataframe(data: Any) -> bool:
     return hasattr(data, "mapInArrow") and hasattr(data, "schema")
 
 
-def _dataframe_job(df: Any, columns: Sequence[str] | None, batch_size: int, max_bytes: int, run: int,
-                   settings: dict):
+def _dataframe_job(df: Any, columns: Sequence[str] | None, cutting: dict, run: int, settings: dict):
     import pyarrow as pa
 
-    prepared = prepare_dataframe(df, columns)
+    prepared = prepare_dataframe(df, columns, cutting["ragged"], cutting["bucket_by"])
     report_schema = pa.schema([("partition", pa.int64()), ("batches", pa.int64()), ("rows", pa.int64()),
                                ("bytes", pa.int64()), ("seconds", pa.float64()), ("broker", pa.int64())])
+    epoch = settings["epoch"]
 
     def stream_arrow_partition(record_batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         from pyspark import TaskContext
 
         task = TaskContext.get()
-        pieces = (arrow_columns(b) for b in record_batches)
-        report = stream_partition(rebatch(pieces, batch_size, max_bytes), partition=task.partitionId(),
-                                  attempt=attempt_id(run, task.attemptNumber()), **settings)
+        part = task.partitionId()
+        messages = partition_messages(record_batches, seed=(epoch, part), **cutting)
+        report = stream_messages(messages, partition=part, attempt=attempt_id(run, task.attemptNumber()),
+                                 **settings)
         yield pa.RecordBatch.from_pylist([report._asdict()], schema=report_schema)
 
     return prepared.mapInArrow(stream_arrow_partition, REPORT_SCHEMA).rdd
 
 
-def _rdd_job(rdd: Any, batch_size: int, max_bytes: int, run: int, settings: dict):
+def _rdd_job(rdd: Any, cutting: dict, run: int, settings: dict):
     if not hasattr(rdd, "mapPartitionsWithIndex"):
         raise TypeError(f"feed() takes a Spark DataFrame or RDD, not {type(rdd).__name__}")
+    epoch = settings["epoch"]
 
     def stream_rows(index: int, rows: Iterator[Any]) -> list[tuple]:
         from pyspark import TaskContext
 
         attempt = attempt_id(run, TaskContext.get().attemptNumber())
-        batches = rebatch(chunk_rows(rows, batch_size), batch_size, max_bytes)
-        return [tuple(stream_partition(batches, partition=index, attempt=attempt, **settings))]
+        record_batches = record_batches_from_rows(rows, cutting["batch_size"])
+        messages = partition_messages(record_batches, seed=(epoch, index), **cutting)
+        return [tuple(stream_messages(messages, partition=index, attempt=attempt, **settings))]
 
     return rdd.mapPartitionsWithIndex(stream_rows)
 
 
-def prepare_dataframe(df: Any, columns: Sequence[str] | None = None) -> Any:
-    """Select the columns to feed, turning ML vectors into arrays; refuse unsupported types by name.
+def prepare_dataframe(df: Any, columns: Sequence[str] | None = None, ragged: Sequence[str] = (),
+                      bucket_by: str | None = None) -> Any:
+    """Select the columns to feed, turning ML vectors into arrays; refuse what sparkbus cannot carry, by name.
+
+    Everything is decided from the schema, before any Spark job runs.
 
     Raises:
-        TypeError: a column whose type sparkbus cannot send, or a name that is not a column.
+        TypeError: a column whose type sparkbus cannot carry (with what to do about it), a name that is not a
+            column, or a ``ragged``/``bucket_by`` column that is not an array, binary or string column.
     """
     from pyspark.ml.functions import vector_to_array
     from pyspark.ml.linalg import VectorUDT
-    from pyspark.sql import types as T
 
     names = list(columns) if columns is not None else df.columns
     fields = {f.name: f.dataType for f in df.schema.fields}
@@ -193,17 +218,71 @@ def prepare_dataframe(df: Any, columns: Sequence[str] | None = None) -> Any:
         if isinstance(kind, VectorUDT):
             selected.append(vector_to_array(df[name]).alias(name))
             continue
-        inner = kind
-        while isinstance(inner, T.ArrayType):
-            inner = inner.elementType
-        if not isinstance(inner, (T.BooleanType, T.ByteType, T.ShortType, T.IntegerType, T.LongType,
-                                  T.FloatType, T.DoubleType)):
-            raise TypeError(f"column {name!r} has type {kind.simpleString()}, which sparkbus cannot feed "
-                            f"(numbers, booleans, fixed-length numeric arrays and ML vectors only)")
+        check_spark_type(name, kind)
         selected.append(df[name])
     if not selected:
         raise TypeError("no columns to feed")
+    flat = flat_spark_fields(names, fields)
+    for option, wanted in (("ragged", list(ragged)), ("bucket_by", [bucket_by] if bucket_by else [])):
+        for name in wanted:
+            if name not in flat:
+                raise TypeError(f"{option} names {name!r}, which is not a fed column (fed: {', '.join(flat)})")
+            if not flat[name]:
+                raise TypeError(f"{option} names {name!r}, which is not a column of arrays, binary or strings")
     return df.select(*selected)
+
+
+def check_spark_type(name: str, kind: Any, inside: str = "") -> None:
+    """Raise TypeError, naming the column and what to do, for a Spark type sparkbus cannot carry exactly."""
+    from pyspark.sql import types as T
+
+    carried = (T.BooleanType, T.ByteType, T.ShortType, T.IntegerType, T.LongType, T.FloatType, T.DoubleType,
+               T.BinaryType, T.StringType, T.DateType, T.TimestampType, T.TimestampNTZType, T.DayTimeIntervalType)
+    if isinstance(kind, carried):
+        return
+    if isinstance(kind, T.ArrayType):
+        return check_spark_type(name, kind.elementType, "an array of ")
+    if isinstance(kind, T.StructType):
+        if inside:
+            raise TypeError(f"column {name!r} holds arrays of structs ({kind.simpleString()}), which sparkbus "
+                            f"cannot carry: select each field as an array of its own (e.g. "
+                            f"transform({name}, x -> x.field)) or use to_json")
+        for field in kind.fields:
+            check_spark_type(f"{name}.{field.name}", field.dataType)
+        return
+    if isinstance(kind, T.DecimalType):
+        raise TypeError(f"column {name!r} is {inside}{kind.simpleString()}, which sparkbus cannot carry exactly: "
+                        f"cast it in Spark, e.g. df.withColumn({name!r}, df[{name!r}].cast('double')) (SQL "
+                        f"literals such as id * 1.5 make decimals)")
+    if isinstance(kind, T.MapType):
+        raise TypeError(f"column {name!r} is {inside}a map ({kind.simpleString()}), which sparkbus cannot carry: "
+                        f"send map_keys({name}) and map_values({name}) as two array columns, or to_json({name})")
+    if isinstance(kind, T.NullType):
+        raise TypeError(f"column {name!r} has no type (only nulls, e.g. lit(None)): cast it to the type its "
+                        f"values would have")
+    raise TypeError(f"column {name!r} is {inside}{kind.simpleString()}, which sparkbus cannot carry exactly "
+                    f"(numbers, booleans, binary, strings, dates, timestamps, arrays and structs of those, "
+                    f"ML vectors)")
+
+
+def flat_spark_fields(names: Sequence[str], fields: dict[str, Any]) -> dict[str, bool]:
+    """The columns as the ranks will see them (structs flattened to ``parent.child``), each with whether it is
+    a column of arrays, binary or strings (which ``ragged`` and ``bucket_by`` may name)."""
+    from pyspark.ml.linalg import VectorUDT
+    from pyspark.sql import types as T
+
+    flat: dict[str, bool] = {}
+
+    def add(name: str, kind: Any) -> None:
+        if isinstance(kind, T.StructType):
+            for field in kind.fields:
+                add(f"{name}.{field.name}", field.dataType)
+        else:
+            flat[name] = isinstance(kind, (T.ArrayType, T.BinaryType, T.StringType, VectorUDT))
+
+    for name in names:
+        add(name, fields[name])
+    return flat
 
 
 def _explain_job_failure(exc: Exception, stream: str, epoch: int) -> str:
@@ -219,4 +298,4 @@ def _explain_job_failure(exc: Exception, stream: str, epoch: int) -> str:
     return f"the Spark job feeding stream {stream!r} epoch {epoch} failed: {first.strip()[:500]}{hint}"
 
 
-__all__ = ["feed", "FeedReport", "DivergedPartitionsWarning", "prepare_dataframe"]
+__all__ = ["feed", "FeedReport", "DivergedPartitionsWarning", "check_spark_type", "prepare_dataframe"]

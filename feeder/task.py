@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from contextlib import ExitStack
-from typing import Iterable, NamedTuple, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
 
 import zmq
 
@@ -14,8 +14,9 @@ from broker.client import ControlClient
 from broker.codec import encode_batch
 from broker.errors import BrokerError, FeedTimeout
 from broker.protocol import Kind
+from broker.ragged import WireColumn
 
-from .columns import pack_small
+from .columns import Message, pack_small
 
 # Batches a task may have queued in its own PUSH socket. Past this, send blocks: that is the backpressure
 # that holds the Spark task (and so Spark's scheduling) back while the broker is full.
@@ -50,19 +51,33 @@ def stream_partition(batches: Iterable[dict], feed_address: str | Sequence[str],
                      broker_key: str | None = None) -> PartitionReport:
     """Push every batch of one partition, then return only once the broker confirms all of them arrived.
 
+    Batches are dicts of columns in any form :func:`broker.codec.encode_batch` takes (numpy arrays, for
+    example); consecutive small numpy batches travel as packs (:func:`feeder.columns.pack_small`). ``feed()``
+    itself streams Arrow record batches through :func:`stream_messages`; this is the same for other callers.
+    See :func:`stream_messages` for the arguments and errors.
+    """
+    return stream_messages(pack_small(batches, pack_bytes), feed_address, control_address, stream, epoch,
+                           partition, attempt, timeout, key, broker_key)
+
+
+def stream_messages(messages: Iterable[Message] | Iterable[tuple[dict[str, Any], list[int] | None]],
+                    feed_address: str | Sequence[str], control_address: str | Sequence[str] | None, stream: str,
+                    epoch: int, partition: int, attempt: int, timeout: float, key: str | None = None,
+                    broker_key: str | None = None) -> PartitionReport:
+    """Push every message of one partition, then return only once the broker confirms all of them arrived.
+
     With several brokers, the partition goes to one of them, chosen when its first attempt starts and recorded by
     the partition's home broker (``partition % len(brokers)``), so that every later attempt (a retry, a speculative
     copy) streams to the same broker and its duplicates are recognised: the home broker itself, unless another
     has more than twice its free buffer.
 
     Args:
-        batches: column dicts, one per batch, in order.
+        messages: ``(columns, splits)`` in order: a batch (``splits`` None) or a pack of batches (the rows of
+            each in ``splits``; see :func:`feeder.columns.messages`).
         feed_address: the broker's PULL endpoint, or the endpoints of several brokers (a list, or comma-separated).
         control_address: the brokers' control endpoints, in the same order (None: each feed port + 2).
         attempt: this attempt's identity, unique among the attempts that stream the partition (:func:`attempt_id`).
         timeout: seconds any single wait may take (handshake, each blocked send, the commit).
-        pack_bytes: consecutive batches smaller than half of this go as packs of up to this size (one message
-            each; ranks still see the batches one by one); 0 packs nothing.
         key, broker_key: CURVE key files for a broker run with ``--auth`` (see :class:`broker.client.ControlClient`).
     Raises:
         BrokerError: a broker is unreachable, speaks another protocol version, or refused the commit.
@@ -80,9 +95,9 @@ def stream_partition(batches: Iterable[dict], feed_address: str | Sequence[str],
         push.sndhwm = PUSH_SNDHWM
         push.sndtimeo = int(timeout * 1000)
         push.connect(feed_address)
-        messages = count = rows = nbytes = 0
+        messages_sent = count = rows = nbytes = 0
         try:
-            for seq, (columns, splits) in enumerate(pack_small(batches, pack_bytes)):
+            for seq, (columns, splits) in enumerate(messages):
                 frames = encode_batch(stream, epoch, partition, seq, columns, attempt=attempt, splits=splits)
                 try:
                     push.send_multipart(frames, copy=False)
@@ -90,15 +105,20 @@ def stream_partition(batches: Iterable[dict], feed_address: str | Sequence[str],
                     raise FeedTimeout(f"the broker at {feed_address} took no batch for {timeout:g} s "
                                       f"(partition {partition}, message {seq}): it is full and its ranks are "
                                       f"not consuming, or it is gone") from None
-                messages += 1
+                messages_sent += 1
                 count += 1 if splits is None else len(splits)
-                rows += len(next(iter(columns.values())))
-                nbytes += sum(len(f) if isinstance(f, bytes) else f.nbytes for f in frames)
+                rows += sum(splits) if splits is not None else _rows(columns)
+                nbytes += sum(memoryview(f).nbytes for f in frames)
             control.request(Kind.PARTITION_END, stream=stream, epoch=epoch, part=partition, attempt=attempt,
-                            batches=messages, rows=rows)
+                            batches=messages_sent, rows=rows)
         finally:
             push.close(linger=0)    # after the commit nothing is left in it; on failure Spark retries
     return PartitionReport(partition, count, rows, nbytes, time.monotonic() - started, index)
+
+
+def _rows(columns: dict[str, Any]) -> int:
+    column = next(iter(columns.values()), None)
+    return 0 if column is None else column.rows if isinstance(column, WireColumn) else len(column)
 
 
 def _choose_broker(clients: list[ControlClient], stream: str, epoch: int, partition: int) -> int:

@@ -45,21 +45,21 @@ def plan_transfers(counts: list[int]) -> tuple[list[tuple[int, int, int]], int]:
     return transfers, target
 
 
-def pack_batch(header: dict, columns: dict[str, np.ndarray]) -> bytes:
+def pack_batch(header: dict, columns: dict[str, Any]) -> bytes:
     """One buffer holding a batch in wire form: 4-byte header length, header, column bytes."""
     frames = codec.encode_batch(header["stream"], header["epoch"], header["part"], header["seq"], columns)
     return b"".join([struct.pack("<I", len(frames[0])), *[bytes(f) for f in frames]])
 
 
-def unpack_batch(buf: bytes) -> tuple[dict, dict[str, np.ndarray]]:
+def unpack_batch(buf: bytes) -> tuple[dict, dict[str, Any]]:
     """The inverse of :func:`pack_batch`; validates like any received batch."""
     (length,) = struct.unpack_from("<I", buf)
     header = protocol.unpack_header(buf[4:4 + length])
     view, offset, frames = memoryview(buf), 4 + length, []
-    for _, dtype, shape in header["cols"]:
-        size = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        frames.append(view[offset:offset + size])
-        offset += size
+    for spec in header["cols"]:
+        for size in protocol.column_frame_sizes(spec, header["rows"]):
+            frames.append(view[offset:offset + size])
+            offset += size
     return header, codec.decode_batch(header, frames)
 
 

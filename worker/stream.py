@@ -22,7 +22,7 @@ from .connection import BatchId, BrokerConnection
 
 log = logging.getLogger("sparkbus.worker")
 
-Batch = dict[str, np.ndarray]
+Batch = dict[str, Any]     # numpy arrays, masked arrays and RaggedColumns
 DEFAULT_PREFETCH_BYTES = 8 << 20
 ROUND_BATCHES = 8       # even ranks short of data wait for a round of this many batches, or half a byte window,
 ROUND_LINGER = 0.02     # ... but no longer than this (seconds)
@@ -63,8 +63,22 @@ class StreamStats:
             setattr(self, name, getattr(self, name) + getattr(ep, name))
 
 
+def _rows_of(column: Any, start: int, stop: int) -> Any:
+    """Rows ``start:stop`` of a decoded column, without a copy, in the form the batch would have alone: a masked
+    array only where those rows hold a null."""
+    part = column[start:stop]
+    if isinstance(part, np.ma.MaskedArray) and not part.mask.any():
+        return part.data
+    return part
+
+
 class BatchStream:
-    """Batches of one stream for this rank, as dicts of numpy arrays, one epoch at a time.
+    """Batches of one stream for this rank, as dicts of columns, one epoch at a time.
+
+    A column is a numpy array for numbers of a fixed shape (``[n]``, or ``[n, k, ...]`` for arrays that share
+    one length within the batch), a numpy masked array where such a column holds nulls in the batch, and a
+    :class:`~worker.RaggedColumn` for binary, strings and arrays of varying length (or declared
+    ``feed(..., ragged=[...])``). See docs/PROTOCOL.md, "Column layouts".
 
     Args:
         address: the broker's ranks address, e.g. ``tcp://broker-host:5556``; or several brokers' (a list, or a
@@ -90,7 +104,7 @@ class BatchStream:
     Raises:
         BrokerError: the broker does not answer within ``timeout``, refuses this rank, or goes silent.
 
-    The arrays of a batch are read-only views of the received frames; copy one to modify it.
+    The columns of a batch are read-only views of the received frames; copy one to modify it.
     """
 
     def __init__(self, address: str | Sequence[str] | None = None, comm: Any = None, stream: str = "train",
@@ -194,11 +208,11 @@ class BatchStream:
             return header, columns
         # A pack of small batches: each is a slice (a view) of the pack's columns, acknowledged with the last.
         self._pack_left[batch_id] = len(splits)
-        row_bytes = nbytes // header["rows"] if header["rows"] else 0
         start = 0
         for rows in splits:
-            self._unpacked.append((dict(header, rows=rows, nbytes=rows * row_bytes),
-                                   {k: v[start:start + rows] for k, v in columns.items()}))
+            share = nbytes * rows // header["rows"] if header["rows"] else 0
+            self._unpacked.append((dict(header, rows=rows, nbytes=share),
+                                   {k: _rows_of(v, start, start + rows) for k, v in columns.items()}))
             start += rows
         return self._unpacked.popleft()
 

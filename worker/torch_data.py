@@ -3,6 +3,8 @@
 - :class:`StreamDataset` (needs PyTorch): a ``torch.utils.data.IterableDataset`` that runs one epoch of the
   stream per iteration and yields dicts of tensors made without a copy.
 - :func:`to_tensors`: one batch as tensors. To mix rows across batches first, see :mod:`worker.shuffle`.
+- :func:`pad_collate`: a ``transform`` for dynamic padding: variable-length columns as padded tensors, with
+  each row's length and an attention mask.
 
 For the gradient allreduce of the training loop use :mod:`worker.collectives` (it does not spin a core).
 
@@ -24,14 +26,20 @@ if TYPE_CHECKING:                     # pragma: no cover
 
     from .stream import BatchStream
 
-Batch = dict[str, np.ndarray]
+from broker.ragged import RaggedColumn, pad
+
+Batch = dict[str, Any]
 
 # torch.from_numpy warns (once per process) that a read-only array gives a tensor it cannot protect.
 _READ_ONLY_WARNING = "The given NumPy array is not writable"
 
 
-def to_tensors(batch: Batch, writable: bool = False) -> dict[str, "torch.Tensor"]:
-    """The batch's columns as torch tensors sharing memory with the arrays (``torch.from_numpy``).
+def to_tensors(batch: Batch, writable: bool = False) -> dict[str, Any]:
+    """The batch's numpy columns as torch tensors sharing memory with the arrays (``torch.from_numpy``).
+
+    Columns that are no plain numpy array pass through unchanged: a :class:`~worker.RaggedColumn` (binary,
+    strings, arrays of varying length: pad them with :func:`pad_collate`, decode bytes yourself), and a numpy
+    masked array (a column with nulls in this batch: fill it, e.g. ``col.filled(0)``, or keep its mask).
 
     The arrays of a received batch are read-only views of ZeroMQ frames. With ``writable=False`` the tensors
     share that memory, no copy is made, and torch's warning about read-only arrays is suppressed here on
@@ -44,9 +52,11 @@ def to_tensors(batch: Batch, writable: bool = False) -> dict[str, "torch.Tensor"
     """
     import torch
 
-    tensors = {}
+    tensors: dict[str, Any] = {}
     for name, array in batch.items():
-        if array.flags.writeable:
+        if not isinstance(array, np.ndarray) or isinstance(array, np.ma.MaskedArray) or array.dtype.kind in "Mm":
+            tensors[name] = array        # torch has no ragged, masked or datetime tensors
+        elif array.flags.writeable:
             tensors[name] = torch.from_numpy(array)
         elif writable:
             tensors[name] = torch.from_numpy(array.copy())
@@ -55,6 +65,38 @@ def to_tensors(batch: Batch, writable: bool = False) -> dict[str, "torch.Tensor"
                 warnings.filterwarnings("ignore", message=_READ_ONLY_WARNING, category=UserWarning)
                 tensors[name] = torch.from_numpy(array)
     return tensors
+
+
+def pad_collate(pad_values: dict[str, Any], max_length: int | dict[str, int] | None = None,
+                lengths: bool = True, mask: bool = True) -> Callable[[dict], dict]:
+    """A ``transform`` for :class:`StreamDataset` that pads variable-length columns per batch (dynamic padding).
+
+    Each column named in ``pad_values`` (a :class:`~worker.RaggedColumn`, or a numpy ``[n, k]`` array when the
+    batch's rows happened to share one length) becomes a ``[n, L]`` tensor, ``L`` its longest row (at most
+    ``max_length``), filled with its pad value; ``<name>_lengths`` (int64 ``[n]``) and ``<name>_mask`` (bool
+    ``[n, L]``, True at real values: an attention mask) are added. Other columns pass through.
+
+    Example: ``StreamDataset(stream, transform=pad_collate({"tokens": 0}, max_length=512))``.
+    """
+    import torch
+
+    def collate(batch: dict) -> dict:
+        out = dict(batch)
+        for name, value in pad_values.items():
+            column = batch[name]
+            if isinstance(column, torch.Tensor):
+                column = column.numpy()
+            limit = max_length.get(name) if isinstance(max_length, dict) else max_length
+            padded, sizes = pad(column, value, limit)
+            out[name] = torch.from_numpy(padded)
+            if lengths:
+                out[f"{name}_lengths"] = torch.from_numpy(sizes)
+            if mask:
+                out[f"{name}_mask"] = torch.arange(padded.shape[1])[None, :] < out.get(
+                    f"{name}_lengths", torch.from_numpy(sizes))[:, None]
+        return out
+
+    return collate
 
 
 def _define_stream_dataset() -> type:
@@ -129,4 +171,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["StreamDataset", "to_tensors"]
+__all__ = ["RaggedColumn", "StreamDataset", "pad_collate", "to_tensors"]

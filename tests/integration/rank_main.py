@@ -1,7 +1,10 @@
 """A test rank: consume epochs through BatchStream and record what arrived. Run under ``mpiexec -n N``.
 
-Writes ``OUT/rank{r}.json`` (per epoch: batches, rows, dropped, column dtypes and shapes) and
-``OUT/rank{r}-epoch{e}.npz`` (every column received, concatenated, plus ``dropped_id``).
+Writes ``OUT/rank{r}.json`` (per epoch: batches, rows, dropped, column dtypes and shapes),
+``OUT/rank{r}-epoch{e}.npz`` (every numpy column received, concatenated, plus ``dropped_id``) and, for the
+With ``--values``, also ``OUT/rank{r}-epoch{e}-values.json``: every column's values (``to_pylist()`` of a
+RaggedColumn, ``tolist()`` of an array) in arrival order, bytes as ``{"hex": ...}`` and dates as ISO strings,
+beside each batch's form (``forms``: per batch, per column, the type's name).
 With ``--no-mpi`` it is an independent consumer (``comm=None``) named by ``--name``.
 With ``--stop-after K`` it records its first K batches, writes ``OUT/{name}.stopped``, and hangs until killed.
 """
@@ -34,6 +37,7 @@ parser.add_argument("--raise-after", type=int, default=0)
 parser.add_argument("--no-mpi", action="store_true")
 parser.add_argument("--name", help="file name prefix (default rank{r})")
 parser.add_argument("--timeout", type=float, default=60.0)
+parser.add_argument("--values", action="store_true", help="record every column's values as JSON too")
 args = parser.parse_args()
 
 if args.no_mpi:
@@ -47,7 +51,20 @@ out = Path(args.out)
 even = {"auto": None, "yes": True, "no": False}[args.even]
 
 
-def save(epoch, columns, dropped):
+def jsonable(value):
+    if isinstance(value, (bytes, memoryview)):
+        return {"hex": bytes(value).hex()}
+    if isinstance(value, list):
+        return [jsonable(v) for v in value]
+    if hasattr(value, "isoformat"):
+        return value.isoformat()
+    return value
+
+
+def save(epoch, columns, dropped, objects=None, forms=None):
+    if args.values:
+        (out / f"{name}-epoch{epoch}-values.json").write_text(json.dumps(
+            {"values": {k: jsonable(v) for k, v in objects.items()}, "forms": forms}))
     joined = {k: np.concatenate(v) for k, v in columns.items()}
     np.savez(out / f"{name}-epoch{epoch}.npz", **joined,
              dropped_id=np.concatenate(dropped) if dropped else np.zeros(0, np.int64))
@@ -69,23 +86,29 @@ def main():
                 time.sleep(0.05)
         for e in range(args.epochs):
             dropped.clear()
-            columns = {}
+            columns, objects, forms = {}, {}, []
             for batch in stream.epoch():
                 if args.stop_after and consumed == args.stop_after:
-                    save(e, columns, dropped)          # this batch is not acknowledged: it is not recorded
+                    save(e, columns, dropped, objects, forms)   # this batch is not acknowledged: not recorded
                     (out / f"{name}.stopped").touch()
                     time.sleep(3600)
                 if e == 0 and args.leave_after and consumed == args.leave_after:
                     break
                 if rank == args.raise_rank and consumed == args.raise_after:
                     raise RuntimeError(f"rank {rank} fails on purpose")
+                if args.values:
+                    forms.append({key: type(array).__name__ for key, array in batch.items()})
                 for key, array in batch.items():
-                    columns.setdefault(key, []).append(array.copy())
+                    if type(array) is np.ndarray:
+                        columns.setdefault(key, []).append(array.copy())
+                    if args.values:
+                        objects.setdefault(key, []).extend(
+                            array.to_pylist() if hasattr(array, "to_pylist") else array.tolist())
                 consumed += 1
                 if rank == args.slow_rank:
                     time.sleep(args.slow_seconds)
             stats = stream.stats.epochs[-1]
-            joined = save(e, columns, dropped)
+            joined = save(e, columns, dropped, objects, forms)
             summary["epochs"].append({
                 "epoch": stats.epoch, "batches": stats.batches, "rows": stats.rows,
                 "dropped_batches": stats.dropped_batches, "dropped_rows": stats.dropped_rows,

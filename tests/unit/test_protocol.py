@@ -9,7 +9,7 @@ from broker import address, codec, protocol
 from broker.errors import ProtocolError, VersionMismatch
 from broker.protocol import Kind
 
-DTYPES = sorted(protocol.WIRE_DTYPES)
+DTYPES = sorted(protocol.WIRE_DTYPES - protocol.BYTE_STRINGS)     # the bytes of binary and strings: test_columns
 SHAPES = [(0,), (7,), (7, 3), (7, 2, 3), (1, 1)]
 
 
@@ -23,7 +23,8 @@ def roundtrip(columns):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_roundtrip_every_dtype_and_shape(dtype, shape):
     rng = np.random.default_rng(0)
-    data = (rng.integers(0, 100, size=shape) % (2 if dtype == "|b1" else 100)).astype(dtype)
+    raw = rng.integers(0, 100, size=shape) % (2 if dtype == "|b1" else 100)
+    data = raw.astype(dtype) if dtype[1] not in "Mm" else raw.astype(np.int64).view(dtype)
     ids = np.arange(shape[0], dtype=np.int64)
     header, out = roundtrip({"x": data, "id": ids})
     assert header["kind"] == Kind.BATCH
@@ -54,7 +55,7 @@ def test_decoded_arrays_share_the_received_buffer():
 
 
 @pytest.mark.parametrize("bad", [np.array(["a", "b"]), np.array([1 + 2j, 3j]), np.array([None, 1]),
-                                 np.array(["2020-01-01"], dtype="datetime64[D]")])
+                                 np.array(["2020-01-01T10"], dtype="datetime64[h]")])
 def test_unsupported_dtypes_are_refused_by_name(bad):
     with pytest.raises(ValueError, match="column 'odd'"):
         codec.encode_batch("s", 0, 0, 0, {"odd": bad})
@@ -100,10 +101,10 @@ def batch_header(**changes):
 
 
 @pytest.mark.parametrize("changes, sizes, message", [
-    ({}, [32, 1], "names 1 columns but 2 frames"),
-    ({}, [31], "frame of 31 bytes, header says 32"),
+    ({}, [32, 1], "describes 1 frames but 2 came"),
+    ({}, [31], "frame 1: 31 bytes, the header says 32"),
     ({"cols": [["x", "|O", [4, 2]]]}, [32], "not allowed on the wire"),
-    ({"cols": [["x", "<f4", [3, 2]]]}, [24], "does not start with the row count 4"),
+    ({"cols": [["x", "<f4", [3, 2]]]}, [24], "3 entries, the batch has 4 rows"),
     ({"cols": [["x", "<f4"]]}, [32], "malformed column spec"),
     ({"cols": [["x", "<f4", [4, -2]]]}, [32], "malformed column spec"),
     ({"rows": -1, "cols": []}, [], "negative row count"),
