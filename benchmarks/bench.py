@@ -1,6 +1,7 @@
-"""sparkbus benchmark: broker hop, end to end from Spark, scaling, memory, data-wait, brokers, Spark set-ups.
+"""sparkbus benchmark: hop, end to end (also cluster-shaped), scaling, memory, data-wait, brokers, Spark set-ups.
 
-    .venv/bin/python benchmarks/bench.py [--quick] [--out docs/bench] [--only hop,rss,e2e,scaling,wait,brokers,spark]
+    .venv/bin/python benchmarks/bench.py [--quick] [--out docs/bench]
+        [--only hop,rss,e2e,cluster,scaling,wait,brokers,spark]
 
 Prints each figure as it is measured, then the tables and every target with its measured value and PASS/MISS,
 and writes ``OUT/RESULTS.md``, ``OUT/throughput.png`` and ``OUT/results.json``. Exit status 0 when every
@@ -19,7 +20,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SECTIONS = ("hop", "rss", "e2e", "scaling", "wait", "brokers", "spark")
+SECTIONS = ("hop", "rss", "e2e", "cluster", "scaling", "wait", "brokers", "spark")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -74,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"benchmarks/bench.py: error: --spark-configs: {exc}", file=sys.stderr)
         return 2
-    overrides = {"reps": args.reps, "rows": args.rows, "hop_seconds": args.hop_seconds,
+    overrides = {"reps": args.reps, "cluster_reps": args.reps, "rows": args.rows, "hop_seconds": args.hop_seconds,
                  "spark_rows": args.spark_rows,
                  "rss_bytes": parse_size(args.rss_bytes) if args.rss_bytes else None}
     sizes = dataclasses.replace(sizes, **{k: v for k, v in overrides.items() if v is not None})
@@ -132,6 +133,12 @@ def main(argv: list[str] | None = None) -> int:
             log("2. end to end")
             results["e2e"] = end_to_end.run(children, df, info["rows"], sizes, work, log)
             rate = results["e2e"]["sparkbus"].med("rows_per_s")
+        if "cluster" in sections:
+            import cluster
+
+            log("2b. end to end, cluster-shaped (Spark on one core, the broker and the ranks on the other)")
+            results["cluster"] = {}
+            cluster.run(children, sizes, work, log=log, out=results["cluster"])
         if "scaling" in sections:
             import scaling
 

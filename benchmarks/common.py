@@ -47,6 +47,9 @@ class Sizes:
     rss_max_buffer: int            # the broker's --max-buffer for that
     wait_epoch_seconds: float      # target length of the data-wait epoch
     spark_rows: int                # rows of the DataFrame each Spark configuration feeds (figure 6)
+    cluster_rows: int              # rows of each DataFrame of the cluster-shaped end-to-end runs (figure 2b)
+    cluster_reps: int              # their repetitions: short runs on one core, more of them for a steady median
+    varlen_rows: int               # rows of 64 KiB of each DataFrame of the variable-length section (figure 7)
     spark_executor_memory: str     # heap of a standalone executor (it caches that DataFrame)
     driver_memory: str
     timeout: float                 # bound on any single run (a feed, a set of ranks)
@@ -54,10 +57,12 @@ class Sizes:
 
 FULL = Sizes("full", reps=3, hop_seconds=1.0, hop_min_batches=50, rows=1 << 22, partitions=4,
              rss_bytes=4 * GiB, rss_max_buffer=64 * MiB, wait_epoch_seconds=3.0, spark_rows=1 << 20,
+             cluster_rows=1 << 21, cluster_reps=5, varlen_rows=4096,
              spark_executor_memory="1g", driver_memory="4g",
              timeout=300.0)
 QUICK = Sizes("quick", reps=1, hop_seconds=0.12, hop_min_batches=16, rows=100_000, partitions=4,
               rss_bytes=200 * MiB, rss_max_buffer=64 * MiB, wait_epoch_seconds=0.8, spark_rows=100_000,
+              cluster_rows=100_000, cluster_reps=1, varlen_rows=512,
               spark_executor_memory="1g", driver_memory="2g",
               timeout=60.0)
 
@@ -173,19 +178,26 @@ class Children:
     def agent(self, name: str, target: Callable, *args: Any) -> Agent:
         return self.add(Agent(name, target, *args))
 
-    def broker(self, max_buffer: int | str = "256MiB", timeout: float = 20.0, *flags: str) -> BrokerProcess:
+    def broker(self, max_buffer: int | str = "256MiB", timeout: float = 20.0, *flags: str,
+               prefix: Sequence[str] = ()) -> BrokerProcess:
         """``python -m broker`` on loopback ports it picks itself; returns once it is listening.
 
-        ``flags``: more ``python -m broker`` flags, e.g. ``"--auth", DIR``.
+        ``flags``: more ``python -m broker`` flags, e.g. ``"--auth", DIR``. ``prefix``: argv that execs the broker,
+        e.g. :func:`on_cpus` to pin it.
         """
         broker = BrokerProcess(self.log("broker"), "--max-buffer", str(max_buffer), "--log-level", "WARNING",
-                               *flags, cwd=ROOT)
+                               *flags, cwd=ROOT, prefix=prefix)
         return self.add(broker.start(timeout))
 
-    def mpiexec(self, name: str, n: int, script: str, *args: str) -> ChildProcess:
-        """``mpiexec -n n python benchmarks/<script> args``, logging to a file."""
-        return self.add(ChildProcess(name, mpiexec_python(n, HERE / script, *args), self.log(name),
+    def mpiexec(self, name: str, n: int, script: str, *args: str, prefix: Sequence[str] = ()) -> ChildProcess:
+        """``mpiexec -n n python benchmarks/<script> args``, logging to a file (``prefix``: e.g. :func:`on_cpus`)."""
+        return self.add(ChildProcess(name, [*prefix, *mpiexec_python(n, HERE / script, *args)], self.log(name),
                                      env=loopback_env(), cwd=ROOT))
+
+
+def on_cpus(cpus: Sequence[int]) -> list[str]:
+    """The argv prefix that runs a command, and everything it starts, on ``cpus`` only (``taskset``, which execs it)."""
+    return ["taskset", "-c", ",".join(str(c) for c in cpus)]
 
 
 @dataclass
@@ -208,14 +220,17 @@ class RankResult:
 
 
 def run_ranks(children: Children, name: str, n: int, script: str, out: Path, args: Sequence[str],
-              start: Callable[[], Any], timeout: float, ready_timeout: float = 60.0) -> tuple[RankResult, Any]:
+              start: Callable[[], Any], timeout: float, ready_timeout: float = 60.0,
+              prefix: Sequence[str] = ()) -> tuple[RankResult, Any]:
     """Start ``n`` ranks, wait until each wrote ``ready-<r>``, call ``start()`` (the timed part), collect.
+
+    ``prefix``: argv put before mpiexec's, e.g. :func:`on_cpus` (the ranks inherit the pinning).
 
     Returns:
         ``(ranks' results, start()'s return value)``.
     """
     out.mkdir(parents=True, exist_ok=True)
-    ranks = children.mpiexec(name, n, script, "--out", str(out), *args)
+    ranks = children.mpiexec(name, n, script, "--out", str(out), *args, prefix=prefix)
     try:
         wait_for(lambda: all(ready_path(out, r).exists() for r in range(n)) or ranks.poll() is not None,
                  ready_timeout, f"{n} ranks of {name} to be ready")

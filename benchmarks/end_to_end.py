@@ -31,10 +31,15 @@ _runs = itertools.count()
 
 class CpuMeter:
     """CPU seconds (user + system, psutil) spent during a run by Spark's JVM, by its Python workers (where the
-    feeder runs) and by the brokers; started when made, read by :meth:`stop`."""
+    feeder runs) and by the brokers; started when made, read by :meth:`stop`.
 
-    def __init__(self, brokers: Sequence[BrokerProcess] = ()):
+    ``spark_root``: the process whose descendant JVMs are Spark's (default this one; a Spark driver process of
+    its own for the cluster-shaped runs).
+    """
+
+    def __init__(self, brokers: Sequence[BrokerProcess] = (), spark_root: int | None = None):
         self._broker_pids = [b.pid for b in brokers]
+        self._spark_root = spark_root
         self._start = self._read()
 
     def _read(self) -> dict[str, dict[int, float]]:
@@ -49,7 +54,7 @@ class CpuMeter:
             except psutil.Error:
                 pass
 
-        for proc in psutil.Process().children(recursive=True):
+        for proc in psutil.Process(self._spark_root).children(recursive=True):
             try:
                 if proc.name() != "java":
                     continue
@@ -106,13 +111,19 @@ def run_sparkbus(children: Children, broker: BrokerProcess | Sequence[BrokerProc
 
 
 def run_fed_ranks(children: Children, brokers: Sequence[BrokerProcess], stream: str, start: Callable[[], tuple],
-                  rows: int, ranks: int, work: Path, timeout: float) -> dict:
+                  rows: int, ranks: int, work: Path, timeout: float, *, prefix: Sequence[str] = (),
+                  touch: bool = False) -> dict:
     """Start ``ranks`` ranks on ``stream`` of ``brokers``; once they are ready, ``start()`` feeds the epoch and
-    returns ``(t0, t_fed, report)`` (wall-clock seconds, a ``FeedReport`` or its dict); figures relative to t0."""
+    returns ``(t0, t_fed, report)`` (wall-clock seconds, a ``FeedReport`` or its dict); figures relative to t0.
+
+    ``prefix``: argv before mpiexec's (``common.on_cpus`` pins the ranks); ``touch``: the ranks add up the bytes
+    of every column of every batch (``nbytes`` of numpy arrays, of a variable-length column's values and offsets).
+    """
     out = work / f"ranks-{stream}"
-    args = ["--ranks", ",".join(b.ranks for b in brokers), "--stream", stream, "--timeout", str(timeout)]
+    args = ["--ranks", ",".join(b.ranks for b in brokers), "--stream", stream, "--timeout", str(timeout),
+            *(["--touch"] if touch else [])]
     result, (t0, t_fed, report) = run_ranks(children, f"ranks-{stream}", ranks, "rank_consumer.py", out, args,
-                                            start, timeout)
+                                            start, timeout, prefix=prefix)
     shutil.rmtree(out, ignore_errors=True)
     report = report if isinstance(report, dict) else report._asdict()
     if result.rows + sum(r["dropped_rows"] for r in result.ranks) != rows:
@@ -123,7 +134,10 @@ def run_fed_ranks(children: Children, brokers: Sequence[BrokerProcess], stream: 
             "received_rows": result.rows, "dropped_rows": sum(r["dropped_rows"] for r in result.ranks),
             "feed_seconds": t_fed - t0, "batches": report["batches"], "brokers": list(report.get("brokers") or ()),
             "wait_share": max(r["wait_seconds"] / r["seconds"] for r in result.ranks if r["seconds"] > 0),
-            "ranks_cpu": sum(r["cpu_seconds"] for r in result.ranks)}
+            "ranks_cpu": sum(r["cpu_seconds"] for r in result.ranks), "fed_bytes": report.get("bytes"),
+            "touched_bytes": sum(r.get("touched_bytes") or 0 for r in result.ranks),
+            "rank_affinity": sorted({c for r in result.ranks for c in r.get("affinity") or ()}),
+            "rank_modules": sorted({r["module"] for r in result.ranks if r.get("module")})}
 
 
 def run_parquet(children: Children, df: Any, rows: int, ranks: int, work: Path, timeout: float) -> dict:

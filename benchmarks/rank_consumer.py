@@ -1,23 +1,27 @@
 """A benchmark rank: iterate one epoch of a stream through BatchStream and record when batches arrived.
 
     mpiexec -n N python benchmarks/rank_consumer.py --ranks tcp://127.0.0.1:P --stream S --out DIR
-            [--compute SECONDS] [--go FILE] [--prefetch 4]
+            [--compute SECONDS] [--go FILE] [--prefetch 4] [--touch]
 
 Writes ``DIR/ready-<rank>`` once joined to the broker (the parent starts the clock after every rank is ready),
 waits for ``--go`` if given, then consumes one epoch, sleeping ``--compute`` seconds per batch (a stand-in for a
 training step), and writes ``DIR/rank<rank>.json``: wall-clock (``time.time()``) times of the first and last
 batch, counts, BatchStream's own ``wait_seconds`` and ``seconds`` for the epoch, and the loop's own timing of its
 ``next()`` calls (which include decoding and checking each batch's checksum) split into the first call, the ones in
-between and the last one (EPOCH_END and the evening out).
+between and the last one (EPOCH_END and the evening out). With ``--touch`` it also adds up the bytes of every column
+of every batch (numpy ``nbytes``, a variable-length column's values and offsets: no per-row Python). It records the
+CPUs it may run on and the directory it imported ``worker`` from.
 """
 
 import argparse
+import os
 import time
 from pathlib import Path
 
 from mpi4py import MPI
 
 from rank_files import ready_path, run_or_abort, wait_for_go, write_figures
+import worker
 from worker import BatchStream
 
 parser = argparse.ArgumentParser()
@@ -30,12 +34,22 @@ parser.add_argument("--prefetch", type=int, default=4)
 parser.add_argument("--even", choices=["auto", "no"], default="auto",
                     help="no: each rank consumes on its own (a diagnostic: no per-step agreement over MPI)")
 parser.add_argument("--no-verify", action="store_true", help="skip the checksum check (a diagnostic)")
+parser.add_argument("--touch", action="store_true",
+                    help="add up the bytes of every column of every batch (numpy nbytes; a variable-length "
+                         "column's values and offsets), no per-row Python")
 parser.add_argument("--timeout", type=float, default=120.0)
 args = parser.parse_args()
 
 comm = MPI.COMM_WORLD
 rank = comm.Get_rank()
 out = Path(args.out)
+
+
+def column_bytes(column) -> int:
+    """Bytes of one column of a batch: a numpy array's, or a variable-length column's values and offsets."""
+    if hasattr(column, "offsets") and hasattr(column, "values"):
+        return column.values.nbytes + column.offsets.nbytes
+    return column.nbytes
 
 
 def main() -> None:
@@ -47,17 +61,20 @@ def main() -> None:
             wait_for_go(args.go, args.timeout)
         t_start, cpu_start = time.time(), time.process_time()
         t_first = t_last = None
+        touched = 0
         waits = []                      # each time the loop asked for a batch: how long until it had one
         batches = stream.epoch()
         while True:
             asked = time.time()
             try:
-                next(batches)
+                batch = next(batches)
             except StopIteration:
                 waits.append(time.time() - asked)
                 break
             t_last = time.time()
             waits.append(t_last - asked)
+            if args.touch:
+                touched += sum(column_bytes(column) for column in batch.values())
             if t_first is None:
                 t_first = t_last
             if args.compute:
@@ -72,7 +89,9 @@ def main() -> None:
                   # the loop's own view of the same waits: the first batch, the steady state, the epoch's end
                   "wait_first": waits[0] if len(waits) > 1 else 0.0, "wait_end": waits[-1],
                   "wait_steady": sum(steady), "wait_steady_max": max(steady, default=0.0),
-                  "waits_over_1ms": sum(1 for w in steady if w > 1e-3)}
+                  "waits_over_1ms": sum(1 for w in steady if w > 1e-3), "touched_bytes": touched,
+                  # where this rank ran and which sparkbus it imported (the benchmark checks both)
+                  "affinity": sorted(os.sched_getaffinity(0)), "module": os.path.dirname(worker.__file__)}
     write_figures(out, rank, result)
 
 

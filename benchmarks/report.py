@@ -102,6 +102,11 @@ E2E_RATIO = 0.9                                  # x the Arrow hand-off limit
 PARQUET_FASTER, PARQUET_FIRST = 2.5, 0.05
 WAIT_SHARE = 0.02                                # data-wait with even=True, share of the epoch
 RANKS_RATIO = 1.0                                # 4 ranks vs 1 rank on one broker, same data
+# Issue 15: cluster-shaped end to end (x the Arrow hand-off on the same core), per batch size; the feeder's CPU
+# above the hand-off's at 1 MiB.
+CLUSTER_RATIOS = ((MiB, 0.95), (64 * 1024, 0.9))
+FEEDER_CPU_PER_GB = 0.45                         # CPU-s per GB at 1 MiB batches
+KIND_LABELS = {"fixed": "fixed-width", "tokens": "variable-length (int arrays, mean 64)"}
 
 
 def targets(r: dict) -> list[Target]:
@@ -167,7 +172,45 @@ def targets(r: dict) -> list[Target]:
                           f"{peak / MiB:,.0f} MiB (bound {bound / MiB:,.0f} MiB)", _ok(peak, lambda v: v <= bound)))
     else:
         out.append(Target("broker peak RSS with 4 GiB through it", "<= --max-buffer + 100 MiB", "not run", None))
+    out += _cluster_targets(r.get("cluster"))
     return out
+
+
+def _cluster_targets(c: dict | None) -> list[Target]:
+    """Figure 2b: the ratio to the hand-off per kind and batch size, and the feeder's CPU above the hand-off's."""
+    import cluster
+
+    out = []
+    for kind in cluster.KINDS:
+        for size, goal in CLUSTER_RATIOS:
+            what = f"cluster-shaped end to end, {KIND_LABELS[kind]}, {size_label(size)} batches"
+            goal_text = f">= {goal} x the Arrow hand-off on the same core"
+            point = (c or {}).get("points", {}).get((kind, size))
+            if point and point["sparkbus"].runs and point["limit"].runs:
+                ratio = cluster.ratio(point)
+                out.append(Target(what, goal_text, f"{ratio:.2f} x ({point['sparkbus'].med('rows_per_s'):,.0f} vs "
+                                  f"{point['limit'].med('rows_per_s'):,.0f} rows/s)", _ok(ratio, lambda v: v >= goal)))
+            else:
+                out.append(Target(what, goal_text, _not_measured(c, kind), None))
+    for kind in cluster.KINDS:
+        for size, _ in CLUSTER_RATIOS:
+            what = (f"feeder CPU-s per GB above the Arrow hand-off (Spark's Python workers), {KIND_LABELS[kind]}, "
+                    f"{size_label(size)} batches, cluster-shaped")
+            goal = f"<= {FEEDER_CPU_PER_GB}" if size == MiB else "printed (no target)"
+            point = (c or {}).get("points", {}).get((kind, size))
+            if point and point["sparkbus"].runs and point["limit"].runs:
+                per_gb = cluster.feeder_cpu_per_gb(point, c["kinds"][kind]["payload_bytes"])
+                out.append(Target(what, goal, f"{per_gb:.2f} CPU-s/GB",
+                                  _ok(per_gb, lambda v: v <= FEEDER_CPU_PER_GB) if size == MiB else None))
+            else:
+                out.append(Target(what, goal, _not_measured(c, kind), None))
+    return out
+
+
+def _not_measured(c: dict | None, kind: str) -> str:
+    if c and kind in c.get("refused", {}):
+        return f"not measured: the feeder refused it ({c['refused'][kind].split('failed: ')[-1][:100]})"
+    return "not run"
 
 
 def _gib(n: float) -> str:
@@ -285,6 +328,8 @@ def markdown(r: dict) -> str:
                   f"{p.runs[0]['files']} files); sparkbus: `feed()` returned after {s.med('feed_seconds'):.2f} s, "
                   f"{_f(s.med('dropped_rows'))} rows dropped to keep the ranks even"]
         parts += _cpu_markdown(lim, s, ds["payload_bytes"], r["machine"].get("nproc"))
+    if r.get("cluster") and r["cluster"].get("points"):
+        parts += _cluster_markdown(r)
 
     if r.get("scaling"):
         parts += ["", "## 3. Scaling", "",
@@ -379,13 +424,62 @@ def _cpu_markdown(limit, sparkbus, payload_bytes: int, cores: int | None) -> lis
            _table(["run", *[label for _, label in groups], "all", "wall (s)", "cores busy"], rows), "",
            f"sparkbus adds {extra:.2f} CPU-s to the limit's {limit_total:.2f} ({extra / gb:.2f} CPU-s per GB of "
            f"payload)."]
+    feeder = (cpu(sparkbus, "workers") - cpu(limit, "workers")) / gb
+    out += ["", f"The feeder's CPU in Spark's Python workers above what the hand-off costs them: **{feeder:.2f} CPU-s "
+            f"per GB** ({cpu(sparkbus, 'workers'):.2f} - {cpu(limit, 'workers'):.2f} CPU-s for {gb:.2f} GB, batches "
+            "of 1,024 rows = 264 KiB; section 2b gives it at 1 MiB and 64 KiB)."]
     if cores:
         best = (limit_total + extra) / cores
-        out[-1] += (f" With {cores} cores shared by every process, the limit's work plus that cannot take less than "
+        out[-3] += (f" With {cores} cores shared by every process, the limit's work plus that cannot take less than "
                     f"{best:.2f} s of wall time, {limit.med('last') / best:.2f} x the limit's rate at best; 0.9 x "
                     f"would need sparkbus to add at most {(limit.med('last') / 0.9 * cores - limit_total) / gb:.2f} "
                     f"CPU-s per GB here.")
     return out
+
+
+def _cluster_markdown(r: dict) -> list[str]:
+    """Figure 2b: Spark pinned to one core, the broker and the ranks to the other."""
+    import cluster
+    import spark_data
+
+    c = r["cluster"]
+    where = c.get("where", {})
+    parts = ["", "## 2b. End to end, cluster-shaped (Spark on one core, the broker and the ranks on the other)", "",
+             f"A Spark driver process of its own (`local[1]`) pinned to CPU {c['cpus']['spark'][0]} before its session "
+             "started (`os.sched_setaffinity`): its JVM and Spark's Python workers, where the feeder runs, inherit "
+             f"it (checked from inside a task: CPUs {where.get('affinity')}, sparkbus imported from "
+             f"`{Path(where.get('feeder', '?')).parent}`). The broker and `mpiexec -n 2` ranks run under `taskset -c "
+             f"{c['cpus']['bus'][0]}`. So only the feeder's work competes with Spark, as on a cluster where the "
+             f"broker and the ranks have hosts of their own. {c['rows']:,} rows per kind, {cluster.PARTITIONS} "
+             "partitions, cached in that driver; batches of about 1 MiB and 64 KiB of payload (`batch_size` = size "
+             "/ mean row bytes, `max_batch_bytes` = size). Each repetition runs the Arrow hand-off (`mapInArrow` + "
+             "drop, on the same core) and the sparkbus epoch, in alternating order; figures are medians of "
+             f"{c.get('reps', '?')} repetitions.", ""]
+    rows = []
+    for (kind, size), point in c["points"].items():
+        if not (point["limit"].runs and point["sparkbus"].runs):
+            continue
+        lim, s = point["limit"], point["sparkbus"]
+
+        def cpu(series, group):
+            return median([run["cpu"].get(group, 0.0) for run in series.runs])
+
+        rows.append([kind, size_label(size), _f(median([x["batch_size"] for x in s.runs])), _f(lim.med("rows_per_s")),
+                     _f(s.med("rows_per_s")), f"**{cluster.ratio(point):.2f}**", _f(s.med("first"), ".2f"),
+                     f"{cpu(lim, 'jvm'):.2f} / {cpu(lim, 'workers'):.2f}",
+                     f"{cpu(s, 'jvm'):.2f} / {cpu(s, 'workers'):.2f} / {cpu(s, 'broker'):.2f} / {cpu(s, 'ranks'):.2f}",
+                     f"**{cluster.feeder_cpu_per_gb(point, c['kinds'][kind]['payload_bytes']):.2f}**"])
+    parts.append(_table(["kind", "batch", "rows a batch", "hand-off rows/s", "sparkbus rows/s", "sparkbus / hand-off",
+                         "first batch (s)", "hand-off CPU-s: JVM / Python workers",
+                         "sparkbus CPU-s: JVM / Python workers / broker / ranks",
+                         "feeder CPU-s per GB above the hand-off"], rows))
+    kinds = "; ".join(f"`{k}`: {spark_data.KINDS[k]}, {info['payload_bytes'] / 1e6:,.0f} MB" for k, info in
+                      c["kinds"].items())
+    parts += ["", f"Kinds: {kinds}. Feeder CPU-s per GB = (Python workers' CPU-s in the sparkbus run - in the "
+              "hand-off run) / GB of payload (medians): what the feeder adds on Spark's cores."]
+    for kind, why in c.get("refused", {}).items():
+        parts += ["", f"`{kind}` ({spark_data.KINDS[kind]}) was not measured: the feeder refused it: {why}"]
+    return parts
 
 
 def _hop_cpu_markdown(r: dict) -> list[str]:
@@ -566,6 +660,12 @@ def to_json(r: dict) -> dict:
         out["spark"] = {"rows": sp.get("rows"), "configs": sp.get("configs"),
                         "points": [{"config": k[0], "partitions": k[1], "runs": s.runs,
                                     "storage": sp.get("storage", {}).get(k)} for k, s in sp.get("points", {}).items()]}
+    if r.get("cluster"):
+        c = r["cluster"]
+        out["cluster"] = {"rows": c.get("rows"), "cpus": c.get("cpus"), "where": c.get("where"),
+                          "kinds": c.get("kinds"), "refused": c.get("refused"),
+                          "points": [{"kind": k[0], "batch_bytes": k[1], "limit": p["limit"].runs,
+                                      "sparkbus": p["sparkbus"].runs} for k, p in c.get("points", {}).items()]}
     if r.get("datawait"):
         w = r["datawait"]
         out["datawait"] = {"compute": w["compute"], "rows": w["rows"], "runs": w["series"].runs,
@@ -583,6 +683,8 @@ def plot(r: dict, path: Path) -> None:
     panels = [k for k in ("hop", "e2e", "scaling", "brokers") if r.get(k)]
     if r.get("spark") and any(s.runs for s in r["spark"].get("points", {}).values()):
         panels.append("spark")
+    if r.get("cluster") and any(p["sparkbus"].runs for p in r["cluster"].get("points", {}).values()):
+        panels.append("cluster")
     columns = min(3, max(1, len(panels)))
     lines = max(1, math.ceil(len(panels) / columns))
     fig, axes = plt.subplots(lines, columns, figsize=(5.2 * columns, 4.2 * lines), squeeze=False)
@@ -594,7 +696,7 @@ def plot(r: dict, path: Path) -> None:
             ax.set_visible(False)
     for ax, panel in zip(axes, panels):
         {"hop": _plot_hop, "e2e": _plot_e2e, "scaling": _plot_scaling, "brokers": _plot_brokers,
-         "spark": _plot_spark}[panel](ax, r)
+         "spark": _plot_spark, "cluster": _plot_cluster}[panel](ax, r)
     fig.suptitle(f"sparkbus benchmark ({r['sizes'].name}), {r['machine']['nproc']} cores, {r['machine']['date']}",
                  fontsize=10)
     fig.tight_layout()
@@ -663,6 +765,25 @@ def _plot_spark(ax, r: dict) -> None:
     ax.set_ylabel("thousand rows/s to the ranks")
     ax.set_title(f"Spark set-ups, {sp['rows']:,} rows")
     ax.legend(fontsize=8)
+
+
+def _plot_cluster(ax, r: dict) -> None:
+    import cluster
+
+    points = [(k, p) for k, p in r["cluster"]["points"].items() if p["sparkbus"].runs and p["limit"].runs]
+    x = range(len(points))
+    ax.bar([i - 0.2 for i in x], [p["limit"].med("rows_per_s") / 1e3 for _, p in points], 0.4, color="#999999",
+           label="Arrow hand-off")
+    bars = ax.bar([i + 0.2 for i in x], [p["sparkbus"].med("rows_per_s") / 1e3 for _, p in points], 0.4,
+                  color="#1f77b4", label="sparkbus")
+    for bar, (_, p) in zip(bars, points):
+        ax.annotate(f"{cluster.ratio(p):.2f} x", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                    va="bottom", fontsize=8)
+    ax.set_xticks(list(x), [f"{k}\n{size_label(size)}" for (k, size), _ in points], fontsize=8)
+    ax.set_ylabel("thousand rows/s")
+    ax.set_title("Cluster-shaped: Spark on 1 core, bus on the other", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.margins(y=0.2)
 
 
 def write(r: dict, out: Path) -> tuple[Path, Path]:

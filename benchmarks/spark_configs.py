@@ -84,24 +84,29 @@ def parse_configs(text: str) -> tuple[Config, ...]:
 # ---- the driver of a standalone configuration --------------------------------------------------------------------
 
 class DriverProcess:
-    """``spark_driver.py`` as a child process, asked over ZeroMQ; the same methods as ``spark_driver.Driver``."""
+    """``spark_driver.py`` as a child process, asked over ZeroMQ; the same methods as ``spark_driver.Driver``.
 
-    def __init__(self, children: Children, config: Config, master_url: str, sizes: Sizes, work: Path):
+    ``cpus``: pin the driver (and so its JVM and Python workers) to these CPUs; ``conf``: more Spark settings.
+    """
+
+    def __init__(self, children: Children, config: Config, master_url: str, sizes: Sizes, work: Path, *,
+                 cpus: tuple[int, ...] = (), conf: dict | None = None):
         self.config, self.children = config, children
         self.ready = work / f"driver-{config.key}.json"
         conf = {**LOCAL_CONF, "spark.master": master_url, "spark.app.name": f"sparkbus-bench-{config.key}",
-                "spark.cores.max": str(config.executors * config.cores),
-                "spark.executor.cores": str(config.cores),
+                **({"spark.cores.max": str(config.executors * config.cores),
+                    "spark.executor.cores": str(config.cores)} if config.executors else {}),
                 "spark.executor.memory": sizes.spark_executor_memory,
                 "spark.sql.shuffle.partitions": "4",
                 "spark.scheduler.minRegisteredResourcesRatio": "1.0",
-                "spark.scheduler.maxRegisteredResourcesWaitingTime": "120s"}
+                "spark.scheduler.maxRegisteredResourcesWaitingTime": "120s", **(conf or {})}
         self.timeout = max(120.0, sizes.timeout * 2)
         self.child = children.add(ChildProcess(
             f"driver-{config.key}",
             [sys.executable, str(HERE / "spark_driver.py"), "--ready", str(self.ready),
-             "--executors", str(config.executors), "--slots", str(config.executors * config.cores),
-             "--timeout", str(self.timeout), *(f"--conf={k}={v}" for k, v in conf.items())],
+             "--executors", str(config.executors), "--slots", str(max(1, config.executors) * config.cores),
+             "--timeout", str(self.timeout), *(f"--conf={k}={v}" for k, v in conf.items()),
+             *(["--cpus", ",".join(map(str, cpus))] if cpus else [])],
             children.log(f"driver-{config.key}"), env={"SPARK_LOCAL_IP": "127.0.0.1"}, cwd=ROOT))
         self.control = ""
 
@@ -136,15 +141,19 @@ class DriverProcess:
             raise BenchError(f"the Spark driver of {self.config.label} failed in {message['cmd']}:\n{reply['error']}")
         return reply
 
-    def prepare(self, rows: int, partitions: int, feed: str) -> dict:
-        return self.request({"cmd": "prepare", "rows": rows, "partitions": partitions, "feed": feed}, self.timeout)
+    def prepare(self, rows: int, partitions: int, feed: str, kind: str = "fixed") -> dict:
+        return self.request({"cmd": "prepare", "rows": rows, "partitions": partitions, "feed": feed, "kind": kind},
+                            self.timeout)
 
     def limit(self) -> dict:
         return self.request({"cmd": "limit"}, self.timeout)
 
-    def feed(self, feed: str, stream: str, batch_size: int, timeout: float) -> dict:
+    def feed(self, feed: str, stream: str, batch_size: int, timeout: float, options: dict | None = None) -> dict:
         return self.request({"cmd": "feed", "feed": feed, "stream": stream, "batch_size": batch_size,
-                             "timeout": timeout}, timeout + 30)
+                             "timeout": timeout, "options": options or {}}, timeout + 30)
+
+    def where(self) -> dict:
+        return self.request({"cmd": "where"}, 60)
 
     def stop(self, polite: bool = True) -> None:
         """Ask the driver to stop its session (its executors end with the application) and wait for it to exit,

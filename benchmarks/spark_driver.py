@@ -12,16 +12,21 @@ each of their ``S`` slots at once (which says where they are, and starts their P
 answers JSON requests on a ZeroMQ REP socket bound to loopback, one at a time, each with a dict (or
 ``{"error": text}``):
 
-* ``{"cmd": "prepare", "rows": N, "partitions": P, "feed": ADDRESS}``: the cached DataFrame of ``spark_data``
-  (``N`` rows, ``P`` partitions; the previous one is unpersisted), warmed up (a scan, a small feed into a stream no
-  rank reads); answers how it is stored.
+* ``{"cmd": "prepare", "rows": N, "partitions": P, "feed": ADDRESS, "kind": K}``: the cached DataFrame of
+  ``spark_data`` (``N`` rows, ``P`` partitions, of kind ``K``, default ``fixed``; the previous one is unpersisted),
+  warmed up (a scan, a small feed into a stream no rank reads); answers how it is stored.
 * ``{"cmd": "limit"}``: the cached DataFrame handed to Python by ``mapInArrow`` and dropped: ``{"seconds",
   "rows"}``.
-* ``{"cmd": "feed", "feed": ADDRESS, "stream": S, "batch_size": B, "timeout": T}``: ``feeder.feed`` of it as
-  epoch 0 of ``S``: ``{"t0", "t_fed", "report"}`` (wall-clock seconds, the ``FeedReport`` as a dict).
+* ``{"cmd": "feed", "feed": ADDRESS, "stream": S, "batch_size": B, "timeout": T, "options": {...}}``:
+  ``feeder.feed`` of it as epoch 0 of ``S`` (``options``: more ``feed`` arguments): ``{"t0", "t_fed", "report"}``
+  (wall-clock seconds, the ``FeedReport`` as a dict).
+* ``{"cmd": "where"}``: where a task runs: ``{"feeder", "broker", "affinity"}`` (the directory of the sparkbus a
+  Python worker imports, and the CPUs it may run on).
 * ``{"cmd": "stop"}``: stop the session and exit.
 
-The process exits by itself if no request comes for ``--idle`` seconds (its parent is gone or stuck).
+``--cpus 0`` pins the driver to those CPUs before the session starts: its JVM and Spark's Python workers inherit
+it (the cluster-shaped runs of figure 2b). The process exits by itself if no request comes for ``--idle`` seconds
+(its parent is gone or stuck).
 """
 
 from __future__ import annotations
@@ -50,16 +55,19 @@ class Driver:
         self.spark = spark
         self.df = None
         self.rows = 0
+        self.prepared = 0             # frames prepared so far: each warm-up feed has a stream of its own
 
-    def prepare(self, rows: int, partitions: int, feed: str) -> dict:
+    def prepare(self, rows: int, partitions: int, feed: str, kind: str = "fixed") -> dict:
         if self.df is not None:
             self.df.unpersist(blocking=True)
-        self.df, info = spark_data.cached_frame(self.spark, rows, partitions)
+            self.df = None
+        self.df, info = spark_data.kind_frame(self.spark, kind, rows, partitions)
         self.rows = info["rows"]
         started = time.monotonic()
         spark_data.arrow_limit(self.df)             # the first full scan of a cache is slower than later ones
         scanned = time.monotonic()
-        spark_data.warm_up_feed(self.df, self.rows, feed, f"warm-up-{os.getpid()}-{partitions}")
+        self.prepared += 1
+        spark_data.warm_up_feed(self.df, self.rows, feed, f"warm-up-{os.getpid()}-{self.prepared}")
         info["warm_up_seconds"] = time.monotonic() - started
         log.info("cached %d rows in %d partitions in %.1f s; warm-up: scans %.1f s, feed %.1f s", self.rows,
                  partitions, info["build_seconds"], scanned - started, time.monotonic() - scanned)
@@ -74,9 +82,26 @@ class Driver:
         seconds, rows = spark_data.arrow_limit(self.df)
         return {"seconds": seconds, "rows": rows}
 
-    def feed(self, feed: str, stream: str, batch_size: int, timeout: float) -> dict:
-        t0, t_fed, report = spark_data.timed_feed(self.df, feed, stream, batch_size, timeout)
+    def feed(self, feed: str, stream: str, batch_size: int, timeout: float, options: dict | None = None) -> dict:
+        t0, t_fed, report = spark_data.timed_feed(self.df, feed, stream, batch_size, timeout, **(options or {}))
         return {"t0": t0, "t_fed": t_fed, "report": report}
+
+    def where(self) -> dict:
+        return where_tasks_run(self.spark)
+
+
+def where_tasks_run(spark) -> dict:
+    """Which sparkbus a Spark Python worker imports and which CPUs it may use (one task)."""
+    def where(_):
+        import os
+
+        import broker
+        import feeder
+
+        yield os.path.dirname(feeder.__file__), os.path.dirname(broker.__file__), sorted(os.sched_getaffinity(0))
+
+    (feeder_dir, broker_dir, cpus), = spark.sparkContext.parallelize([0], 1).mapPartitions(where).collect()
+    return {"feeder": feeder_dir, "broker": broker_dir, "affinity": cpus}
 
 
 def wait_for_executors(spark, n: int, slots: int, timeout: float) -> list[dict]:
@@ -132,9 +157,13 @@ def main() -> int:
     parser.add_argument("--slots", type=int, required=True, help="task slots in all (executors x cores)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for the executors")
     parser.add_argument("--idle", type=float, default=600.0, help="exit after this long without a request")
+    parser.add_argument("--cpus", help="comma-separated CPUs to pin the driver, its JVM and their Python workers to")
     args = parser.parse_args()
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.cpus:
+        # before the session: the JVM it starts, and the JVM's Python workers, inherit the affinity
+        os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})
     started = time.monotonic()
     os.environ["PYSPARK_PYTHON"] = sys.executable       # the executors' Python: this one, with sparkbus
     from pyspark.sql import SparkSession

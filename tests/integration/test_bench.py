@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(400)
 SPARKBUS = Path(sys.executable).parent / "sparkbus"
 
 
@@ -16,7 +16,7 @@ def test_the_quick_benchmark_runs_and_writes_its_report(tmp_path):
     # Every section; of the Spark set-ups only local[2]: the standalone ones start a cluster and a driver per
     # set-up, minutes on 2 cores (test_the_standalone_spark_setups_run).
     result = subprocess.run([str(SPARKBUS), "bench", "--quick", "--spark-configs", "local", "--out", str(tmp_path)],
-                            capture_output=True, text=True, timeout=280)
+                            capture_output=True, text=True, timeout=380)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = (tmp_path / "RESULTS.md").read_text()
     for target in ("sparkbus broker throughput at 64 KiB batches", "sparkbus broker throughput at 1 MiB batches",
@@ -41,6 +41,15 @@ def test_the_quick_benchmark_runs_and_writes_its_report(tmp_path):
     assert all(c["curve_mb_per_s"] > 0 and c["plain_mb_per_s"] > 0 and c["ratio"] > 0 for c in figures["curve"])
     assert sorted(figures["brokers"]["runs"]) == ["1", "2", "4"]
     assert {(p["config"], p["partitions"]) for p in figures["spark"]["points"]} == {("local", 4), ("local", 16)}
+    # the cluster-shaped runs (2b): Spark's Python workers on one CPU, the ranks on the other, this tree's sparkbus
+    cluster = figures["cluster"]
+    assert cluster["where"]["affinity"] == cluster["cpus"]["spark"] != cluster["cpus"]["bus"]
+    assert Path(cluster["where"]["feeder"]).resolve() == (Path(__file__).parents[2] / "feeder").resolve()
+    fixed = {p["batch_bytes"]: p for p in cluster["points"] if p["kind"] == "fixed"}
+    assert sorted(fixed) == [64 << 10, 1 << 20] and all(p["limit"] and p["sparkbus"] for p in fixed.values())
+    assert all(run["rank_affinity"] == cluster["cpus"]["bus"] for p in fixed.values() for run in p["sparkbus"])
+    assert "## 2b. End to end, cluster-shaped" in report
+    assert "feeder CPU-s per GB above the Arrow hand-off" in report
     assert (tmp_path / "throughput.png").stat().st_size > 10_000
 
 
