@@ -1,7 +1,7 @@
-"""sparkbus benchmark: hop, end to end (also cluster-shaped), scaling, memory, data-wait, brokers, Spark set-ups.
+"""sparkbus benchmark: hop, end to end (also cluster-shaped), scaling, memory, data-wait, brokers, varlen, Spark set-ups.
 
     .venv/bin/python benchmarks/bench.py [--quick] [--out docs/bench]
-        [--only hop,rss,e2e,cluster,scaling,wait,brokers,spark]
+        [--only hop,rss,e2e,cluster,scaling,wait,brokers,varlen,spark]
 
 Prints each figure as it is measured, then the tables and every target with its measured value and PASS/MISS,
 and writes ``OUT/RESULTS.md``, ``OUT/throughput.png`` and ``OUT/results.json``. Exit status 0 when every
@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-SECTIONS = ("hop", "rss", "e2e", "cluster", "scaling", "wait", "brokers", "spark")
+SECTIONS = ("hop", "rss", "e2e", "cluster", "scaling", "wait", "brokers", "varlen", "spark")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     sections = set(args.sections)
     # The cached DataFrame serves sections 2-5; the session alone also serves local[2] in section 6.
     needs_frame = bool({"e2e", "scaling", "wait", "brokers"} & sections)
-    needs_session = needs_frame or ("spark" in sections and any(not c.executors for c in configs))
+    needs_session = needs_frame or "varlen" in sections or ("spark" in sections and
+                                                            any(not c.executors for c in configs))
     # --quick: Spark's start-up (JVM, caching, warm-up) overlaps the hop and RSS sections, whose figures get
     # noisier but the run fits in a minute. At full size Spark starts after them, on a quiet machine.
     prep = SparkPrep(sizes, needs_frame, log) if needs_session and args.quick else None
@@ -155,6 +156,12 @@ def main(argv: list[str] | None = None) -> int:
 
             log("5. several brokers")
             results["brokers"] = brokers.run(children, df, info["rows"], sizes, work, log)
+        if "varlen" in sections:
+            import varlen
+
+            log("7. variable-length columns")
+            results["varlen"] = {}
+            varlen.run(children, spark, sizes, work, log=log, out=results["varlen"])
         if "spark" in sections:
             log("6. Spark configurations")
             results["spark"] = {}

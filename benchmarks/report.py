@@ -103,10 +103,13 @@ PARQUET_FASTER, PARQUET_FIRST = 2.5, 0.05
 WAIT_SHARE = 0.02                                # data-wait with even=True, share of the epoch
 RANKS_RATIO = 1.0                                # 4 ranks vs 1 rank on one broker, same data
 # Issue 15: cluster-shaped end to end (x the Arrow hand-off on the same core), per batch size; the feeder's CPU
-# above the hand-off's at 1 MiB.
+# above the hand-off's at 1 MiB; variable-length columns vs the fixed-width path at the same bytes.
 CLUSTER_RATIOS = ((MiB, 0.95), (64 * 1024, 0.9))
 FEEDER_CPU_PER_GB = 0.45                         # CPU-s per GB at 1 MiB batches
+VARLEN_RATIOS = {"binary": 0.9, "varints": 0.8}
 KIND_LABELS = {"fixed": "fixed-width", "tokens": "variable-length (int arrays, mean 64)"}
+VARLEN_LABELS = {"binary": "binary rows of 64 KiB, end to end, vs the fixed-width path at the same bytes",
+                 "varints": "variable-length int arrays averaging 64 KiB, end to end, vs the fixed-width path"}
 
 
 def targets(r: dict) -> list[Target]:
@@ -173,6 +176,7 @@ def targets(r: dict) -> list[Target]:
     else:
         out.append(Target("broker peak RSS with 4 GiB through it", "<= --max-buffer + 100 MiB", "not run", None))
     out += _cluster_targets(r.get("cluster"))
+    out += _varlen_targets(r.get("varlen"))
     return out
 
 
@@ -211,6 +215,22 @@ def _not_measured(c: dict | None, kind: str) -> str:
     if c and kind in c.get("refused", {}):
         return f"not measured: the feeder refused it ({c['refused'][kind].split('failed: ')[-1][:100]})"
     return "not run"
+
+
+def _varlen_targets(v: dict | None) -> list[Target]:
+    import varlen
+
+    out = []
+    for kind, goal in VARLEN_RATIOS.items():
+        pair = (v or {}).get("pairs", {}).get(kind)
+        goal_text = f">= {goal} x"
+        if pair and pair["compared"].runs and pair["baseline"].runs:
+            ratio = varlen.ratio(pair)
+            out.append(Target(VARLEN_LABELS[kind], goal_text, f"{ratio:.2f} x ({pair['compared'].med('mb_per_s'):,.0f} "
+                              f"vs {pair['baseline'].med('mb_per_s'):,.0f} MB/s)", _ok(ratio, lambda x: x >= goal)))
+        else:
+            out.append(Target(VARLEN_LABELS[kind], goal_text, _not_measured(v, kind), None))
+    return out
 
 
 def _gib(n: float) -> str:
@@ -396,6 +416,8 @@ def markdown(r: dict) -> str:
         parts += _brokers_markdown(r)
     if r.get("spark") and r["spark"].get("points"):
         parts += _spark_markdown(r)
+    if r.get("varlen") and (r["varlen"].get("pairs") or r["varlen"].get("refused")):
+        parts += _varlen_markdown(r)
     if r.get("notes"):
         parts += ["", "## Notes", ""] + [f"- {n}" for n in r["notes"]]
     return "\n".join(parts) + "\n"
@@ -478,6 +500,33 @@ def _cluster_markdown(r: dict) -> list[str]:
     parts += ["", f"Kinds: {kinds}. Feeder CPU-s per GB = (Python workers' CPU-s in the sparkbus run - in the "
               "hand-off run) / GB of payload (medians): what the feeder adds on Spark's cores."]
     for kind, why in c.get("refused", {}).items():
+        parts += ["", f"`{kind}` ({spark_data.KINDS[kind]}) was not measured: the feeder refused it: {why}"]
+    return parts
+
+
+def _varlen_markdown(r: dict) -> list[str]:
+    """Figure 7: binary and variable-length int columns vs the fixed-width path at the same bytes."""
+    import spark_data
+    import varlen
+
+    v = r["varlen"]
+    parts = ["", "## 7. Variable-length columns", "",
+             f"{v['rows']:,} rows of `id` long plus one column of 64 KiB a row, cached in the benchmark's Spark "
+             f"local[2] session, fed by `feeder.feed` (batch_size {varlen.BATCH_SIZE}, max_batch_bytes 1 MiB) "
+             "through one broker to 2 ranks that add up each column's bytes (numpy `nbytes`; a `RaggedColumn`'s "
+             "values and offsets) without per-row Python. MB/s = payload (id and values, not offsets) / time from "
+             "the call of `feed` to the last batch at any rank. Each compared kind runs interleaved with "
+             f"`{varlen.BASELINE}` (the fixed-width path), alternating which goes first.", ""]
+    rows = []
+    for kind, pair in v["pairs"].items():
+        if not (pair["compared"].runs and pair["baseline"].runs):
+            continue
+        b, c = pair["baseline"], pair["compared"]
+        rows.append([f"`{kind}`: {spark_data.KINDS[kind]}", _f(c.med("mb_per_s")), _f(c.med("rows_per_s")),
+                     _f(c.med("first"), ".2f"), _f(b.med("mb_per_s")), f"**{varlen.ratio(pair):.2f}**"])
+    parts.append(_table(["kind", "MB/s", "rows/s", "first batch (s)",
+                         f"`{varlen.BASELINE}` ({spark_data.KINDS[varlen.BASELINE]}) MB/s, same runs", "ratio"], rows))
+    for kind, why in v.get("refused", {}).items():
         parts += ["", f"`{kind}` ({spark_data.KINDS[kind]}) was not measured: the feeder refused it: {why}"]
     return parts
 
@@ -666,6 +715,11 @@ def to_json(r: dict) -> dict:
                           "kinds": c.get("kinds"), "refused": c.get("refused"),
                           "points": [{"kind": k[0], "batch_bytes": k[1], "limit": p["limit"].runs,
                                       "sparkbus": p["sparkbus"].runs} for k, p in c.get("points", {}).items()]}
+    if r.get("varlen"):
+        v = r["varlen"]
+        out["varlen"] = {"rows": v.get("rows"), "kinds": v.get("kinds"), "refused": v.get("refused"),
+                         "pairs": {k: {"baseline": p["baseline"].runs, "compared": p["compared"].runs}
+                                   for k, p in v.get("pairs", {}).items()}}
     if r.get("datawait"):
         w = r["datawait"]
         out["datawait"] = {"compute": w["compute"], "rows": w["rows"], "runs": w["series"].runs,
@@ -685,6 +739,8 @@ def plot(r: dict, path: Path) -> None:
         panels.append("spark")
     if r.get("cluster") and any(p["sparkbus"].runs for p in r["cluster"].get("points", {}).values()):
         panels.append("cluster")
+    if r.get("varlen") and any(p["compared"].runs for p in r["varlen"].get("pairs", {}).values()):
+        panels.append("varlen")
     columns = min(3, max(1, len(panels)))
     lines = max(1, math.ceil(len(panels) / columns))
     fig, axes = plt.subplots(lines, columns, figsize=(5.2 * columns, 4.2 * lines), squeeze=False)
@@ -696,7 +752,7 @@ def plot(r: dict, path: Path) -> None:
             ax.set_visible(False)
     for ax, panel in zip(axes, panels):
         {"hop": _plot_hop, "e2e": _plot_e2e, "scaling": _plot_scaling, "brokers": _plot_brokers,
-         "spark": _plot_spark, "cluster": _plot_cluster}[panel](ax, r)
+         "spark": _plot_spark, "cluster": _plot_cluster, "varlen": _plot_varlen}[panel](ax, r)
     fig.suptitle(f"sparkbus benchmark ({r['sizes'].name}), {r['machine']['nproc']} cores, {r['machine']['date']}",
                  fontsize=10)
     fig.tight_layout()
@@ -783,6 +839,26 @@ def _plot_cluster(ax, r: dict) -> None:
     ax.set_ylabel("thousand rows/s")
     ax.set_title("Cluster-shaped: Spark on 1 core, bus on the other", fontsize=9)
     ax.legend(fontsize=8)
+    ax.margins(y=0.2)
+
+
+def _plot_varlen(ax, r: dict) -> None:
+    import varlen
+
+    pairs = [(k, p) for k, p in r["varlen"]["pairs"].items() if p["compared"].runs and p["baseline"].runs]
+    labels, values, colors = [], [], []
+    for kind, pair in pairs:
+        labels += [f"{varlen.BASELINE}\n(vs {kind})", kind]
+        values += [pair["baseline"].med("mb_per_s"), pair["compared"].med("mb_per_s")]
+        colors += ["#999999", "#2ca02c"]
+    bars = ax.bar(labels, values, color=colors)
+    for i, (_, pair) in enumerate(pairs):
+        bar = bars[2 * i + 1]
+        ax.annotate(f"{varlen.ratio(pair):.2f} x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("MB/s of payload to the ranks")
+    ax.set_title("64 KiB rows: variable-length vs fixed width", fontsize=9)
+    ax.tick_params(axis="x", labelsize=8)
     ax.margins(y=0.2)
 
 
