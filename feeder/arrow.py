@@ -12,11 +12,14 @@ Which form a list column takes is decided here, per batch: arrays that share one
 array) are *dense* (a numpy ``[n, k]`` on the rank, one values frame, as before), unless the column is declared
 ``ragged``; other lists, binary and strings carry their offsets (a :class:`~broker.ragged.RaggedColumn`).
 Structs are flattened to ``parent.child`` columns before this (:func:`flatten_structs`).
+
+A :class:`ColumnPlan` reads a column's buffers once per record batch (numpy views, its form over the whole
+batch), so that cutting a batch out of it costs numpy slicing only: per batch, no pyarrow call is made.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -70,6 +73,144 @@ def check_type(name: str, kind: pa.DataType, inside: str = "") -> None:
                             f"booleans, binary, strings, dates, timestamps, arrays and structs of those)")
 
 
+class _Level(NamedTuple):
+    """One list level of a column: its entries' offsets into the next level, and its validity."""
+
+    offsets: np.ndarray | None     # int32/int64, one per entry + 1, into the next level's positions; None: fixed
+    size: int                      # a fixed-size list's length (offsets None), else 0
+    base: int                      # a fixed-size list's offset in its values (Arrow's ``values`` ignore slices)
+    bitmap: np.ndarray | None      # validity bits (uint8), or None when the level has no null
+    bit_offset: int                # the first entry's bit in ``bitmap``
+
+    def child_range(self, lo: int, hi: int) -> tuple[int, int]:
+        if self.offsets is None:
+            return (self.base + lo) * self.size, (self.base + hi) * self.size
+        return int(self.offsets[lo]), int(self.offsets[hi])
+
+
+class ColumnPlan:
+    """One Arrow column of a record batch, analysed once so that each batch cut from it is numpy slicing only.
+
+    :meth:`wire` gives rows ``start .. start + n`` in wire form: views of the Arrow buffers (a copy only for
+    rebased offsets and unaligned bitmaps), its :meth:`form` decides how the rank will see them.
+
+    Args:
+        ragged: carry offsets in every batch, even where a batch's arrays share one length.
+    Raises:
+        UnsupportedColumn: a type sparkbus cannot carry (structs must be flattened first).
+    """
+
+    def __init__(self, name: str, array: pa.Array, ragged: bool = False):
+        check_type(name, array.type)
+        if pa.types.is_dictionary(array.type):
+            array = array.dictionary_decode()
+        self.name, self.rows, self.ragged = name, len(array), ragged
+        levels = []
+        node = array
+        while _is_list(node.type):
+            bitmap, bit = _bitmap(node)
+            if pa.types.is_fixed_size_list(node.type):
+                levels.append(_Level(None, node.type.list_size, node.offset, bitmap, bit))
+            else:
+                levels.append(_Level(_offsets(node), 0, 0, bitmap, bit))
+            node = node.values                 # the whole child: the offsets above index it
+        self.levels = levels
+        self.bytes_leaf = _is_byte_string(node.type)
+        self.leaf_bitmap, self.leaf_bit = _bitmap(node)
+        if self.bytes_leaf:
+            self.dtype = "str" if pa.types.is_string(node.type) or pa.types.is_large_string(node.type) else "bin"
+            self.leaf_offsets = _offsets(node)
+            data = node.buffers()[2]
+            self.values = np.frombuffer(data, dtype=np.uint8) if data is not None else np.zeros(0, np.uint8)
+        else:
+            self.dtype = _leaf_dtype(node.type)
+            self.values = _leaf_values(node)
+        # The form over the whole column; batches cut from it share it when every level is dense (or none can be).
+        self._whole = self._dense(0, self.rows)
+        self.stable = ragged or self.bytes_leaf or len(self._whole) == len(levels)
+
+    # ---- the form of a batch ------------------------------------------------------------------------------
+
+    def _ranges(self, start: int, stop: int) -> list[tuple[int, int]]:
+        """The range of positions rows ``start .. stop`` span at each level, the leaf's last."""
+        ranges = [(start, stop)]
+        for level in self.levels:
+            ranges.append(level.child_range(*ranges[-1]))
+        return ranges
+
+    def _dense(self, start: int, stop: int, ranges: list | None = None) -> list[int]:
+        """The sizes of the innermost levels whose arrays share one length in these rows and hold no null."""
+        if self.ragged or self.bytes_leaf:
+            return []
+        ranges = ranges or self._ranges(start, stop)
+        dense: list[int] = []
+        for depth in range(len(self.levels) - 1, -1, -1):
+            level, (lo, hi) = self.levels[depth], ranges[depth]
+            width = level.size if level.offsets is None else _uniform(level.offsets[lo:hi + 1])
+            if width is None or _has_null(level.bitmap, level.bit_offset + lo, hi - lo):
+                break
+            dense.insert(0, width)
+        return dense
+
+    def form(self, start: int, n: int) -> tuple[int, ...]:
+        """What decides the rank's form for these rows: levels of offsets and the dense inner shape."""
+        dense = self._whole if self.stable else self._dense(start, start + n)
+        return (len(self.levels) - len(dense), *dense)
+
+    # ---- wire form ----------------------------------------------------------------------------------------
+
+    def wire(self, start: int = 0, n: int | None = None) -> WireColumn:
+        """Rows ``start .. start + n`` in wire form."""
+        n = self.rows - start if n is None else n
+        ranges = self._ranges(start, start + n)
+        dense = self._whole if self.stable else self._dense(start, start + n, ranges)
+        ragged_levels = len(self.levels) - len(dense)
+        levels: list[list] = []
+        buffers: list[Any] = []
+        for level, (lo, hi) in zip(self.levels[:ragged_levels], ranges):
+            nulls = _has_null(level.bitmap, level.bit_offset + lo, hi - lo)
+            if nulls:
+                buffers.append(bitmap_slice(level.bitmap, level.bit_offset + lo, hi - lo))
+            if level.offsets is None:
+                bounds = np.arange(hi - lo + 1, dtype=np.int32) * level.size
+            else:
+                bounds = level.offsets[lo:hi + 1]
+            buffers.append(bounds - bounds[0] if bounds[0] else bounds)
+            levels.append([hi - lo, bounds.dtype.itemsize, nulls])
+        lo, hi = ranges[-1]
+        if self.bytes_leaf:
+            nulls = _has_null(self.leaf_bitmap, self.leaf_bit + lo, hi - lo)
+            if nulls:
+                buffers.append(bitmap_slice(self.leaf_bitmap, self.leaf_bit + lo, hi - lo))
+            bounds = self.leaf_offsets[lo:hi + 1]
+            buffers.append(bounds - bounds[0] if bounds[0] else bounds)
+            levels.append([hi - lo, bounds.dtype.itemsize, nulls])
+            data = self.values[int(bounds[0]):int(bounds[-1])]
+            buffers.append(data)
+            return WireColumn(self.dtype, [len(data)], levels, False, buffers)
+        nulls = _has_null(self.leaf_bitmap, self.leaf_bit + lo, hi - lo)
+        if nulls:
+            buffers.append(bitmap_slice(self.leaf_bitmap, self.leaf_bit + lo, hi - lo))
+        values = self.values[lo:hi]
+        buffers.append(values.view(np.uint8) if len(values) else b"")
+        first = ranges[ragged_levels]
+        return WireColumn(self.dtype, [first[1] - first[0], *dense], levels, nulls, buffers)
+
+    def row_bytes(self) -> np.ndarray | int:
+        """Payload bytes of each row (an int when every row has the same size), without per-row Python."""
+        itemsize = 1 if self.bytes_leaf else self.values.itemsize
+        if not self.levels and not self.bytes_leaf:
+            return itemsize
+        if not self.bytes_leaf and len(self._whole) == len(self.levels):
+            return int(np.prod(self._whole, dtype=np.int64)) * itemsize
+        bounds = np.arange(self.rows + 1)
+        for level in self.levels:
+            bounds = (level.base + bounds) * level.size if level.offsets is None else level.offsets[bounds]
+        if self.bytes_leaf:
+            bounds = self.leaf_offsets[bounds]
+        return np.diff(bounds).astype(np.int64) * itemsize
+
+
 def wire_column(name: str, array: pa.Array, ragged: bool = False) -> WireColumn:
     """One Arrow column (not a struct) in wire form, over the array's own buffers where it can be.
 
@@ -78,71 +219,43 @@ def wire_column(name: str, array: pa.Array, ragged: bool = False) -> WireColumn:
     Raises:
         UnsupportedColumn: a type sparkbus cannot carry.
     """
-    chain, node, dense = _structure(array, ragged)
-    byte_strings = _is_byte_string(node.type)
-    dtype = "str" if pa.types.is_string(node.type) or pa.types.is_large_string(node.type) else \
-        "bin" if byte_strings else _leaf_dtype(node.type)
-    if dtype is None:
-        check_type(name, array.type)
-        raise UnsupportedColumn(f"column {name!r}: {array.type} cannot be carried")
-    levels: list[list] = []
-    buffers: list[Any] = []
-    for level, bounds, size in chain[:len(chain) - len(dense)]:
-        _add_validity(buffers, level)
-        if bounds is None:
-            bounds = np.arange(len(level) + 1, dtype=np.int32) * size
-        buffers.append(bounds - bounds[0] if bounds[0] else bounds)
-        levels.append([len(level), bounds.dtype.itemsize, level.null_count > 0])
-    if byte_strings:
-        _add_validity(buffers, node)
-        bounds = _string_offsets(node)
-        buffers.append(bounds - bounds[0] if bounds[0] else bounds)
-        levels.append([len(node), bounds.dtype.itemsize, node.null_count > 0])
-        data = node.buffers()[2]
-        length = int(bounds[-1] - bounds[0])
-        buffers.append(data.slice(int(bounds[0]), length) if data is not None else b"")
-        return WireColumn(dtype, [length], levels, False, buffers)
-    count = len(node)
-    leaf_nulls = node.null_count > 0
-    if leaf_nulls:
-        _add_validity(buffers, node)
-    buffers.append(_values(node))
-    inner = int(np.prod(dense, dtype=np.int64)) if dense else 1
-    return WireColumn(dtype, [count // inner if inner else len(chain[-len(dense)][0]), *dense], levels,
-                      leaf_nulls, buffers)
+    return ColumnPlan(name, array, ragged).wire()
 
 
-def wire_form(array: pa.Array, ragged: bool = False) -> tuple[int, ...]:
-    """What decides a column's form on the rank: its levels of offsets and its dense inner shape."""
-    chain, _, dense = _structure(array, ragged)
-    return (len(chain) - len(dense), *dense)
+def _offsets(array: pa.Array) -> np.ndarray:
+    """A list, binary or string array's offsets (``len + 1``, this slice's), a view of its buffer."""
+    kind = array.type
+    large = pa.types.is_large_list(kind) or pa.types.is_large_binary(kind) or pa.types.is_large_string(kind)
+    offsets = np.frombuffer(array.buffers()[1], dtype="<i8" if large else "<i4")
+    return offsets[array.offset:array.offset + len(array) + 1]
 
 
-def _structure(array: pa.Array, ragged: bool) -> tuple[list, pa.Array, list[int]]:
-    """The list levels of a column, outermost first, as ``(array, bounds or None, list_size)``; its leaf (sliced
-    to the values the column uses); and its dense suffix: the sizes of the innermost list levels whose arrays all
-    share one length and hold no null array (none when ``ragged``)."""
-    if pa.types.is_dictionary(array.type):
-        array = array.dictionary_decode()
-    chain = []
-    node = array
-    while _is_list(node.type):
-        if pa.types.is_fixed_size_list(node.type):
-            size = node.type.list_size
-            chain.append((node, None, size))
-            node = node.values.slice(node.offset * size, len(node) * size)
-        else:
-            bounds = node.offsets.to_numpy()
-            chain.append((node, bounds, 0))
-            node = node.values.slice(int(bounds[0]), int(bounds[-1] - bounds[0]))
-    dense: list[int] = []
-    if not _is_byte_string(node.type) and not ragged:
-        for level, bounds, size in reversed(chain):
-            width = size if bounds is None else _uniform(bounds)
-            if width is None or level.null_count:
-                break
-            dense.insert(0, width)
-    return chain, node, dense
+def _bitmap(array: pa.Array) -> tuple[np.ndarray | None, int]:
+    if not array.null_count:
+        return None, 0
+    return np.frombuffer(array.buffers()[0], dtype=np.uint8), array.offset
+
+
+def _has_null(bitmap: np.ndarray | None, start: int, count: int) -> bool:
+    if bitmap is None or count == 0:
+        return False
+    return not unpack_bits(bitmap, start, count).all()
+
+
+def _leaf_values(array: pa.Array) -> np.ndarray:
+    """A fixed-width array's values as numpy (from its first value): a view, except for booleans (Arrow's are
+    bits) and dates (``date32`` has 4 bytes, ``datetime64[D]`` 8), converted once per record batch."""
+    kind = array.type
+    dtype = np.dtype(_leaf_dtype(kind))
+    data = array.buffers()[1]
+    if data is None or not len(array):
+        return np.zeros(0, dtype=dtype)
+    if pa.types.is_boolean(kind):
+        return unpack_bits(np.frombuffer(data, dtype=np.uint8), array.offset, len(array))
+    if pa.types.is_date32(kind):
+        days = np.frombuffer(data, dtype="<i4")[array.offset:array.offset + len(array)]
+        return days.astype("<i8").view(dtype)
+    return np.frombuffer(data, dtype=dtype)[array.offset:array.offset + len(array)]
 
 
 def _is_list(kind: pa.DataType) -> bool:
@@ -172,70 +285,12 @@ def _leaf_dtype(kind: pa.DataType) -> str | None:
 
 
 def _uniform(bounds: np.ndarray) -> int | None:
-    """The one length of every array between ``bounds``, or None when they differ (or there are none)."""
+    """The one length of every array between ``bounds``, or None when they differ, are all empty (no shape to
+    speak of: the column stays ragged) or there are none."""
     if len(bounds) < 2:
         return None
     lengths = np.diff(bounds)
     first = int(lengths[0])
-    return first if (lengths == first).all() else None
+    return first if first and (lengths == first).all() else None
 
 
-def _add_validity(buffers: list[Any], array: pa.Array) -> None:
-    if not array.null_count:
-        return
-    bitmap = array.buffers()[0]
-    if array.offset % 8 == 0:
-        buffers.append(bitmap.slice(array.offset // 8, (len(array) + 7) // 8))
-    else:
-        buffers.append(bitmap_slice(np.frombuffer(bitmap, dtype=np.uint8), array.offset, len(array)))
-
-
-def _values(array: pa.Array) -> Any:
-    """The values buffer of a fixed-width array, as the wire lays it out (a slice of Arrow's where it can be)."""
-    kind = array.type
-    data = array.buffers()[1]
-    if data is None or not len(array):
-        return b""
-    if pa.types.is_boolean(kind):
-        return unpack_bits(np.frombuffer(data, dtype=np.uint8), array.offset, len(array)).view(np.uint8)
-    width = kind.bit_width // 8
-    values = data.slice(array.offset * width, len(array) * width)
-    if pa.types.is_date32(kind):
-        return np.frombuffer(values, dtype="<i4").astype("<i8").view(np.uint8)
-    return values
-
-
-def byte_lengths(array: pa.Array) -> np.ndarray | int:
-    """Payload bytes of each row of a column (an int when every row has the same), without per-row Python."""
-    if pa.types.is_struct(array.type):
-        return sum((byte_lengths(child) for child in array.flatten()), 0)
-    if pa.types.is_dictionary(array.type):
-        array = array.dictionary_decode()
-    if not _is_list(array.type) and not _is_byte_string(array.type):
-        return _item_bytes(array.type)
-    bounds = np.arange(len(array) + 1)     # each row's first and last entry, in the current level's positions
-    node = array
-    while _is_list(node.type):
-        if pa.types.is_fixed_size_list(node.type):
-            bounds = (bounds + node.offset) * node.type.list_size
-        else:
-            bounds = node.offsets.to_numpy()[bounds]
-        node = node.values                   # the whole child: the offsets above index it
-    if _is_byte_string(node.type):
-        return np.diff(_string_offsets(node)[bounds]).astype(np.int64)
-    return np.diff(bounds).astype(np.int64) * _item_bytes(node.type)
-
-
-def _string_offsets(array: pa.Array) -> np.ndarray:
-    """A binary or string array's offsets (``len + 1``, this slice's), a view of its buffer."""
-    large = pa.types.is_large_binary(array.type) or pa.types.is_large_string(array.type)
-    offsets = np.frombuffer(array.buffers()[1], dtype="<i8" if large else "<i4")
-    return offsets[array.offset:array.offset + len(array) + 1]
-
-
-def _item_bytes(kind: pa.DataType) -> int:
-    if pa.types.is_boolean(kind):
-        return 1
-    if pa.types.is_date32(kind):
-        return 8
-    return max(1, kind.bit_width // 8)

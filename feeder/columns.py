@@ -9,7 +9,8 @@ The path of a DataFrame partition, without per-row Python:
    :func:`bucketed` instead sorts windows of rows by the length of one column first (length bucketing).
 3. :func:`messages`: consecutive small batches as packs (one message, several batches: see ``pack_bytes``). The
    batches of a pack that are slices of one record batch are one slice of it: no copy.
-4. :func:`feeder.arrow.wire_column` for each column: the Arrow buffers themselves become the frames.
+4. :meth:`RecordBatchPlan.wire`: each column's Arrow buffers, sliced, become the frames. A record batch's
+   columns are read once (:class:`~feeder.arrow.ColumnPlan`); cutting a batch out of them is numpy slicing.
 
 RDD rows take the same path once :func:`record_batches_from_rows` has made record batches of them (that step is
 Python per row, as any RDD of Python objects is).
@@ -25,20 +26,46 @@ import pyarrow.compute as pc
 
 from broker.ragged import WireColumn
 
-from .arrow import UnsupportedColumn, byte_lengths, check_type, flatten_structs, wire_column, wire_form
+from .arrow import ColumnPlan, UnsupportedColumn, check_type, flatten_structs
 
 Columns = dict[str, np.ndarray]
 Message = tuple[dict[str, WireColumn], "list[int] | None"]
 MAX_PACK_BATCHES = 64
 
 
-class Batch(NamedTuple):
-    """One batch cut from a partition: its rows, and where they lie if they are a slice of one record batch."""
+class RecordBatchPlan:
+    """A (flattened) record batch with a :class:`~feeder.arrow.ColumnPlan` per column: what batches are cut from."""
 
-    data: pa.RecordBatch
-    parent: pa.RecordBatch | None     # the record batch ``data`` is a slice of (None: concatenated)
-    start: int                        # its first row in ``parent``
+    def __init__(self, batch: pa.RecordBatch, ragged: frozenset = frozenset()):
+        self.batch, self.ragged = batch, ragged
+        self.columns = [ColumnPlan(name, array, name in ragged)
+                        for name, array in zip(batch.schema.names, batch.columns)]
+
+    @property
+    def rows(self) -> int:
+        return self.batch.num_rows
+
+    def row_bytes(self) -> np.ndarray | int:
+        """Payload bytes of each row (an int when all rows have the same size)."""
+        return sum((c.row_bytes() for c in self.columns), 0)
+
+    def form(self, start: int, n: int) -> tuple:
+        return tuple(c.form(start, n) for c in self.columns)
+
+    def wire(self, start: int, n: int) -> dict[str, WireColumn]:
+        return {c.name: c.wire(start, n) for c in self.columns}
+
+
+class Batch(NamedTuple):
+    """One batch cut from a partition: rows ``start .. start + rows`` of one record batch's plan."""
+
+    plan: RecordBatchPlan
+    start: int
+    rows: int
     nbytes: int                       # payload bytes, as counted for ``max_bytes`` and ``pack_bytes``
+
+    def record_batch(self) -> pa.RecordBatch:
+        return self.plan.batch.slice(self.start, self.rows)
 
 
 # ---- 1. types and structs ---------------------------------------------------------------------------------
@@ -71,36 +98,28 @@ def flatten_record_batch(batch: pa.RecordBatch, checked: dict | None = None) -> 
 
 # ---- 2. cutting ---------------------------------------------------------------------------------------------
 
-def row_bytes(batch: pa.RecordBatch) -> np.ndarray | int:
-    """Payload bytes of each row (an int when all rows have the same size)."""
-    return sum((byte_lengths(column) for column in batch.columns), 0)
-
-
-def cut(record_batches: Iterable[pa.RecordBatch], batch_size: int, max_bytes: int) -> Iterator[Batch]:
+def cut(plans: Iterable[RecordBatchPlan], batch_size: int, max_bytes: int) -> Iterator[Batch]:
     """Batches of exactly ``batch_size`` rows, fewer where ``max_bytes`` would be exceeded; the last may be short.
 
-    A row larger than ``max_bytes`` is a batch of its own (the broker's ``--max-message`` still bounds it).
+    A row larger than ``max_bytes`` is a batch of its own (the broker's ``--max-message`` still bounds it). A
+    batch that spans two record batches is concatenated (one copy); every other batch is a row range of one.
     """
-    pending: list[tuple[pa.RecordBatch, int, int]] = []
+    pending: list[Batch] = []
     pending_rows = pending_bytes = 0
 
     def emit() -> Batch:
         nonlocal pending, pending_rows, pending_bytes
-        if len(pending) == 1:
-            parent, start, rows = pending[0]
-            batch = Batch(parent.slice(start, rows), parent, start, pending_bytes)
-        else:
-            batch = Batch(pa.concat_batches([p.slice(s, r) for p, s, r in pending]), None, 0, pending_bytes)
+        batch = pending[0] if len(pending) == 1 else _joined(pending)
         pending, pending_rows, pending_bytes = [], 0, 0
         return batch
 
-    for record_batch in record_batches:
-        n = record_batch.num_rows
+    for plan in plans:
+        n = plan.rows
         if not n:
             continue
-        if pending and pending[0][0].schema != record_batch.schema:
+        if pending and pending[0].plan.batch.schema != plan.batch.schema:
             yield emit()                  # RDD chunks may infer other types: batches do not mix them
-        sizes = row_bytes(record_batch)
+        sizes = plan.row_bytes()
         cumulative = None if isinstance(sizes, int) else np.cumsum(sizes)
         start = 0
         while start < n:
@@ -118,7 +137,7 @@ def cut(record_batches: Iterable[pa.RecordBatch], batch_size: int, max_bytes: in
                 take = 1
             taken = take * sizes if cumulative is None else \
                 int(cumulative[start + take - 1]) - (int(cumulative[start - 1]) if start else 0)
-            pending.append((record_batch, start, take))
+            pending.append(Batch(plan, start, take, taken))
             pending_rows += take
             pending_bytes += taken
             start += take
@@ -128,8 +147,14 @@ def cut(record_batches: Iterable[pa.RecordBatch], batch_size: int, max_bytes: in
         yield emit()
 
 
+def _joined(pieces: list[Batch]) -> Batch:
+    """Row ranges of several record batches as one batch (the one copy of a batch that spans them)."""
+    data = pa.concat_batches([p.record_batch() for p in pieces])
+    return Batch(RecordBatchPlan(data, pieces[0].plan.ragged), 0, data.num_rows, sum(p.nbytes for p in pieces))
+
+
 def bucketed(record_batches: Iterable[pa.RecordBatch], batch_size: int, max_bytes: int, column: str,
-             window: int, seed: Sequence[int]) -> Iterator[Batch]:
+             window: int, seed: Sequence[int], ragged: frozenset = frozenset()) -> Iterator[Batch]:
     """Length bucketing: windows of ``window * batch_size`` rows, each sorted by the length of ``column`` (stable),
     cut into batches, and yielded in an order shuffled by ``(seed, window number)``.
 
@@ -146,19 +171,19 @@ def bucketed(record_batches: Iterable[pa.RecordBatch], batch_size: int, max_byte
             rows += take
             record_batch = record_batch.slice(take)
             if rows == window_rows:
-                yield from _sorted_window(held, batch_size, max_bytes, column, (*seed, number))
+                yield from _sorted_window(held, batch_size, max_bytes, column, (*seed, number), ragged)
                 held, rows, number = [], 0, number + 1
     if held:
-        yield from _sorted_window(held, batch_size, max_bytes, column, (*seed, number))
+        yield from _sorted_window(held, batch_size, max_bytes, column, (*seed, number), ragged)
 
 
 def _sorted_window(pieces: list[pa.RecordBatch], batch_size: int, max_bytes: int, column: str,
-                   seed: Sequence[int]) -> Iterator[Batch]:
+                   seed: Sequence[int], ragged: frozenset) -> Iterator[Batch]:
     data = pieces[0] if len(pieces) == 1 else pa.concat_batches(pieces)
     if column not in data.schema.names:
         raise KeyError(f"bucket_by names {column!r}, which is not a column (columns: {', '.join(data.schema.names)})")
     order = np.argsort(row_lengths(data.column(column)), kind="stable")
-    batches = list(cut([data.take(pa.array(order))], batch_size, max_bytes))
+    batches = list(cut([RecordBatchPlan(data.take(pa.array(order)), ragged)], batch_size, max_bytes))
     rng = np.random.default_rng([abs(int(s)) for s in seed])
     for i in rng.permutation(len(batches)):
         yield batches[i]
@@ -179,60 +204,54 @@ def row_lengths(array: pa.Array) -> np.ndarray:
 
 # ---- 3. packs and 4. wire form --------------------------------------------------------------------------
 
-def messages(batches: Iterable[Batch], pack_bytes: int, ragged: Sequence[str] = (),
-             max_batches: int = MAX_PACK_BATCHES) -> Iterator[Message]:
+def messages(batches: Iterable[Batch], pack_bytes: int, max_batches: int = MAX_PACK_BATCHES) -> Iterator[Message]:
     """Each batch as a message of wire columns, or consecutive small batches as one pack.
 
     A batch smaller than ``pack_bytes / 2`` joins the pack of the batches before it while the pack stays within
     ``pack_bytes`` and ``max_batches`` and its batches have the same forms (a list column dense in all of them
     with the same shape, or ragged in all), so that every batch arrives on the rank in the form it would have
-    alone. Packs depend on the batches alone, never on timing, so a retried task sends the very same packs.
+    alone. The batches of a pack that follow each other in one record batch are one row range of it: no copy.
+    Packs depend on the batches alone, never on timing, so a retried task sends the very same packs.
 
     Yields:
         ``(columns, splits)``: ``splits`` is None for a batch alone, and the rows of each batch for a pack.
     """
-    declared = frozenset(ragged)
     group: list[Batch] = []
     group_bytes = 0
     group_form: Any = None
     for batch in batches:
         alone = 2 * batch.nbytes >= pack_bytes
-        form = None if alone else _form(batch.data, declared)
+        form = None if alone else batch.plan.form(batch.start, batch.rows)
         if group and (alone or group_bytes + batch.nbytes > pack_bytes or len(group) == max_batches
-                      or form != group_form):
-            yield _pack(group, declared)
+                      or form != group_form or batch.plan.batch.schema != group[0].plan.batch.schema):
+            yield _pack(group)
             group, group_bytes = [], 0
         if alone:
-            yield wire_columns(batch.data, declared), None
+            yield batch.plan.wire(batch.start, batch.rows), None
         else:
             if not group:
                 group_form = form
             group.append(batch)
             group_bytes += batch.nbytes
     if group:
-        yield _pack(group, declared)
+        yield _pack(group)
 
 
-def _form(batch: pa.RecordBatch, declared: frozenset) -> tuple:
-    return (batch.schema, *(wire_form(array, name in declared) for name, array in zip(batch.schema.names,
-                                                                                       batch.columns)))
-
-
-def _pack(group: list[Batch], declared: frozenset) -> Message:
-    if len(group) == 1:
-        return wire_columns(group[0].data, declared), None
-    splits = [b.data.num_rows for b in group]
+def _pack(group: list[Batch]) -> Message:
     first = group[0]
-    contiguous = first.parent is not None and all(
-        b.parent is first.parent and b.start == first.start + sum(splits[:i]) for i, b in enumerate(group))
-    data = first.parent.slice(first.start, sum(splits)) if contiguous \
-        else pa.concat_batches([b.data for b in group])
-    return wire_columns(data, declared), splits
+    if len(group) == 1:
+        return first.plan.wire(first.start, first.rows), None
+    splits = [b.rows for b in group]
+    contiguous = all(b.plan is first.plan and b.start == first.start + sum(splits[:i]) for i, b in enumerate(group))
+    if contiguous:
+        return first.plan.wire(first.start, sum(splits)), splits
+    joined = _joined(group)
+    return joined.plan.wire(0, joined.rows), splits
 
 
 def wire_columns(batch: pa.RecordBatch, ragged: frozenset | Sequence[str] = ()) -> dict[str, WireColumn]:
     """Every column of a (flattened) record batch in wire form."""
-    return {name: wire_column(name, array, name in ragged) for name, array in zip(batch.schema.names, batch.columns)}
+    return RecordBatchPlan(batch, frozenset(ragged)).wire(0, batch.num_rows)
 
 
 def partition_messages(record_batches: Iterable[pa.RecordBatch], batch_size: int, max_bytes: int, pack_bytes: int,
@@ -240,10 +259,11 @@ def partition_messages(record_batches: Iterable[pa.RecordBatch], batch_size: int
                        seed: Sequence[int] = (0,)) -> Iterator[Message]:
     """The whole path of a partition (steps 1-4 of the module notes): its record batches to wire messages."""
     checked: dict = {}
+    declared = frozenset(ragged)
     flat = (flatten_record_batch(b, checked) for b in record_batches)
-    batches = bucketed(flat, batch_size, max_bytes, bucket_by, bucket_window, seed) if bucket_by \
-        else cut(flat, batch_size, max_bytes)
-    return messages(batches, pack_bytes, ragged)
+    batches = bucketed(flat, batch_size, max_bytes, bucket_by, bucket_window, seed, declared) if bucket_by \
+        else cut((RecordBatchPlan(b, declared) for b in flat), batch_size, max_bytes)
+    return messages(batches, pack_bytes)
 
 
 # ---- RDD rows -----------------------------------------------------------------------------------------------

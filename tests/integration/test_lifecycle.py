@@ -73,8 +73,8 @@ def test_a_rank_notices_its_broker_has_gone(start_broker):
 
 def test_unsupported_columns_are_refused_by_name_before_any_job(spark, start_broker):
     broker = start_broker()
-    df = spark.createDataFrame([(1, "text")], ["id", "label"])
-    with pytest.raises(TypeError, match="column 'label' has type string"):
+    df = spark.createDataFrame([(1, {"a": 1})], "id long, label map<string, int>")
+    with pytest.raises(TypeError, match="column 'label' is a map"):
         feed(df, broker.feed)
     with pytest.raises(TypeError, match="column 'nope' is not in the DataFrame"):
         feed(df, broker.feed, columns=["id", "nope"])

@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 from broker import codec, protocol
 from broker.ragged import RaggedColumn
 from feeder.arrow import UnsupportedColumn, wire_column
-from feeder.columns import cut, flatten_record_batch, partition_messages, record_batches_from_rows
+from feeder.columns import RecordBatchPlan, cut, flatten_record_batch, partition_messages, record_batches_from_rows
 
 
 def wire(columns, splits=None):
@@ -157,13 +157,13 @@ def test_a_batch_spanning_two_record_batches_is_joined_once():
 def test_batches_are_cut_by_bytes_for_variable_length_rows():
     sizes = [10, 10, 10, 50, 10, 200, 10]
     rb = pa.record_batch({"blob": pa.array([b"x" * n for n in sizes], pa.binary())})
-    cuts = [b.data.num_rows for b in cut([rb], batch_size=100, max_bytes=60)]
+    cuts = [b.rows for b in cut([RecordBatchPlan(rb)], batch_size=100, max_bytes=60)]
     assert cuts == [3, 2, 1, 1]          # 30 bytes, then 50 + 10, then 200 alone, then 10
 
 
 def test_a_row_larger_than_the_cap_travels_alone():
     rb = pa.record_batch({"blob": pa.array([b"a" * 10, b"b" * 500, b"c" * 10], pa.binary())})
-    assert [b.data.num_rows for b in cut([rb], batch_size=100, max_bytes=100)] == [1, 1, 1]
+    assert [b.rows for b in cut([RecordBatchPlan(rb)], batch_size=100, max_bytes=100)] == [1, 1, 1]
     out = batches_of([rb], batch_size=100, max_bytes=100)
     assert values(out, "blob") == [b"a" * 10, b"b" * 500, b"c" * 10]
 
