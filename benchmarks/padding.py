@@ -91,8 +91,9 @@ def measure(df: Any, column: str = "tokens", *, batch_size: int = 64, bucket_win
         A :class:`PaddingShares`.
     Raises:
         ValueError: only one of the two addresses was given.
-        BrokerError, FeedError: as :func:`feeder.feed` (the reader, a daemon thread, then gives up within
-            ``timeout`` of the broker's silence, or when a broker started here stops).
+        BrokerError, FeedError: as :func:`feeder.feed`. The reader, a daemon thread, then ends once a broker
+            started here has stopped; on a broker you named it waits on (the broker heartbeats), without
+            keeping the process alive.
         RuntimeError: the reader failed, or did not finish within ``timeout`` of the end of the feed.
     """
     if (feed_address is None) != (ranks_address is None):
