@@ -15,7 +15,6 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from mpi4py import MPI
 
-from feeder.columns import arrow_columns
 from rank_files import ready_path, run_or_abort, wait_for_go, write_figures
 
 parser = argparse.ArgumentParser()
@@ -31,6 +30,20 @@ rank, size = comm.Get_rank(), comm.Get_size()
 out = Path(args.out)
 
 
+def numpy_columns(record_batch) -> dict:
+    """Each column as numpy, as a training loop gets it: ``[n]`` for numbers, ``[n, k]`` for arrays of ``k``.
+
+    The baseline's own conversion (pyarrow only), so that it does not depend on the feeder's internals.
+    """
+    columns = {}
+    for name, array in zip(record_batch.schema.names, record_batch.columns):
+        if hasattr(array, "flatten"):                 # a list column of equal-length arrays
+            columns[name] = array.flatten().to_numpy(zero_copy_only=False).reshape(len(array), -1)
+        else:
+            columns[name] = array.to_numpy(zero_copy_only=False)
+    return columns
+
+
 def main() -> None:
     ready_path(out, rank).touch()
     wait_for_go(args.go, args.timeout)
@@ -40,7 +53,7 @@ def main() -> None:
     batches = rows = nbytes = 0
     for path in files:
         for record_batch in pq.ParquetFile(path).iter_batches(batch_size=args.batch_size):
-            columns = arrow_columns(record_batch)
+            columns = numpy_columns(record_batch)
             t_last = time.time()
             if t_first is None:
                 t_first = t_last
