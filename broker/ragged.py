@@ -268,6 +268,27 @@ class RaggedColumn:
             out[real] = leaf[(bounds[:-1, None] + np.arange(longest))[real]]
         return out, lengths
 
+    # ---- rows in another order (shuffle buffers) --------------------------------------------------------------
+
+    def take(self, indices: Any) -> "RaggedColumn":
+        """The rows at ``indices``, in that order, as a new column (its buffers are new, vectorised copies)."""
+        idx = np.asarray(indices, dtype=np.int64)
+        bounds = self._bounds()
+        starts, lengths = bounds[:-1][idx], np.diff(bounds)[idx]
+        offsets = np.zeros(len(idx) + 1, dtype=self._offsets.dtype)
+        np.cumsum(lengths, out=offsets[1:])
+        # positions in the next level: each row's range, back to back
+        positions = np.repeat(starts - offsets[:-1], lengths) + np.arange(int(offsets[-1]))
+        valid = None if self._valid is None else pack_bits(self.valid[idx])
+        if isinstance(self._child, RaggedColumn):
+            return RaggedColumn(self._dtype, offsets, valid, self._child.take(positions))
+        leaf_valid = None
+        if self._leaf_valid is not None:
+            inner = _inner(self._child)
+            scalars = (positions[:, None] * inner + np.arange(inner)).reshape(-1)
+            leaf_valid = pack_bits(unpack_bits(self._leaf_valid, 0, len(self._child) * inner)[scalars])
+        return RaggedColumn(self._dtype, offsets, valid, self._child[positions], leaf_valid)
+
     # ---- back to the wire ---------------------------------------------------------------------------------
 
     def wire(self) -> WireColumn:
@@ -311,6 +332,34 @@ def _arrow_leaf(values: np.ndarray, bitmap: np.ndarray | None) -> Any:
     for width in reversed(values.shape[1:]):
         array = pa.FixedSizeListArray.from_arrays(array, width)
     return array
+
+
+def concat_ragged(columns: list[RaggedColumn]) -> RaggedColumn:
+    """Columns of one type (kind, dtype, depth) as one, rows back to back (new buffers)."""
+    first = columns[0]
+    if any(c._dtype != first._dtype or c.depth != first.depth for c in columns):
+        raise ValueError(f"cannot join columns of types {sorted({c._type_name() for c in columns})}")
+    width = max(c._offsets.dtype.itemsize for c in columns)
+    pieces, shift = [np.zeros(1, dtype=f"<i{width}")], 0
+    for column in columns:
+        bounds = column.offsets
+        pieces.append(bounds[1:] + shift)
+        shift += int(bounds[-1])
+    offsets = np.concatenate(pieces).astype(f"<i{width}", copy=False)
+    valid = None
+    if any(c._valid is not None for c in columns):
+        valid = pack_bits(np.concatenate([c.valid for c in columns]))
+    inner = [c.values for c in columns]
+    if isinstance(first._child, RaggedColumn):
+        return RaggedColumn(first._dtype, offsets, valid, concat_ragged(inner))
+    leaf_valid = None
+    if any(isinstance(v, np.ma.MaskedArray) for v in inner):
+        joined = np.ma.concatenate(inner)
+        leaf_valid = pack_bits(~np.ma.getmaskarray(joined).reshape(-1))
+        leaf = np.ma.getdata(joined)
+    else:
+        leaf = np.concatenate(inner)
+    return RaggedColumn(first._dtype, offsets, valid, leaf, leaf_valid)
 
 
 def pad(column: Any, value: Any = 0, max_length: int | None = None,

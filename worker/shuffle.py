@@ -1,4 +1,4 @@
-"""Mix rows across ``k`` consecutive batches of a rank without changing the step count (numpy only).
+"""Mix rows across ``k`` consecutive batches of a rank without changing the step count (numpy, no torch).
 
 :class:`ShuffleBuffer` / :func:`shuffled` emit exactly as many batches as came in, with the same sizes, so equal
 step counts across ranks survive. For the same sequence of input batches and the same ``seed`` the output is the
@@ -13,25 +13,29 @@ from typing import Any, Iterable, Iterator
 
 import numpy as np
 
-Batch = dict[str, np.ndarray]
+from broker.ragged import RaggedColumn, concat_ragged
+
+Batch = dict[str, Any]
 
 
 class ShuffleBuffer:
     """Mixes rows across the last ``batches`` batches it was given; returns as many batches as it receives.
 
-    Rows are copied into a pool when a batch is pushed. Once the pool holds ``batches`` batches, each push
-    returns one batch of rows drawn uniformly at random, without replacement, from the whole pool; its size is
-    that of the oldest batch not yet answered, so the output sizes are the input sizes in the same order.
-    :meth:`flush` returns the rest at the end of an epoch. With ``batches=1`` each batch is only permuted.
+    Once the buffer holds ``batches`` batches, each push returns one batch of rows drawn uniformly at random,
+    without replacement, from every row it holds; its size is that of the oldest batch not yet answered, so the
+    output sizes are the input sizes in the same order. :meth:`flush` returns the rest at the end of an epoch.
+    With ``batches=1`` each batch is only permuted. Columns may take every form a rank receives: numpy arrays,
+    masked arrays (a mixed column is masked where any of its rows came from a masked one) and
+    :class:`~broker.ragged.RaggedColumn`.
 
     Args:
-        batches: ``k``, how many batches' rows are mixed together (at least 1). The pool holds about ``k``
+        batches: ``k``, how many batches' rows are mixed together (at least 1). The buffer holds about ``k``
             batches of rows; the first mixed batch comes out after ``k`` went in.
         seed: a seed for ``numpy.random.default_rng`` (an int, a sequence of ints, or None for fresh entropy).
     Raises:
         ValueError: ``batches`` below 1.
 
-    The returned arrays are new, writable and C-contiguous (no longer views of received frames).
+    The returned columns are new (numpy arrays writable and C-contiguous), no longer views of received frames.
     """
 
     def __init__(self, batches: int, seed: Any = None):
@@ -39,8 +43,9 @@ class ShuffleBuffer:
             raise ValueError(f"a shuffle buffer mixes at least 1 batch, not {batches}")
         self.batches = batches
         self._rng = np.random.default_rng(seed)
-        self._pool: dict[str, np.ndarray] = {}
-        self._rows = 0                       # rows held in the pool
+        self._held: list[Batch] = []          # the batches whose rows are not all given out yet
+        self._left: list[np.ndarray] = []     # per held batch, the rows not given out yet
+        self._layout: dict[str, Any] | None = None
         self._pending: deque[int] = deque()  # sizes of the batches pushed and not yet answered
 
     def __len__(self) -> int:
@@ -51,14 +56,12 @@ class ShuffleBuffer:
         """Add a batch's rows; return a mixed batch once the pool holds ``batches`` batches, else None.
 
         Raises:
-            ValueError: the batch's columns, dtypes or row shapes differ from the first batch's, or its
-                columns have different lengths.
+            ValueError: the batch's columns, dtypes or row shapes (or forms) differ from the first batch's, or
+                its columns have different lengths.
         """
         rows = self._check(batch)
-        self._reserve(self._rows + rows)
-        for name, column in batch.items():
-            self._pool[name][self._rows:self._rows + rows] = column
-        self._rows += rows
+        self._held.append(batch)
+        self._left.append(np.arange(rows))
         self._pending.append(rows)
         return self._emit(self._pending.popleft()) if len(self._pending) >= self.batches else None
 
@@ -73,38 +76,48 @@ class ShuffleBuffer:
         lengths = {len(column) for column in batch.values()}
         if len(lengths) != 1:
             raise ValueError(f"the columns of a batch have different lengths: {sorted(lengths)}")
-        if not self._pool:
-            self._pool = {name: np.empty((0, *c.shape[1:]), dtype=c.dtype) for name, c in batch.items()}
-        layout = {name: (c.dtype, c.shape[1:]) for name, c in self._pool.items()}
-        given = {name: (np.asarray(c).dtype, np.shape(c)[1:]) for name, c in batch.items()}
-        if given != layout:
-            raise ValueError(f"a batch with columns {given} does not match the first batch's {layout}")
+        layout = {name: _layout(c) for name, c in batch.items()}
+        if self._layout is None:
+            self._layout = layout
+        elif layout != self._layout:
+            raise ValueError(f"a batch with columns {layout} does not match the first batch's {self._layout} "
+                             f"(a column of arrays of varying length: declare it feed(..., ragged=[...]))")
         return lengths.pop()
 
-    def _reserve(self, rows: int) -> None:
-        capacity = len(next(iter(self._pool.values())))
-        if rows <= capacity:
-            return
-        capacity = max(rows, 2 * capacity)
-        for name, column in self._pool.items():
-            grown = np.empty((capacity, *column.shape[1:]), dtype=column.dtype)
-            grown[:self._rows] = column[:self._rows]
-            self._pool[name] = grown
-
     def _emit(self, size: int) -> Batch:
-        held = self._rows
-        chosen = self._rng.choice(held, size, replace=False)      # in random order
-        out = {name: column[chosen] for name, column in self._pool.items()}
-        # Keep the pool contiguous: rows from its tail that were not chosen fill the holes left below it.
-        tail = held - size
-        holes = chosen[chosen < tail]
-        unchosen = np.ones(size, dtype=bool)
-        unchosen[chosen[chosen >= tail] - tail] = False
-        movers = tail + np.flatnonzero(unchosen)
-        for column in self._pool.values():
-            column[holes] = column[movers]
-        self._rows = tail
+        counts = np.array([len(left) for left in self._left])
+        ends = np.cumsum(counts)
+        chosen = self._rng.choice(int(ends[-1]), size, replace=False)      # in random order
+        source = np.searchsorted(ends, chosen, side="right")
+        order = np.argsort(source, kind="stable")
+        parts: list[tuple[Batch, np.ndarray]] = []
+        for i in np.unique(source):
+            picked = chosen[source == i] - (ends[i - 1] if i else 0)
+            parts.append((self._held[i], self._left[i][picked]))
+            self._left[i] = np.delete(self._left[i], picked)
+        back = np.argsort(order)            # from the parts' order back to the drawn order
+        out = {name: _gather([batch[name] for batch, _ in parts], [rows for _, rows in parts], back)
+               for name in self._layout or {}}
+        keep = [i for i, left in enumerate(self._left) if len(left)]
+        self._held = [self._held[i] for i in keep]
+        self._left = [self._left[i] for i in keep]
         return out
+
+
+def _layout(column: Any) -> Any:
+    if isinstance(column, RaggedColumn):
+        return ("ragged", column.kind, column.dtype.str, column.depth)
+    array = np.asarray(column)
+    return (array.dtype.str, array.shape[1:])
+
+
+def _gather(columns: list[Any], rows: list[np.ndarray], order: np.ndarray) -> Any:
+    """Rows ``rows[i]`` of ``columns[i]``, joined, then put in ``order``."""
+    if isinstance(columns[0], RaggedColumn):
+        return concat_ragged([c.take(r) for c, r in zip(columns, rows)]).take(order)
+    if any(isinstance(c, np.ma.MaskedArray) for c in columns):
+        return np.ma.concatenate([c[r] for c, r in zip(columns, rows)])[order]
+    return np.ascontiguousarray(np.concatenate([c[r] for c, r in zip(columns, rows)])[order])
 
 
 def shuffled(batches: Iterable[Batch], buffer_batches: int, seed: Any = None) -> Iterator[Batch]:
@@ -117,7 +130,7 @@ def shuffled(batches: Iterable[Batch], buffer_batches: int, seed: Any = None) ->
     redelivered.
 
     Args:
-        batches: dicts of numpy arrays with the same columns, dtypes and row shapes.
+        batches: dicts of columns (numpy, masked, RaggedColumn) with the same columns, dtypes and row shapes.
         buffer_batches: how many batches' rows are mixed together (1: permute within each batch).
         seed: seed of the mixing (use e.g. ``(seed, epoch, rank)`` for a different mix per epoch and rank).
     Raises:

@@ -94,3 +94,18 @@ def test_offsets_that_do_not_rise_are_refused_on_the_rank():
         codec.decode_batch(header, [bad, bytes(memoryview(frames[2]))], verify=False)
     with pytest.raises(ProtocolError, match="frame 1: 8 bytes, the header says 12"):
         codec.decode_batch(header, [bad[:8], bytes(memoryview(frames[2]))], verify=False)
+
+
+def test_take_and_concat_keep_every_value_nested_and_null():
+    from broker.ragged import concat_ragged
+
+    source = [[[1], [2, None]], None, [[]], [[3, 4, 5]], []]
+    nested = decoded(n=pa.array(source, pa.list_(pa.list_(pa.int64()))))["n"]
+    assert nested.take([3, 0, 1]).to_pylist() == [source[3], source[0], None]
+    assert nested[1:4].take([2, 0]).to_pylist() == [source[3], None]
+    joined = concat_ragged([nested[3:], nested[:2]])
+    assert joined.to_pylist() == source[3:] + source[:2] and joined.to_arrow().to_pylist() == joined.to_pylist()
+    text = decoded(s=pa.array(["a", None, "ccc"]))["s"]
+    assert concat_ragged([text, text[2:]]).take([3, 1, 0]).to_pylist() == ["ccc", None, "a"]
+    with pytest.raises(ValueError, match="cannot join"):
+        concat_ragged([text, nested])

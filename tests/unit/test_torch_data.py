@@ -227,3 +227,65 @@ def test_a_real_stream_through_a_dataloader_stays_zero_copy():
     finally:
         broker.stop()
         thread.join(5)
+
+
+# ---- variable-length columns: shuffled, passed through, padded ------------------------------------------------
+
+def received_text(first_id: int, rows: int) -> dict:
+    """A batch of text as a rank gets it: token arrays of varying length (a null among them), strings, a
+    nullable score; each value derives from the id."""
+    import pyarrow as pa
+
+    from feeder.columns import wire_columns
+
+    ids = list(range(first_id, first_id + rows))
+    batch = pa.record_batch({
+        "id": pa.array(ids, pa.int64()),
+        "tokens": pa.array([None if i % 11 == 3 else [i] * (i % 4 + 1) for i in ids], pa.list_(pa.int32())),
+        "text": pa.array([f"t{i}" for i in ids]),
+        "score": pa.array([None if i % 5 == 0 else i / 2 for i in ids])})
+    frames = codec.encode_batch("s", 0, 0, first_id, wire_columns(batch))
+    return codec.decode_batch(protocol.unpack_header(frames[0]), [bytes(memoryview(f)) for f in frames[1:]])
+
+
+def test_shuffle_mixes_ragged_and_masked_columns_keeping_rows_whole():
+    from worker import RaggedColumn
+
+    inputs = [received_text(20 * i, 20) for i in range(5)]
+    out = list(shuffled(inputs, 3, seed=2))
+    assert sizes(out) == [20] * 5
+    ids = np.concatenate([b["id"] for b in out])
+    np.testing.assert_array_equal(np.sort(ids), np.arange(100))
+    assert not np.array_equal(ids, np.arange(100))
+    for batch in out:
+        assert isinstance(batch["tokens"], RaggedColumn) and isinstance(batch["score"], np.ma.MaskedArray)
+        for i, tokens, text, score in zip(batch["id"].tolist(), batch["tokens"].to_pylist(),
+                                          batch["text"].to_pylist(), batch["score"].tolist()):
+            assert tokens == (None if i % 11 == 3 else [i] * (i % 4 + 1))
+            assert text == f"t{i}" and score == (None if i % 5 == 0 else i / 2)
+
+
+def test_shuffle_says_to_declare_a_column_that_changes_form():
+    buffer = ShuffleBuffer(2)
+    buffer.push(received_text(0, 4))
+    dense = dict(received_text(4, 4), tokens=np.zeros((4, 2), np.int32))
+    with pytest.raises(ValueError, match="declare it feed"):
+        buffer.push(dense)
+
+
+def test_ragged_columns_pass_through_to_tensors_and_pad_collate_pads_them():
+    torch = pytest.importorskip("torch")
+    from worker import RaggedColumn
+    from worker.torch_data import pad_collate
+
+    batch = received_text(0, 6)
+    tensors = to_tensors(batch)
+    assert isinstance(tensors["tokens"], RaggedColumn) and isinstance(tensors["score"], np.ma.MaskedArray)
+    assert tensors["id"].dtype == torch.int64
+    padded = pad_collate({"tokens": -1}, max_length=3)(tensors)
+    assert padded["tokens"].tolist() == [[0, -1, -1], [1, 1, -1], [2, 2, 2], [-1, -1, -1], [4, -1, -1],
+                                         [5, 5, -1]]
+    assert padded["tokens_lengths"].tolist() == [1, 2, 3, 0, 1, 2]
+    assert padded["tokens_mask"].tolist()[1] == [True, True, False] and padded["tokens_mask"].dtype == torch.bool
+    dense = pad_collate({"x": 0})(to_tensors(received(0, 4)))          # the other form: numpy [n, k]
+    assert dense["x"].shape == (4, 3) and dense["x_lengths"].tolist() == [3, 3, 3, 3]
