@@ -190,3 +190,20 @@ def test_a_consumer_killed_inside_a_pack_of_ragged_batches_has_it_redelivered(sp
     assert max(taken) - min(taken) < 64 * 100, "the victim's five batches lie in one pack"
     epoch = broker.stats()["streams"]["rpack"]["epochs"]["0"]
     assert epoch["redelivered"] >= 64 and epoch["batches_in"] == 128, "the pack went again, whole"
+
+
+def test_even_ranks_even_out_ragged_batches_over_mpi_with_values_intact(spark, start_broker, start_ranks):
+    broker = start_broker()
+    # 31 batches of 64 rows, rank 1 slow: rank 0 holds more at the end, and batches move between the ranks in
+    # wire form (the pooled leftovers); one batch is dropped
+    ranks = start_ranks(2, broker.ranks, "--stream", "evened", "--values", "--even", "yes", "--slow-rank", "1",
+                        "--slow-seconds", "0.03", "--prefetch-bytes", "0")
+    df = typed_frame(spark, 31 * 64, 1)
+    feed(df, broker.feed, stream="evened", batch_size=64, pack_bytes=0, timeout=60)
+    summaries = ranks.wait()
+    got, _ = received_by_id(ranks, 2)
+    dropped = np.concatenate([ranks.epoch(r, 0)["dropped_id"] for r in range(2)])
+    assert [s["epochs"][0]["batches"] for s in summaries] == [15, 15] and len(dropped) == 64
+    assert sorted([*got, *dropped.tolist()]) == list(range(31 * 64))
+    expected = expected_by_id(df)
+    assert all(got[i] == expected[i] for i in got)
