@@ -1,6 +1,7 @@
 """Text end to end: examples/train_text.py under mpiexec -n 2 trains on token sequences Spark generated and
 tokenized, fed ragged, padded per batch; every row once per epoch, tokens intact, bucketing cuts the padding."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -16,7 +17,6 @@ pytestmark = pytest.mark.timeout(150)
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 EPOCHS = 3                  # epoch 0 in Spark's order, 1 and 2 with bucket_by="tokens"
 SHAPE = dict(classes=4, vocab=512, median_length=12.0, length_sigma=0.7, max_length=64)
@@ -102,9 +102,19 @@ def test_text_trains_on_ragged_tokens_padded_per_batch_and_bucketing_cuts_the_pa
     assert "padding share: plain" in out and "(bucket_by tokens)" in out and "(no bucketing)" in out
 
 
+def benchmark_module(name):
+    """benchmarks/NAME.py, loaded by path (benchmarks/ on sys.path would shadow other modules with its own)."""
+    spec = importlib.util.spec_from_file_location(f"sparkbus_bench_{name}", ROOT / "benchmarks" / f"{name}.py")
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)   # dataclasses look it up there
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_measure_reports_the_padding_share_with_and_without_bucketing(spark, start_broker):
-    from padding import measure, padding_share
     from train_text import text_frame
+
+    padding = benchmark_module("padding")
+    measure, padding_share = padding.measure, padding.padding_share
 
     broker = start_broker()
     df = text_frame(spark, 2_000, 5, 2, **SHAPE).cache()
