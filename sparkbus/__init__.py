@@ -1,0 +1,25 @@
+"""sparkbus: stream training data from Apache Spark into deep-learning ranks through a ZeroMQ broker.
+
+The way in for users: everything public, from one place::
+
+    from sparkbus import feed, feed_epochs, BatchStream, RaggedColumn, pad
+
+The three parts stay where they are, one role each: ``feeder`` (the Spark side), ``broker`` (the daemon and the
+wire protocol both sides import) and ``worker`` (the rank side). Importing this package starts nothing and
+imports neither pyspark, mpi4py nor torch; those are imported where they are used.
+"""
+
+from broker.config import BrokerConfig
+from broker.errors import (AuthError, BrokerError, FeedError, FeedTimeout, ProtocolError, SparkbusError,
+                           VersionMismatch)
+from broker.protocol import VERSION
+from broker.ragged import RaggedColumn, pad
+from feeder import DivergedPartitionsWarning, FeedReport, epoch_order, feed, feed_epochs
+from worker import BatchStream, EpochStats, ShuffleBuffer, StreamStats, shuffled
+
+__version__ = "0.2.0"
+
+__all__ = ["AuthError", "BatchStream", "BrokerConfig", "BrokerError", "DivergedPartitionsWarning", "EpochStats",
+           "FeedError", "FeedReport", "FeedTimeout", "ProtocolError", "RaggedColumn", "ShuffleBuffer",
+           "SparkbusError", "StreamStats", "VERSION", "VersionMismatch", "epoch_order", "feed", "feed_epochs",
+           "pad", "shuffled"]
