@@ -1,0 +1,107 @@
+"""Images end to end: examples/train_images.py under ``mpiexec -n 2``, PNG bytes in a Spark ``binary`` column
+decoded on the ranks (a thread pool) or in Spark (pixels sent as ``array<tinyint>``): every image once per
+epoch, the pixels the ranks trained on are the ones Spark encoded, and the CNN learns."""
+
+import io
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from launch.mpi import loopback_env, mpiexec_python
+from launch.processes import kill_tree, spawn
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+ROWS, VAL_ROWS, EPOCHS, SEED, SIZE, SHIFT = 1_500, 300, 2, 5, 32, 2
+
+
+@pytest.fixture
+def start_image_ranks(tmp_path):
+    """``start_image_ranks(ranks_address, *flags)``: examples/train_images.py under ``mpiexec -n 2``; returns a
+    ``wait(timeout)`` that gives rank 0's summary and the directory of each rank's records."""
+    running = []
+
+    def start(address, *flags):
+        out = tmp_path / f"ranks-{len(running)}"
+        out.mkdir()
+        proc = spawn(mpiexec_python(2, EXAMPLES / "train_images.py", "--ranks", address, "--epochs", str(EPOCHS),
+                                    "--seed", str(SEED), "--size", str(SIZE), "--shift", str(SHIFT),
+                                    "--record", str(out), "--summary", str(out / "summary.json"),
+                                    "--timeout", "60", *flags),
+                     env=loopback_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        running.append(proc)
+
+        def wait(timeout):
+            try:
+                stdout, stderr = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                kill_tree(proc)                             # mpiexec, its proxies and the ranks
+                stdout, stderr = proc.communicate(timeout=10)
+                raise AssertionError(f"the ranks did not finish within {timeout} s:\n{stderr[-3000:]}")
+            assert proc.returncode == 0, f"the ranks failed ({proc.returncode}):\n{stdout[-2000:]}\n{stderr[-3000:]}"
+            return json.loads((out / "summary.json").read_text()), out
+
+        return wait
+
+    yield start
+    for proc in running:
+        if proc.poll() is None:
+            kill_tree(proc)
+            proc.communicate(timeout=10)
+
+
+def encoded_images(spark, ids):
+    """The PNG bytes Spark makes for ``ids``, by id (the same deterministic frame the feed made)."""
+    from pyspark.sql import functions as F
+
+    from train_images import image_frame
+
+    rows = image_frame(spark, ROWS, SIZE, SEED, 3).filter(F.col("id").isin([int(i) for i in ids])).collect()
+    return {row.id: bytes(row.image) for row in rows}
+
+
+@pytest.mark.parametrize("decode", ["rank", "spark"])
+def test_images_arrive_once_per_epoch_decode_to_what_was_encoded_and_train_a_cnn(spark, start_broker,
+                                                                                   start_image_ranks, decode):
+    from PIL import Image
+
+    from train_images import epoch_jitter, feed_images, jitter_in_place, render
+
+    broker = start_broker()
+    ranks = start_image_ranks(broker.ranks, "--decode", decode, "--decode-threads", "2")
+    fed = feed_images(spark, broker.feed, EPOCHS, decode=decode, rows=ROWS, val_rows=VAL_ROWS, size=SIZE,
+                      shift=SHIFT, seed=SEED, partitions=3, batch_size=50, timeout=60)
+    summary, records = ranks(timeout=90)
+
+    assert [f["train"]["rows"] for f in fed] == [ROWS] * EPOCHS
+    samples = {}
+    for epoch in range(EPOCHS):
+        per_rank = [np.load(records / f"rank{r}-epoch{epoch}.npz") for r in range(2)]
+        arrived = np.concatenate([d[k] for d in per_rank for k in ("id", "dropped_id")])
+        np.testing.assert_array_equal(np.sort(arrived), np.arange(ROWS))        # every image exactly once
+        for d in per_rank:
+            assert len(d["sample_id"]) == 4
+            samples.update({(epoch, int(i)): p for i, p in zip(d["sample_id"], d["sample_pixels"])})
+        figures = summary["epochs"][epoch]
+        assert figures["batches"][0] == figures["batches"][1]                    # equal steps on both ranks
+        assert figures["val_images"] == VAL_ROWS                                 # every held-out image, once
+
+    encoded = encoded_images(spark, {i for _, i in samples})
+    for (epoch, image_id), trained in samples.items():
+        with Image.open(io.BytesIO(encoded[image_id])) as picture:
+            decoded = np.asarray(picture)
+        np.testing.assert_array_equal(decoded, render(image_id, SIZE, SEED)[0])   # PNG is lossless
+        expected = decoded[None].copy()                                           # the epoch's jitter, as fed
+        jitter_in_place(expected, epoch_jitter(np.array([image_id]), SEED, epoch, SHIFT))
+        np.testing.assert_array_equal(trained, expected[0])
+
+    assert summary["decode"] == decode
+    assert summary["final"]["val_accuracy"] >= 0.5, summary["epochs"]             # 10 classes: chance is 0.1
+    assert summary["param_checksums"][0] == summary["param_checksums"][1]         # allreduce kept them equal
