@@ -205,9 +205,12 @@ def feed_text_data(spark: Any, address: str, epochs: int, *, stream: str = "text
 
 
 def run_feed(args: argparse.Namespace) -> int:
-    from launch.spark import local_session
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)      # executors must import sparkbus too
+    from pyspark.sql import SparkSession
 
-    spark = local_session(args.master, "sparkbus-train-text-feed", log_level="WARN")
+    spark = (SparkSession.builder.master(args.master).appName("sparkbus-train-text-feed")
+             .config("spark.ui.showConsoleProgress", "false").getOrCreate())
+    spark.sparkContext.setLogLevel("WARN")
     try:
         feed_text_data(spark, args.feed, args.epochs, stream=args.stream, val_stream=args.val_stream,
                        rows=args.rows, val_rows=args.val_rows, seed=args.seed, partitions=args.partitions,
