@@ -207,3 +207,26 @@ def test_even_ranks_even_out_ragged_batches_over_mpi_with_values_intact(spark, s
     assert sorted([*got, *dropped.tolist()]) == list(range(31 * 64))
     expected = expected_by_id(df)
     assert all(got[i] == expected[i] for i in got)
+
+
+def test_a_task_failing_midway_through_ragged_packs_is_retried_and_each_row_arrives_once(spark, start_broker,
+                                                                                      start_ranks):
+    def produce(part, ids):
+        from pyspark import TaskContext
+
+        attempt = TaskContext.get().attemptNumber()
+        for n, i in enumerate(ids):
+            if part == 1 and attempt == 0 and n == 7_000:     # after its first pack of 64 batches
+                raise RuntimeError("injected failure on the first attempt")
+            yield {"id": i, "text": "ü" * (i % 9), "tokens": list(range(i % 6)) or None}
+
+    broker = start_broker()
+    ranks = start_ranks(0, broker.ranks, "--stream", "rretry", "--values")
+    rdd = spark.sparkContext.parallelize(range(20_000), 2).mapPartitionsWithIndex(produce)
+    report = feed(rdd, broker.feed, stream="rretry", batch_size=100, timeout=60)     # packs of small batches
+    ranks.wait()
+    got, _ = received_by_id(ranks, 1)
+    assert report.rows == 20_000 and sorted(got) == list(range(20_000)), "each row once"
+    assert all(got[i]["text"] == "ü" * (i % 9) and got[i]["tokens"] == (list(range(i % 6)) or None) for i in got)
+    epoch = broker.stats()["streams"]["rretry"]["epochs"]["0"]
+    assert epoch["duplicates"] >= 1 and epoch["diverged"] == [], "the retry's packs were recognised, not diverged"
