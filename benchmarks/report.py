@@ -107,6 +107,7 @@ RANKS_RATIO = 1.0                                # 4 ranks vs 1 rank on one brok
 CLUSTER_RATIOS = ((MiB, 0.95), (64 * 1024, 0.9))
 FEEDER_CPU_PER_GB = 0.45                         # CPU-s per GB at 1 MiB batches
 VARLEN_RATIOS = {"binary": 0.9, "varints": 0.8}
+PADDING_RATIO = 0.3                              # padding share with bucket_by / in Spark's order, at most
 KIND_LABELS = {"fixed": "fixed-width", "tokens": "variable-length (int arrays, mean 64)"}
 VARLEN_LABELS = {"binary": "binary rows of 64 KiB, end to end, vs the fixed-width path at the same bytes",
                  "varints": "variable-length int arrays averaging 64 KiB, end to end, vs the fixed-width path"}
@@ -230,6 +231,13 @@ def _varlen_targets(v: dict | None) -> list[Target]:
                               f"vs {pair['baseline'].med('mb_per_s'):,.0f} MB/s)", _ok(ratio, lambda x: x >= goal)))
         else:
             out.append(Target(VARLEN_LABELS[kind], goal_text, _not_measured(v, kind), None))
+    what = "padding share with length bucketing (bucket_by, window 64) vs Spark's order, batches of 64"
+    pad = (v or {}).get("padding")
+    if pad:
+        out.append(Target(what, f"<= {PADDING_RATIO} x", f"{pad['ratio']:.2f} x ({pad['bucketed']:.1%} vs "
+                          f"{pad['plain']:.1%})", _ok(pad["ratio"], lambda x: x <= PADDING_RATIO)))
+    else:
+        out.append(Target(what, f"<= {PADDING_RATIO} x", _not_measured(v, "padding"), None))
     return out
 
 
@@ -526,8 +534,16 @@ def _varlen_markdown(r: dict) -> list[str]:
                      _f(c.med("first"), ".2f"), _f(b.med("mb_per_s")), f"**{varlen.ratio(pair):.2f}**"])
     parts.append(_table(["kind", "MB/s", "rows/s", "first batch (s)",
                          f"`{varlen.BASELINE}` ({spark_data.KINDS[varlen.BASELINE]}) MB/s, same runs", "ratio"], rows))
+    pad = v.get("padding")
+    if pad:
+        parts += ["", f"Padding share (`benchmarks/padding.py`'s `measure`): {pad['rows']:,} `tokens` rows "
+                  f"({spark_data.KINDS['tokens']}) in batches of {pad['batch_size']}, each padded to its longest row: "
+                  f"**{pad['plain']:.1%}** of the slots are padding in Spark's order ({pad['batches'][0]} batches), "
+                  f"**{pad['bucketed']:.1%}** with `bucket_by=\"tokens\", bucket_window={pad['bucket_window']}` "
+                  f"({pad['batches'][1]} batches): **{pad['ratio']:.2f} x**."]
     for kind, why in v.get("refused", {}).items():
-        parts += ["", f"`{kind}` ({spark_data.KINDS[kind]}) was not measured: the feeder refused it: {why}"]
+        parts += ["", f"`{kind}` ({spark_data.KINDS.get(kind, 'the padding share')}) was not measured: the feeder "
+                  f"refused it: {why}"]
     return parts
 
 
@@ -718,6 +734,7 @@ def to_json(r: dict) -> dict:
     if r.get("varlen"):
         v = r["varlen"]
         out["varlen"] = {"rows": v.get("rows"), "kinds": v.get("kinds"), "refused": v.get("refused"),
+                         "padding": v.get("padding"),
                          "pairs": {k: {"baseline": p["baseline"].runs, "compared": p["compared"].runs}
                                    for k, p in v.get("pairs", {}).items()}}
     if r.get("datawait"):

@@ -14,6 +14,10 @@ numpy ``nbytes`` or a ``RaggedColumn``'s values and offsets, without per-row Pyt
 the ratios binary / ints and varints / ints of the medians, each of runs interleaved with the ``ints`` runs it is
 compared with (the ``ints`` frame stays cached; ``binary``, then ``varints``, is cached beside it, so at most two
 are in Spark's memory at once). Rows/s would say the same (the same rows, 64 KiB each on average).
+
+Then, once: the padding share of batches padded to their longest row, in Spark's order and with
+``bucket_by="tokens"`` (``padding.measure``: one epoch each, read back by one ``BatchStream`` without MPI) on
+20,000 ``tokens`` rows (1..127 ints) in batches of 64.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ PARTITIONS = 4
 BATCH_SIZE = 1024
 OPTIONS = {"max_batch_bytes": MiB}
 MAX_BUFFER = "256MiB"
+# The padding share (benchmarks/padding.py, its defaults): tokens rows, batches of 64, bucket_by window 64
+PADDING_ROWS, PADDING_BATCH, PADDING_WINDOW = 20_000, 64, 64
 _streams = itertools.count()
 
 
@@ -65,11 +71,32 @@ def run(children: Children, spark: Any, sizes: Sizes, work: Path, log=print, out
                     f"{b['mb_per_s']:,.0f} MB/s ({c['mb_per_s'] / b['mb_per_s']:.2f} x); first batch "
                     f"{c['first']:.2f} vs {b['first']:.2f} s")
             frames.pop(kind).unpersist(blocking=True)
+        _padding(spark, broker, sizes, out, log)
     finally:
         for df in frames.values():
             df.unpersist()
         children.discard(broker)
     return out
+
+
+def _padding(spark: Any, broker, sizes: Sizes, out: dict, log) -> None:
+    """The padding share with and without ``bucket_by`` (``padding.measure``) on a ``tokens`` frame, one run."""
+    import padding
+
+    df, info = spark_data.kind_frame(spark, "tokens", PADDING_ROWS, PARTITIONS)
+    try:
+        shares = padding.measure(df, "tokens", batch_size=PADDING_BATCH, bucket_window=PADDING_WINDOW,
+                                 feed_address=broker.feed, ranks_address=broker.ranks, stream="varlen-padding",
+                                 timeout=min(sizes.timeout, 120.0))
+    except (TypeError, FeedError) as exc:           # a feeder without ragged= and bucket_by= (protocol < 4)
+        out["refused"]["padding"] = str(exc).split("failed: ")[-1][:300]
+        log(f"  padding: not measured, the feeder refused it: {out['refused']['padding']}")
+        return
+    finally:
+        df.unpersist()
+    out["padding"] = {**shares.as_dict(), "kind": "tokens"}
+    log(f"  padding share, {shares.rows:,} rows of tokens in batches of {shares.batch_size}: Spark's order "
+        f"{shares.plain:.1%}, bucket_by (window {shares.bucket_window}) {shares.bucketed:.1%}: {shares.ratio:.2f} x")
 
 
 def _prepare(spark: Any, kind: str, sizes: Sizes, broker, out: dict, log) -> Any:

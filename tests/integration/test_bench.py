@@ -50,6 +50,14 @@ def test_the_quick_benchmark_runs_and_writes_its_report(tmp_path):
     assert all(run["rank_affinity"] == cluster["cpus"]["bus"] for p in fixed.values() for run in p["sparkbus"])
     assert "## 2b. End to end, cluster-shaped" in report
     assert "feeder CPU-s per GB above the Arrow hand-off" in report
+    # variable-length columns (7): both comparisons with the fixed-width path, every byte seen, and the padding share
+    varlen = figures["varlen"]
+    assert not varlen["refused"] and sorted(varlen["pairs"]) == ["binary", "varints"]
+    for pair in varlen["pairs"].values():
+        assert pair["baseline"] and pair["compared"]
+        assert all(run["touched_bytes"] >= run["payload_bytes"] for run in pair["compared"] if not run["dropped_rows"])
+    assert 0 <= varlen["padding"]["bucketed"] < varlen["padding"]["plain"]
+    assert "## 7. Variable-length columns" in report and "not measured" not in report
     assert (tmp_path / "throughput.png").stat().st_size > 10_000
 
 
