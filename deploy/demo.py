@@ -4,7 +4,9 @@
 
 Starts ``python -m broker`` on three free loopback ports, ``mpiexec -n 2 python deploy/train.py`` and
 ``spark-submit --master local[2] deploy/feed_job.py``; shows the broker's live figures while they run and a
-summary at the end. Every child is ended on success, on failure and on Ctrl-C; the exit status is non-zero if
+summary at the end. ``sparkbus demo --images [--quick] [--decode rank|spark]`` runs examples/train_images.py
+instead, on both sides: digits as PNG bytes in Spark, a small CNN on the ranks, decoded where
+``--decode`` says. Every child is ended on success, on failure and on Ctrl-C; the exit status is non-zero if
 any part failed. Logs and JSON figures are left in --out.
 """
 
@@ -34,7 +36,11 @@ from launch.spark import local_env, submit_command
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SIZES = {"default": {"rows": 1_000_000, "epochs": 3, "batch_size": 1024},
-         "quick": {"rows": 20_000, "epochs": 2, "batch_size": 256}}
+         "quick": {"rows": 20_000, "epochs": 2, "batch_size": 256},
+         "images": {"rows": 20_000, "epochs": 3, "batch_size": 128, "partitions": 4},
+         "images-quick": {"rows": 3_000, "epochs": 2, "batch_size": 64, "partitions": 4}}
+IMAGES = ROOT / "examples" / "train_images.py"
+IMAGE_VAL_ROWS = 1_000
 
 
 class DemoFailed(Exception):
@@ -59,8 +65,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--features", type=positive, default=64, help="float32 features per row (default 64)")
     parser.add_argument("--classes", type=positive, default=10, help="classes of the synthetic set (default 10)")
     parser.add_argument("--batch-size", type=positive, help="rows per batch (default 1024)")
-    parser.add_argument("--partitions", type=positive, default=8,
-                        help="Spark partitions of the set and of each epoch's shuffle (default 8)")
+    parser.add_argument("--partitions", type=positive,
+                        help="Spark partitions of the set and of each epoch's shuffle (default 8; 4 with --images)")
+    parser.add_argument("--images", action="store_true",
+                        help="images instead: digits as PNG bytes in Spark, a small CNN on the ranks "
+                             "(examples/train_images.py; default 20,000 images, 3 epochs; --quick 3,000, 2)")
+    parser.add_argument("--decode", choices=("rank", "spark"), default="rank",
+                        help="with --images: decode the PNGs on the ranks (a thread pool) or in Spark (default rank)")
     parser.add_argument("--seed", type=int, default=42, help="seed of the data, the shuffles and the model")
     parser.add_argument("--np", type=positive, default=2, help="MPI ranks (default 2)")
     parser.add_argument("--master", default="local[2]", help="Spark master (default local[2])")
@@ -72,7 +83,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=ROOT / "demo-out",
                         help="directory for logs and JSON figures (default demo-out/ in the checkout)")
     args = parser.parse_args(argv)
-    for name, value in SIZES["quick" if args.quick else "default"].items():
+    sizes = {**SIZES["quick" if args.quick else "default"], "partitions": 8}
+    if args.images:
+        sizes = SIZES["images-quick" if args.quick else "images"]
+    for name, value in sizes.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
     return args
@@ -105,9 +119,13 @@ class Demo:
     def start_ranks(self, ranks: str) -> None:
         """``mpiexec -n NP python train.py`` against the broker's ranks address; rank 0 writes summary.json."""
         a = self.args
-        command = mpiexec_python(a.np, HERE / "train.py", "--ranks", ranks, "--epochs", str(a.epochs),
-                                 "--features", str(a.features), "--classes", str(a.classes), "--seed", str(a.seed),
-                                 "--summary", str(self.out / "summary.json"))
+        if a.images:
+            command = mpiexec_python(a.np, IMAGES, "--ranks", ranks, "--decode", a.decode, "--epochs", str(a.epochs),
+                                     "--seed", str(a.seed), "--summary", str(self.out / "summary.json"))
+        else:
+            command = mpiexec_python(a.np, HERE / "train.py", "--ranks", ranks, "--epochs", str(a.epochs),
+                                     "--features", str(a.features), "--classes", str(a.classes),
+                                     "--seed", str(a.seed), "--summary", str(self.out / "summary.json"))
         self.children["ranks"] = ChildProcess("ranks", command, self.out / "ranks.log",
                                               echo=self._echo("ranks", "cyan"), cwd=ROOT,
                                               env={**loopback_env(), "PYTHONUNBUFFERED": "1"})
@@ -115,12 +133,20 @@ class Demo:
     def start_feed(self, feed: str) -> None:
         """``spark-submit feed_job.py`` in local mode, on loopback, with the venv's Python for the executors."""
         a = self.args
-        command = submit_command(HERE / "feed_job.py", "--feed", feed, "--rows", str(a.rows),
-                                 "--epochs", str(a.epochs), "--features", str(a.features),
-                                 "--classes", str(a.classes), "--batch-size", str(a.batch_size),
-                                 "--partitions", str(a.partitions), "--seed", str(a.seed),
-                                 "--report", str(self.out / "feed-report.json"),
-                                 master=a.master, driver_memory=a.driver_memory)
+        if a.images:
+            command = submit_command(IMAGES, "--feed", feed, "--decode", a.decode, "--rows", str(a.rows),
+                                     "--val-rows", str(IMAGE_VAL_ROWS), "--epochs", str(a.epochs),
+                                     "--batch-size", str(a.batch_size), "--partitions", str(a.partitions),
+                                     "--seed", str(a.seed), "--master", a.master,
+                                     "--report", str(self.out / "feed-report.json"),
+                                     master=a.master, driver_memory=a.driver_memory)
+        else:
+            command = submit_command(HERE / "feed_job.py", "--feed", feed, "--rows", str(a.rows),
+                                     "--epochs", str(a.epochs), "--features", str(a.features),
+                                     "--classes", str(a.classes), "--batch-size", str(a.batch_size),
+                                     "--partitions", str(a.partitions), "--seed", str(a.seed),
+                                     "--report", str(self.out / "feed-report.json"),
+                                     master=a.master, driver_memory=a.driver_memory)
         self.children["feed"] = ChildProcess("feed", command, self.out / "feed.log",
                                              echo=self._echo("spark", "magenta"), cwd=ROOT,
                                              env={**local_env(), "PYTHONUNBUFFERED": "1"})
@@ -297,6 +323,55 @@ def summarize(args: argparse.Namespace, console: Console, wall: float) -> None:
         raise DemoFailed("; ".join(problems))
 
 
+def summarize_images(args: argparse.Namespace, console: Console, wall: float) -> None:
+    """``--images``: the tables from examples/train_images.py's JSON (feed and rank 0); raise DemoFailed if a check
+    fails."""
+    try:
+        feed = json.loads((args.out / "feed-report.json").read_text())["epochs"]
+        ranks = json.loads((args.out / "summary.json").read_text())
+    except (OSError, ValueError, KeyError) as exc:
+        raise DemoFailed(f"a part finished without writing its figures: {exc}") from None
+    epochs = Table(title=f"Epochs (images {ranks['size']}x{ranks['size']} PNG, decoded on the {args.decode} side)",
+                   title_justify="left")
+    for column in ("epoch", "images", "feed s", "MB fed", "train s", "images/s", "data wait", "loss", "train acc",
+                   "held-out acc"):
+        epochs.add_column(column, justify="right")
+    for fed, trained in zip(feed, ranks["epochs"]):
+        report = fed["train"]
+        wait = sum(trained["wait_seconds"]) / max(sum(trained["rank_seconds"]), 1e-9)
+        epochs.add_row(str(fed["epoch"]), f"{report['rows']:,}", f"{report['seconds']:.1f}",
+                       f"{report['bytes'] / 1e6:,.1f}", f"{trained['seconds']:.1f}",
+                       f"{trained['images_per_second']:,.0f}", f"{wait:.0%}", f"{trained['loss']:.4f}",
+                       f"{trained['accuracy']:.1%}", f"{trained['val_accuracy']:.1%}")
+    accuracy = ranks["final"].get("val_accuracy")
+    totals = Table(title="End to end", title_justify="left", show_header=False)
+    totals.add_column(justify="left")
+    totals.add_column(justify="right")
+    steady = ranks["epochs"][1:] or ranks["epochs"]      # the first epoch waits for Spark to start
+    totals.add_row("images / s to the CNN, epochs after the first",
+                   f"{sum(e['images'] for e in steady) / max(sum(e['seconds'] for e in steady), 1e-9):,.0f}")
+    totals.add_row("final held-out accuracy (chance 10%)", f"{accuracy:.1%}")
+    totals.add_row("demo wall time", f"{wall:.1f} s")
+    console.print(epochs, totals)
+
+    problems = []
+    for fed, trained in zip(feed, ranks["epochs"]):
+        got = sum(trained["batches"]) + sum(trained["dropped_batches"])
+        if got != fed["train"]["batches"]:
+            problems.append(f"epoch {fed['epoch']}: the ranks received {got} batches, "
+                            f"Spark fed {fed['train']['batches']}")
+        if trained["val_images"] != IMAGE_VAL_ROWS:
+            problems.append(f"epoch {fed['epoch']}: {trained['val_images']} held-out images, not {IMAGE_VAL_ROWS}")
+    if len(ranks["epochs"]) != args.epochs:
+        problems.append(f"the ranks trained {len(ranks['epochs'])} epochs, not {args.epochs}")
+    if accuracy is None or accuracy < args.min_accuracy:
+        problems.append(f"final held-out accuracy {accuracy} is below --min-accuracy {args.min_accuracy}")
+    if len(set(ranks["param_checksums"])) != 1:
+        problems.append("the ranks' models diverged: the gradient averaging is broken")
+    if problems:
+        raise DemoFailed("; ".join(problems))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     console = Console()
@@ -317,9 +392,14 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    console.print(f"[bold]sparkbus demo[/]: {args.rows:,} rows × {args.features} features, {args.classes} classes, "
-                  f"{args.epochs} epochs, batches of {args.batch_size}, Spark {args.master}, {args.np} MPI ranks; "
-                  f"logs in {args.out}")
+    if args.images:
+        console.print(f"[bold]sparkbus demo --images[/]: {args.rows:,} digit images as PNG, decoded on the "
+                      f"{args.decode} side, {args.epochs} epochs, batches of {args.batch_size}, Spark {args.master}, "
+                      f"{args.np} MPI ranks; logs in {args.out}")
+    else:
+        console.print(f"[bold]sparkbus demo[/]: {args.rows:,} rows × {args.features} features, {args.classes} "
+                      f"classes, {args.epochs} epochs, batches of {args.batch_size}, Spark {args.master}, "
+                      f"{args.np} MPI ranks; logs in {args.out}")
     try:
         broker = demo.start_broker()
         console.print(f"broker pid {broker.pid}: feed {broker.feed}, ranks {broker.ranks}, control {broker.control}")
@@ -330,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         demo.watch(broker.control)
         wall = time.monotonic() - demo.started
         demo.stop_all()
-        summarize(args, console, wall)
+        (summarize_images if args.images else summarize)(args, console, wall)
     except (DemoFailed, OSError) as exc:     # OSError: a program that could not be started
         demo.stopping = True
         console.print(Text.assemble(("demo failed: ", "bold red"), str(exc)))
