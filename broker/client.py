@@ -14,7 +14,7 @@ import zmq
 
 from .auth import client_socket
 from .errors import BrokerError, ProtocolError
-from .protocol import Kind, pack_header, unpack_header
+from .protocol import ErrorCode, Kind, pack_header, unpack_header
 
 
 class ControlClient:
@@ -44,7 +44,8 @@ class ControlClient:
         Returns:
             The reply header.
         Raises:
-            BrokerError: no reply within the timeout, or the broker answered ERROR (its reason is the message).
+            BrokerError: no reply within the timeout (``code`` None), or the broker answered ERROR: its ``code``
+                (a :class:`~broker.protocol.ErrorCode`) is the error's, its reason is in the message.
             ProtocolError: the reply is not a valid header (wrong version included).
         """
         req = next(self._req)
@@ -60,7 +61,8 @@ class ControlClient:
             if reply.get("req") != req:
                 continue          # the answer to an earlier request that timed out
             if reply["kind"] == Kind.ERROR:
-                raise BrokerError(f"the broker at {self.address} refused {kind.name}: {reply['reason']}")
+                raise BrokerError(f"the broker at {self.address} refused {kind.name}: {reply['reason']}",
+                                  code=_error_code(reply["code"]))
             return reply
 
     def hello(self, role: str, stream: str = "", timeout: float | None = None) -> dict[str, Any]:
@@ -76,6 +78,14 @@ class ControlClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _error_code(code: int) -> ErrorCode | int:
+    """An ERROR's code as an :class:`ErrorCode`; a code this release does not know stays an int."""
+    try:
+        return ErrorCode(code)
+    except ValueError:
+        return code
 
 
 def fetch_stats(address: str, timeout: float = 5.0, key: str | None = None,

@@ -32,7 +32,7 @@ from .errors import ProtocolError, VersionMismatch
 from .guard import Guard
 from .journal import Journal
 from .ledger import Ledger, MissedEnd, Rejected, Reply
-from .protocol import Kind, pack_header, unpack_header
+from .protocol import ErrorCode, Kind, pack_header, unpack_header
 from .state import EpochState, HeldBatch, RankState, StreamState
 
 log = logging.getLogger("sparkbus.broker")
@@ -260,14 +260,15 @@ class Broker:
         identity = frames[0].bytes
         if len(frames) != 2 and not (len(frames) == 2 + len(REJOIN_FRAMES) and _is_hello(frames[1])):
             self._reject(socket, "malformed", f"{len(frames) - 1} frames after the identity, expected 1")
-            return self._send(sock, identity, Kind.ERROR, req=0,
+            return self._send(sock, identity, Kind.ERROR, req=0, code=ErrorCode.MALFORMED,
                               reason=f"expected one header frame, got {len(frames) - 1} frames (a rank's HELLO "
                                      f"with resume takes {1 + len(REJOIN_FRAMES)})")
         try:
             header = unpack_header(frames[1].bytes)
         except ProtocolError as exc:
-            self._reject(socket, "version" if isinstance(exc, VersionMismatch) else "malformed", exc.reason)
-            return self._send(sock, identity, Kind.ERROR, req=0, reason=exc.reason)
+            code = ErrorCode.VERSION if isinstance(exc, VersionMismatch) else ErrorCode.MALFORMED
+            self._reject(socket, code.name.lower(), exc.reason)
+            return self._send(sock, identity, Kind.ERROR, req=0, code=code, reason=exc.reason)
         handlers = self._control_handlers if socket == "control" else self._rank_handlers
         handler = handlers.get(header["kind"])
         if socket == "ranks" and identity in self.ledger.ranks:
@@ -275,17 +276,18 @@ class Broker:
         req = header.get("req", 0) if type(header.get("req")) is int else 0
         if handler is None:
             self._reject(socket, "unexpected_kind", header["kind"].name)
-            return self._send(sock, identity, Kind.ERROR, req=req,
+            return self._send(sock, identity, Kind.ERROR, req=req, code=ErrorCode.UNEXPECTED_KIND,
                               reason=f"{header['kind'].name} is not accepted on the {socket} socket")
         try:
             handler(self, sock, identity, header, frames[2:])
         except ProtocolError as exc:
             self._reject(socket, "refused", exc.reason)
-            self._send(sock, identity, Kind.ERROR, req=req, reason=exc.reason)
+            self._send(sock, identity, Kind.ERROR, req=req, code=exc.code or ErrorCode.REFUSED, reason=exc.reason)
         except Exception:      # a bug must cost one request, not the broker and every stream it serves
             log.exception("internal error handling %s on the %s socket", header["kind"].name, socket)
             self._reject(socket, "internal", header["kind"].name)
-            self._send(sock, identity, Kind.ERROR, req=req, reason="internal broker error (see its log)")
+            self._send(sock, identity, Kind.ERROR, req=req, code=ErrorCode.INTERNAL,
+                       reason="internal broker error (see its log)")
 
     def _send(self, sock: zmq.Socket, identity: bytes, kind: Kind, **fields: Any) -> bool:
         try:

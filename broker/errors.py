@@ -10,11 +10,13 @@ class SparkbusError(Exception):
 
 
 class ProtocolError(SparkbusError, ValueError):
-    """A message that does not follow the protocol. ``reason`` is fit to send back to the peer."""
+    """A message that does not follow the protocol, or a request the broker refuses. ``reason`` is fit to send
+    back to the peer; ``code`` (a ``broker.protocol.ErrorCode``, None: the receiver's default) goes with it."""
 
-    def __init__(self, reason: str):
+    def __init__(self, reason: str, code: int | None = None):
         super().__init__(reason)
         self.reason = reason
+        self.code = code
 
 
 class VersionMismatch(ProtocolError):
@@ -28,7 +30,14 @@ class VersionMismatch(ProtocolError):
 
 
 class BrokerError(SparkbusError, RuntimeError):
-    """The broker refused a request, or could not be reached in time."""
+    """The broker refused a request, or could not be reached in time.
+
+    ``code`` is the ``broker.protocol.ErrorCode`` of the broker's ``ERROR`` reply, or None when no broker answered.
+    """
+
+    def __init__(self, message: str, code: int | None = None):
+        super().__init__(message)
+        self.code = code
 
 
 class FeedError(SparkbusError, RuntimeError):

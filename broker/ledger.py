@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, NamedTuple
 from . import protocol
 from .errors import ProtocolError
 from .journal import DeliveredEpochs, Journal, Record
-from .protocol import Kind
+from .protocol import ErrorCode, Kind
 from .state import MAX_WINDOW, BatchId, EpochState, HeldBatch, Orphan, PendingCommit, RankState, StreamState
 
 log = logging.getLogger("sparkbus.broker")
@@ -206,7 +206,7 @@ class Ledger:
             got = len(part.attempts.get(attempt, ()))
             if pending is not None and got != pending.batches:
                 return [Reply(pending.identity, Kind.ERROR, {
-                    "req": pending.req, "reason": f"partition {number} of epoch {ep.epoch}: the broker holds "
+                    "req": pending.req, "code": ErrorCode.REFUSED, "reason": f"partition {number} of epoch {ep.epoch}: the broker holds "
                                                   f"{got} batches of attempt {attempt}, the task says it sent "
                                                   f"{pending.batches}"})]
             part.committed_attempt = attempt
@@ -271,7 +271,8 @@ class Ledger:
                                 f"a rank of a communicator of size {size} cannot join it")
         previous = self._same_session(stream, session, number)
         if size > 1 and any(r.rank == number and r is not previous for r in stream.ranks.values()):
-            raise ProtocolError(f"rank {number} of stream {name!r} is already connected")
+            raise ProtocolError(f"rank {number} of stream {name!r} is already connected",
+                                ErrorCode.ALREADY_CONNECTED)
         for other, orphan in list(stream.orphans.items()):
             if size > 1 and orphan.rank.rank == number and other != session:
                 del stream.orphans[other]          # another process took this rank number: the old one is gone
@@ -372,7 +373,7 @@ class Ledger:
         """The rank on this connection. Raises :class:`ProtocolError` if it has not joined."""
         rank = self.ranks.get(identity)
         if rank is None:
-            raise ProtocolError("unknown rank: send HELLO with role 'rank' first")
+            raise ProtocolError("unknown rank: send HELLO with role 'rank' first", ErrorCode.UNKNOWN_RANK)
         return rank
 
     def set_window(self, rank: RankState, batches: int, nbytes: int) -> None:

@@ -41,11 +41,24 @@ class Kind(IntEnum):
     ACK = 10                  # rank -> broker: these batches were consumed (their room in the window is free)
     HEARTBEAT = 11            # both ways on the ranks socket: "still here"
     EPOCH_END = 12            # broker -> rank: no more batches of `epoch` will come to you
-    ERROR = 13                # broker -> anyone: a request was refused; `reason` says why
+    ERROR = 13                # broker -> anyone: a request was refused; `code` says why (`reason`: for a human)
     STATS_REQUEST = 14        # anyone -> broker (control or ranks socket)
     STATS_REPLY = 15          # broker -> requester: `stats` map (see docs/PROTOCOL.md)
     BYE = 16                  # rank -> broker: leaving the stream
     PARTITION_CLAIM = 17      # feeder -> the partition's home broker (control): which broker streams it (OK)
+
+
+class ErrorCode(IntEnum):
+    """Why the broker answered ``ERROR``: its ``code`` field. Clients decide on the code, never on ``reason``,
+    which is for a human and may be reworded. docs/PROTOCOL.md lists the codes and what a client does."""
+
+    MALFORMED = 1             # unreadable: not msgpack, a bad field, the wrong frames (`req` is 0 if unreadable)
+    VERSION = 2               # the request speaks another protocol version
+    UNEXPECTED_KIND = 3       # a kind this socket does not take
+    REFUSED = 4               # a valid request the broker's rules refuse (an epoch not open, a bad window, ...)
+    UNKNOWN_RANK = 5          # a rank's message on a connection that has not joined: rejoin (HELLO, resume)
+    ALREADY_CONNECTED = 6     # another process holds this rank number: retry, it clears once that one is dead
+    INTERNAL = 7              # a broker bug, logged with its traceback; the broker keeps serving
 
 
 # Per kind, the fields a header must carry beyond "v" and "kind", and their types.
@@ -66,7 +79,7 @@ SCHEMAS: dict[Kind, dict[str, type | tuple[type, ...]]] = {
     Kind.ACK: {"ids": list},
     Kind.HEARTBEAT: {},
     Kind.EPOCH_END: {"stream": str, "epoch": int, "batches": int},
-    Kind.ERROR: {"req": int, "reason": str},
+    Kind.ERROR: {"req": int, "code": int, "reason": str},     # code: an ErrorCode
     Kind.STATS_REQUEST: {"req": int},
     Kind.STATS_REPLY: {"req": int, "stats": dict},
     Kind.BYE: {},

@@ -24,14 +24,13 @@ import zmq
 from broker import protocol
 from broker.auth import client_socket
 from broker.errors import BrokerError
-from broker.protocol import Kind, pack_header, unpack_header
+from broker.protocol import ErrorCode, Kind, pack_header, unpack_header
 
 log = logging.getLogger("sparkbus.worker")
 
 ACK_MAX = 256          # ids in one ACK at most
 
 BatchId = tuple[int, int, int]
-ALREADY_CONNECTED = "is already connected"      # a refusal that clears once the broker drops a dead connection
 
 
 class BrokerConnection:
@@ -157,14 +156,15 @@ class BrokerConnection:
             header = unpack_header(self._sock.recv_multipart()[0])
             if header["kind"] == Kind.WELCOME and header["req"] == self._req:
                 break
-            if header["kind"] == Kind.ERROR and ALREADY_CONNECTED in header["reason"]:
+            if header["kind"] == Kind.ERROR and header["code"] == ErrorCode.ALREADY_CONNECTED:
                 # Another process had this rank (a job that died); the broker lets go of it once its connection
-                # is found dead. Ask again.
+                # is found dead, so this refusal clears. Ask again.
                 self._refusal = header["reason"]
                 time.sleep(min(self.heartbeat, max(deadline - time.monotonic(), 0)))
                 self._hello(resume=False)
             elif header["kind"] == Kind.ERROR:
-                raise BrokerError(f"the broker at {self.address} refused rank {self.rank}: {header['reason']}")
+                raise BrokerError(f"the broker at {self.address} refused rank {self.rank}: {header['reason']}",
+                                  code=header["code"])
             elif header["kind"] != Kind.HEARTBEAT:
                 raise BrokerError(f"the broker at {self.address} answered HELLO with {header['kind'].name}")
         self._refusal = ""
@@ -233,7 +233,7 @@ class BrokerConnection:
                 self.received.clear()
                 self.acked.clear()
                 return header, frames[1:]
-            if kind == Kind.ERROR and header["reason"].startswith("unknown rank"):
+            if kind == Kind.ERROR and header["code"] == ErrorCode.UNKNOWN_RANK:
                 self._refusal = ""
                 self._rejoin(header["reason"])
             elif kind == Kind.WELCOME:
@@ -243,6 +243,6 @@ class BrokerConnection:
                     log.warning("rank %d rejoined the broker at %s", self.rank, self.address)
                     self._grant_window()
             elif kind == Kind.ERROR:
-                raise BrokerError(f"the broker at {self.address} reported: {header['reason']}")
+                raise BrokerError(f"the broker at {self.address} reported: {header['reason']}", code=header["code"])
             elif kind != Kind.HEARTBEAT:
                 log.warning("ignoring unexpected %s from the broker", kind.name)

@@ -1,5 +1,6 @@
 """The broker's rules, in process: credits, commits, epoch ends, refusals. Real sockets over inproc://."""
 
+import msgpack
 import numpy as np
 import pytest
 import zmq
@@ -283,3 +284,36 @@ def test_a_second_driver_refeeding_a_half_fed_epoch_is_checked_like_a_retry(bus)
     assert stats["broker"]["rejected"].get("feed", {}).get("replayed") is None
     assert stats["streams"]["s"]["epochs"]["0"]["duplicates"] == 2
     assert stats["streams"]["s"]["epochs"]["0"]["diverged"] == [0]
+
+
+def test_each_error_reply_carries_the_code_clients_act_on(bus):
+    """Clients decide on ``code`` (protocol.ErrorCode), never on the words of ``reason``."""
+    from broker.protocol import ErrorCode
+
+    ranks = bus.broker.config.ranks
+    stranger = bus.sockets(zmq.DEALER, ranks)
+    send(stranger, Kind.ACK, ids=[0, 0, 0])                       # a connection that never said HELLO
+    assert recv_header(stranger)[0]["code"] == ErrorCode.UNKNOWN_RANK
+    bus.rank(0, 2)
+    other = bus.sockets(zmq.DEALER, ranks)                        # another process asks for rank 0
+    send(other, Kind.HELLO, req=3, role="rank", stream="s", rank=0, size=2, even=False, session="other",
+         resume=False, ended=-1)
+    reply = recv_header(other)[0]
+    assert (reply["kind"], reply["req"], reply["code"]) == (Kind.ERROR, 3, ErrorCode.ALREADY_CONNECTED)
+    assert bus.request(Kind.EPOCH_CLOSE, stream="s", epoch=9, partitions=1)["code"] == ErrorCode.REFUSED
+    assert bus.request(Kind.CREDIT, window=1, window_bytes=0)["code"] == ErrorCode.UNEXPECTED_KIND
+    bus.control.send(b"\xc1")
+    assert recv_header(bus.control)[0]["code"] == ErrorCode.MALFORMED
+    bus.control.send(msgpack.packb({"v": protocol.VERSION - 1, "kind": int(Kind.STATS_REQUEST), "req": 1}))
+    assert recv_header(bus.control)[0]["code"] == ErrorCode.VERSION
+
+
+def test_a_broker_error_carries_the_code_of_the_refusal(bus):
+    from broker.client import ControlClient
+    from broker.errors import BrokerError
+    from broker.protocol import ErrorCode
+
+    with ControlClient(bus.broker.config.control, timeout=5, context=bus.context) as client:
+        with pytest.raises(BrokerError) as refused:
+            client.request(Kind.EPOCH_CLOSE, stream="s", epoch=3, partitions=1)
+    assert refused.value.code is ErrorCode.REFUSED
