@@ -11,7 +11,8 @@ layout decides the form: numpy for dense columns, a numpy masked array for dense
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -84,7 +85,8 @@ def encode_batch(stream: str, epoch: int, part: int, seq: int, columns: Mapping[
         ValueError: a column of an unsupported dtype or of another length.
     """
     rows = None
-    specs, buffers = [], []
+    specs: list[list] = []
+    buffers: list[Any] = []
     for name, column in columns.items():
         wire = wire_column(name, column)
         length = wire.rows

@@ -12,7 +12,8 @@ Nothing here copies a values buffer except :meth:`RaggedColumn.pad`, which makes
 
 from __future__ import annotations
 
-from typing import Any, Iterator, NamedTuple
+from collections.abc import Iterator
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 
@@ -80,7 +81,7 @@ class RaggedColumn:
 
     __slots__ = ("_dtype", "_offsets", "_valid", "_start", "_len", "_child", "_leaf_valid")
 
-    def __init__(self, dtype: str, offsets: np.ndarray, valid: np.ndarray | None, child: "RaggedColumn | np.ndarray",
+    def __init__(self, dtype: str, offsets: np.ndarray, valid: np.ndarray | None, child: RaggedColumn | np.ndarray,
                  leaf_valid: np.ndarray | None = None, start: int = 0, length: int | None = None):
         self._dtype = dtype                  # the leaf's dtype string on the wire ("bin", "str", "<i4", ...)
         self._offsets = offsets              # the whole level's offsets (count + 1)
@@ -145,12 +146,12 @@ class RaggedColumn:
         return np.diff(self._bounds()).astype(np.int64, copy=False)
 
     @property
-    def values(self) -> "np.ndarray | RaggedColumn":
+    def values(self) -> np.ndarray | RaggedColumn:
         """The next level of this column's rows, back to back: numpy, or a RaggedColumn for nested arrays."""
         bounds = self._bounds()
         return self._level(int(bounds[0]), int(bounds[-1]))
 
-    def _level(self, lo: int, hi: int) -> "np.ndarray | RaggedColumn":
+    def _level(self, lo: int, hi: int) -> np.ndarray | RaggedColumn:
         if isinstance(self._child, RaggedColumn):
             return self._child._slice(lo, hi - lo)
         if self._leaf_valid is not None:
@@ -158,7 +159,12 @@ class RaggedColumn:
             return np.ma.MaskedArray(self._child[lo:hi], mask=mask.reshape(self._child[lo:hi].shape))
         return self._child[lo:hi]
 
-    def _slice(self, start: int, length: int) -> "RaggedColumn":
+    @property
+    def _leaf(self) -> np.ndarray:
+        """The leaf values (of a column whose next level is the leaf)."""
+        return cast(np.ndarray, self._child)
+
+    def _slice(self, start: int, length: int) -> RaggedColumn:
         return RaggedColumn(self._dtype, self._offsets, self._valid, self._child, self._leaf_valid,
                             self._start + start, length)
 
@@ -178,12 +184,12 @@ class RaggedColumn:
         at = self._start + i
         if self._valid is not None and not (self._valid[at >> 3] >> (at & 7)) & 1:
             return None
-        row = self._level(int(self._offsets[at]), int(self._offsets[at + 1]))
+        lo, hi = int(self._offsets[at]), int(self._offsets[at + 1])
         if self.kind == "binary":
-            return memoryview(row)
+            return self._leaf[lo:hi].data          # a read-only memoryview
         if self.kind == "string":
-            return row.tobytes().decode("utf-8")
-        return row
+            return self._leaf[lo:hi].tobytes().decode("utf-8")
+        return self._level(lo, hi)
 
     def __iter__(self) -> Iterator[Any]:
         return (self[i] for i in range(self._len))
@@ -259,9 +265,9 @@ class RaggedColumn:
         if max_length is not None:
             np.minimum(lengths, max_length, out=lengths)
         longest = int(lengths.max()) if self._len else 0
-        leaf = self._child
+        leaf = self._leaf
         if self._leaf_valid is not None:
-            leaf = self._level(0, len(leaf)).filled(value)
+            leaf = cast(np.ma.MaskedArray, self._level(0, len(leaf))).filled(value)
         out = np.full((self._len, longest, *leaf.shape[1:]), value, dtype=dtype or self.dtype)
         if longest:
             real = np.arange(longest) < lengths[:, None]
@@ -270,7 +276,7 @@ class RaggedColumn:
 
     # ---- rows in another order (shuffle buffers) --------------------------------------------------------------
 
-    def take(self, indices: Any) -> "RaggedColumn":
+    def take(self, indices: Any) -> RaggedColumn:
         """The rows at ``indices``, in that order, as a new column (its buffers are new, vectorised copies)."""
         idx = np.asarray(indices, dtype=np.int64)
         bounds = self._bounds()
@@ -349,7 +355,7 @@ def concat_ragged(columns: list[RaggedColumn]) -> RaggedColumn:
     valid = None
     if any(c._valid is not None for c in columns):
         valid = pack_bits(np.concatenate([c.valid for c in columns]))
-    inner = [c.values for c in columns]
+    inner: list[Any] = [c.values for c in columns]
     if isinstance(first._child, RaggedColumn):
         return RaggedColumn(first._dtype, offsets, valid, concat_ragged(inner))
     leaf_valid = None

@@ -9,5 +9,5 @@ from .driver import DivergedPartitionsWarning, FeedReport, feed, prepare_datafra
 from .epochs import epoch_order, feed_epochs
 from .task import PartitionReport, stream_partition
 
-__all__ = ["feed", "feed_epochs", "epoch_order", "FeedReport", "FeedError", "FeedTimeout", "BrokerError", "SparkbusError",
-           "DivergedPartitionsWarning", "PartitionReport", "prepare_dataframe", "stream_partition"]
+__all__ = ["feed", "feed_epochs", "epoch_order", "FeedReport", "FeedError", "FeedTimeout", "BrokerError",
+           "SparkbusError", "DivergedPartitionsWarning", "PartitionReport", "prepare_dataframe", "stream_partition"]

@@ -19,7 +19,8 @@ batch), so that cutting a batch out of it costs numpy slicing only: per batch, n
 
 from __future__ import annotations
 
-from typing import Any, Iterator, NamedTuple
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -123,7 +124,10 @@ class ColumnPlan:
             data = node.buffers()[2]
             self.values = np.frombuffer(data, dtype=np.uint8) if data is not None else np.zeros(0, np.uint8)
         else:
-            self.dtype = _leaf_dtype(node.type)
+            dtype = _leaf_dtype(node.type)
+            if dtype is None:                     # check_type above let through only what has one
+                raise UnsupportedColumn(f"column {name!r}: {node.type} cannot be carried")
+            self.dtype = dtype
             self.values = _leaf_values(node)
         # The form over the whole column; batches cut from it share it when every level is dense (or none can be).
         self._whole = self._dense(0, self.rows)
@@ -168,9 +172,10 @@ class ColumnPlan:
         levels: list[list] = []
         buffers: list[Any] = []
         for level, (lo, hi) in zip(self.levels[:ragged_levels], ranges):
-            nulls = _has_null(level.bitmap, level.bit_offset + lo, hi - lo)
+            validity = _validity(level.bitmap, level.bit_offset + lo, hi - lo)
+            nulls = validity is not None
             if nulls:
-                buffers.append(bitmap_slice(level.bitmap, level.bit_offset + lo, hi - lo))
+                buffers.append(validity)
             if level.offsets is None:
                 bounds = np.arange(hi - lo + 1, dtype=np.int32) * level.size
             else:
@@ -178,19 +183,17 @@ class ColumnPlan:
             buffers.append(bounds - bounds[0] if bounds[0] else bounds)
             levels.append([hi - lo, bounds.dtype.itemsize, nulls])
         lo, hi = ranges[-1]
+        validity = _validity(self.leaf_bitmap, self.leaf_bit + lo, hi - lo)
+        nulls = validity is not None
+        if nulls:
+            buffers.append(validity)
         if self.bytes_leaf:
-            nulls = _has_null(self.leaf_bitmap, self.leaf_bit + lo, hi - lo)
-            if nulls:
-                buffers.append(bitmap_slice(self.leaf_bitmap, self.leaf_bit + lo, hi - lo))
             bounds = self.leaf_offsets[lo:hi + 1]
             buffers.append(bounds - bounds[0] if bounds[0] else bounds)
             levels.append([hi - lo, bounds.dtype.itemsize, nulls])
             data = self.values[int(bounds[0]):int(bounds[-1])]
             buffers.append(data)
             return WireColumn(self.dtype, [len(data)], levels, False, buffers)
-        nulls = _has_null(self.leaf_bitmap, self.leaf_bit + lo, hi - lo)
-        if nulls:
-            buffers.append(bitmap_slice(self.leaf_bitmap, self.leaf_bit + lo, hi - lo))
         values = self.values[lo:hi]
         buffers.append(values.view(np.uint8) if len(values) else b"")
         first = ranges[ragged_levels]
@@ -240,6 +243,14 @@ def _has_null(bitmap: np.ndarray | None, start: int, count: int) -> bool:
     if bitmap is None or count == 0:
         return False
     return not unpack_bits(bitmap, start, count).all()
+
+
+def _validity(bitmap: np.ndarray | None, start: int, count: int) -> np.ndarray | None:
+    """The bitmap of entries ``start .. start + count`` (from bit 0), or None when none of them is null."""
+    if not _has_null(bitmap, start, count):
+        return None
+    assert bitmap is not None
+    return bitmap_slice(bitmap, start, count)
 
 
 def _leaf_values(array: pa.Array) -> np.ndarray:

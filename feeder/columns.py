@@ -18,7 +18,8 @@ Python per row, as any RDD of Python objects is).
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -120,12 +121,13 @@ def cut(plans: Iterable[RecordBatchPlan], batch_size: int, max_bytes: int) -> It
         if pending and pending[0].plan.batch.schema != plan.batch.schema:
             yield emit()                  # RDD chunks may infer other types: batches do not mix them
         sizes = plan.row_bytes()
-        cumulative = None if isinstance(sizes, int) else np.cumsum(sizes)
+        fixed = sizes if isinstance(sizes, int) else None           # bytes of every row, when they are equal
+        cumulative = np.cumsum(sizes) if fixed is None else np.zeros(0, np.int64)
         start = 0
         while start < n:
             room_rows, room_bytes = batch_size - pending_rows, max_bytes - pending_bytes
-            if cumulative is None:
-                take = min(room_rows, n - start, room_bytes // max(sizes, 1))
+            if fixed is not None:
+                take = min(room_rows, n - start, room_bytes // max(fixed, 1))
             else:
                 base = int(cumulative[start - 1]) if start else 0
                 fits = int(np.searchsorted(cumulative, base + room_bytes, side="right")) - start
@@ -135,7 +137,7 @@ def cut(plans: Iterable[RecordBatchPlan], batch_size: int, max_bytes: int) -> It
                     yield emit()
                     continue
                 take = 1
-            taken = take * sizes if cumulative is None else \
+            taken = take * fixed if fixed is not None else \
                 int(cumulative[start + take - 1]) - (int(cumulative[start - 1]) if start else 0)
             pending.append(Batch(plan, start, take, taken))
             pending_rows += take

@@ -7,11 +7,12 @@ import re
 import secrets
 import time
 import warnings
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
-from typing import Any, Iterator, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
-from broker.client import ControlClient
 from broker.address import feed_and_control_addresses
+from broker.client import ControlClient
 from broker.errors import BrokerError, FeedError
 from broker.protocol import Kind
 
@@ -128,16 +129,16 @@ def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "t
                 _raise_if_a_broker_restarted(clients, brokers, stream, epoch, exc)
                 raise
             diverged.update(closed.get("diverged", ()))
-    diverged = tuple(sorted(diverged))
-    if diverged:
-        message = (f"stream {stream!r} epoch {epoch}: Spark task attempts of partitions {list(diverged)} produced "
+    differed = tuple(sorted(diverged))
+    if differed:
+        message = (f"stream {stream!r} epoch {epoch}: Spark task attempts of partitions {list(differed)} produced "
                    f"different batches (recomputed in another order?)")
         if delivery == "stream":
             message += "; rows of these partitions may be missing or repeated. Use delivery='atomic'."
         log.warning(message)
         warnings.warn(message, DivergedPartitionsWarning, stacklevel=2)
     return FeedReport(partitions, sum(r.batches for r in reports), sum(r.rows for r in reports),
-                      sum(r.bytes for r in reports), time.monotonic() - started, diverged, tuple(shares))
+                      sum(r.bytes for r in reports), time.monotonic() - started, differed, tuple(shares))
 
 
 def _raise_if_a_broker_restarted(clients: list[ControlClient], before: list[dict], stream: str, epoch: int,
@@ -167,9 +168,7 @@ def _dataframe_job(df: Any, columns: Sequence[str] | None, cutting: dict, run: i
     epoch = settings["epoch"]
 
     def stream_arrow_partition(record_batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        from pyspark import TaskContext
-
-        task = TaskContext.get()
+        task = _task_context()
         part = task.partitionId()
         messages = partition_messages(record_batches, seed=(epoch, part), **cutting)
         report = stream_messages(messages, partition=part, attempt=attempt_id(run, task.attemptNumber()),
@@ -185,14 +184,22 @@ def _rdd_job(rdd: Any, cutting: dict, run: int, settings: dict):
     epoch = settings["epoch"]
 
     def stream_rows(index: int, rows: Iterator[Any]) -> list[tuple]:
-        from pyspark import TaskContext
-
-        attempt = attempt_id(run, TaskContext.get().attemptNumber())
+        attempt = attempt_id(run, _task_context().attemptNumber())
         record_batches = record_batches_from_rows(rows, cutting["batch_size"])
         messages = partition_messages(record_batches, seed=(epoch, index), **cutting)
         return [tuple(stream_messages(messages, partition=index, attempt=attempt, **settings))]
 
     return rdd.mapPartitionsWithIndex(stream_rows)
+
+
+def _task_context() -> Any:
+    """The running Spark task's context (inside a task only)."""
+    from pyspark import TaskContext
+
+    task = TaskContext.get()
+    if task is None:
+        raise RuntimeError("sparkbus's feed function runs inside a Spark task only")
+    return task
 
 
 def prepare_dataframe(df: Any, columns: Sequence[str] | None = None, ragged: Sequence[str] = (),

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import logging
 import secrets
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from .driver import FeedReport, feed
 
@@ -113,13 +114,13 @@ def feed_epochs(df: Any, address: str | Sequence[str] | None, epochs: int, strea
     """
     if epochs < 0 or first_epoch < 0:
         raise ValueError(f"epochs ({epochs}) and first_epoch ({first_epoch}) must not be negative")
+    seed = shuffle_seed if shuffle_seed is not None else secrets.randbits(31)
     if shuffle and shuffle_seed is None:
-        shuffle_seed = secrets.randbits(31)
         log.info("stream %r: shuffle seed %d (pass shuffle_seed=%d to feed the same orders again)",
-                 stream, shuffle_seed, shuffle_seed)
+                 stream, seed, seed)
     reports = []
     for epoch in range(first_epoch, first_epoch + epochs):
-        data = epoch_order(df, epoch, shuffle_seed, key, partitions) if shuffle else df
+        data = epoch_order(df, epoch, seed, key, partitions) if shuffle else df
         report = feed(data, address, stream=stream, epoch=epoch, **feed_kwargs)
         log.info("stream %r epoch %d fed: %d rows in %d batches from %d partitions in %.1f s",
                  stream, epoch, report.rows, report.batches, report.partitions, report.seconds)

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Sequence
 from contextlib import ExitStack
-from typing import Any, Iterable, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import zmq
 
@@ -85,7 +86,7 @@ def stream_messages(messages: Iterable[Message] | Iterable[tuple[dict[str, Any],
     """
     started = time.monotonic()
     feeds, controls = feed_and_control_addresses(feed_address, control_address)
-    context = zmq.Context.instance()
+    context: zmq.Context = zmq.Context.instance()
     with ExitStack() as clients:
         controls_open = [clients.enter_context(ControlClient(c, timeout, context, key, broker_key))
                          for c in controls]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 from launch.processes import ChildProcess, LaunchError, wait_for
 

@@ -21,9 +21,9 @@ import re
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Mapping, Sequence
 
 from launch.processes import ChildProcess, LaunchError, wait_for
 
@@ -174,7 +174,8 @@ class StandaloneCluster:
 
     def _all_workers_alive(self) -> bool:
         for child in [self.master, *self.workers]:
-            self._check_running(child)
+            if child is not None:
+                self._check_running(child)
         try:
             status = self.status(timeout=2.0)
         except (OSError, ValueError):        # the UI is busy or not serving yet: asked again on the next poll
@@ -244,7 +245,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with StandaloneCluster(workdir, args.hosts.split(","), args.cores, args.memory) as cluster:
         print(f"{cluster.master_url}  (web UI {cluster.web_url}, logs in {workdir}); Ctrl-C stops it", flush=True)
         try:
-            while all(c.returncode is None for c in [cluster.master, *cluster.workers]):
+            while all(c is not None and c.returncode is None for c in [cluster.master, *cluster.workers]):
                 time.sleep(1)
         except KeyboardInterrupt:
             pass

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 MPIEXEC = Path(sys.executable).parent / "mpiexec"     # the mpich wheel installs it next to the venv's python
 

@@ -31,7 +31,8 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 SUBNET = "10.213.0"          # /24; host i (from 0) gets SUBNET.(i+1)
 PREFIX = "sb-"
@@ -230,7 +231,7 @@ class Network:
 
     # ---- lifetime -----------------------------------------------------------------------------------------
 
-    def start(self) -> "Network":
+    def start(self) -> Network:
         """Make the bridge and the hosts (after deleting what dead test processes left behind)."""
         remove_leftovers()
         try:
@@ -281,7 +282,7 @@ class Network:
         if errors:
             raise NetworkError("; ".join(errors))
 
-    def __enter__(self) -> "Network":
+    def __enter__(self) -> Network:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

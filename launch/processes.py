@@ -17,8 +17,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -221,10 +222,13 @@ class ChildProcess:
             self._reader.start()
 
     def _copy(self) -> None:
-        for line in self.proc.stdout:
+        echo, stdout = self._echo, self.proc.stdout
+        if echo is None or stdout is None:        # started without echo: nothing to copy
+            return
+        for line in stdout:
             if not self._log.closed:
                 self._log.write(line)
-            self._echo(line.rstrip("\n"))
+            echo(line.rstrip("\n"))
 
     @property
     def returncode(self) -> int | None:

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 SPARK_SUBMIT = Path(sys.executable).parent / "spark-submit"      # pyspark installs it next to the venv's python
 

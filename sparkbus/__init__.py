@@ -10,8 +10,7 @@ imports neither pyspark, mpi4py nor torch; those are imported where they are use
 """
 
 from broker.config import BrokerConfig
-from broker.errors import (AuthError, BrokerError, FeedError, FeedTimeout, ProtocolError, SparkbusError,
-                           VersionMismatch)
+from broker.errors import AuthError, BrokerError, FeedError, FeedTimeout, ProtocolError, SparkbusError, VersionMismatch
 from broker.protocol import VERSION
 from broker.ragged import RaggedColumn, pad
 from feeder import DivergedPartitionsWarning, FeedReport, epoch_order, feed, feed_epochs

@@ -9,7 +9,8 @@ batch, see docs/TRAINING.md), so a rank's mixed batches are reproducible only if
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Iterable, Iterator
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import numpy as np
 

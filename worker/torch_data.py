@@ -15,18 +15,17 @@ looked up (``from worker.torch_data import StreamDataset``).
 from __future__ import annotations
 
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from broker.ragged import RaggedColumn, pad
 
 from .shuffle import shuffled
 
 if TYPE_CHECKING:                     # pragma: no cover
-    import torch
-
     from .stream import BatchStream
-
-from broker.ragged import RaggedColumn, pad
 
 Batch = dict[str, Any]
 
@@ -123,8 +122,8 @@ def _define_stream_dataset() -> type:
                 (default False: no copy, treat the tensors as read-only; see :func:`to_tensors`).
             transform: applied to each dict of tensors, e.g.
                 ``lambda b: (b["features"], b["label"].long())``.
-            shuffle_buffer: mix rows across this many consecutive batches (:func:`worker.shuffle.shuffled`); 0 (default) off.
-                Mixed batches are new arrays, so no copy is added by ``writable``.
+            shuffle_buffer: mix rows across this many consecutive batches (:func:`worker.shuffle.shuffled`); 0
+                (default) off. Mixed batches are new arrays, so no copy is added by ``writable``.
             shuffle_seed: seed of the mixing; iteration ``i`` uses ``(shuffle_seed, epoch + i, rank)``.
             epoch: the number of the first epoch this dataset yields, for the mixing seed (e.g. when
                 resuming); see :meth:`set_epoch`.
@@ -132,7 +131,7 @@ def _define_stream_dataset() -> type:
             ValueError: ``shuffle_buffer`` is negative.
         """
 
-        def __init__(self, stream: "BatchStream", *, writable: bool = False,
+        def __init__(self, stream: BatchStream, *, writable: bool = False,
                      transform: Callable[[dict], Any] | None = None, shuffle_buffer: int = 0,
                      shuffle_seed: int | None = None, epoch: int = 0):
             super().__init__()
@@ -171,4 +170,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["RaggedColumn", "StreamDataset", "pad_collate", "to_tensors"]
+__all__ = ["RaggedColumn", "StreamDataset", "pad_collate", "to_tensors"]  # noqa: F822 (StreamDataset: PEP 562)
