@@ -170,4 +170,13 @@ def feeder_cpu_per_gb(point: dict, payload_bytes: int) -> float:
     return (workers(point["sparkbus"]) - workers(point["limit"])) / (payload_bytes / 1e9)
 
 
-__all__ = ["run", "BATCH_BYTES", "KINDS", "ratio", "feeder_cpu_per_gb", "batch_options"]
+def spark_cpu_ratio(point: dict) -> float:
+    """Spark's CPU-s (JVM + Python workers) in the hand-off / in the sparkbus run (medians): the wall-clock ratio
+    one core would allow if nothing else ran on it."""
+    def spark(series: Series) -> float:
+        return median([r["cpu"]["jvm"] + r["cpu"]["workers"] for r in series.runs])
+
+    return spark(point["limit"]) / spark(point["sparkbus"])
+
+
+__all__ = ["run", "BATCH_BYTES", "KINDS", "ratio", "feeder_cpu_per_gb", "spark_cpu_ratio", "batch_options"]

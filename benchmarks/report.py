@@ -498,15 +498,20 @@ def _cluster_markdown(r: dict) -> list[str]:
                      _f(s.med("rows_per_s")), f"**{cluster.ratio(point):.2f}**", _f(s.med("first"), ".2f"),
                      f"{cpu(lim, 'jvm'):.2f} / {cpu(lim, 'workers'):.2f}",
                      f"{cpu(s, 'jvm'):.2f} / {cpu(s, 'workers'):.2f} / {cpu(s, 'broker'):.2f} / {cpu(s, 'ranks'):.2f}",
-                     f"**{cluster.feeder_cpu_per_gb(point, c['kinds'][kind]['payload_bytes']):.2f}**"])
+                     f"**{cluster.feeder_cpu_per_gb(point, c['kinds'][kind]['payload_bytes']):.2f}**",
+                     _f(cluster.spark_cpu_ratio(point), ".2f")])
     parts.append(_table(["kind", "batch", "rows a batch", "hand-off rows/s", "sparkbus rows/s", "sparkbus / hand-off",
                          "first batch (s)", "hand-off CPU-s: JVM / Python workers",
                          "sparkbus CPU-s: JVM / Python workers / broker / ranks",
-                         "feeder CPU-s per GB above the hand-off"], rows))
+                         "feeder CPU-s per GB above the hand-off", "Spark's CPU-s: hand-off / sparkbus"], rows))
     kinds = "; ".join(f"`{k}`: {spark_data.KINDS[k]}, {info['payload_bytes'] / 1e6:,.0f} MB" for k, info in
                       c["kinds"].items())
     parts += ["", f"Kinds: {kinds}. Feeder CPU-s per GB = (Python workers' CPU-s in the sparkbus run - in the "
-              "hand-off run) / GB of payload (medians): what the feeder adds on Spark's cores."]
+              "hand-off run) / GB of payload (medians): what the feeder adds on Spark's cores. The last column, Spark's CPU "
+              "seconds (JVM + Python workers) of the hand-off / of the sparkbus run, is the ratio the one core would "
+              "allow if it were Spark's alone: a check on the wall-clock ratio, which other work on the machine "
+              "(a load average above 2 here) lowers for sparkbus more than for the hand-off, since sparkbus needs "
+              "the second core too."]
     for kind, why in c.get("refused", {}).items():
         parts += ["", f"`{kind}` ({spark_data.KINDS[kind]}) was not measured: the feeder refused it: {why}"]
     return parts
