@@ -2,14 +2,15 @@
 
 A blocking MPI call in the mpich wheel busy-waits: a rank waiting in ``Allreduce`` burns a full core, which on
 a small node starves Spark and the broker. These start the non-blocking form of the collective and test it
-with a short sleep that grows to 250 µs, and in a long wait to an eighth of the time waited so far (at most
-2 ms): a wait costs at most that much latency, and a long one (peers waiting for data) few wake-ups.
+with a short sleep that grows from 20 µs to 250 µs, and in a long wait to a quarter of the time waited so far
+(at most 4 ms): a wait costs at most that much latency, and a long one (peers waiting for data) few wake-ups.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -21,7 +22,7 @@ IDLE_INTERVAL = 0.05     # seconds between calls of a wait's ``idle`` hook
 
 def wait_until(done: Callable[[], bool], idle: Callable[[], None] | None = None) -> None:
     """Call ``done`` until it returns true, sleeping 20 µs, then longer, in between: up to 250 µs, and once the
-    wait is long, up to an eighth of the time waited (at most 2 ms).
+    wait is long, up to a quarter of the time waited (at most 4 ms).
 
     ``idle`` (if given) is called every :data:`IDLE_INTERVAL` seconds while waiting: a rank keeps its broker
     connection alive (heartbeats, a rejoin) while its peers are slow.

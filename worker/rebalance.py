@@ -9,9 +9,9 @@ nothing is pickled.
 from __future__ import annotations
 
 import struct
-from typing import Any, Callable
-
-import numpy as np
+from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 from broker import codec, protocol
 
@@ -82,10 +82,10 @@ def exchange(comm: Any, held: list[tuple[dict, dict]], transfers: list[tuple[int
         if dst == me:
             for _ in range(n):
                 status = MPI.Status()
-                wait_until(lambda: comm.Iprobe(source=src, tag=_TAG_BATCH, status=status), idle)
-                buf = bytearray(status.Get_count(MPI.BYTE))
-                wait(comm.Irecv([buf, MPI.BYTE], source=src, tag=_TAG_BATCH), idle)
-                held.append(unpack_batch(bytes(buf)))
+                wait_until(partial(comm.Iprobe, source=src, tag=_TAG_BATCH, status=status), idle)
+                incoming = bytearray(status.Get_count(MPI.BYTE))
+                wait(comm.Irecv([incoming, MPI.BYTE], source=src, tag=_TAG_BATCH), idle)
+                held.append(unpack_batch(bytes(incoming)))
     for request, _ in sends:
         wait(request, idle)
     return held

@@ -11,7 +11,7 @@ import pytest
 from broker import codec
 from broker.protocol import Kind
 from helpers import FakeBroker, joined
-from worker.stream import ROUND_BATCHES
+from worker.steps import ROUND_BATCHES
 
 
 class Request:
@@ -122,9 +122,9 @@ def test_a_loop_that_leaves_while_an_agreement_is_posted_completes_it_and_skips_
 def test_a_rank_short_of_data_holds_on_for_a_round_or_the_epochs_end_before_it_agrees(context, monkeypatch):
     import threading
 
-    from worker import stream as stream_module
+    from worker import steps
 
-    monkeypatch.setattr(stream_module, "ROUND_LINGER", 30.0)      # only a round's worth or the end frees it
+    monkeypatch.setattr(steps, "ROUND_LINGER", 30.0)      # only a round's worth or the end frees it
     broker = FakeBroker(context, "inproc://even-short")
     peer = ScriptedPeer(mins=[4, 0], gathers=[0])
     stream = joined(broker, "inproc://even-short", context, comm=peer, even=True, abort_on_error=False)

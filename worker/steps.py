@@ -1,0 +1,177 @@
+"""How many steps a rank takes in an epoch, and with which batches: the plans a ``BatchStream`` epoch follows.
+
+- :class:`IndependentSteps`: a rank on its own (``even=False``) takes every batch as it comes.
+- :class:`EvenRounds`: the ranks of a communicator take the same number of steps (``even=True``). They agree,
+  over MPI, in rounds, and at the epoch's end pool what is left and share it out evenly
+  (:mod:`worker.rebalance`), dropping at most ``size - 1`` batches.
+
+A plan yields :class:`Step`\\ s; the stream hands each batch to the training loop, counts it, and acknowledges
+it when the loop comes back for the next (unless the plan has acknowledged it already).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Generator, Iterator
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from . import collectives, rebalance
+from .intake import Batch, Intake, Item
+
+if TYPE_CHECKING:                     # pragma: no cover
+    from .stream import EpochStats
+
+ROUND_BATCHES = 8       # even ranks short of data wait for a round of this many batches, or half a byte window,
+ROUND_LINGER = 0.02     # ... but no longer than this (seconds)
+
+
+class Step(NamedTuple):
+    """One step's batch."""
+
+    header: dict
+    batch: Batch
+    acknowledge: bool = True    # when the loop comes back for the next; False: acknowledged already
+
+
+class IndependentSteps:
+    """Every batch this rank receives, as it comes, until the epoch's end."""
+
+    def __init__(self, intake: Intake, ep: EpochStats):
+        self._intake, self._ep = intake, ep
+
+    def steps(self) -> Generator[Step, None, None]:
+        while (item := self._intake.next_batch(self._ep)) is not None:
+            yield Step(*item)
+
+
+class EvenRounds:
+    """The same number of steps on every rank of ``comm``, agreed in rounds.
+
+    A round is as many steps as the rank holding the fewest batches has (a ``MIN`` allreduce of the batches each
+    holds). A round longer than ``ROUND_BATCHES`` (the data keeps ahead) starts the next round's agreement before
+    its last step, on the batches each rank holds beyond it, so that the agreement completes while the loop
+    trains. Otherwise, or when that early agreement comes back 0 (some rank holds nothing more: the data is late,
+    or the epoch ends), the ranks agree again at the round's end, each first waiting a little for a round's worth
+    of batches or the epoch's end (:meth:`_take_arrived`). An agreement of 0 then ends the rounds, and the ranks
+    pool what is left and share it out (:meth:`_share_out`). Every agreement costs each rank a few wake-ups, so
+    rounds are kept long.
+
+    Args:
+        intake: this rank's batches.
+        comm: the mpi4py communicator of the ranks that keep even.
+        ep: the epoch's figures (data-wait, dropped batches).
+        prefetch, prefetch_bytes: this rank's window (what a round's worth can be, see :meth:`_round_full`).
+        on_drop: called with each batch dropped at the epoch's end.
+    """
+
+    def __init__(self, intake: Intake, comm: Any, ep: EpochStats, *, prefetch: int, prefetch_bytes: int,
+                 on_drop: Callable[[Batch], None] | None):
+        self._intake, self._comm, self._ep = intake, comm, ep
+        self._prefetch, self._prefetch_bytes, self._on_drop = prefetch, prefetch_bytes, on_drop
+        self._ready: deque[Item] = deque()                  # batches held for the coming steps
+        self._ahead: collectives.PendingMin | None = None   # the next round's agreement, posted early
+
+    def steps(self) -> Generator[Step, None, None]:
+        """The epoch's steps. Closing it early (the loop left) completes an agreement this rank posted."""
+        try:
+            while (steps := self._agree()) > 0:
+                for step in range(steps - 1, -1, -1):
+                    if step == 0 and steps > ROUND_BATCHES:
+                        self._agree_ahead()
+                    yield Step(*self._ready.popleft())
+        except BaseException:                   # the loop left early (break, or an error)
+            self._abandon()
+            raise
+        yield from self._share_out()
+
+    # ---- rounds ---------------------------------------------------------------------------------------------
+
+    def _agree(self) -> int:
+        """The steps of the next round, the same on every rank: the early agreement if one was posted and is
+        not 0, else a new one at the round's end. 0: some rank's share is used up."""
+        ep, intake = self._ep, self._intake
+        if self._ahead is not None:
+            started = time.monotonic()
+            pending, self._ahead = self._ahead, None     # an error while waiting must not wait again on the way out
+            steps = pending.result(idle=intake.service)
+            ep.wait_seconds += time.monotonic() - started
+            if steps:
+                return steps
+        if not self._ready and not intake.end_seen:
+            item = intake.next_batch(ep)
+            if item is not None:
+                self._ready.append(item)
+        # Some rank ran short: agreements would come one step at a time while the data trickles in; hold on
+        # briefly for a round's worth instead.
+        self._take_arrived(until_full=True)
+        started = time.monotonic()
+        intake.flush()                  # nothing of ours may hold the broker back while we agree
+        steps = collectives.allreduce_min(self._comm, len(self._ready), idle=intake.service)
+        ep.wait_seconds += time.monotonic() - started
+        return steps
+
+    def _agree_ahead(self) -> None:
+        """Before a long round's last step: post the next round's agreement on what this rank holds beyond it."""
+        self._take_arrived()
+        self._intake.flush()
+        self._ahead = collectives.PendingMin(self._comm, len(self._ready) - 1)
+
+    def _abandon(self) -> None:
+        """The loop left the epoch early: complete the agreement every rank posted, and put back what this rank
+        holds (the next epoch skips and acknowledges it)."""
+        if self._ahead is not None:
+            self._ahead.result(idle=self._intake.service)
+        self._intake.put_back(self._ready)
+
+    def _take_arrived(self, until_full: bool = False) -> None:
+        """Move the batches that have arrived to the round's. With ``until_full``, then wait up to ``ROUND_LINGER``
+        seconds (in ``poll``, counted as data-wait) for a round's worth (:meth:`_round_full`) or the epoch's end."""
+        intake, ep = self._intake, self._ep
+        deadline = time.monotonic() + ROUND_LINGER
+        while not intake.end_seen:
+            item = intake.next_batch(ep, block=False)
+            if item is not None:
+                self._ready.append(item)
+                continue
+            started = time.monotonic()
+            if intake.end_seen or not until_full or started >= deadline or self._round_full():
+                return
+            intake.poll(math.ceil((deadline - started) * 1000))      # whole ms: 0 would not wait at all
+            ep.wait_seconds += time.monotonic() - started
+
+    def _round_full(self) -> bool:
+        """This rank holds ROUND_BATCHES batches, or as many as the window is sure to admit (``prefetch``) and half
+        its bytes: more may not come until it consumes."""
+        if len(self._ready) >= ROUND_BATCHES:
+            return True
+        return (len(self._ready) >= self._prefetch
+                and 2 * sum(h["nbytes"] for h, _ in self._ready) >= self._prefetch_bytes)
+
+    # ---- the epoch's end ------------------------------------------------------------------------------------
+
+    def _share_out(self) -> Iterator[Step]:
+        """Some rank's share is used up: gather what is left everywhere and share it out evenly. Every batch is
+        acknowledged before the exchange; the ``sum % size`` left over are dropped."""
+        ep, intake = self._ep, self._intake
+        started = time.monotonic()
+        held, self._ready = list(self._ready), deque()
+        for header, _ in held:
+            intake.ack(header, send=False)
+        if not intake.end_seen:
+            while (more := intake.next_batch(ep)) is not None:
+                held.append(more)
+                intake.ack(more[0], send=False)
+        intake.flush()
+        counts = collectives.allgather_count(self._comm, len(held), idle=intake.service)
+        transfers, target = rebalance.plan_transfers(counts)
+        held = rebalance.exchange(self._comm, held, transfers, idle=intake.service)
+        ep.wait_seconds += time.monotonic() - started
+        for header, batch in held[target:]:
+            ep.dropped_batches += 1
+            ep.dropped_rows += header["rows"]
+            if self._on_drop is not None:
+                self._on_drop(batch)
+        for header, batch in held[:target]:
+            yield Step(header, batch, acknowledge=False)
