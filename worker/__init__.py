@@ -8,8 +8,8 @@ Importing this package starts nothing (no MPI initialisation, no sockets).
 from broker.errors import BrokerError, ProtocolError, SparkbusError
 from broker.ragged import RaggedColumn, pad
 
-from .stream import BatchStream, EpochStats, StreamStats
 from .shuffle import ShuffleBuffer, shuffled
+from .stream import BatchStream, EpochStats, StreamStats
 
 __all__ = ["BatchStream", "BrokerError", "EpochStats", "ProtocolError", "RaggedColumn", "SparkbusError",
            "StreamStats", "ShuffleBuffer", "pad", "shuffled"]

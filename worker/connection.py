@@ -7,8 +7,9 @@ the rank has) share one message.
 
 The connection keeps what the broker needs to hear when this rank comes back after its connection was lost (a
 cut link, a firewall that dropped the FIN, a restarted broker): the ids of the current epoch's batches it
-received, and which of those it acknowledged. Its HELLO then carries them (``resume``), and the broker neither
-sends those batches again nor hands them to another rank. See docs/PROTOCOL.md, "A rank".
+received (:meth:`BrokerConnection.arrived`), and which of those it acknowledged (:meth:`BrokerConnection.ack`).
+Its HELLO then carries them (``resume``), and the broker neither sends those batches again nor hands them to
+another rank. See docs/PROTOCOL.md, "A rank".
 """
 
 from __future__ import annotations
@@ -54,12 +55,12 @@ class BrokerConnection:
                  broker_key: str | None = None):
         self.address, self.stream, self.rank, self.size, self.even = address, stream, rank, size, even
         self.prefetch, self.prefetch_bytes, self.timeout, self.heartbeat = prefetch, prefetch_bytes, timeout, heartbeat
-        self.report: dict[str, float | int] = {}     # the rank's own figures, sent with ACKs and heartbeats
+        self._figures: dict[str, float | int] = {}   # the rank's own figures, sent with ACKs and heartbeats
         self._unsent: list[int] = []                 # acknowledged ids not yet sent: epoch, part, seq, ...
         self._inbox: deque[tuple[dict, list[zmq.Frame]]] = deque()   # kept by service() while the rank waited
         self.session = secrets.token_hex(8)           # the same across reconnections of this rank
-        self.received: set[BatchId] = set()           # batch ids of the current epoch that arrived
-        self.acked: set[BatchId] = set()              # ... and of those, the ones acknowledged
+        self._received: set[BatchId] = set()          # batch ids of the current epoch that arrived
+        self._acked: set[BatchId] = set()             # ... and of those, the ones acknowledged
         self.ended = -1                               # the last epoch whose EPOCH_END arrived
         self.rejoins = 0
         self._req = 0
@@ -89,8 +90,8 @@ class BrokerConnection:
                              ended=self.ended)
         if resume:
             self._unsent = []                            # the HELLO names every batch consumed
-            held = self.received - self.acked
-            self._sock.send_multipart([header, protocol.pack_ids(held), protocol.pack_ids(self.acked)])
+            held = self._received - self._acked
+            self._sock.send_multipart([header, protocol.pack_ids(held), protocol.pack_ids(self._acked)])
         else:
             self._sock.send(header)
         self._last_said = time.monotonic()
@@ -99,18 +100,34 @@ class BrokerConnection:
         # Absolute: batches this rank still holds stay in flight to it, and the broker counts them in the window.
         self._say(Kind.CREDIT, window=self.prefetch, window_bytes=self.prefetch_bytes)
 
+    def arrived(self, batch_id: BatchId) -> bool:
+        """Note that a BATCH of the current epoch arrived. False if this rank had it already (a redelivery after
+        a rejoin, or of a restarted broker): drop it; a copy this rank holds unacknowledged then counts as
+        consumed, acknowledged with the next flush."""
+        if batch_id not in self._received:
+            self._received.add(batch_id)
+            return True
+        if batch_id not in self._acked:
+            self.ack(batch_id, send=False)
+        return False
+
     def ack(self, batch_id: BatchId, send: bool = True) -> None:
         """Acknowledge one batch (or pack): the loop is done with it. ``send=False`` keeps the id for the next
-        :meth:`flush`, to acknowledge several in one message."""
-        self.acked.add(batch_id)
+        :meth:`flush`, to acknowledge several in one message (they leave anyway once ``ACK_MAX`` wait)."""
+        self._acked.add(batch_id)
         self._unsent.extend(batch_id)
         if send or len(self._unsent) >= 3 * ACK_MAX:
             self.flush()
 
+    def report(self, **figures: float | int) -> None:
+        """Set this rank's own figures (``consumed``, ``wait_s``, ``first_batch_s``: see ``ACK`` in
+        docs/PROTOCOL.md); they go with its next ACK or heartbeat."""
+        self._figures.update(figures)
+
     def flush(self) -> None:
         """Send the acknowledgements that wait, if any."""
         if self._unsent:
-            self._say(Kind.ACK, ids=self._unsent, **self.report)
+            self._say(Kind.ACK, ids=self._unsent, **self._figures)
             self._unsent = []
 
     def service(self) -> None:
@@ -145,7 +162,7 @@ class BrokerConnection:
         self._hello(resume=False)
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self._sock.poll(min(remaining, self.heartbeat) * 1000):
+            if remaining <= 0 or not self._sock.poll(int(min(remaining, self.heartbeat) * 1000)):
                 if time.monotonic() < deadline:
                     continue
                 if self._refusal:
@@ -209,7 +226,7 @@ class BrokerConnection:
             if self._rejoin_since is not None:
                 self._rejoin(self._refusal)
             elif now - self._last_said >= self.heartbeat:
-                self._say(Kind.HEARTBEAT, **self.report)
+                self._say(Kind.HEARTBEAT, **self._figures)
             try:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)    # no poll when one is waiting
             except zmq.Again:
@@ -218,7 +235,7 @@ class BrokerConnection:
                 if not block:
                     return None
                 wait = min(self.heartbeat, self.timeout - silent_for)
-                self._sock.poll(max(wait, 0.001) * 1000)
+                self._sock.poll(int(max(wait, 0.001) * 1000))
                 continue
             header = unpack_header(frames[0].bytes)
             kind = header["kind"]
@@ -230,8 +247,8 @@ class BrokerConnection:
                 return header, frames[1:]
             if kind == Kind.EPOCH_END:
                 self.ended = header["epoch"]
-                self.received.clear()
-                self.acked.clear()
+                self._received.clear()
+                self._acked.clear()
                 return header, frames[1:]
             if kind == Kind.ERROR and header["code"] == ErrorCode.UNKNOWN_RANK:
                 self._refusal = ""

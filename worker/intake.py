@@ -125,17 +125,14 @@ class Intake:
                 self.end_seen = True
                 return None
             batch_id = protocol.batch_id(header)
-            if batch_id not in broker.received:
+            if broker.arrived(batch_id):
                 break
-            if batch_id not in broker.acked:
-                broker.ack(batch_id, send=False)   # a redelivery of one we have: it counts as consumed
-        broker.received.add(batch_id)
         ep.wait_seconds += time.monotonic() - started
         if ep.epoch < 0:
             ep.epoch = header["epoch"]
             if self._stats.first_batch_seconds < 0:
                 self._stats.first_batch_seconds = time.monotonic() - self._started
-                broker.report["first_batch_s"] = self._stats.first_batch_seconds
+                broker.report(first_batch_s=self._stats.first_batch_seconds)
         columns = decode_batch(header, frames, verify=self._verify)
         nbytes = header["nbytes"] = sum(len(f) for f in frames)
         self._source[batch_id] = broker
@@ -173,8 +170,7 @@ class Intake:
         # What this rank tells its brokers about itself (for monitoring): once per message, and with each flush.
         consumed, wait_s = self._figures()
         for broker in self.connections:
-            broker.report["consumed"] = consumed
-            broker.report["wait_s"] = wait_s
+            broker.report(consumed=consumed, wait_s=wait_s)
 
     def flush(self) -> None:
         """Send every acknowledgement that waits, with this rank's figures."""

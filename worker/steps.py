@@ -5,8 +5,9 @@
   over MPI, in rounds, and at the epoch's end pool what is left and share it out evenly
   (:mod:`worker.rebalance`), dropping at most ``size - 1`` batches.
 
-A plan yields :class:`Step`\\ s; the stream hands each batch to the training loop, counts it, and acknowledges
-it when the loop comes back for the next (unless the plan has acknowledged it already).
+A plan (:class:`StepPlan`) yields one :class:`Step` per step; the stream hands its batch to the training loop,
+counts it, and acknowledges it when the loop comes back for the next (unless the plan has acknowledged it
+already). Steps granted by the broker would be a third plan.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from . import collectives, rebalance
 from .intake import Batch, Intake, Item
@@ -33,6 +34,14 @@ class Step(NamedTuple):
     header: dict
     batch: Batch
     acknowledge: bool = True    # when the loop comes back for the next; False: acknowledged already
+
+
+class StepPlan(Protocol):
+    """What an epoch of a ``BatchStream`` follows."""
+
+    def steps(self) -> Generator[Step, None, None]:
+        """The epoch's steps, in order. Closing it early (the loop left) settles what the plan started."""
+        ...
 
 
 class IndependentSteps:

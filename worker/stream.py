@@ -20,7 +20,7 @@ from broker.address import broker_addresses
 
 from .connection import BrokerConnection
 from .intake import Batch, Intake
-from .steps import EvenRounds, IndependentSteps
+from .steps import EvenRounds, IndependentSteps, StepPlan
 
 log = logging.getLogger("sparkbus.worker")
 
@@ -155,8 +155,12 @@ class BatchStream:
         ep = self._ep = EpochStats(epoch=-1)
         started = time.monotonic()
         self._intake.begin_epoch()
-        plan = (EvenRounds(self._intake, self.comm, ep, prefetch=self.prefetch, prefetch_bytes=self.prefetch_bytes,
-                           on_drop=self.on_drop) if self.even else IndependentSteps(self._intake, ep))
+        plan: StepPlan
+        if self.even:
+            plan = EvenRounds(self._intake, self.comm, ep, prefetch=self.prefetch,
+                              prefetch_bytes=self.prefetch_bytes, on_drop=self.on_drop)
+        else:
+            plan = IndependentSteps(self._intake, ep)
         steps = plan.steps()
         holding: dict | None = None           # the header of the batch the loop has now (acknowledged on next)
         try:

@@ -1,0 +1,68 @@
+"""A rank's side of rejoining, against a stand-in broker over inproc: the HELLO that names what the rank holds and
+consumed, and redeliveries of batches it has, which it does not yield again."""
+
+import numpy as np
+from helpers import FakeBroker, joined
+
+from broker import codec, protocol
+from broker.protocol import ErrorCode, Kind, pack_header, unpack_header
+
+
+def batch(seq):
+    return {"id": np.array([seq])}
+
+
+def resume_hello(broker, timeout=5.0):
+    """The rank's next HELLO (heartbeats skipped), with its two id frames: held, consumed."""
+    while True:
+        assert broker.sock.poll(timeout * 1000), "no HELLO from the rank"
+        identity, raw, *ids = broker.sock.recv_multipart()
+        header = unpack_header(raw)
+        if header["kind"] == Kind.HELLO:
+            return header, [protocol.unpack_ids(frame) for frame in ids]
+
+
+def unknown_rank(broker):
+    broker.send([pack_header(Kind.ERROR, req=0, reason="unknown rank", code=ErrorCode.UNKNOWN_RANK)])
+
+
+def welcome(broker, hello):
+    broker.send([pack_header(Kind.WELCOME, req=hello["req"], broker="fake", incarnation="y", journal=False,
+                             free=0)])
+
+
+def test_a_rank_told_it_is_unknown_names_what_it_holds_and_consumed_and_drops_a_second_copy(context):
+    broker = FakeBroker(context, "inproc://rank-rejoin")
+    with joined(broker, "inproc://rank-rejoin", context) as stream:
+        for seq in (0, 1):
+            broker.send(codec.encode_batch("s", 0, 0, seq, batch(seq)))
+        unknown_rank(broker)
+        got = []
+        epoch = stream.epoch()
+        got.append(int(next(epoch)["id"][0]))
+        got.append(int(next(epoch)["id"][0]))
+        # the loop holds batch 1; waiting in a collective, the rank hears that the broker does not know it
+        stream._service()
+        hello, (held, consumed) = resume_hello(broker)
+        assert hello["resume"] and hello["ended"] == -1
+        assert (held, consumed) == ([(0, 0, 1)], [(0, 0, 0)])
+        welcome(broker, hello)
+        broker.send(codec.encode_batch("s", 0, 0, 0, batch(0)))      # a copy of one it consumed: dropped
+        broker.send(codec.encode_batch("s", 0, 0, 2, batch(2)))
+        broker.end(0, 3)
+        got.extend(int(b["id"][0]) for b in epoch)
+        assert got == [0, 1, 2]
+        assert broker.next(Kind.CREDIT)["window"] == 4, "the rank states its window again once welcomed"
+        assert stream.stats.rejoins == 1 and stream.stats.epochs[-1].batches == 3
+
+
+def test_after_an_epochs_end_a_rejoining_rank_names_nothing_of_it(context):
+    broker = FakeBroker(context, "inproc://rank-rejoin-end")
+    with joined(broker, "inproc://rank-rejoin-end", context) as stream:
+        broker.send(codec.encode_batch("s", 0, 0, 0, batch(0)))
+        broker.end(0, 1)
+        assert [int(b["id"][0]) for b in stream.epoch()] == [0]
+        unknown_rank(broker)
+        stream._service()
+        hello, (held, consumed) = resume_hello(broker)
+        assert hello["ended"] == 0 and (held, consumed) == ([], [])
