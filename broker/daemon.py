@@ -9,7 +9,8 @@ ranks       ROUTER     ranks' DEALERs: HELLO, CREDIT, ACK, HEARTBEAT, BYE, STATS
 ==========  =========  ===========================================================================
 
 Batches are held as the frames they arrived in and forwarded as the same frames: only the header is decoded.
-What to keep, commit and redeliver is decided by :class:`broker.ledger.Ledger`; this module does the I/O.
+What to keep, commit, redeliver and when to pause the feed is decided by :class:`broker.ledger.Ledger`; this
+module does the I/O and the timing (heartbeats, the grace of lost ranks, journal syncs, metrics snapshots).
 """
 
 from __future__ import annotations
@@ -27,13 +28,15 @@ import zmq
 
 from . import protocol
 from .address import control_address
+from .books import Outcome
 from .config import BrokerConfig
 from .errors import ProtocolError, VersionMismatch
+from .figures import Figures
 from .guard import Guard
 from .journal import Journal
 from .ledger import Ledger, MissedEnd, Rejected, Reply
 from .protocol import ErrorCode, Kind, pack_header, unpack_header
-from .state import EpochState, HeldBatch, RankState, StreamState
+from .state import StreamState
 
 log = logging.getLogger("sparkbus.broker")
 
@@ -69,13 +72,12 @@ class Broker:
         self._stop = threading.Event()
         self._reload = threading.Event()
         self.guard = Guard(config.auth, self._refused_peer)
-        self.ledger = Ledger(Journal(config.journal) if config.journal else None, config.rejoin_grace)
+        self.ledger = Ledger(Journal(config.journal) if config.journal else None, config.rejoin_grace,
+                             config.max_buffer)
         self.rejected: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self.endpoints: dict[str, str] = {}
         self.incarnation = secrets.token_hex(8)
         self._started = time.monotonic()
-        self._feed_paused = False
-        self._stall_warned = 0.0
 
     @property
     def streams(self) -> dict[str, StreamState]:
@@ -173,11 +175,8 @@ class Broker:
         guarded = set(self.guard.sockets)
         next_heartbeat = time.monotonic() + self.config.heartbeat
         while not self._stop.is_set():
-            paused = self.ledger.buffered >= self.config.max_buffer
-            if paused != self._feed_paused:
-                poller.modify(feed, 0 if paused else zmq.POLLIN)
-                self._feed_paused = paused
-                log.debug("feed %s at %d buffered bytes", "paused" if paused else "resumed", self.ledger.buffered)
+            if self.ledger.update_feed_gate():
+                poller.modify(feed, 0 if self.ledger.feed_paused else zmq.POLLIN)
             ready = dict(poller.poll(POLL_MS))
             for sock in guarded.intersection(ready):
                 self.guard.handle(sock)
@@ -188,12 +187,12 @@ class Broker:
             if feed in ready:
                 self._drain(feed, self._on_feed, until_full=True, burst=FEED_BURST)
             for stream in self.streams.values():
-                self.ledger.dispatch(stream, self._send_batch, self._send_epoch_end)
+                self.ledger.dispatch(stream, self._transmit)
             now = time.monotonic()
             if now >= next_heartbeat:
                 self._heartbeat()
                 self.ledger.expire_orphans(now)
-                self._warn_if_atomic_stall(now)
+                self.ledger.warn_if_atomic_stall(now)
                 if self.ledger.journal:
                     self.ledger.journal.sync_if_due()
                 if metrics is not None:
@@ -206,7 +205,7 @@ class Broker:
     def _drain(self, sock: zmq.Socket, handle: Callable[[list[zmq.Frame]], None], until_full: bool = False,
                burst: int = BURST) -> None:
         for _ in range(burst):
-            if until_full and self.ledger.buffered >= self.config.max_buffer:
+            if until_full and self.ledger.feed_full():
                 return
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
@@ -220,14 +219,6 @@ class Broker:
     def _reject(self, socket: str, reason: str, detail: str) -> None:
         self.rejected[socket][reason] += 1
         log.debug("rejected on %s (%s): %s", socket, reason, detail)
-
-    def _warn_if_atomic_stall(self, now: float) -> None:
-        stuck = self._feed_paused and self.ledger.held_bytes >= self.ledger.buffered > 0
-        if stuck and now - self._stall_warned > 10:
-            self._stall_warned = now
-            log.warning("the buffer is full of partitions that are not committed yet (atomic delivery): nothing "
-                        "can be released until they are. Raise --max-buffer above (concurrent Spark tasks x "
-                        "partition size) or use smaller partitions")
 
     # ---- feed socket ------------------------------------------------------------------------------------
 
@@ -259,35 +250,37 @@ class Broker:
     def _on_request(self, sock: zmq.Socket, frames: list[zmq.Frame], socket: str) -> None:
         identity = frames[0].bytes
         if len(frames) != 2 and not (len(frames) == 2 + len(REJOIN_FRAMES) and _is_hello(frames[1])):
-            self._reject(socket, "malformed", f"{len(frames) - 1} frames after the identity, expected 1")
-            return self._send(sock, identity, Kind.ERROR, req=0, code=ErrorCode.MALFORMED,
-                              reason=f"expected one header frame, got {len(frames) - 1} frames (a rank's HELLO "
-                                     f"with resume takes {1 + len(REJOIN_FRAMES)})")
+            return self._refuse(sock, socket, identity, 0, ErrorCode.MALFORMED,
+                                f"expected one header frame, got {len(frames) - 1} frames (a rank's HELLO with "
+                                f"resume takes {1 + len(REJOIN_FRAMES)})")
         try:
             header = unpack_header(frames[1].bytes)
         except ProtocolError as exc:
             code = ErrorCode.VERSION if isinstance(exc, VersionMismatch) else ErrorCode.MALFORMED
-            self._reject(socket, code.name.lower(), exc.reason)
-            return self._send(sock, identity, Kind.ERROR, req=0, code=code, reason=exc.reason)
+            return self._refuse(sock, socket, identity, 0, code, exc.reason)
         handlers = self._control_handlers if socket == "control" else self._rank_handlers
         handler = handlers.get(header["kind"])
-        if socket == "ranks" and identity in self.ledger.ranks:
-            self.ledger.ranks[identity].last_seen = time.monotonic()
+        if socket == "ranks":
+            self.ledger.heard_from(identity)
         req = header.get("req", 0) if type(header.get("req")) is int else 0
         if handler is None:
-            self._reject(socket, "unexpected_kind", header["kind"].name)
-            return self._send(sock, identity, Kind.ERROR, req=req, code=ErrorCode.UNEXPECTED_KIND,
-                              reason=f"{header['kind'].name} is not accepted on the {socket} socket")
+            return self._refuse(sock, socket, identity, req, ErrorCode.UNEXPECTED_KIND,
+                                f"{header['kind'].name} is not accepted on the {socket} socket")
         try:
             handler(self, sock, identity, header, frames[2:])
-        except ProtocolError as exc:
-            self._reject(socket, "refused", exc.reason)
-            self._send(sock, identity, Kind.ERROR, req=req, code=exc.code or ErrorCode.REFUSED, reason=exc.reason)
+        except ProtocolError as exc:           # the rules refused it (UNKNOWN_RANK, ALREADY_CONNECTED, REFUSED)
+            self._refuse(sock, socket, identity, req, ErrorCode(exc.code or ErrorCode.REFUSED), exc.reason,
+                         counted="refused")
         except Exception:      # a bug must cost one request, not the broker and every stream it serves
             log.exception("internal error handling %s on the %s socket", header["kind"].name, socket)
-            self._reject(socket, "internal", header["kind"].name)
-            self._send(sock, identity, Kind.ERROR, req=req, code=ErrorCode.INTERNAL,
-                       reason="internal broker error (see its log)")
+            self._refuse(sock, socket, identity, req, ErrorCode.INTERNAL, "internal broker error (see its log)")
+
+    def _refuse(self, sock: zmq.Socket, socket: str, identity: bytes, req: int, code: ErrorCode, reason: str,
+                counted: str | None = None) -> None:
+        """Answer ERROR with ``code`` and count the refusal in ``stats.broker.rejected`` (under the code's name,
+        or ``counted``)."""
+        self._reject(socket, counted or code.name.lower(), reason)
+        self._send(sock, identity, Kind.ERROR, req=req, code=code, reason=reason)
 
     def _send(self, sock: zmq.Socket, identity: bytes, kind: Kind, **fields: Any) -> bool:
         try:
@@ -311,12 +304,7 @@ class Broker:
         self._send(sock, identity, Kind.WELCOME, req=h["req"], broker=f"sparkbus/{protocol.VERSION}",
                    incarnation=self.incarnation, journal=self.ledger.journal is not None,
                    free=max(self.config.max_buffer - self.ledger.buffered, 0))
-        for end in missed:           # what a rank that was away missed of epochs that ended meanwhile
-            for batch in end.resend:
-                rank = self.ledger.ranks.get(identity)
-                if rank is None or not self._send_batch(rank, batch):
-                    return           # gone again: what it holds waits for it as before
-            self._send(sock, identity, Kind.EPOCH_END, stream=h["stream"], epoch=end.epoch, batches=end.batches)
+        self.ledger.send_missed(identity, missed, self._transmit)    # what it missed of epochs that ended
 
     def _credit(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
         self.ledger.set_window(self.ledger.rank(identity), h["window"], h["window_bytes"])
@@ -361,20 +349,17 @@ class Broker:
 
     # ---- to the ranks -----------------------------------------------------------------------------------
 
-    def _send_batch(self, rank: RankState, batch: HeldBatch) -> bool:
+    def _transmit(self, identity: bytes, frames: list[Any]) -> Outcome:
+        """The ledger's sends to a rank (batches, epoch ends): I/O only, the ledger acts on the outcome."""
         try:
-            self._ranks.send_multipart([rank.identity, *batch.frames], zmq.NOBLOCK, copy=False)
-            return True
+            self._ranks.send_multipart([identity, *frames], zmq.NOBLOCK, copy=False)
+            return Outcome.SENT
         except zmq.ZMQError as exc:
             if exc.errno == zmq.EHOSTUNREACH:
-                self.ledger.rank_gone(rank.identity, "disconnected")
-            elif exc.errno != zmq.EAGAIN:
+                return Outcome.GONE
+            if exc.errno != zmq.EAGAIN:
                 raise
-            return False
-
-    def _send_epoch_end(self, rank: RankState, ep: EpochState) -> None:
-        self._send(self._ranks, rank.identity, Kind.EPOCH_END, stream=rank.stream, epoch=ep.epoch,
-                   batches=ep.batches_out)
+            return Outcome.FULL
 
     def _heartbeat(self) -> None:
         """Heartbeat every rank; sending to one whose connection has closed is how its death is noticed."""
@@ -383,13 +368,13 @@ class Broker:
 
     # ---- figures ----------------------------------------------------------------------------------------
 
-    def stats(self) -> dict[str, Any]:
-        """Live figures: what ``sparkbus status`` prints (documented in docs/PROTOCOL.md)."""
+    def stats(self) -> Figures:
+        """Live figures: what ``sparkbus status`` prints (``broker.figures``, documented in docs/PROTOCOL.md)."""
         return {
             "broker": {"version": protocol.VERSION, "pid": os.getpid(), "incarnation": self.incarnation,
                        "uptime_s": round(time.monotonic() - self._started, 3),
                        "buffered_bytes": self.ledger.buffered, "max_buffer": self.config.max_buffer,
-                       "feed_paused": self._feed_paused, "endpoints": self.endpoints,
+                       "feed_paused": self.ledger.feed_paused, "endpoints": self.endpoints,
                        "journal": self.config.journal,
                        "rejected": {s: dict(r) for s, r in self.rejected.items()}},
             "streams": {name: s.stats() for name, s in self.streams.items()},

@@ -157,7 +157,7 @@ _REQUIRED = {kind: tuple(fields.items()) for kind, fields in SCHEMAS.items()}
 _OPTIONAL = {kind: tuple(OPTIONAL.get(kind, {}).items()) for kind in Kind}
 
 
-def _field_error(kind: Kind, name: str, value: Any, expected: type) -> ProtocolError:
+def _field_error(kind: Kind, name: str, value: Any, expected: type | tuple[type, ...]) -> ProtocolError:
     return ProtocolError(f"{kind.name} header field {name!r} must be {_type_name(expected)}, "
                          f"got {type(value).__name__}")
 

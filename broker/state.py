@@ -1,7 +1,8 @@
 """The broker's bookkeeping: streams, their epochs, partitions and ranks. No sockets here; ``daemon`` owns them.
 
 A batch is held as the list of frames it arrived in and is forwarded as that same list: the broker reads
-its header, never its payload.
+its header, never its payload. An epoch's and a rank's counters change only through their methods here (the
+ledger's rules call them), so that what a figure counts is said in one place.
 """
 
 from __future__ import annotations
@@ -9,7 +10,9 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
+
+from .figures import REPORTED, EpochFigures, OrphanFigures, RankFigures, StreamFigures
 
 BatchId = tuple[int, int, int]   # (epoch, partition, seq)
 
@@ -71,6 +74,7 @@ class EpochState:
     rows_in: int = 0
     batches_out: int = 0
     bytes_out: int = 0
+    rows_out: int = 0
     acked: int = 0
     duplicates: int = 0
     redelivered: int = 0       # sends of a batch that had gone out before (its rank died or left)
@@ -96,13 +100,55 @@ class EpochState:
             state = self.parts[number] = PartitionState()
         return state
 
-    def stats(self) -> dict[str, Any]:
+    # ---- the counters: each changes here only ----------------------------------------------------------------
+
+    def take(self, batch: HeldBatch) -> None:
+        """A batch (first copy, or an atomic partition's at its commit) joins the queue to the ranks."""
+        self.queue.append(batch)
+        self.batches_in += batch.count
+        self.bytes_in += batch.nbytes
+        self.rows_in += batch.rows
+
+    def count_duplicate(self) -> None:
+        self.duplicates += 1        # a message: a pack copied counts once
+
+    def count_out(self, batch: HeldBatch) -> None:
+        """The batch is in a rank's hands: sent, or found at a rank that rejoined with it."""
+        self.batches_out += batch.count
+        self.bytes_out += batch.nbytes
+        self.rows_out += batch.rows
+
+    def sent(self, batch: HeldBatch) -> None:
+        """The batch went out to a rank (again, if it had gone out before)."""
+        self.resent(batch)
+        self.count_out(batch)
+
+    def resent(self, batch: HeldBatch) -> None:
+        """The batch went out once more, still counted out (to a rank that lost it with its old connection)."""
+        batch.sends += 1
+        if batch.sends > 1:
+            self.redelivered += batch.count
+
+    def requeue(self, batch: HeldBatch) -> None:
+        """A batch in flight that will not be acknowledged goes back to the front of the queue: its send is undone."""
+        self.queue.appendleft(batch)
+        self.batches_out -= batch.count
+        self.bytes_out -= batch.nbytes
+        self.rows_out -= batch.rows
+
+    def count_acked(self, batch: HeldBatch) -> None:
+        self.acked += batch.count
+
+    def count_given_twice(self) -> None:
+        self.given_twice += 1
+
+    def stats(self) -> EpochFigures:
         return {"partitions": self.partitions, "delivery": self.delivery, "committed": len(self.committed),
                 "closed": self.closed, "ended": self.end_sent, "queued": len(self.queue),
                 "batches_in": self.batches_in, "bytes_in": self.bytes_in, "rows_in": self.rows_in,
-                "batches_out": self.batches_out, "bytes_out": self.bytes_out, "acked": self.acked,
-                "duplicates": self.duplicates, "redelivered": self.redelivered, "given_twice": self.given_twice,
-                "diverged": self.diverged}
+                "batches_out": self.batches_out, "bytes_out": self.bytes_out, "rows_out": self.rows_out,
+                "acked": self.acked, "duplicates": self.duplicates, "redelivered": self.redelivered,
+                "given_twice": self.given_twice, "diverged": self.diverged}
 
 
 MAX_WINDOW = 4096     # batches in flight to one rank at most, however small they are
@@ -139,11 +185,40 @@ class RankState:
         return held < self.window or (by_bytes and held < MAX_WINDOW
                                       and self.inflight_bytes + nbytes <= self.window_bytes)
 
-    def stats(self) -> dict[str, Any]:
+    def report(self, header: dict[str, Any]) -> None:
+        """Keep the figures a rank reports about itself on ACK and HEARTBEAT (data-wait, first batch, consumed)."""
+        for name in REPORTED:
+            if name in header:
+                self.reported[name] = header[name]
+
+    def hold(self, batch: HeldBatch) -> None:
+        """The batch is in flight to this rank (sent, or held by it when it rejoined)."""
+        self.inflight[batch.id] = batch
+        self.inflight_bytes += batch.nbytes
+
+    def sent(self, batch: HeldBatch) -> None:
+        """The batch went out to this connection."""
+        self.hold(batch)
+        self.batches += batch.count
+        self.bytes += batch.nbytes
+
+    def consumed(self, batches: Iterable[HeldBatch], held: bool = True) -> int:
+        """Batches this rank consumed, taken out of :attr:`inflight` already (``held``), or never in it (found
+        elsewhere when it rejoined). Returns their bytes."""
+        freed = 0
+        for batch in batches:
+            freed += batch.nbytes
+            self.acked += batch.count
+        if held:
+            self.inflight_bytes -= freed
+        return freed
+
+    def stats(self) -> RankFigures:
         return {"rank": self.rank, "size": self.size, "even": self.even, "window": self.window,
                 "window_bytes": self.window_bytes, "inflight": len(self.inflight),
                 "inflight_bytes": self.inflight_bytes, "batches": self.batches, "bytes": self.bytes,
-                "acked": self.acked, "idle_s": round(time.monotonic() - self.last_seen, 3), **self.reported}
+                "acked": self.acked, "idle_s": round(time.monotonic() - self.last_seen, 3),
+                **self.reported}  # type: ignore[typeddict-item]
 
 
 @dataclass
@@ -152,6 +227,10 @@ class Orphan:
 
     rank: RankState
     deadline: float
+
+    def stats(self, now: float) -> OrphanFigures:
+        return {"rank": self.rank.rank, "inflight": len(self.rank.inflight),
+                "expires_in_s": round(self.deadline - now, 3)}
 
 
 @dataclass
@@ -163,7 +242,7 @@ class StreamState:
     ranks: dict[bytes, RankState] = field(default_factory=dict)
     expected_ranks: int = 0    # the communicator size the first rank announced
     complete: bool = False     # all expected ranks have joined since the stream last had none
-    finished: dict[int, dict[str, Any]] = field(default_factory=dict)   # stats of epochs done and acked
+    finished: dict[int, EpochFigures] = field(default_factory=dict)     # figures of epochs done and acked
     orphans: dict[str, Orphan] = field(default_factory=dict)           # by session
     rejoins: int = 0           # ranks that came back (new connection or restarted broker) and were reconciled
     _turn: int = 0
@@ -194,11 +273,10 @@ class StreamState:
             ranks = ranks[self._turn:] + ranks[:self._turn]
         return ranks
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> StreamFigures:
         epochs = {str(n): s for n, s in self.finished.items()}
         epochs.update({str(n): e.stats() for n, e in self.epochs.items()})
         now = time.monotonic()
         return {"expected_ranks": self.expected_ranks, "epochs": epochs, "rejoins": self.rejoins,
                 "ranks": [r.stats() for r in self.ranks.values()],
-                "orphans": [{"rank": o.rank.rank, "inflight": len(o.rank.inflight),
-                             "expires_in_s": round(o.deadline - now, 3)} for o in self.orphans.values()]}
+                "orphans": [o.stats(now) for o in self.orphans.values()]}

@@ -12,6 +12,7 @@ import msgpack
 import pytest
 
 from broker import codec, protocol
+from broker.books import Outcome
 from broker.errors import ProtocolError
 from broker.journal import DeliveredEpochs, EpochRanges, Journal
 from broker.ledger import Ledger, Rejected
@@ -28,7 +29,7 @@ def deliver_empty_epoch(ledger: Ledger, stream: str, epoch: int) -> None:
     """Open, close and deliver an epoch of no partitions: it retires at once (the cheapest full epoch)."""
     ledger.open_epoch(stream, epoch, 0, "stream")
     ledger.close_epoch(stream, epoch, 0)
-    ledger.dispatch(ledger.streams[stream], lambda rank, batch: True, lambda rank, ep: None)
+    ledger.dispatch(ledger.streams[stream], lambda identity, frames: Outcome.SENT)
     assert epoch in ledger.streams[stream].finished and epoch not in ledger.streams[stream].epochs
 
 
@@ -85,7 +86,7 @@ def test_two_thousand_epochs_keep_the_journal_small_and_a_restart_knows_each_one
     third = Ledger(Journal(tmp_path, compact_at=200, keep_stats=16))   # a restart of a restart, after more work
     again.join_rank(b"val", hello("val"))
     again.close_epoch("val", 1000, 0)
-    again.dispatch(again.streams["val"], lambda rank, batch: True, lambda rank, ep: None)
+    again.dispatch(again.streams["val"], lambda identity, frames: Outcome.SENT)
     third.replay()
     assert all(epoch in third.streams["val"].finished for epoch in range(1001))
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from broker import codec, protocol
+from broker.books import Outcome
 from broker.errors import ProtocolError
 from broker.ledger import MAX_WINDOW_BYTES, Ledger, Rejected
 from broker.protocol import Kind
@@ -83,20 +84,21 @@ class Wire:
         self.refuse: set[bytes] = set()
         self.gone: set[bytes] = set()
 
-    def send_batch(self, rank, batch):
-        if rank.identity in self.gone:
-            self.ledger.rank_gone(rank.identity, "disconnected")
-            return False
-        if rank.identity in self.refuse:
-            return False
-        self.sent.append((rank.identity, batch.id))
-        return True
-
-    def send_end(self, rank, ep):
-        self.ends.append((rank.identity, ep.epoch))
+    def transmit(self, identity, frames):
+        """The daemon's ``_transmit``: I/O only, never a call back into the ledger."""
+        if identity in self.gone:
+            return Outcome.GONE
+        if identity in self.refuse:
+            return Outcome.FULL
+        header = protocol.unpack_header(frames[0])
+        if header["kind"] == Kind.EPOCH_END:
+            self.ends.append((identity, header["epoch"]))
+        else:
+            self.sent.append((identity, protocol.batch_id(header)))
+        return Outcome.SENT
 
     def dispatch(self, stream=STREAM):
-        self.ledger.dispatch(self.ledger.streams[stream], self.send_batch, self.send_end)
+        self.ledger.dispatch(self.ledger.streams[stream], self.transmit)
 
     def to(self, identity):
         return [i for who, i in self.sent if who == identity]
@@ -1074,3 +1076,48 @@ def test_a_pack_given_twice_counts_its_batches():
     assert ep.redelivered == 3
     ledger.join_rank(b"a2", dict(lost, resume=True), held=[(0, 0, 0)], consumed=[])
     assert ep.given_twice == 3
+
+
+# ---- the daemon does I/O only: sends report outcomes, the ledger acts after its pass ---------------------------
+
+
+def test_a_send_that_finds_a_rank_gone_changes_nothing_until_the_pass_is_over():
+    """``transmit`` only says what became of a message; the ranks and the queue stay as they are while a pass of
+    dispatch iterates over them, and the gone rank's batches reach the others in the same dispatch."""
+    ledger = Ledger()
+    wire = Wire(ledger)
+    feed(ledger, 0, 1, 6)
+    for name in (b"a", b"b", b"c"):
+        join(ledger, name, hello(), prefetch=1)
+    wire.dispatch()
+    wire.gone.add(b"b")
+    for name in (b"a", b"b", b"c"):
+        window(ledger, name, 3)
+    calls = []
+
+    def transmit(identity, frames):
+        calls.append((identity, set(ledger.ranks)))
+        return wire.transmit(identity, frames)
+
+    ledger.dispatch(ledger.streams[STREAM], transmit)
+    after_gone = calls[[who for who, _ in calls].index(b"b") + 1:]
+    assert after_gone[0][1] == {b"a", b"b", b"c"}     # the pass went on with b still known ...
+    assert calls[-1][1] == {b"a", b"c"}               # ... and the next pass sent its batch to another
+    assert b"b" not in ledger.ranks
+    assert sorted(wire.to(b"a") + wire.to(b"c")) == [(0, 0, s) for s in range(6)]
+    assert_bytes_accounted(ledger)
+
+
+def test_the_feed_gate_pauses_at_the_buffer_bound_and_warns_of_an_atomic_stall(caplog):
+    ledger = Ledger(max_buffer=nbytes(0, 0, 0))
+    ledger.open_epoch(STREAM, 0, 1, "atomic")
+    assert not ledger.feed_full() and not ledger.update_feed_gate() and not ledger.feed_paused
+    push(ledger, 0, 0, 0)                            # held for its commit: nothing can go out
+    assert ledger.feed_full() and ledger.update_feed_gate() and ledger.feed_paused
+    assert not ledger.update_feed_gate()             # no change
+    with caplog.at_level(logging.WARNING, logger="sparkbus.broker"):
+        for now in (100.0, 105.0, 111.0):
+            ledger.warn_if_atomic_stall(now)
+    assert sum("not committed yet" in r.getMessage() for r in caplog.records) == 2     # at most every 10 s
+    assert end(ledger, 0, 0, 0, 1)[0].kind == Kind.PARTITION_COMMITTED
+    assert ledger.feed_full() and ledger.held_bytes == 0   # committed: it may go out; the buffer is still full

@@ -39,6 +39,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from broker import codec, protocol
+from broker.books import Outcome
 from broker.errors import ProtocolError
 from broker.journal import Journal
 from broker.ledger import Ledger, Rejected
@@ -351,16 +352,23 @@ class LedgerMachine(RuleBasedStateMachine):
             return
         victim = self._pick(which) if failure and self.ranks else None
 
-        def send_batch(rank, batch):
-            if rank.identity == victim:
+        def transmit(identity, frames):        # the daemon's I/O: it never calls back into the ledger
+            header = protocol.unpack_header(frames[0])
+            ep = stream.epochs[header["epoch"]]
+            if header["kind"] == Kind.EPOCH_END:
+                self._ended(identity, ep)
+                return Outcome.SENT
+            if identity == victim:
                 if failure == "gone":
-                    self.ledger.rank_gone(rank.identity, "disconnected")
-                    self._forget(rank.identity)
-                return False
-            self._delivered(rank.identity, batch)
-            return True
+                    self._forget(identity)
+                    return Outcome.GONE
+                return Outcome.FULL
+            batch = next(b for b in ep.queue if b.id == protocol.batch_id(header))
+            assert frames is batch.frames
+            self._delivered(identity, batch)
+            return Outcome.SENT
 
-        self.ledger.dispatch(stream, send_batch, self._ended)
+        self.ledger.dispatch(stream, transmit)
         # No rank with room is left idle while the epoch being delivered has batches queued (but the one whose
         # send failed: the batch waits for the next turn).
         ep = stream.delivering()
@@ -397,13 +405,13 @@ class LedgerMachine(RuleBasedStateMachine):
             self.redelivered[epoch] += copy.count
         self.ever_sent.add(batch.id)
 
-    def _ended(self, rank, ep) -> None:
+    def _ended(self, identity, ep) -> None:
         assert ep.closed and not ep.queue
         if not self.even:
             assert all(i[0] != ep.epoch for r in self.ranks.values() for i in r.held), "ended with batches unacked"
         stream = self.ledger.streams[STREAM]
         assert all(e.end_sent for n, e in stream.epochs.items() if n < ep.epoch), "epochs ended out of order"
-        self.ranks[rank.identity].ended.add(ep.epoch)
+        self.ranks[identity].ended.add(ep.epoch)
 
     @precondition(lambda self: any(r.held for r in self.ranks.values()))
     @rule(which=WHICH, count=st.integers(1, 4), bogus=st.sampled_from([None, "unknown", "short"]))

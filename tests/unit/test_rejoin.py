@@ -7,11 +7,12 @@ every batch id ends up.
 import numpy as np
 import pytest
 
-from broker import codec
+from broker import codec, protocol
+from broker.books import Outcome
 from broker.errors import ProtocolError
 from broker.journal import Journal
 from broker.ledger import Ledger
-from broker.protocol import unpack_header
+from broker.protocol import Kind, unpack_header
 
 
 def hello(rank, size=2, session=None, resume=False, ended=-1, even=True, stream="s"):
@@ -28,17 +29,17 @@ class Wire:
         self.ends: dict[bytes, list] = {}
         self.cut: set[bytes] = set()      # sends to these succeed but never arrive (a dead link, not yet noticed)
 
-    def send_batch(self, rank, batch):
-        if rank.identity not in self.cut:
-            self.got.setdefault(rank.identity, []).append(batch.id)
-        return True
-
-    def send_end(self, rank, ep):
-        if rank.identity not in self.cut:
-            self.ends.setdefault(rank.identity, []).append(ep.epoch)
+    def transmit(self, identity, frames):
+        if identity not in self.cut:
+            header = protocol.unpack_header(frames[0])
+            if header["kind"] == Kind.EPOCH_END:
+                self.ends.setdefault(identity, []).append(header["epoch"])
+            else:
+                self.got.setdefault(identity, []).append(protocol.batch_id(header))
+        return Outcome.SENT
 
     def dispatch(self, stream="s"):
-        self.ledger.dispatch(self.ledger.streams[stream], self.send_batch, self.send_end)
+        self.ledger.dispatch(self.ledger.streams[stream], self.transmit)
 
 
 def feed(ledger, batches, epoch=0, partitions=1, stream="s", close=True):

@@ -146,17 +146,17 @@ def test_a_rank_waiting_for_its_peers_keeps_what_the_broker_sends_for_later(cont
 
 def test_until_every_rank_has_stated_its_window_ranks_get_batches_by_their_batch_window_only():
     from broker.ledger import Ledger
-    from test_rejoin import feed as feed_epoch, hello as hello_rank
+    from test_rejoin import Wire, feed as feed_epoch, hello as hello_rank
 
     ledger = Ledger()
     feed_epoch(ledger, 10)
     for r in (0, 1):
         ledger.join_rank(f"r{r}".encode(), hello_rank(r))
     ledger.set_window(ledger.rank(b"r0"), 4, 1 << 20)          # room for all ten by bytes
-    got = {b"r0": [], b"r1": []}
-    send = lambda rank, batch: got[rank.identity].append(batch.id) or True   # noqa: E731
-    ledger.dispatch(ledger.streams["s"], send, lambda rank, ep: None)
+    wire = Wire(ledger)
+    got = wire.got = {b"r0": [], b"r1": []}
+    wire.dispatch()
     assert len(got[b"r0"]) == 4 and not got[b"r1"], "rank 0 took more than its batch window alone"
     ledger.set_window(ledger.rank(b"r1"), 4, 1 << 20)
-    ledger.dispatch(ledger.streams["s"], send, lambda rank, ep: None)
+    wire.dispatch()
     assert len(got[b"r0"]) + len(got[b"r1"]) == 10 and len(got[b"r1"]) >= 3

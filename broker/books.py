@@ -1,0 +1,147 @@
+"""What the ledger's rules share: its streams and ranks, the bytes it holds, its observers, and the feed gate.
+
+:class:`Books` is the base of the ledger's parts (``partitions``, ``rejoin``, ``dispatch``; assembled in
+``broker.ledger``). It owns the state every rule reads and the transitions every part ends with: batches consumed
+(their bytes freed, the acknowledgement observed), epochs retired, and whether the feed may be read.
+"""
+
+from __future__ import annotations
+
+import logging
+from enum import Enum
+from typing import Any, Callable, Iterable
+
+from .errors import ProtocolError
+from .events import BatchesAcked, EpochRetired, Event, Observer
+from .state import EpochState, HeldBatch, RankState, StreamState
+
+log = logging.getLogger("sparkbus.broker")
+
+MAX_STREAMS = 4096            # a peer cannot make the broker track streams without bound
+MAX_STREAM_NAME = 256
+STALL_WARN_EVERY = 10.0       # seconds between warnings that atomic partitions fill the buffer
+
+
+class Outcome(Enum):
+    """What became of a message handed to the ranks socket."""
+
+    SENT = "sent"
+    FULL = "full"          # not now (EAGAIN): the rank's queue is full; try again later
+    GONE = "gone"          # the rank's connection is closed (EHOSTUNREACH)
+
+
+# The daemon's I/O, handed to the ledger's sending rules: send ``frames`` to the rank on ``identity``. It only
+# sends and says what became of it; what follows from that (a rank gone, a batch back in the queue) the ledger does.
+Transmit = Callable[[bytes, list[Any]], Outcome]
+
+
+class Books:
+    """The state of the ledger and the transitions its parts share.
+
+    Args:
+        max_buffer: bytes of batches held before the feed is paused (None: never).
+    """
+
+    def __init__(self, max_buffer: int | None = None):
+        self.streams: dict[str, StreamState] = {}
+        self.ranks: dict[bytes, RankState] = {}      # by connection identity on the ranks socket
+        self.buffered = 0          # bytes of batches held: queued, in flight, or awaiting an atomic commit
+        self.held_bytes = 0        # of which: batches of uncommitted partitions in atomic delivery
+        self.max_buffer = max_buffer
+        self.feed_paused = False   # as last decided by update_feed_gate
+        self._observers: list[Observer] = []
+        self._muted = False        # replaying: what is applied is already in the journal
+        self._stall_warned = float("-inf")
+
+    # ---- observers --------------------------------------------------------------------------------------
+
+    def observe(self, observer: Observer) -> None:
+        """Hand every event the ledger applies from now on to ``observer`` (the journal's recorder)."""
+        self._observers.append(observer)
+
+    def _emit(self, event: Event) -> None:
+        if not self._muted:
+            for observer in self._observers:
+                observer(event)
+
+    # ---- streams and epochs -----------------------------------------------------------------------------
+
+    def stream(self, name: str) -> StreamState:
+        """The stream of that name, made on first use. Raises :class:`ProtocolError` for a bad name or too many."""
+        stream = self.streams.get(name)
+        if stream is None:
+            if len(name) > MAX_STREAM_NAME or not name:
+                raise ProtocolError(f"a stream name must have 1 to {MAX_STREAM_NAME} characters")
+            if len(self.streams) >= MAX_STREAMS:
+                raise ProtocolError(f"the broker already tracks {MAX_STREAMS} streams")
+            stream = self.streams[name] = StreamState(name)
+        return stream
+
+    def epoch(self, name: str, number: int) -> tuple[StreamState, EpochState]:
+        """An open epoch (not closed yet). Raises :class:`ProtocolError` if there is none."""
+        stream = self.streams.get(name)
+        ep = stream.epochs.get(number) if stream else None
+        if stream is None or ep is None or ep.closed:
+            raise ProtocolError(f"stream {name!r} epoch {number} is not open (if the broker restarted without "
+                                f"--journal, it lost this epoch: feed it again)")
+        return stream, ep
+
+    # ---- transitions every part ends with ---------------------------------------------------------------
+
+    def _consumed(self, stream: StreamState, rank: RankState, batches: list[HeldBatch], held: bool = True) -> None:
+        """Batches that ``rank`` has consumed, out of its inflight already (``held``) or found elsewhere when it
+        rejoined: their bytes are free, and observers hear of it."""
+        if not batches:
+            return
+        self.buffered -= rank.consumed(batches, held)
+        epochs = stream.epochs
+        by_epoch: dict[int, list[list[int]]] = {}
+        for batch in batches:
+            ep = epochs.get(batch.id[0])
+            if ep is not None:
+                ep.count_acked(batch)
+            by_epoch.setdefault(batch.id[0], []).append(list(batch.id))
+        for number, acked in by_epoch.items():
+            self._emit(BatchesAcked(stream.name, number, acked))
+        self.retire(stream)
+
+    def _drop(self, batches: Iterable[HeldBatch], held: bool = False) -> None:
+        """Batches the broker lets go of without sending (``held``: copies held for an atomic commit)."""
+        for batch in batches:
+            self.buffered -= batch.nbytes
+            if held:
+                self.held_bytes -= batch.nbytes
+
+    def retire(self, stream: StreamState) -> None:
+        """Drop epochs that ended and were fully acknowledged, keeping their figures."""
+        for number, ep in list(stream.epochs.items()):
+            if ep.end_sent and not ep.queue and ep.all_acked:
+                stats = ep.stats()
+                stream.finished[number] = stats
+                del stream.epochs[number]
+                self._emit(EpochRetired(stream.name, number, stats))
+
+    # ---- the feed gate ----------------------------------------------------------------------------------
+
+    def feed_full(self) -> bool:
+        """Whether the buffer is full: the feed socket must not be read (backpressure reaches Spark)."""
+        return self.max_buffer is not None and self.buffered >= self.max_buffer
+
+    def update_feed_gate(self) -> bool:
+        """Decide whether the feed is paused (:attr:`feed_paused`); returns whether that changed."""
+        paused = self.feed_full()
+        if paused == self.feed_paused:
+            return False
+        self.feed_paused = paused
+        log.debug("feed %s at %d buffered bytes", "paused" if paused else "resumed", self.buffered)
+        return True
+
+    def warn_if_atomic_stall(self, now: float) -> None:
+        """Warn (at most every :data:`STALL_WARN_EVERY` s) while the buffer is full of uncommitted atomic
+        partitions: nothing can be released until they commit, and their tasks are blocked by the full buffer."""
+        stuck = self.feed_paused and self.held_bytes >= self.buffered > 0
+        if stuck and now - self._stall_warned > STALL_WARN_EVERY:
+            self._stall_warned = now
+            log.warning("the buffer is full of partitions that are not committed yet (atomic delivery): nothing "
+                        "can be released until they are. Raise --max-buffer above (concurrent Spark tasks x "
+                        "partition size) or use smaller partitions")

@@ -1,0 +1,127 @@
+"""The ledger's rules for handing batches to ranks: windows, the rotation among ranks, acknowledgements, epoch ends.
+
+:meth:`Dispatch.dispatch` sends through a :data:`~broker.books.Transmit` that only does the I/O and says what became
+of each message; consequences (a rank found gone) are queued during a pass over the ranks and applied after it,
+so nothing changes the ranks or the queue while a pass iterates over them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from . import protocol
+from .books import Outcome, Transmit
+from .errors import ProtocolError
+from .protocol import ErrorCode, Kind
+from .rejoin import Rejoin
+from .state import MAX_WINDOW, EpochState, HeldBatch, RankState, StreamState
+
+log = logging.getLogger("sparkbus.broker")
+
+MAX_WINDOW_BYTES = 1 << 40
+
+
+class Dispatch(Rejoin):
+    """Windows stated by ranks, batches sent within them, acknowledgements, and the end of each epoch."""
+
+    def rank(self, identity: bytes) -> RankState:
+        """The rank on this connection. Raises :class:`ProtocolError` (``UNKNOWN_RANK``) if it has not joined."""
+        rank = self.ranks.get(identity)
+        if rank is None:
+            raise ProtocolError("unknown rank: send HELLO with role 'rank' first", ErrorCode.UNKNOWN_RANK)
+        return rank
+
+    def heard_from(self, identity: bytes, now: float | None = None) -> None:
+        """A message came from this connection (its rank's ``idle_s`` starts again)."""
+        rank = self.ranks.get(identity)
+        if rank is not None:
+            rank.last_seen = time.monotonic() if now is None else now
+
+    def set_window(self, rank: RankState, batches: int, nbytes: int) -> None:
+        """A rank says how much may be in flight to it: ``batches`` batches, or ``nbytes`` bytes of batches."""
+        if not 0 <= batches <= MAX_WINDOW or not 0 <= nbytes <= MAX_WINDOW_BYTES:
+            raise ProtocolError(f"a window of {batches} batches or {nbytes} bytes is outside 0..{MAX_WINDOW} "
+                                f"batches and 0..{MAX_WINDOW_BYTES} bytes")
+        rank.window, rank.window_bytes, rank.window_stated = batches, nbytes, True
+
+    def report(self, rank: RankState, h: dict) -> None:
+        """Keep the figures a rank reports about itself (data-wait, time to first batch, batches consumed)."""
+        rank.report(h)
+
+    def acknowledge(self, rank: RankState, ids: list[Any]) -> int:
+        """Forget acknowledged batches (``ids``: epoch, part, seq, epoch, part, seq, ...).
+
+        Returns how many ids were not in flight to that rank.
+        Raises:
+            ProtocolError: ids that are not whole triples of integers.
+        """
+        if len(ids) % 3:
+            raise ProtocolError(f"ACK ids must be (epoch, part, seq) triples, got {len(ids)} numbers")
+        if not all(type(i) is int for i in ids):      # checked whole first: a refused ACK changes nothing
+            raise ProtocolError("ACK ids must be integers")
+        pop, consumed = rank.inflight.pop, []
+        triples = iter(ids)
+        for key in zip(triples, triples, triples):
+            batch = pop(key, None)
+            if batch is not None:
+                consumed.append(batch)
+        self._consumed(self.streams[rank.stream], rank, consumed)
+        return len(ids) // 3 - len(consumed)
+
+    def dispatch(self, stream: StreamState, transmit: Transmit) -> None:
+        """Hand queued batches of the delivering epoch to ranks with room; end the epoch once delivered.
+
+        ``transmit(identity, frames)`` sends one message and says what became of it. A batch it could not send
+        stays first in the queue; a rank it found gone is forgotten (:meth:`rank_gone`) once the pass over the
+        ranks is over, and the pass runs again for what that put back in the queue.
+        """
+        while stream.ready():
+            ep = stream.delivering()
+            if ep is None:
+                return
+            gone = self._send_queued(stream, ep, transmit)
+            if gone:
+                for identity in gone:
+                    self.rank_gone(identity, "disconnected")
+                continue
+            if not ep.delivered(stream.even()):
+                return
+            end = protocol.pack_header(Kind.EPOCH_END, stream=stream.name, epoch=ep.epoch, batches=ep.batches_out)
+            gone = [r.identity for r in stream.ranks.values() if transmit(r.identity, [end]) is Outcome.GONE]
+            ep.end_sent = True
+            log.info("stream %r epoch %d delivered to %d ranks", stream.name, ep.epoch, len(stream.ranks) - len(gone))
+            for identity in gone:
+                self.rank_gone(identity, "disconnected")
+            self.retire(stream)
+
+    def _send_queued(self, stream: StreamState, ep: EpochState, transmit: Transmit) -> list[bytes]:
+        """One pass: the queue's batches, in order, to the ranks in rotation while they have room. Returns the
+        identities of the ranks found gone (skipped for the rest of the pass)."""
+        queue = ep.queue
+        rotation = stream.rotation() if queue else []
+        by_bytes = stream.windows_known()
+        gone: list[bytes] = []
+        progress = True
+        while queue and progress:
+            progress = False
+            for rank in rotation:
+                if not queue:
+                    break
+                batch = queue[0]
+                if not rank.has_room(batch.nbytes, by_bytes) or rank.identity in gone:
+                    continue
+                outcome = transmit(rank.identity, batch.frames)
+                if outcome is Outcome.SENT:
+                    queue.popleft()
+                    self._sent(rank, ep, batch)
+                    progress = True
+                elif outcome is Outcome.GONE:
+                    gone.append(rank.identity)
+        return gone
+
+    def _sent(self, rank: RankState, ep: EpochState, batch: HeldBatch) -> None:
+        """A batch went out to ``rank``: it takes room in the rank's window until acknowledged."""
+        ep.sent(batch)
+        rank.sent(batch)

@@ -1,0 +1,129 @@
+"""The ledger's transitions as values: what it applies, what its observers see, and how the journal keeps them.
+
+The ledger applies an event the same way live and on replay (:meth:`broker.ledger.Ledger.apply`). When a rule
+changes something the journal must keep, the ledger hands the event to its observers; :class:`JournalRecorder` is
+the one observer, writing each as a record (``broker.journal.Record``). :func:`replayed_events` reads the records
+back as the same events, which the ledger applies with its observers muted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Union
+
+from . import protocol
+from .figures import EpochFigures
+from .journal import Journal, Record, ReplayedEpoch
+
+
+@dataclass(frozen=True, slots=True)
+class EpochOpened:
+    stream: str
+    epoch: int
+    partitions: int
+    delivery: str
+
+
+@dataclass(frozen=True, slots=True)
+class BatchArrived:
+    """A validated BATCH (applied: kept, queued or dropped by the rules). ``frames``: header frame first."""
+
+    header: dict[str, Any]
+    frames: list[Any]
+    header_bytes: bytes | None = None      # live traffic: the header as it came, for the journal
+
+
+@dataclass(frozen=True, slots=True)
+class BatchTaken:
+    """Observed: a batch the ledger took from the feed; ``payload`` its column frames if it kept them, else []."""
+
+    stream: str
+    epoch: int
+    header: bytes
+    payload: list[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionCommitted:
+    stream: str
+    epoch: int
+    part: int
+    attempt: int
+
+
+@dataclass(frozen=True, slots=True)
+class PartitionClaimed:
+    stream: str
+    epoch: int
+    part: int
+    broker: int                # the index, in the feed's list of brokers, of the one that streams it
+
+
+@dataclass(frozen=True, slots=True)
+class EpochClosed:
+    stream: str
+    epoch: int
+
+
+@dataclass(frozen=True, slots=True)
+class BatchesAcked:
+    """Batches of one epoch that ranks consumed, as ``[epoch, part, seq]`` lists."""
+
+    stream: str
+    epoch: int
+    ids: list[list[int]]
+
+
+@dataclass(frozen=True, slots=True)
+class EpochRetired:
+    """Observed: an epoch delivered and acknowledged, dropped from the ledger with its figures."""
+
+    stream: str
+    epoch: int
+    stats: EpochFigures
+
+
+Event = Union[EpochOpened, BatchArrived, BatchTaken, PartitionCommitted, PartitionClaimed, EpochClosed,
+              BatchesAcked, EpochRetired]
+Observer = Callable[[Event], None]
+
+
+class JournalRecorder:
+    """The ledger's observer that writes what it must keep to the journal (fsynced where the journal says)."""
+
+    def __init__(self, journal: Journal):
+        self.journal = journal
+        self._write: dict[type, Callable[[Any], None]] = {
+            EpochOpened: lambda e: journal.record_open(e.stream, e.epoch, e.partitions, e.delivery),
+            BatchTaken: lambda e: journal.record_batch(e.stream, e.epoch, e.header, e.payload),
+            PartitionCommitted: lambda e: journal.record_commit(e.stream, e.epoch, e.part, e.attempt),
+            PartitionClaimed: lambda e: journal.record_claim(e.stream, e.epoch, e.part, e.broker),
+            EpochClosed: lambda e: journal.record_close(e.stream, e.epoch),
+            BatchesAcked: lambda e: journal.record_acks(e.stream, e.epoch, e.ids),
+            EpochRetired: lambda e: journal.record_retired(e.stream, e.epoch, e.stats),
+        }
+
+    def __call__(self, event: Event) -> None:
+        write = self._write.get(type(event))
+        if write is not None:
+            write(event)
+
+
+def replayed_events(replayed: ReplayedEpoch) -> Iterator[Event]:
+    """The events one epoch's journal records stand for, in order. Nothing before the epoch's ``open``."""
+    stream, epoch = replayed.stream, replayed.epoch
+    for record in replayed.records:
+        kind = record["t"]
+        if kind is Record.OPEN:
+            yield EpochOpened(stream, epoch, record["partitions"], record["delivery"])
+        elif kind is Record.BATCH:
+            header = protocol.unpack_header(record["header"])
+            yield BatchArrived(header, [record["header"], *record.get("payload", [])])
+        elif kind is Record.COMMIT:
+            yield PartitionCommitted(stream, epoch, record["part"], record["attempt"])
+        elif kind is Record.CLOSE:
+            yield EpochClosed(stream, epoch)
+        elif kind is Record.CLAIM:
+            yield PartitionClaimed(stream, epoch, record["part"], record["broker"])
+        elif kind is Record.ACK:
+            yield BatchesAcked(stream, epoch, record["ids"])

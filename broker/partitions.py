@@ -1,0 +1,225 @@
+"""The ledger's rules for epochs, batches and partitions: what to keep, forward, commit; which broker streams what.
+
+Requests are checked here (:class:`ProtocolError` with the reason, sent back as ``ERROR``), then applied as
+events (``broker.events``): the appliers are what replay runs too.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any, NamedTuple
+
+from . import protocol
+from .books import Books
+from .errors import ProtocolError
+from .events import BatchArrived, BatchTaken, EpochClosed, EpochOpened, PartitionClaimed, PartitionCommitted
+from .protocol import ErrorCode, Kind
+from .state import EpochState, HeldBatch, PendingCommit
+
+log = logging.getLogger("sparkbus.broker")
+
+MAX_PARTITIONS = 10_000_000
+
+
+class Rejected(Exception):
+    """A feed message that is dropped and counted under ``reason``."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+
+
+class Reply(NamedTuple):
+    """A control-socket answer the ledger owes someone (a deferred partition commit)."""
+
+    identity: bytes
+    kind: Kind
+    fields: dict[str, Any]
+
+
+class Partitions(Books):
+    """Epochs opened and closed by the driver, batches and commits from the tasks, claims of several brokers."""
+
+    # ---- epochs -----------------------------------------------------------------------------------------
+
+    def open_epoch(self, name: str, number: int, partitions: int, delivery: str) -> None:
+        """EPOCH_OPEN. Opening an open epoch again with the same terms changes nothing.
+
+        Raises:
+            ProtocolError: numbers out of range, an unknown delivery, an epoch already delivered or open with
+                other terms.
+        """
+        if not 0 <= partitions <= MAX_PARTITIONS or number < 0:
+            raise ProtocolError(f"epoch {number} with {partitions} partitions is out of range")
+        if delivery not in protocol.DELIVERY_MODES:
+            raise ProtocolError(f"delivery {delivery!r} is not one of {', '.join(protocol.DELIVERY_MODES)}")
+        stream = self.stream(name)
+        if number in stream.finished or (number in stream.epochs and stream.epochs[number].end_sent):
+            raise ProtocolError(f"stream {name!r} has already delivered epoch {number}; "
+                                f"feed a new epoch number or a new stream name")
+        ep = stream.epochs.get(number)
+        if ep is None:
+            self._open(EpochOpened(name, number, partitions, delivery))
+            log.info("stream %r epoch %d opened: %d partitions, %s delivery", name, number, partitions, delivery)
+        elif ep.partitions != partitions or ep.delivery != delivery or ep.closed:
+            raise ProtocolError(f"stream {name!r} epoch {number} is already open with {ep.partitions} "
+                                f"partitions and {ep.delivery} delivery")
+
+    def _open(self, event: EpochOpened) -> None:
+        self.stream(event.stream).epochs[event.epoch] = EpochState(event.epoch, event.partitions, event.delivery)
+        self._emit(event)
+
+    def close_epoch(self, name: str, number: int, partitions: int, expected: int | None = None) -> list[int]:
+        """EPOCH_CLOSE, once the ``expected`` partitions streamed through this broker are committed (all of them
+        with one broker; this broker's share with several). Returns the partitions that diverged.
+
+        Raises:
+            ProtocolError: the epoch is not open, or partitions are missing.
+        """
+        _, ep = self.epoch(name, number)
+        expected = ep.partitions if expected is None else expected
+        if partitions != ep.partitions or len(ep.committed) != expected:
+            missing = list(itertools.islice((p for p in range(ep.partitions) if p not in ep.committed), 10))
+            if expected == ep.partitions:
+                raise ProtocolError(f"stream {name!r} epoch {number}: {len(ep.committed)} of {ep.partitions} "
+                                    f"partitions committed (missing {missing}{'...' if len(missing) == 10 else ''})")
+            raise ProtocolError(f"stream {name!r} epoch {number}: {len(ep.committed)} of the {expected} partitions "
+                                f"streamed through this broker are committed")
+        self._close(EpochClosed(name, number))
+        log.info("stream %r epoch %d closed: %d batches, %d rows", name, number, ep.batches_in, ep.rows_in)
+        return ep.diverged
+
+    def _close(self, event: EpochClosed) -> None:
+        self.streams[event.stream].epochs[event.epoch].closed = True
+        self._emit(event)
+
+    # ---- batches and partitions -------------------------------------------------------------------------
+
+    def accept_batch(self, header: dict, frames: list[Any], header_bytes: bytes | None = None) -> list[Reply]:
+        """Keep, forward or drop one validated BATCH. ``header_bytes`` given means: observers hear of it (live
+        traffic, journalled). Returns the commits it completes.
+
+        Raises:
+            Rejected: no such open epoch, out-of-range numbers, or the same attempt sent this seq before.
+        """
+        return self._arrived(BatchArrived(header, frames, header_bytes))
+
+    def _arrived(self, event: BatchArrived) -> list[Reply]:
+        header, frames = event.header, event.frames
+        stream = self.streams.get(header["stream"])
+        ep = stream.epochs.get(header["epoch"]) if stream else None
+        if stream is None or ep is None:
+            late = stream is not None and header["epoch"] in stream.finished
+            raise Rejected("late_duplicate" if late else "unknown_epoch",
+                           f"stream {header['stream']!r} epoch {header['epoch']} is not open")
+        number, seq, attempt, checksum = header["part"], header["seq"], header["attempt"], header["checksum"]
+        if not 0 <= number < ep.partitions or seq < 0 or attempt < 0:
+            raise Rejected("out_of_range", f"partition {number} seq {seq} attempt {attempt}")
+        part = ep.part(number)
+        seen = part.attempts.setdefault(attempt, set())
+        if seq in seen:
+            raise Rejected("replayed", f"attempt {attempt} sent partition {number} seq {seq} twice")
+        seen.add(seq)
+        known = part.checksums.get(seq)
+        if known is not None and known != checksum and not part.diverged:
+            part.diverged = True
+            self._warn_diverged(stream.name, ep, number)
+        keep = part.committed_attempt is None and (known is None or ep.delivery == "atomic")
+        if event.header_bytes is not None:
+            self._emit(BatchTaken(stream.name, ep.epoch, event.header_bytes, frames[1:] if keep else []))
+        if keep:
+            splits = header.get("splits")
+            batch = HeldBatch(protocol.batch_id(header), frames, sum(len(f) for f in frames), header["rows"],
+                              count=1 if splits is None else len(splits))
+            part.checksums.setdefault(seq, checksum)
+            self.buffered += batch.nbytes
+            if ep.delivery == "atomic":
+                part.held.setdefault(attempt, []).append(batch)
+                self.held_bytes += batch.nbytes
+            else:
+                ep.take(batch)
+        else:
+            ep.count_duplicate()        # a retried or speculative attempt: the first copy is the one kept
+            if known is None:
+                part.diverged = True    # a seq the committed attempt never sent
+        pending = part.pending.get(attempt)
+        if pending is not None and len(seen) >= pending.batches:
+            return self._commit(PartitionCommitted(stream.name, ep.epoch, number, attempt))
+        return []
+
+    def claim_partition(self, h: dict) -> int:
+        """PARTITION_CLAIM: which broker streams a partition, decided once by its home broker. The first attempt's
+        choice holds for every later attempt (a retry or speculative copy must go where the first copy's batches
+        went). Raises :class:`ProtocolError` for an epoch not open or numbers out of range."""
+        stream, ep = self.epoch(h["stream"], h["epoch"])
+        number, choice = h["part"], h["broker"]
+        if not 0 <= number < ep.partitions or choice < 0:
+            raise ProtocolError(f"partition {number} or broker {choice} out of range for epoch {ep.epoch}")
+        self._claim(PartitionClaimed(stream.name, ep.epoch, number, choice))
+        return ep.claims[number]
+
+    def _claim(self, event: PartitionClaimed) -> None:
+        claims = self.streams[event.stream].epochs[event.epoch].claims
+        if event.part not in claims:
+            claims[event.part] = event.broker
+            self._emit(event)
+
+    def end_partition(self, identity: bytes, h: dict) -> list[Reply]:
+        """A task's PARTITION_END: commit now if all its batches are here, else when the last one comes.
+
+        Returns the replies owed: PARTITION_COMMITTED, or ERROR if the attempt's count differs. Raises
+        :class:`ProtocolError` for an epoch not open or a partition out of range.
+        """
+        stream, ep = self.epoch(h["stream"], h["epoch"])
+        number, attempt = h["part"], h["attempt"]
+        if not 0 <= number < ep.partitions:
+            raise ProtocolError(f"partition {number} is outside epoch {ep.epoch}'s {ep.partitions} partitions")
+        part = ep.part(number)
+        part.pending[attempt] = PendingCommit(identity, h["req"], h["batches"], h["rows"])
+        if part.committed_attempt is not None or len(part.attempts.get(attempt, ())) >= h["batches"]:
+            return self._commit(PartitionCommitted(stream.name, ep.epoch, number, attempt))
+        return []
+
+    def _commit(self, event: PartitionCommitted) -> list[Reply]:
+        """Commit ``event.attempt`` of a partition unless one is committed already; answer its PARTITION_END if one
+        waits (live; replayed commits have none). The first attempt to commit wins."""
+        stream = self.streams[event.stream]
+        ep, number, attempt = stream.epochs[event.epoch], event.part, event.attempt
+        part = ep.part(number)
+        pending = part.pending.pop(attempt, None)
+        if part.committed_attempt is None:
+            got = len(part.attempts.get(attempt, ()))
+            if pending is not None and got != pending.batches:
+                return [Reply(pending.identity, Kind.ERROR, {
+                    "req": pending.req, "code": ErrorCode.REFUSED, "reason": f"partition {number} of epoch "
+                    f"{ep.epoch}: the broker holds {got} batches of attempt {attempt}, the task says it sent "
+                    f"{pending.batches}"})]
+            part.committed_attempt = attempt
+            self._emit(event)
+            if ep.delivery == "atomic":
+                for batch in sorted(part.held.pop(attempt, []), key=lambda b: b.id):
+                    self.held_bytes -= batch.nbytes
+                    ep.take(batch)
+            elif set(part.checksums) != set(range(got)):
+                part.diverged = True
+            ep.committed.add(number)
+        for loser in list(part.held):          # atomic: other attempts' copies are not needed any more
+            self._drop(part.held.pop(loser), held=True)
+        if pending is None:
+            return []
+        return [Reply(pending.identity, Kind.PARTITION_COMMITTED,
+                      {"req": pending.req, "stream": stream.name, "epoch": ep.epoch, "part": number})]
+
+    def _warn_diverged(self, stream: str, ep: EpochState, number: int) -> None:
+        if ep.delivery == "atomic":
+            log.info("stream %r epoch %d partition %d: attempts produced different batches; atomic delivery "
+                     "forwards only the committed attempt's", stream, ep.epoch, number)
+        else:
+            log.warning("stream %r epoch %d partition %d: a retried or speculative task produced different "
+                        "batches than the copy already forwarded (Spark recomputed it in another order?). Rows of "
+                        "this partition may be missing or repeated; feed with delivery='atomic' for exactly-once",
+                        stream, ep.epoch, number)
+
+
+__all__ = ["Partitions", "Rejected", "Reply", "MAX_PARTITIONS"]
