@@ -27,17 +27,24 @@ def unknown_rank(broker):
     broker.send([pack_header(Kind.ERROR, req=0, reason="unknown rank", code=ErrorCode.UNKNOWN_RANK)])
 
 
+def told_unknown_after_two_batches(context, address):
+    """A rank joined to a stand-in broker that sent it batches 0 and 1 of epoch 0, then "unknown rank"."""
+    broker = FakeBroker(context, address)
+    stream = joined(broker, address, context)
+    for seq in (0, 1):
+        broker.send(codec.encode_batch("s", 0, 0, seq, batch(seq)))
+    unknown_rank(broker)
+    return broker, stream
+
+
 def welcome(broker, hello):
     broker.send([pack_header(Kind.WELCOME, req=hello["req"], broker="fake", incarnation="y", journal=False,
                              free=0)])
 
 
 def test_a_rank_told_it_is_unknown_names_what_it_holds_and_consumed_and_drops_a_second_copy(context):
-    broker = FakeBroker(context, "inproc://rank-rejoin")
-    with joined(broker, "inproc://rank-rejoin", context) as stream:
-        for seq in (0, 1):
-            broker.send(codec.encode_batch("s", 0, 0, seq, batch(seq)))
-        unknown_rank(broker)
+    broker, stream = told_unknown_after_two_batches(context, "inproc://rank-rejoin")
+    with stream:
         got = []
         epoch = stream.epoch()
         got.append(int(next(epoch)["id"][0]))
@@ -73,11 +80,8 @@ def test_after_an_epochs_end_a_rejoining_rank_names_nothing_of_it(context):
                    "rank waits in a collective are not yet recorded as arrived, so a resume HELLO sent from that wait "
                    "leaves them out of what the rank holds, and the broker may give them to another rank as well")
 def test_a_rank_that_rejoins_while_it_waits_for_its_peers_names_what_arrived_meanwhile(context):
-    broker = FakeBroker(context, "inproc://rank-rejoin-wait")
-    with joined(broker, "inproc://rank-rejoin-wait", context) as stream:
-        for seq in (0, 1):
-            broker.send(codec.encode_batch("s", 0, 0, seq, batch(seq)))
-        unknown_rank(broker)
+    broker, stream = told_unknown_after_two_batches(context, "inproc://rank-rejoin-wait")
+    with stream:
         epoch = stream.epoch()
         try:
             assert int(next(epoch)["id"][0]) == 0
