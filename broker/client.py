@@ -14,6 +14,7 @@ import zmq
 
 from .auth import client_socket
 from .errors import BrokerError, ProtocolError
+from .figures import Figures
 from .protocol import ErrorCode, Kind, pack_header, unpack_header
 
 
@@ -89,8 +90,9 @@ def _error_code(code: int) -> ErrorCode | int:
 
 
 def fetch_stats(address: str, timeout: float = 5.0, key: str | None = None,
-                broker_key: str | None = None) -> dict[str, Any]:
-    """The broker's live figures from its control or ranks address. Raises :class:`BrokerError` on timeout."""
+                broker_key: str | None = None) -> Figures:
+    """The broker's live figures (``broker.figures``) from its control or ranks address. Raises
+    :class:`BrokerError` on timeout."""
     with ControlClient(address, timeout, key=key, broker_key=broker_key) as client:
         return client.request(Kind.STATS_REQUEST)["stats"]
 

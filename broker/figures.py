@@ -101,61 +101,99 @@ class Figures(TypedDict):
 
 
 class Metric(NamedTuple):
-    """A Prometheus metric read from one field of a record. ``name`` without ``_total``: a counter family adds it."""
+    """A Prometheus metric. ``name`` is without ``_total``: a counter family adds it (:attr:`exposed`).
 
-    field: str
+    ``field`` is the record field it renders, if it renders one as it is; the others the exporter derives.
+    ``combine`` (rank metrics): how connections with the same stream and rank number combine.
+    """
+
     name: str
     kind: str                # "counter" or "gauge"
+    labels: tuple[str, ...]
     help: str
+    field: str | None = None
+    combine: Callable[[list[float]], float] | None = None
+
+    @property
+    def exposed(self) -> str:
+        """The name a scrape shows."""
+        return f"{self.name}_total" if self.kind == "counter" else self.name
 
 
-class RankMetric(NamedTuple):
-    field: str
-    name: str
-    kind: str
-    help: str
-    combine: Callable[[list[float]], float]     # how connections with the same stream and rank number combine
+_EPOCH = ("stream", "epoch")
+_RANK = ("stream", "rank")
 
+BROKER_METRICS: list[Metric] = [
+    Metric("sparkbus_info", "gauge", ("version", "incarnation"),
+           "The broker's protocol version and incarnation (new at each start)."),
+    Metric("sparkbus_uptime_seconds", "gauge", (), "Seconds since the broker started.", "uptime_s"),
+    Metric("sparkbus_buffered_bytes", "gauge", (), "Bytes of batches held (queued or unacknowledged).",
+           "buffered_bytes"),
+    Metric("sparkbus_max_buffer_bytes", "gauge", (), "--max-buffer: bytes held before the feed is paused.",
+           "max_buffer"),
+    Metric("sparkbus_buffer_use_ratio", "gauge", (), "buffered_bytes / max_buffer_bytes."),
+    Metric("sparkbus_feed_paused", "gauge", (), "1 while the feed socket is not read (the buffer is full).",
+           "feed_paused"),
+    Metric("sparkbus_stats_published_timestamp_seconds", "gauge", (),
+           "Unix time of the snapshot these figures come from (the broker publishes one per heartbeat)."),
+    Metric("sparkbus_refused_messages", "counter", ("socket", "reason"),
+           "Messages and connections refused, by socket and reason."),
+]
 
-# Labels stream, epoch.
+STREAM_METRICS: list[Metric] = [
+    Metric("sparkbus_ranks_joined", "gauge", ("stream",), "Ranks connected to the stream."),
+    Metric("sparkbus_ranks_expected", "gauge", ("stream",), "The communicator size the stream's ranks announced.",
+           "expected_ranks"),
+    Metric("sparkbus_batches_in_flight", "gauge", ("stream",),
+           "Batches sent and not acknowledged, including those held for a lost rank."),
+    Metric("sparkbus_orphaned_ranks", "gauge", ("stream",), "Lost ranks whose batches wait --rejoin-grace for them."),
+    Metric("sparkbus_rejoins", "counter", ("stream",), "Ranks that came back and were reconciled.", "rejoins"),
+]
+
 EPOCH_METRICS: list[Metric] = [
-    Metric("batches_in", "sparkbus_batches_in", "counter", "Batches taken from the feed socket (first copies)."),
-    Metric("rows_in", "sparkbus_rows_in", "counter", "Rows in the batches taken from the feed socket."),
-    Metric("bytes_in", "sparkbus_bytes_in", "counter", "Payload bytes taken from the feed socket."),
-    Metric("batches_out", "sparkbus_batches_out", "counter",
-           "Batches handed to ranks (a requeued batch counts once)."),
-    Metric("rows_out", "sparkbus_rows_out", "counter", "Rows in the batches handed to ranks."),
-    Metric("bytes_out", "sparkbus_bytes_out", "counter",
-           "Payload bytes handed to ranks (a requeued batch counts once)."),
-    Metric("acked", "sparkbus_batches_acked", "counter", "Batches the ranks acknowledged."),
-    Metric("duplicates", "sparkbus_duplicate_batches", "counter",
-           "Copies of batches already held, dropped (Spark task retries and speculative copies)."),
-    Metric("redelivered", "sparkbus_redelivered_batches", "counter",
-           "Sends of a batch that had gone out before (its rank died or left)."),
-    Metric("queued", "sparkbus_batches_queued", "gauge", "Batches waiting in the broker for a rank."),
-    Metric("partitions", "sparkbus_partitions", "gauge", "Partitions of the epoch."),
-    Metric("committed", "sparkbus_partitions_committed", "gauge", "Partitions whose Spark task committed."),
-    Metric("diverged", "sparkbus_diverged_partitions", "gauge",
-           "Partitions whose attempts sent different data (Spark recomputed them differently)."),
-    Metric("closed", "sparkbus_epoch_closed", "gauge", "1 once the driver closed the epoch (every partition in)."),
-    Metric("ended", "sparkbus_epoch_ended", "gauge", "1 once the ranks were told the epoch ended."),
+    Metric("sparkbus_batches_in", "counter", _EPOCH, "Batches taken from the feed socket (first copies).",
+           "batches_in"),
+    Metric("sparkbus_rows_in", "counter", _EPOCH, "Rows in the batches taken from the feed socket.", "rows_in"),
+    Metric("sparkbus_bytes_in", "counter", _EPOCH, "Payload bytes taken from the feed socket.", "bytes_in"),
+    Metric("sparkbus_batches_out", "counter", _EPOCH, "Batches handed to ranks (a requeued batch counts once).",
+           "batches_out"),
+    Metric("sparkbus_rows_out", "counter", _EPOCH, "Rows in the batches handed to ranks.", "rows_out"),
+    Metric("sparkbus_bytes_out", "counter", _EPOCH,
+           "Payload bytes handed to ranks (a requeued batch counts once).", "bytes_out"),
+    Metric("sparkbus_batches_acked", "counter", _EPOCH, "Batches the ranks acknowledged.", "acked"),
+    Metric("sparkbus_duplicate_batches", "counter", _EPOCH,
+           "Copies of batches already held, dropped (Spark task retries and speculative copies).", "duplicates"),
+    Metric("sparkbus_redelivered_batches", "counter", _EPOCH,
+           "Sends of a batch that had gone out before (its rank died or left).", "redelivered"),
+    Metric("sparkbus_batches_queued", "gauge", _EPOCH, "Batches waiting in the broker for a rank.", "queued"),
+    Metric("sparkbus_partitions", "gauge", _EPOCH, "Partitions of the epoch.", "partitions"),
+    Metric("sparkbus_partitions_committed", "gauge", _EPOCH, "Partitions whose Spark task committed.",
+           "committed"),
+    Metric("sparkbus_diverged_partitions", "gauge", _EPOCH,
+           "Partitions whose attempts sent different data (Spark recomputed them differently).", "diverged"),
+    Metric("sparkbus_epoch_closed", "gauge", _EPOCH, "1 once the driver closed the epoch (every partition in).",
+           "closed"),
+    Metric("sparkbus_epoch_ended", "gauge", _EPOCH, "1 once the ranks were told the epoch ended.", "ended"),
 ]
 
-# Labels stream, rank.
-RANK_METRICS: list[RankMetric] = [
-    RankMetric("batches", "sparkbus_rank_batches_sent", "counter", "Batches sent to the rank's connection.", sum),
-    RankMetric("bytes", "sparkbus_rank_bytes_sent", "counter", "Payload bytes sent to the rank's connection.", sum),
-    RankMetric("acked", "sparkbus_rank_batches_acked", "counter", "Batches the rank acknowledged.", sum),
-    RankMetric("inflight", "sparkbus_rank_batches_in_flight", "gauge", "Batches the rank holds unacknowledged.",
-               sum),
-    RankMetric("idle_s", "sparkbus_rank_idle_seconds", "gauge", "Seconds since the rank's last message.", min),
-    RankMetric("consumed", "sparkbus_rank_batches_consumed", "counter",
-               "Batches the rank's training loop took, as the rank reports.", sum),
-    RankMetric("wait_s", "sparkbus_rank_data_wait_seconds", "counter",
-               "Seconds the rank's training loop waited for data, as the rank reports.", sum),
-    RankMetric("first_batch_s", "sparkbus_rank_first_batch_seconds", "gauge",
-               "Seconds from the rank's start to its first batch, as the rank reports.", min),
+RANK_METRICS: list[Metric] = [
+    Metric("sparkbus_rank_batches_sent", "counter", _RANK, "Batches sent to the rank's connection.", "batches", sum),
+    Metric("sparkbus_rank_bytes_sent", "counter", _RANK, "Payload bytes sent to the rank's connection.", "bytes",
+           sum),
+    Metric("sparkbus_rank_batches_acked", "counter", _RANK, "Batches the rank acknowledged.", "acked", sum),
+    Metric("sparkbus_rank_batches_in_flight", "gauge", _RANK, "Batches the rank holds unacknowledged.",
+           "inflight", sum),
+    Metric("sparkbus_rank_idle_seconds", "gauge", _RANK, "Seconds since the rank's last message.", "idle_s", min),
+    Metric("sparkbus_rank_batches_consumed", "counter", _RANK,
+           "Batches the rank's training loop took, as the rank reports.", "consumed", sum),
+    Metric("sparkbus_rank_data_wait_seconds", "counter", _RANK,
+           "Seconds the rank's training loop waited for data, as the rank reports.", "wait_s", sum),
+    Metric("sparkbus_rank_first_batch_seconds", "gauge", _RANK,
+           "Seconds from the rank's start to its first batch, as the rank reports.", "first_batch_s", min),
 ]
+
+METRICS: list[Metric] = BROKER_METRICS + STREAM_METRICS + EPOCH_METRICS + RANK_METRICS
+METRIC = {m.name: m for m in METRICS}
 
 # Counters the ledger lowers when it requeues a batch (it undoes the send): the exporter renders them as their
 # high-water mark within one broker process, so that Prometheus does not mistake the undo for a counter reset.

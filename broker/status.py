@@ -1,16 +1,38 @@
-"""Human-readable rendering of the broker's figures for ``sparkbus status``."""
+"""Human-readable rendering of the broker's figures (``broker.figures``) for ``sparkbus status``."""
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, TypedDict
+
+from .figures import EpochFigures, Figures
+
+# Summed over brokers per stream by totals(); "ranks" is the most any one broker has.
+TOTALLED = ("batches_in", "rows_in", "batches_out", "rows_out", "acked", "queued")
+
+
+class StreamTotals(TypedDict):
+    batches_in: int
+    rows_in: int
+    batches_out: int
+    rows_out: int
+    acked: int
+    queued: int
+    ranks: int
+
+
+class Totals(TypedDict):
+    brokers: int
+    buffered_bytes: int
+    max_buffer: int
+    streams: dict[str, StreamTotals]
 
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
-def render_stats(stats: dict[str, Any]) -> str:
+def render_stats(stats: Figures) -> str:
     """Per stream and epoch: batches and bytes in and out; buffer use; ranks with their windows and counts."""
     b = stats["broker"]
     lines = [f"sparkbus broker v{b['version']} pid {b['pid']}, up {b['uptime_s']:.0f} s; "
@@ -24,7 +46,8 @@ def render_stats(stats: dict[str, Any]) -> str:
             state = "ended" if e["ended"] else "closed" if e["closed"] else "open"
             lines.append(f"  epoch {number} ({state}): partitions {e['committed']}/{e['partitions']}, "
                          f"in {e['batches_in']} batches {_mib(e['bytes_in'])} {e['rows_in']} rows, "
-                         f"out {e['batches_out']} batches {_mib(e['bytes_out'])}, acked {e['acked']}, "
+                         f"out {e['batches_out']} batches {_mib(e['bytes_out'])} {e.get('rows_out', 0)} rows, "
+                         f"acked {e['acked']}, "
                          f"queued {e['queued']}, duplicates {e['duplicates']}, "
                          f"redelivered {e.get('redelivered', 0)}")
         for r in sorted(s["ranks"], key=lambda r: r["rank"]):
@@ -35,31 +58,38 @@ def render_stats(stats: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def totals(stats: dict[str, dict[str, Any]]) -> dict[str, Any]:
+def totals(stats: dict[str, Figures]) -> Totals:
     """Figures added up over several brokers (by address): buffer, and per stream batches, rows and ranks."""
-    total: dict[str, Any] = {"brokers": len(stats), "buffered_bytes": 0, "max_buffer": 0, "streams": {}}
+    total: Totals = {"brokers": len(stats), "buffered_bytes": 0, "max_buffer": 0, "streams": {}}
     for one in stats.values():
         total["buffered_bytes"] += one["broker"]["buffered_bytes"]
         total["max_buffer"] += one["broker"]["max_buffer"]
         for name, s in one["streams"].items():
-            t = total["streams"].setdefault(name, {"batches_in": 0, "rows_in": 0, "batches_out": 0, "acked": 0,
-                                                   "queued": 0, "ranks": 0})
+            t = total["streams"].setdefault(name, {"batches_in": 0, "rows_in": 0, "batches_out": 0, "rows_out": 0,
+                                                   "acked": 0, "queued": 0, "ranks": 0})
             t["ranks"] = max(t["ranks"], len(s["ranks"]))
             for e in s["epochs"].values():
-                for key in ("batches_in", "rows_in", "batches_out", "acked", "queued"):
-                    t[key] += e[key]
+                for key in TOTALLED:
+                    t[key] += _figure(e, key)      # type: ignore[literal-required]
     return total
 
 
-def render_totals(total: dict[str, Any]) -> str:
+def _figure(epoch: EpochFigures, key: str) -> int:
+    """One figure of an epoch; 0 for one that figures retired by an older broker lack (``rows_out``)."""
+    figures: Mapping[str, Any] = epoch
+    return figures.get(key, 0)
+
+
+def render_totals(total: Totals) -> str:
     lines = [f"all {total['brokers']} brokers: buffer {_mib(total['buffered_bytes'])} of {_mib(total['max_buffer'])}"]
     for name, t in sorted(total["streams"].items()):
         lines.append(f"stream {name!r}: {t['ranks']} ranks; in {t['batches_in']} batches {t['rows_in']} rows, "
-                     f"out {t['batches_out']}, acked {t['acked']}, queued {t['queued']}")
+                     f"out {t['batches_out']} batches {t['rows_out']} rows, acked {t['acked']}, "
+                     f"queued {t['queued']}")
     return "\n".join(lines)
 
 
-def watch(fetch: Callable[[], dict[str, dict[str, Any]]], interval: float) -> None:
+def watch(fetch: Callable[[], dict[str, Figures]], interval: float) -> None:
     """Redraw the figures of one or more brokers (``fetch`` returns them by address) until Ctrl-C (rich Live).
 
     Each rank's wait share is the part of the last interval its training loop spent waiting for data, from the
@@ -77,7 +107,7 @@ def watch(fetch: Callable[[], dict[str, dict[str, Any]]], interval: float) -> No
         pass
 
 
-def _watch_table(stats: dict[str, dict[str, Any]], previous: dict) -> Any:
+def _watch_table(stats: dict[str, Figures], previous: dict[tuple[str, str, int], tuple[float, float]]) -> Any:
     from rich.console import Group
     from rich.table import Table
 
