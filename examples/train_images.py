@@ -475,7 +475,7 @@ def run_ranks(args: argparse.Namespace) -> int:
                                               prefetch=args.prefetch, timeout=args.timeout)) \
             if args.val_stream else None
         for epoch in range(args.epochs):
-            busy_before = pool.busy_seconds if pool else 0.0
+            busy_before, cpu_before = (pool.busy_seconds if pool else 0.0), time.process_time()
             result = train_epoch(trainer, pixel_batches(train.epoch(), args, epoch, args.shift, pool), args,
                                  recorder)
             ep = train.stats.epochs[-1]
@@ -483,7 +483,7 @@ def run_ranks(args: argparse.Namespace) -> int:
             held = validate(trainer, val, args, pool, epoch) if val is not None else np.zeros(2)
             decode = (pool.busy_seconds if pool else 0.0) - busy_before
             mine = [result["loss_sum"], result["correct"], result["images"], *held, ep.seconds, ep.wait_seconds,
-                    ep.batches, ep.dropped_batches, decode, result["convert_seconds"]]
+                    ep.batches, ep.dropped_batches, decode, result["convert_seconds"], time.process_time() - cpu_before]
             figures = gather(comm, np.array(mine, dtype=np.float64))
             if comm.rank == 0:
                 history.append(epoch_figures(epoch, result["steps"], figures))
@@ -511,7 +511,7 @@ def epoch_figures(epoch: int, steps: int, f: np.ndarray) -> dict:
             "seconds": seconds, "images_per_second": images / max(seconds, 1e-9),
             "wait_seconds": f[:, 6].tolist(), "rank_seconds": f[:, 5].tolist(),
             "batches": f[:, 7].astype(int).tolist(), "dropped_batches": f[:, 8].astype(int).tolist(),
-            "decode_seconds": f[:, 9].tolist(), "convert_seconds": f[:, 10].tolist()}
+            "decode_seconds": f[:, 9].tolist(), "convert_seconds": f[:, 10].tolist(), "cpu_seconds": f[:, 11].tolist()}
 
 
 def epoch_line(r: dict, epochs: int) -> str:
