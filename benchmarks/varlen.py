@@ -15,6 +15,9 @@ the ratios binary / ints and varints / ints of the medians, each of runs interle
 compared with (the ``ints`` frame stays cached; ``binary``, then ``varints``, is cached beside it, so at most two
 are in Spark's memory at once). Rows/s would say the same (the same rows, 64 KiB each on average).
 
+Each feed is followed by Spark's Arrow hand-off of the same frame (``mapInArrow`` + drop), for context: Spark
+itself hands binary rows and int arrays to Python at different costs.
+
 Then, once: the padding share of batches padded to their longest row, in Spark's order and with
 ``bucket_by="tokens"`` (``padding.measure``: one epoch each, read back by one ``BatchStream`` without MPI) on
 20,000 ``tokens`` rows (1..127 ints) in batches of 64.
@@ -125,6 +128,10 @@ def _feed(children: Children, broker, df: Any, info: dict, work: Path, sizes: Si
                                       touch=True)
     result["payload_bytes"] = info["payload_bytes"]
     result["mb_per_s"] = info["payload_bytes"] / result["last"] / 1e6
+    # Spark's own hand-off of the same frame right after (mapInArrow + drop): Spark turns array<int> rows into
+    # Arrow element by element and binary rows with one copy each, so the kinds differ before sparkbus starts
+    seconds, _ = spark_data.arrow_limit(df)
+    result["limit_mb_per_s"] = info["payload_bytes"] / seconds / 1e6
     if not result["dropped_rows"] and result["touched_bytes"] < info["payload_bytes"]:     # every row reached a loop
         raise BenchError(f"stream {stream}: the ranks saw {result['touched_bytes']:,} bytes of "
                          f"{info['payload_bytes']:,}")
