@@ -1,0 +1,479 @@
+"""Images into decoding ranks (issue 15): PNG bytes from a cached Spark DataFrame, sparkbus vs Parquet staging.
+
+    .venv/bin/python benchmarks/images.py [--quick] [--images N] [--reps R] [--json FILE]
+
+One cached DataFrame, ``id long, image binary, label int``: scikit-learn's digits (8x8, in its wheel: no
+download) upscaled to 32x32, each rotated and shifted by its own amount, PNG-encoded with Pillow in Spark's Python
+workers (``mapInArrow`` over ``spark.range``). Both ways read that same cache, in the benchmark's own ``local[2]``
+session, into ``mpiexec -n 2`` ranks (``images_rank.py``) that decode every image with the same Pillow call, two
+decoders per rank:
+
+* ``sparkbus``: ``feed(df, ...)`` (the binary column as it is, batches of 128) -> one broker -> each rank's
+  ``BatchStream`` -> a ``ThreadPoolExecutor(2)`` decoding each batch's ``RaggedColumn`` of PNG bytes.
+* ``staging``: ``df.write.parquet(dir)``, then each rank's ``torch.utils.data.DataLoader(num_workers=2)`` whose
+  workers read the rank's share of the files' row groups with pyarrow (batches of 128) and decode them.
+
+The ranks are started first and say when they are ready (joined the broker; DataLoader workers started and
+waiting for the staged files), so neither mpiexec's nor torch's start-up is in a figure. The clock starts at the
+call that starts the Spark job (``feed``, or the Parquet write); **first** is the first decoded batch on any rank,
+**last** the last one, images/s = images / last. Repetitions alternate which way goes first; the figures are the
+medians, and the ratios are ratios of medians (targets: sparkbus >= 1.5 x staging's images/s; first image at
+<= 0.05 x staging's). Every run must decode every image once: the images, the sum of their ids and the sum of
+their pixels are checked, the last against every other run of either way.
+
+Only loopback; the broker and mpiexec are ``launch`` children, stopped on the way out whatever happens. The
+module imports nothing else of ``benchmarks/`` (it can be loaded by path), except ``rank_files`` by path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+if str(ROOT) not in sys.path:                  # run as a script: launch/ and the sparkbus packages live there
+    sys.path.insert(0, str(ROOT))
+
+from launch.broker import BrokerProcess  # noqa: E402
+from launch.mpi import loopback_env, mpiexec_python  # noqa: E402
+from launch.processes import ChildProcess, wait_for  # noqa: E402
+
+IMAGES, QUICK_IMAGES = 50_000, 5_000
+REPS, QUICK_REPS = 5, 1
+SIZE, PARTITIONS, BATCH_SIZE, RANKS, DECODERS = 32, 4, 128, 2, 2
+FASTER, FIRST = 1.5, 0.05                      # the targets: images/s ratio at least, first-image ratio at most
+WAYS = ("sparkbus", "staging")
+SEED = 7
+
+
+def _rank_files():
+    spec = importlib.util.spec_from_file_location("sparkbus_bench_rank_files", HERE / "rank_files.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+rank_files = _rank_files()
+
+
+class ImagesBenchError(RuntimeError):
+    """A run of the images figure failed, or did not decode every image exactly once."""
+
+
+class EarlyExit(ImagesBenchError):
+    """The ranks exited before they were ready, before any clock started (hydra, on a loaded machine, now and
+    then fails a launch: "process reading stdin too slowly"); the run is started again, once."""
+
+
+# ---- the images -------------------------------------------------------------------------------------------
+
+def image_frame(spark: Any, images: int, size: int = SIZE, partitions: int = PARTITIONS, seed: int = SEED) -> Any:
+    """``id long, image binary, label int``: ``images`` distinct PNGs of ``size`` x ``size`` (not cached).
+
+    Image ``i`` is digit ``i % 1797`` of scikit-learn's set, upscaled, rotated by up to 12 degrees and shifted by
+    up to ``size / 10`` pixels, by amounts drawn from ``(seed, i)``; rendered and encoded in Spark's tasks.
+    """
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    digits = np.rint(data.images * (255 / 16)).astype(np.uint8)
+    labels = data.target.astype(np.int32)
+
+    def encode(batches):                       # a closure: cloudpickle ships it, and the digits, by value
+        import io
+
+        import numpy as np
+        import pyarrow as pa
+        from PIL import Image
+
+        reach = max(1, size // 10)
+        for batch in batches:
+            ids = batch.column("id").to_numpy()
+            pngs = []
+            for i in ids:
+                rng = np.random.default_rng([seed, int(i)])
+                picture = Image.fromarray(digits[i % len(digits)], "L").resize((size, size),
+                                                                               Image.Resampling.BILINEAR)
+                picture = picture.rotate(float(rng.uniform(-12, 12)), Image.Resampling.BILINEAR,
+                                         translate=tuple(int(t) for t in rng.integers(-reach, reach + 1, 2)))
+                out = io.BytesIO()
+                picture.save(out, "PNG")
+                pngs.append(out.getvalue())
+            yield pa.RecordBatch.from_arrays(
+                [pa.array(ids, pa.int64()), pa.array(pngs, pa.binary()), pa.array(labels[ids % len(labels)])],
+                names=["id", "image", "label"])
+
+    return spark.range(0, images, numPartitions=partitions).mapInArrow(encode, "id long, image binary, label int")
+
+
+def cached_images(spark: Any, images: int, size: int, partitions: int) -> tuple[Any, dict]:
+    """:func:`image_frame`, cached and materialised; returns it and how it is stored."""
+    started = time.monotonic()
+    df = image_frame(spark, images, size, partitions).cache()
+    row = df.selectExpr("count(*) AS n", "sum(length(image)) AS png").collect()[0]
+    mem = disk = 0
+    for info in spark.sparkContext._jsc.sc().getRDDStorageInfo():
+        mem += info.memSize()
+        disk += info.diskSize()
+    return df, {"images": row["n"], "png_bytes": row["png"], "mean_png_bytes": row["png"] / max(1, row["n"]),
+                "partitions": df.rdd.getNumPartitions(), "build_seconds": time.monotonic() - started,
+                "cached_memory_bytes": mem, "cached_disk_bytes": disk}
+
+
+# ---- CPU of the process groups ----------------------------------------------------------------------------
+
+class CpuMeter:
+    """CPU seconds (user + system) during a run of Spark's JVM, Spark's Python workers and the broker."""
+
+    def __init__(self, broker_pid: int | None = None):
+        self._broker_pid = broker_pid
+        self._start = self._read()
+
+    def _read(self) -> dict[str, dict[int, float]]:
+        import psutil
+
+        groups: dict[str, dict[int, float]] = {"spark_jvm": {}, "spark_python": {}, "broker": {}}
+
+        def add(group: str, proc: psutil.Process) -> None:
+            try:
+                t = proc.cpu_times()
+                groups[group][proc.pid] = t.user + t.system
+            except psutil.Error:
+                pass
+
+        for proc in psutil.Process().children(recursive=True):
+            try:
+                if proc.name() == "java":
+                    add("spark_jvm", proc)
+                    for child in proc.children(recursive=True):
+                        add("spark_python", child)
+            except psutil.Error:
+                pass
+        if self._broker_pid:
+            try:
+                add("broker", psutil.Process(self._broker_pid))
+            except psutil.Error:
+                pass
+        return groups
+
+    def stop(self) -> dict[str, float]:
+        end = self._read()
+        return {group: sum(max(0.0, t - self._start[group].get(pid, 0.0)) for pid, t in pids.items())
+                for group, pids in end.items()}
+
+
+# ---- one run of each way ----------------------------------------------------------------------------------
+
+class Runner:
+    """Starts the ranks of one run, times the Spark side, collects and checks what the ranks decoded."""
+
+    def __init__(self, df: Any, images: int, work: Path, size: int, batch_size: int, decoders: int,
+                 timeout: float, broker: BrokerProcess):
+        self.df, self.images, self.work, self.size = df, images, work, size
+        self.batch_size, self.decoders, self.timeout, self.broker = batch_size, decoders, timeout, broker
+        self.count = 0
+        self.relaunched: list[str] = []       # runs whose first launch failed before the clock started
+
+    def run(self, way: str) -> dict:
+        """One run of ``way`` (``sparkbus`` or ``staging``), started again once if its ranks failed to launch."""
+        try:
+            return getattr(self, way)()
+        except EarlyExit as exc:
+            self.relaunched.append(str(exc).splitlines()[0])
+            return getattr(self, way)()
+
+    def _ranks(self, name: str, args: Sequence[str], start: Callable[[], dict]) -> tuple[list[dict], dict]:
+        """``mpiexec -n 2 images_rank.py args``; once every rank is ready, ``start()`` (timed); their figures."""
+        out = self.work / name
+        shutil.rmtree(out, ignore_errors=True)          # a work directory given again
+        out.mkdir(parents=True)
+        command = mpiexec_python(RANKS, HERE / "images_rank.py", "--out", str(out), "--size", str(self.size),
+                                 "--threads", str(self.decoders), "--timeout", str(self.timeout), *args)
+        ranks = ChildProcess(name, command, self.work / f"{name}.log", env=loopback_env(), cwd=ROOT)
+        try:
+            wait_for(lambda: all(rank_files.ready_path(out, r).exists() for r in range(RANKS))
+                     or ranks.poll() is not None, 120.0, f"the ranks of {name} to be ready")
+            if ranks.poll() is not None:
+                raise EarlyExit(f"the ranks of {name} exited early ({ranks.poll()}):\n{ranks.tail()}")
+            meter = CpuMeter(self.broker.pid)
+            clock = start()
+            code = ranks.wait(self.timeout)
+            cpu = meter.stop()
+            if code != 0:
+                raise ImagesBenchError(f"the ranks of {name} failed with exit status {code}:\n{ranks.tail()}")
+            figures = [json.loads(rank_files.figures_path(out, r).read_text()) for r in range(RANKS)]
+        finally:
+            ranks.stop()
+        shutil.rmtree(out, ignore_errors=True)
+        cpu["ranks"] = sum(f["cpu_seconds"] for f in figures)
+        cpu["loader_workers"] = sum(f["workers_cpu_seconds"] for f in figures)
+        return figures, {**clock, "cpu": cpu}
+
+    def _result(self, way: str, figures: list[dict], clock: dict) -> dict:
+        t0 = clock.pop("t0")
+        images = sum(f["images"] for f in figures)
+        id_sum = sum(f["id_sum"] for f in figures)
+        if images != self.images or id_sum != self.images * (self.images - 1) // 2:
+            raise ImagesBenchError(f"{way}: the ranks decoded {images:,} images (id sum {id_sum:,}) of "
+                                   f"{self.images:,} (id sum {self.images * (self.images - 1) // 2:,})")
+        last = max(f["t_last"] for f in figures) - t0
+        received = [f["t_first_received"] for f in figures if f.get("t_first_received")]
+        if received:                           # sparkbus: the first batch out of a BatchStream, not yet decoded
+            clock["first_received"] = min(received) - t0
+        return {"way": way, "first": min(f["t_first"] for f in figures) - t0, "last": last,
+                "images_per_s": images / last, "images": images, "id_sum": id_sum,
+                "pixel_sum": sum(f["pixel_sum"] for f in figures), "batches": sum(f["batches"] for f in figures),
+                "images_per_rank": [f["images"] for f in figures],
+                "decode_seconds": sum(f["decode_seconds"] for f in figures), **clock}
+
+    def sparkbus(self) -> dict:
+        from feeder import feed
+
+        self.count += 1
+        stream = f"images-{self.count}"
+
+        def start() -> dict:
+            t0 = time.time()
+            report = feed(self.df, self.broker.feed, stream=stream, epoch=0, batch_size=self.batch_size,
+                          timeout=min(self.timeout, 120.0))
+            return {"t0": t0, "feed_seconds": time.time() - t0, "fed_batches": report.batches,
+                    "fed_bytes": report.bytes}
+
+        figures, clock = self._ranks(f"sparkbus-{self.count}", ["--ranks", self.broker.ranks, "--stream", stream],
+                                     start)
+        return self._result("sparkbus", figures, clock)
+
+    def staging(self) -> dict:
+        self.count += 1
+        staged, go = self.work / f"staged-{self.count}", self.work / f"go-{self.count}"
+
+        def start() -> dict:
+            t0 = time.time()
+            self.df.write.mode("overwrite").parquet(str(staged))
+            written = time.time()
+            go.touch()
+            files = list(staged.glob("*.parquet"))
+            return {"t0": t0, "write_seconds": written - t0, "files": len(files),
+                    "staged_bytes": sum(f.stat().st_size for f in files)}
+
+        try:
+            figures, clock = self._ranks(f"staging-{self.count}", ["--parquet", str(staged), "--go", str(go),
+                                                                   "--batch-size", str(self.batch_size)], start)
+        finally:
+            shutil.rmtree(staged, ignore_errors=True)
+            go.unlink(missing_ok=True)
+        return self._result("staging", figures, clock)
+
+
+# ---- the figure -------------------------------------------------------------------------------------------
+
+def _median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def measure(spark: Any, images: int = IMAGES, reps: int = REPS, *, size: int = SIZE, partitions: int = PARTITIONS,
+            batch_size: int = BATCH_SIZE, decoders: int = DECODERS, work: Path | None = None,
+            timeout: float = 300.0, log: Callable[[str], None] = print) -> dict:
+    """Measure both ways ``reps`` times each, interleaved, on one cached DataFrame of ``images`` PNGs.
+
+    Args:
+        spark: the SparkSession (``local[2]`` for the figure); the frame is cached in it and unpersisted after.
+        images, size, partitions: the DataFrame (see :func:`image_frame`); batch_size: images per batch, both ways.
+        decoders: decoding threads (sparkbus) or DataLoader workers (staging) per rank.
+        work: a directory for logs and the staged files (a temporary one if None; kept if given).
+        timeout: bound on each run's ranks and on the feed's waits.
+        log: called with a line per repetition.
+    Returns:
+        A JSON-serialisable dict: the set-up, ``frame`` (how the images are stored), ``runs`` (each way's list of
+        runs: ``first``, ``last`` seconds, ``images_per_s``, counts, sums, CPU per process group), ``medians``,
+        ``ratios`` (``faster``: sparkbus / staging images/s; ``first``: sparkbus / staging first image) and
+        ``checks``.
+    Raises:
+        ImagesBenchError: a run failed, or its ranks did not decode every image exactly once, or the pixels
+            decoded differ between runs. Whatever it started is stopped first.
+    """
+    temporary = work is None
+    work = Path(tempfile.mkdtemp(prefix="sparkbus-images-")) if temporary else Path(work)
+    work.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {"images": images, "size": size, "partitions": partitions, "batch_size": batch_size,
+                              "ranks": RANKS, "decoders_per_rank": decoders, "reps": reps,
+                              "master": spark.sparkContext.master, "load_start": list(os.getloadavg()),
+                              "runs": {way: [] for way in WAYS}}
+    broker = BrokerProcess(work / "broker.log", "--max-buffer", "256MiB", "--log-level", "WARNING", cwd=ROOT)
+    df = None
+    try:
+        broker.start(30.0)
+        df, result["frame"] = cached_images(spark, images, size, partitions)
+        log(f"  images: {images:,} PNGs of {size}x{size} ({result['frame']['mean_png_bytes']:,.0f} bytes on "
+            f"average) made and cached in {result['frame']['build_seconds']:.1f} s")
+        _warm_up(df, broker, work)
+        runner = Runner(df, images, work, size, batch_size, decoders, timeout, broker)
+        result["first_task"] = []
+        for rep in range(reps):
+            result["first_task"].append(first_task_seconds(df))
+            for way in (WAYS if rep % 2 == 0 else WAYS[::-1]):
+                result["runs"][way].append(runner.run(way))
+            s, p = result["runs"]["sparkbus"][-1], result["runs"]["staging"][-1]
+            log(f"  images rep {rep + 1}/{reps}: sparkbus first {s['first']:.3f} s last {s['last']:.2f} s "
+                f"({s['images_per_s']:,.0f} images/s); staging first {p['first']:.3f} s (write "
+                f"{p['write_seconds']:.2f} s) last {p['last']:.2f} s ({p['images_per_s']:,.0f} images/s)")
+        result["relaunched"] = runner.relaunched
+    finally:
+        if df is not None:
+            df.unpersist()
+        broker.stop()
+        if temporary:
+            shutil.rmtree(work, ignore_errors=True)
+    result["load_end"] = list(os.getloadavg())
+    runs = result["runs"]
+    result["medians"] = {way: {key: _median([r[key] for r in runs[way]])
+                               for key in ("first", "last", "images_per_s", "decode_seconds")} for way in WAYS}
+    result["medians"]["staging"]["write_seconds"] = _median([r["write_seconds"] for r in runs["staging"]])
+    result["medians"]["sparkbus"]["feed_seconds"] = _median([r["feed_seconds"] for r in runs["sparkbus"]])
+    result["medians"]["sparkbus"]["first_received"] = _median([r["first_received"] for r in runs["sparkbus"]])
+    result["medians"]["first_task"] = _median(result["first_task"])
+    s, p = result["medians"]["sparkbus"], result["medians"]["staging"]
+    result["ratios"] = {"faster": s["images_per_s"] / p["images_per_s"], "first": s["first"] / p["first"]}
+    pixel_sums = {r["pixel_sum"] for way in WAYS for r in runs[way]}
+    result["checks"] = {"every_image_once": True, "pixel_sums": sorted(pixel_sums)}
+    if len(pixel_sums) != 1:
+        raise ImagesBenchError(f"the runs decoded different pixels (sums {sorted(pixel_sums)})")
+    return result
+
+
+def first_task_seconds(df: Any) -> float:
+    """From the start of a Spark job over ``df`` to the first record batch its Python code is handed
+    (``mapInArrow``, keeping nothing): what any path from Spark waits before its first row, on this machine now."""
+    import pyarrow as pa
+
+    def first_seen(batches):
+        import time
+
+        seen = None
+        for _ in batches:
+            seen = seen or time.time()
+        yield pa.RecordBatch.from_pydict({"t": [seen]}, schema=pa.schema([("t", pa.float64())]))
+
+    started = time.time()
+    seen = [r["t"] for r in df.mapInArrow(first_seen, "t double").collect() if r["t"] is not None]
+    return min(seen) - started
+
+
+def _warm_up(df: Any, broker: BrokerProcess, work: Path) -> None:
+    """Outside any timing: a full scan of the cache, a small Parquet write (the session's first is slow), and a
+    small feed into a stream no rank reads (the Python workers import sparkbus)."""
+    from feeder import feed
+
+    df.selectExpr("sum(length(image))").collect()
+    df.limit(1000).write.mode("overwrite").parquet(str(work / "warm-up.parquet"))
+    shutil.rmtree(work / "warm-up.parquet", ignore_errors=True)
+    feed(df.sample(fraction=0.02, seed=1), broker.feed, stream="images-warm-up", epoch=0, batch_size=BATCH_SIZE,
+         timeout=60.0)
+
+
+def targets(result: dict) -> list[tuple[str, float, str, bool]]:
+    """``(name, value, target, passed)`` of the figure's two targets (values are ratios of medians)."""
+    faster, first = result["ratios"]["faster"], result["ratios"]["first"]
+    return [(f"images/s into {result['ranks']} decoding ranks vs Parquet staging + DataLoader, to the last image",
+             faster, f">= {FASTER} x", faster >= FASTER),
+            ("first decoded image vs Parquet staging + DataLoader, from the start of the Spark job",
+             first, f"<= {FIRST} x", first <= FIRST)]
+
+
+CPU_GROUPS = (("spark_jvm", "Spark JVM"), ("spark_python", "Spark's Python workers (the feeder)"),
+              ("broker", "broker"), ("ranks", "ranks (main thread + decoding threads)"),
+              ("loader_workers", "DataLoader workers"))
+
+
+def markdown(result: dict) -> str:
+    """The figure as Markdown: the set-up, the targets, the medians, each run, CPU per process group."""
+    s, p = result["medians"]["sparkbus"], result["medians"]["staging"]
+    frame = result["frame"]
+    lines = [f"{result['images']:,} PNG images of {result['size']}x{result['size']} "
+             f"({frame['mean_png_bytes']:,.0f} bytes on average, {frame['png_bytes'] / 1e6:,.1f} MB) in "
+             f"{result['partitions']} partitions of a cached DataFrame ({result['master']}), batches of "
+             f"{result['batch_size']}, into {result['ranks']} ranks with {result['decoders_per_rank']} decoders each; "
+             f"medians of {result['reps']} interleaved repetitions. Load average "
+             f"{result['load_start'][0]:.2f} at the start, {result['load_end'][0]:.2f} at the end.", "",
+             "| target | value | goal | result |", "|---|---|---|---|"]
+    for name, value, goal, passed in targets(result):
+        lines.append(f"| {name} | {value:.3f} x | {goal} | **{'PASS' if passed else 'MISS'}** |")
+    lines += ["", "| median | sparkbus | staging + DataLoader | sparkbus / staging |", "|---|---|---|---|",
+              f"| images/s to the last image | {s['images_per_s']:,.0f} | {p['images_per_s']:,.0f} | "
+              f"{result['ratios']['faster']:.2f} x |",
+              f"| last image, s | {s['last']:.2f} | {p['last']:.2f} | {s['last'] / p['last']:.2f} x |",
+              f"| first image, s | {s['first']:.3f} | {p['first']:.3f} | {result['ratios']['first']:.3f} x |",
+              f"| ... of which: the first batch out of `BatchStream`, s | {s['first_received']:.3f} | | |",
+              f"| Spark job (feed / Parquet write), s | {s['feed_seconds']:.2f} | {p['write_seconds']:.2f} | |",
+              f"| decoding, thread-s (all ranks) | {s['decode_seconds']:.2f} | {p['decode_seconds']:.2f} | |",
+              "", f"For scale: a Spark job over the same cache (`mapInArrow`, keeping nothing) handed its first record "
+              f"batch to Python after {result['medians']['first_task']:.3f} s (median, once per repetition), the "
+              "floor of any path's first image from Spark.",
+              *([f"Started again after a failed launch (before any clock): {', '.join(result['relaunched'])}."]
+                if result.get("relaunched") else []),
+              "", "Each run (seconds from the start of the Spark job):", "",
+              "| way | first | last | images/s | Spark job |", "|---|---|---|---|---|"]
+    order = [r for pair in zip(result["runs"]["sparkbus"], result["runs"]["staging"]) for r in pair]
+    for r in order:
+        job = r.get("feed_seconds", r.get("write_seconds"))
+        lines.append(f"| {r['way']} | {r['first']:.3f} | {r['last']:.2f} | {r['images_per_s']:,.0f} | {job:.2f} |")
+    lines += ["", "CPU seconds per run by process group (medians):", "",
+              "| process group | sparkbus | staging + DataLoader |", "|---|---|---|"]
+    totals = {way: 0.0 for way in WAYS}
+    for key, label in CPU_GROUPS:
+        values = {way: _median([r["cpu"].get(key, 0.0) for r in result["runs"][way]]) for way in WAYS}
+        for way in WAYS:
+            totals[way] += values[way]
+        lines.append(f"| {label} | {values['sparkbus']:.2f} | {values['staging']:.2f} |")
+    lines.append(f"| all of these | {totals['sparkbus']:.2f} | {totals['staging']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=f"{QUICK_IMAGES:,} images, {QUICK_REPS} repetition")
+    parser.add_argument("--images", type=int, help=f"images (default {IMAGES:,})")
+    parser.add_argument("--reps", type=int, help=f"repetitions of each way (default {REPS})")
+    parser.add_argument("--work", help="directory for logs and staged files (default: a temporary one)")
+    parser.add_argument("--json", help="also write the result here")
+    args = parser.parse_args(argv)
+    images = args.images or (QUICK_IMAGES if args.quick else IMAGES)
+    reps = args.reps or (QUICK_REPS if args.quick else REPS)
+
+    from launch.spark import local_session
+
+    spark = local_session("local[2]", "sparkbus-bench-images", conf={"spark.driver.memory": "2g"})
+    try:
+        result = measure(spark, images, reps, work=Path(args.work) if args.work else None)
+    finally:
+        spark.stop()
+    result["revision"] = _revision()
+    print(markdown(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+def _revision() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

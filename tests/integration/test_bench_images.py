@@ -1,0 +1,58 @@
+"""benchmarks/images.py at a tiny size: both ways run and every image arrives and is decoded once, on both sides.
+
+Counts and sums only: the figures themselves are not asserted (no timing in tests)."""
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+ROOT = Path(__file__).resolve().parents[2]
+IMAGES, BATCH_SIZE = 300, 32
+
+
+def benchmark_module(name):
+    """benchmarks/NAME.py, loaded by path (benchmarks/ on sys.path would shadow other modules with its own)."""
+    spec = importlib.util.spec_from_file_location(f"sparkbus_bench_{name}", ROOT / "benchmarks" / f"{name}.py")
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_measure_decodes_every_image_once_on_both_sides(spark, tmp_path):
+    images = benchmark_module("images")
+    result = images.measure(spark, IMAGES, reps=1, batch_size=BATCH_SIZE, work=tmp_path, timeout=90,
+                            log=lambda line: None)
+
+    assert result["images"] == IMAGES and result["frame"]["images"] == IMAGES
+    assert result["frame"]["mean_png_bytes"] > 100                       # PNGs, not empty cells
+    assert sorted(result["runs"]) == ["sparkbus", "staging"]
+    pixel_sums = set()
+    for way, runs in result["runs"].items():
+        (run,) = runs
+        assert run["way"] == way
+        assert run["images"] == IMAGES and sum(run["images_per_rank"]) == IMAGES
+        assert run["id_sum"] == IMAGES * (IMAGES - 1) // 2                 # ids 0 .. IMAGES - 1, each once
+        assert run["batches"] >= math.ceil(IMAGES / BATCH_SIZE)
+        assert 0 < run["first"] <= run["last"]
+        assert run["decode_seconds"] > 0
+        pixel_sums.add(run["pixel_sum"])
+    assert len(pixel_sums) == 1 and pixel_sums.pop() > 0                  # both decoded the same pixels
+    assert result["checks"]["every_image_once"]
+    fed, staged = result["runs"]["sparkbus"][0], result["runs"]["staging"][0]
+    assert fed["fed_batches"] >= math.ceil(IMAGES / BATCH_SIZE) and fed["feed_seconds"] > 0
+    assert staged["files"] >= 1 and staged["staged_bytes"] > 0 and staged["write_seconds"] > 0
+    assert staged["cpu"]["loader_workers"] > 0                            # the DataLoader's workers decoded
+    assert set(result["ratios"]) == {"faster", "first"} and all(v > 0 for v in result["ratios"].values())
+
+    listed = images.targets(result)
+    assert len(listed) == 2
+    for name, value, goal, passed in listed:
+        assert isinstance(name, str) and isinstance(goal, str) and isinstance(passed, bool) and value > 0
+    text = images.markdown(result)
+    assert "| target | value | goal | result |" in text and text.count("**PASS**") + text.count("**MISS**") == 2
+    assert "DataLoader workers" in text
