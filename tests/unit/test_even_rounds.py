@@ -60,12 +60,22 @@ def batch(seq):
     return {"id": np.array([seq]), "x": np.full((1, 2), seq, np.float32)}
 
 
+def acknowledged(broker, count):
+    """The ids of the rank's next ACKs, until ``count`` different ones have come."""
+    acked = set()
+    while len(acked) < count:
+        ids = broker.next(Kind.ACK)["ids"]
+        acked |= {tuple(ids[i:i + 3]) for i in range(0, len(ids), 3)}
+    return acked
+
+
 @pytest.fixture
 def twenty_batches(context):
     broker = FakeBroker(context, "inproc://even-broker")
 
-    def start(peer):
-        stream = joined(broker, "inproc://even-broker", context, comm=peer, even=True, abort_on_error=False)
+    def start(peer, **options):
+        stream = joined(broker, "inproc://even-broker", context, comm=peer, even=True, abort_on_error=False,
+                        **options)
         for seq in range(20):
             broker.send(codec.encode_batch("s", 0, 0, seq, batch(seq)))
         broker.end(0, 20)
@@ -97,7 +107,7 @@ def test_a_loop_that_leaves_while_an_agreement_is_posted_completes_it_and_skips_
     peer = ScriptedPeer(mins=[12, 8, 2, 0], gathers=[0])
     stream, broker = twenty_batches(peer)
     with stream:
-        for n, b in enumerate(stream.epoch()):
+        for n, _ in enumerate(stream.epoch()):
             peer.given += 1
             if n == 11:                 # the round's last step: the next agreement is already posted
                 assert len(peer.posted) == 2 and peer.requests[-1].tests == 0
@@ -111,11 +121,7 @@ def test_a_loop_that_leaves_while_an_agreement_is_posted_completes_it_and_skips_
         broker.end(1, 2)
         assert [int(b["id"][0]) for b in stream.epoch()] == [100, 101]
         assert stream.stats.skipped_batches == 8
-        acked = set()
-        while len(acked) < 22:
-            ids = broker.next(Kind.ACK)["ids"]
-            acked |= {tuple(ids[i:i + 3]) for i in range(0, len(ids), 3)}
-        assert acked == {(0, 0, seq) for seq in range(20)} | {(1, 0, 0), (1, 0, 1)}
+        assert acknowledged(broker, 22) == {(0, 0, seq) for seq in range(20)} | {(1, 0, 0), (1, 0, 1)}
 
 
 @pytest.mark.timeout(10)     # the linger is 30 s here: the epoch's end must cut it short
@@ -142,3 +148,21 @@ def test_a_rank_short_of_data_holds_on_for_a_round_or_the_epochs_end_before_it_a
         late.join()
     assert got == [0, 1, 2, 3]
     assert peer.posted[0] == (4, 0), "the first agreement waited for the epoch's end, not agreeing on 1"
+
+
+def test_a_batch_left_over_at_the_epochs_end_is_dropped_counted_and_acknowledged(twenty_batches):
+    # 12 steps, then 7 (the peer holds one fewer than this rank), then the peer has nothing: one batch is left here,
+    # and none on the peer, so the share-out keeps 0 each and drops it
+    dropped = []
+    peer = ScriptedPeer(mins=[12, 7, 0], gathers=[0])
+    stream, broker = twenty_batches(peer, on_drop=dropped.append)
+    with stream:
+        got = []
+        for b in stream.epoch():
+            got.append(int(b["id"][0]))
+            peer.given += 1
+        assert got == list(range(19)) and [int(b["id"][0]) for b in dropped] == [19]
+        assert peer.posted == [(20, 0), (8, 11), (1, 19)]
+        ep = stream.stats.epochs[-1]
+        assert (ep.batches, ep.rows, ep.dropped_batches, ep.dropped_rows) == (19, 19, 1, 1)
+        assert acknowledged(broker, 20) == {(0, 0, seq) for seq in range(20)}, "the dropped batch is acknowledged too"
