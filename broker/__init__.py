@@ -2,7 +2,9 @@
 
 Importing this package starts nothing. The contract (see docs/PROTOCOL.md) is ``broker.protocol`` (headers),
 ``broker.codec`` (batches as frames), ``broker.address`` and ``broker.errors``; ``broker.daemon.Broker`` is
-the loop, ``broker.ledger`` its rules; ``sparkbus broker`` / ``python -m broker`` run it.
+the loop (I/O and timing), ``broker.ledger`` its rules (in ``partitions``, ``rejoin``, ``dispatch`` over the shared
+``books``; ``events`` are what the journal keeps), ``broker.figures`` its figures; ``sparkbus broker`` /
+``python -m broker`` run it.
 """
 
 from .config import BrokerConfig

@@ -59,6 +59,11 @@ class Books:
         """Hand every event the ledger applies from now on to ``observer`` (the journal's recorder)."""
         self._observers.append(observer)
 
+    @property
+    def _observed(self) -> bool:
+        """Whether an event would reach anyone: rules on the hot path make none otherwise."""
+        return bool(self._observers) and not self._muted
+
     def _emit(self, event: Event) -> None:
         if not self._muted:
             for observer in self._observers:
@@ -95,14 +100,16 @@ class Books:
             return
         self.buffered -= rank.consumed(batches, held)
         epochs = stream.epochs
-        by_epoch: dict[int, list[list[int]]] = {}
         for batch in batches:
             ep = epochs.get(batch.id[0])
             if ep is not None:
                 ep.count_acked(batch)
-            by_epoch.setdefault(batch.id[0], []).append(list(batch.id))
-        for number, acked in by_epoch.items():
-            self._emit(BatchesAcked(stream.name, number, acked))
+        if self._observed:
+            by_epoch: dict[int, list[list[int]]] = {}
+            for batch in batches:
+                by_epoch.setdefault(batch.id[0], []).append(list(batch.id))
+            for number, acked in by_epoch.items():
+                self._emit(BatchesAcked(stream.name, number, acked))
         self.retire(stream)
 
     def _drop(self, batches: Iterable[HeldBatch], held: bool = False) -> None:

@@ -16,7 +16,7 @@ from .books import Outcome, Transmit
 from .errors import ProtocolError
 from .protocol import ErrorCode, Kind
 from .rejoin import Rejoin
-from .state import MAX_WINDOW, EpochState, HeldBatch, RankState, StreamState
+from .state import MAX_WINDOW, EpochState, RankState, StreamState
 
 log = logging.getLogger("sparkbus.broker")
 
@@ -103,6 +103,7 @@ class Dispatch(Rejoin):
         rotation = stream.rotation() if queue else []
         by_bytes = stream.windows_known()
         gone: list[bytes] = []
+        sent = Outcome.SENT
         progress = True
         while queue and progress:
             progress = False
@@ -110,18 +111,14 @@ class Dispatch(Rejoin):
                 if not queue:
                     break
                 batch = queue[0]
-                if not rank.has_room(batch.nbytes, by_bytes) or rank.identity in gone:
+                if not rank.has_room(batch.nbytes, by_bytes) or (gone and rank.identity in gone):
                     continue
                 outcome = transmit(rank.identity, batch.frames)
-                if outcome is Outcome.SENT:
+                if outcome is sent:           # it takes room in the rank's window until acknowledged
                     queue.popleft()
-                    self._sent(rank, ep, batch)
+                    ep.sent(batch)
+                    rank.sent(batch)
                     progress = True
                 elif outcome is Outcome.GONE:
                     gone.append(rank.identity)
         return gone
-
-    def _sent(self, rank: RankState, ep: EpochState, batch: HeldBatch) -> None:
-        """A batch went out to ``rank``: it takes room in the rank's window until acknowledged."""
-        ep.sent(batch)
-        rank.sent(batch)

@@ -4,9 +4,12 @@ Per stream and epoch there are two append-only files:
 
 - ``epoch-<n>.log``: records, each a 4-byte little-endian length, the CRC-32 of the body (4 bytes) and the
   body, a msgpack map whose ``t`` is a :class:`Record` kind: ``open`` (partitions, delivery), ``batch`` (the
-  header frame, where its payload lies in the data file), ``commit`` (partition, attempt), ``close``, ``ack``
-  (batch ids).
+  header frame, where its payload lies in the data file), ``commit`` (partition, attempt), ``claim`` (partition,
+  broker), ``close``, ``ack`` (batch ids).
 - ``epoch-<n>.data``: the batches' column frames, back to back.
+
+The ledger does not call this module: its observer ``broker.events.JournalRecorder`` writes the events it applies,
+and replay reads the records back as the same events (``broker.events.replayed_events``).
 
 Records are written with plain ``write`` calls as they happen, so a killed broker (``kill -9``) loses none of
 them: the kernel has them. They reach the disk (``fsync``) before a partition commit or an epoch close is

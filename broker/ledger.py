@@ -44,7 +44,8 @@ class Ledger(Partitions, Dispatch):
         if journal is not None:
             self.observe(JournalRecorder(journal))
         self._appliers: dict[type, Callable[..., object]] = {
-            EpochOpened: self._open, BatchArrived: self._arrived, PartitionCommitted: self._commit,
+            EpochOpened: self._open, BatchArrived: lambda e: self._arrived(e.header, e.frames, e.header_bytes),
+            PartitionCommitted: self._commit,
             PartitionClaimed: self._claim, EpochClosed: self._close, BatchesAcked: self._acked_while_away}
 
     def apply(self, event: Event) -> list[Reply]:

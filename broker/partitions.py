@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 from . import protocol
 from .books import Books
 from .errors import ProtocolError
-from .events import BatchArrived, BatchTaken, EpochClosed, EpochOpened, PartitionClaimed, PartitionCommitted
+from .events import BatchTaken, EpochClosed, EpochOpened, PartitionClaimed, PartitionCommitted
 from .protocol import ErrorCode, Kind
 from .state import EpochState, HeldBatch, PendingCommit
 
@@ -103,10 +103,11 @@ class Partitions(Books):
         Raises:
             Rejected: no such open epoch, out-of-range numbers, or the same attempt sent this seq before.
         """
-        return self._arrived(BatchArrived(header, frames, header_bytes))
+        return self._arrived(header, frames, header_bytes)
 
-    def _arrived(self, event: BatchArrived) -> list[Reply]:
-        header, frames = event.header, event.frames
+    def _arrived(self, header: dict, frames: list[Any], header_bytes: bytes | None = None) -> list[Reply]:
+        """The applier of :class:`~broker.events.BatchArrived`, taking its fields (the feed's hot path makes no
+        event object unless someone observes it)."""
         stream = self.streams.get(header["stream"])
         ep = stream.epochs.get(header["epoch"]) if stream else None
         if stream is None or ep is None:
@@ -126,8 +127,8 @@ class Partitions(Books):
             part.diverged = True
             self._warn_diverged(stream.name, ep, number)
         keep = part.committed_attempt is None and (known is None or ep.delivery == "atomic")
-        if event.header_bytes is not None:
-            self._emit(BatchTaken(stream.name, ep.epoch, event.header_bytes, frames[1:] if keep else []))
+        if header_bytes is not None and self._observed:
+            self._emit(BatchTaken(stream.name, ep.epoch, header_bytes, frames[1:] if keep else []))
         if keep:
             splits = header.get("splits")
             batch = HeldBatch(protocol.batch_id(header), frames, sum(len(f) for f in frames), header["rows"],

@@ -119,9 +119,14 @@ class EpochState:
         self.rows_out += batch.rows
 
     def sent(self, batch: HeldBatch) -> None:
-        """The batch went out to a rank (again, if it had gone out before)."""
-        self.resent(batch)
-        self.count_out(batch)
+        """The batch went out to a rank (again, if it had gone out before): :meth:`resent` and :meth:`count_out`,
+        written out (the hot path)."""
+        batch.sends += 1
+        if batch.sends > 1:
+            self.redelivered += batch.count
+        self.batches_out += batch.count
+        self.bytes_out += batch.nbytes
+        self.rows_out += batch.rows
 
     def resent(self, batch: HeldBatch) -> None:
         """The batch went out once more, still counted out (to a rank that lost it with its old connection)."""
@@ -197,8 +202,9 @@ class RankState:
         self.inflight_bytes += batch.nbytes
 
     def sent(self, batch: HeldBatch) -> None:
-        """The batch went out to this connection."""
-        self.hold(batch)
+        """The batch went out to this connection: held (:meth:`hold`), and counted."""
+        self.inflight[batch.id] = batch
+        self.inflight_bytes += batch.nbytes
         self.batches += batch.count
         self.bytes += batch.nbytes
 
