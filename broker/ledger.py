@@ -17,7 +17,8 @@ journal's records as the same events, through the same code, with the observers 
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections import deque
+from typing import Any, Callable
 
 from .dispatch import MAX_WINDOW_BYTES, Dispatch
 from .events import (BatchArrived, BatchesAcked, EpochClosed, EpochOpened, Event, JournalRecorder,
@@ -25,6 +26,7 @@ from .events import (BatchArrived, BatchesAcked, EpochClosed, EpochOpened, Event
 from .journal import DeliveredEpochs, Journal
 from .partitions import MAX_PARTITIONS, Partitions, Rejected, Reply
 from .rejoin import MissedEnd
+from .state import HeldBatch
 
 log = logging.getLogger("sparkbus.broker")
 
@@ -43,10 +45,11 @@ class Ledger(Partitions, Dispatch):
         self.journal = journal
         if journal is not None:
             self.observe(JournalRecorder(journal))
-        self._appliers: dict[type, Callable[..., object]] = {
+        self._appliers: dict[type, Callable[[Any], list[Reply] | None]] = {
             EpochOpened: self._open, BatchArrived: lambda e: self._arrived(e.header, e.frames, e.header_bytes),
             PartitionCommitted: self._commit,
             PartitionClaimed: self._claim, EpochClosed: self._close, BatchesAcked: self._acked_while_away}
+        self._away: dict[tuple[str, int], set[tuple[int, ...]]] = {}     # replay: acked ids per epoch
 
     def apply(self, event: Event) -> list[Reply]:
         """Apply one event as the rules do live (the replies are those owed to tasks, if any).
@@ -54,24 +57,28 @@ class Ledger(Partitions, Dispatch):
         Raises:
             Rejected: a batch the rules drop.
         """
-        replies = self._appliers[type(event)](event)
-        return replies if isinstance(replies, list) else []
+        return self._appliers[type(event)](event) or []
 
     def _acked_while_away(self, event: BatchesAcked) -> None:
         """Replay: batches a rank consumed before the restart. No rank holds them now (the ranks are gone), so they
-        are in the queue: out of it, sent and acknowledged."""
-        ep = self.streams[event.stream].epochs.get(event.epoch)
-        if ep is None:
+        wait in the queue; :meth:`_settle_acked` takes them out once the epoch's records are read (one pass over
+        the queue per epoch, not one per ACK record)."""
+        self._away.setdefault((event.stream, event.epoch), set()).update(tuple(i) for i in event.ids)
+
+    def _settle_acked(self, stream: str, epoch: int) -> None:
+        ep = self.streams[stream].epochs.get(epoch)
+        acked = self._away.pop((stream, epoch), set())
+        if ep is None or not acked:
             return
-        ids = {tuple(i) for i in event.ids}
-        done = [b for b in ep.queue if b.id in ids]
-        if not done:
-            return
-        ep.queue = type(ep.queue)(b for b in ep.queue if b.id not in ids)
-        for batch in done:
-            self.buffered -= batch.nbytes
-            ep.count_out(batch)
-            ep.count_acked(batch)
+        kept: deque[HeldBatch] = deque()
+        for batch in ep.queue:
+            if batch.id in acked:                # sent and acknowledged before the restart
+                self.buffered -= batch.nbytes
+                ep.count_out(batch)
+                ep.count_acked(batch)
+            else:
+                kept.append(batch)
+        ep.queue = kept
 
     # ---- restart ----------------------------------------------------------------------------------------
 
@@ -99,8 +106,10 @@ class Ledger(Partitions, Dispatch):
                         self.apply(event)
                     except Rejected:
                         pass
+                self._settle_acked(replayed.stream, replayed.epoch)
         finally:
             self._muted = False
+            self._away.clear()
         restored = sum(len(e.queue) for s in self.streams.values() for e in s.epochs.values())
         log.info("journal replayed: %d epochs, %d unacknowledged batches to deliver",
                  sum(len(s.epochs) for s in self.streams.values()), restored)
