@@ -54,7 +54,7 @@ class ControlClient:
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self._sock.poll(remaining * 1000):
+            if remaining <= 0 or not self._sock.poll(int(remaining * 1000)):     # pyzmq truncates to ms too
                 raise BrokerError(f"no reply from the sparkbus broker at {self.address} to {kind.name} within "
                                   f"{self.timeout if timeout is None else timeout:g} s: is it running, and is "
                                   f"this the broker's control address?")

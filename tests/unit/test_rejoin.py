@@ -165,6 +165,31 @@ def test_a_rank_back_after_the_epoch_ended_gets_its_lost_batches_then_the_end(le
     assert sorted(ledger.rank(b"r0-new").inflight) == in_flight_to_0
     assert stream.epochs[0].redelivered == 2 and not stream.epochs[0].queue
 
+    ledger.send_missed(b"r0-new", missed, wire.transmit)     # after its WELCOME: the lost batches, then the end
+    assert wire.got[b"r0-new"] == in_flight_to_0 and wire.ends[b"r0-new"] == [0]
+
+
+def test_a_rank_gone_again_while_it_is_sent_what_it_missed_is_not_sent_the_rest(ledger):
+    feed(ledger, 4)
+    wire = Wire(ledger)
+    for r in (0, 1):
+        ledger.join_rank(f"r{r}".encode(), hello(r))
+        ledger.set_window(ledger.rank(f"r{r}".encode()), 2, 0)
+    wire.cut.add(b"r0")
+    wire.dispatch()
+    in_flight_to_0 = sorted(ledger.rank(b"r0").inflight)
+    missed = ledger.join_rank(b"r0-new", hello(0, resume=True), held=[], consumed=[])
+    sends = []
+
+    def transmit(identity, frames):       # the first resend finds the new connection closed
+        sends.append(unpack_header(frames[0])["kind"])
+        return Outcome.GONE
+
+    ledger.send_missed(b"r0-new", missed, transmit)
+    assert sends == [Kind.BATCH]                              # neither the other batch nor the end
+    orphan = ledger.streams["s"].orphans["session-0"]         # what it holds waits for it as before
+    assert sorted(orphan.rank.inflight) == in_flight_to_0 and b"r0-new" not in ledger.ranks
+
 
 def test_after_a_journalled_restart_a_rank_keeps_what_it_held_and_consumed(tmp_path):
     before = Ledger(Journal(tmp_path))
