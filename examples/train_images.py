@@ -17,6 +17,7 @@ the table a real job reads from its image files. Where they are decoded is ``--d
 
 - ``rank``: the PNG bytes travel (a ``binary`` column, ~0.7 KB an image); each rank decodes them in a thread
   pool, a few batches ahead of the step (Pillow's decoder releases the GIL; so do torch's ops).
+  ``--decode-threads 1 --decode-ahead 0`` decodes inline instead.
 - ``spark``: Spark decodes them in the feed job and sends the pixels (``array<tinyint>``, 1 KB an image at
   32x32); the ranks only view them as ``uint8 [n, size, size]``.
 
@@ -292,7 +293,7 @@ class DecodePool:
     def __init__(self, threads: int, size: int):
         self.threads, self.size = max(1, threads), size
         self.executor = ThreadPoolExecutor(self.threads, thread_name_prefix="decode")
-        self.busy_seconds = 0.0       # summed over the threads: the CPU time decoding cost
+        self.busy_seconds = 0.0       # wall seconds in the threads, summed (waits for the GIL included)
 
     def submit(self, images: Any, shifts: np.ndarray) -> tuple[np.ndarray, list]:
         """Start decoding ``images`` (indexable, items bytes-like) and jittering them by ``shifts``; returns the
