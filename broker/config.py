@@ -292,7 +292,7 @@ def is_loopback_endpoint(endpoint: str) -> bool:
         addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
     except (OSError, UnicodeError):
         return False                      # an interface name or an unknown host: not known to be loopback
-    return bool(addresses) and all(ipaddress.ip_address(a.split("%")[0]).is_loopback for a in addresses)
+    return bool(addresses) and all(ipaddress.ip_address(str(a).split("%")[0]).is_loopback for a in addresses)
 
 
 def check_exposure(settings: Mapping[str, Any]) -> None:
