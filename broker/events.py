@@ -83,8 +83,11 @@ class EpochRetired:
     stats: EpochFigures
 
 
-Event = Union[EpochOpened, BatchArrived, BatchTaken, PartitionCommitted, PartitionClaimed, EpochClosed,
-              BatchesAcked, EpochRetired]
+# What the ledger applies (live, and on replay from the journal's records) ...
+Applied = Union[EpochOpened, BatchArrived, PartitionCommitted, PartitionClaimed, EpochClosed, BatchesAcked]
+# ... and what its observers see: those (a batch as BatchTaken), and epochs retired.
+Event = Union[EpochOpened, BatchTaken, PartitionCommitted, PartitionClaimed, EpochClosed, BatchesAcked,
+              EpochRetired]
 Observer = Callable[[Event], None]
 
 
@@ -109,7 +112,7 @@ class JournalRecorder:
             write(event)
 
 
-def replayed_events(replayed: ReplayedEpoch) -> Iterator[Event]:
+def replayed_events(replayed: ReplayedEpoch) -> Iterator[Applied]:
     """The events one epoch's journal records stand for, in order. Nothing before the epoch's ``open``."""
     stream, epoch = replayed.stream, replayed.epoch
     for record in replayed.records:

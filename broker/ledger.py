@@ -21,7 +21,7 @@ from collections import deque
 from typing import Any, Callable
 
 from .dispatch import MAX_WINDOW_BYTES, Dispatch
-from .events import (BatchArrived, BatchesAcked, EpochClosed, EpochOpened, Event, JournalRecorder,
+from .events import (Applied, BatchArrived, BatchesAcked, EpochClosed, EpochOpened, JournalRecorder,
                      PartitionClaimed, PartitionCommitted, replayed_events)
 from .journal import DeliveredEpochs, Journal
 from .partitions import MAX_PARTITIONS, Partitions, Rejected, Reply
@@ -51,7 +51,7 @@ class Ledger(Partitions, Dispatch):
             PartitionClaimed: self._claim, EpochClosed: self._close, BatchesAcked: self._acked_while_away}
         self._away: dict[tuple[str, int], set[tuple[int, ...]]] = {}     # replay: acked ids per epoch
 
-    def apply(self, event: Event) -> list[Reply]:
+    def apply(self, event: Applied) -> list[Reply]:
         """Apply one event as the rules do live (the replies are those owed to tasks, if any).
 
         Raises:
