@@ -24,6 +24,10 @@ the table a real job reads from its image files. Where they are decoded is ``--d
 Either way a training image is jittered each epoch by up to ``--shift`` pixels (a function of seed, epoch and
 id), on the side that decodes, so both ways give the ranks the same pixels. docs/TRAINING.md ("Where to
 decode images") has the figures of both on a 2-core machine.
+
+Needs the ``images`` extra (``pip install 'sparkbus[images]'``: Pillow and scikit-learn) where the driver runs,
+Pillow on Spark's executors (scikit-learn is not needed there: the digits travel with the tasks), and Pillow
+and torch on the ranks.
 """
 
 from __future__ import annotations

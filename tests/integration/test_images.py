@@ -22,6 +22,11 @@ sys.path.insert(0, str(EXAMPLES))
 ROWS, VAL_ROWS, EPOCHS, SEED, SIZE, SHIFT = 1_500, 300, 2, 5, 32, 2
 
 
+# hydra, on a loaded machine, now and then fails a launch with this before any rank runs (benchmarks/images.py
+# meets it too); the broker then still holds every batch, so the ranks are started again, once.
+HYDRA_LAUNCH_FAILURE = "process reading stdin too slowly"
+
+
 @pytest.fixture
 def start_image_ranks(tmp_path):
     """``start_image_ranks(ranks_address, *flags)``: examples/train_images.py under ``mpiexec -n 2``; returns a
@@ -31,22 +36,34 @@ def start_image_ranks(tmp_path):
     def start(address, *flags):
         out = tmp_path / f"ranks-{len(running)}"
         out.mkdir()
-        proc = spawn(mpiexec_python(2, EXAMPLES / "train_images.py", "--ranks", address, "--epochs", str(EPOCHS),
-                                    "--seed", str(SEED), "--size", str(SIZE), "--shift", str(SHIFT),
-                                    "--record", str(out), "--summary", str(out / "summary.json"),
-                                    "--timeout", "60", *flags),
-                     env=loopback_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        running.append(proc)
+        command = mpiexec_python(2, EXAMPLES / "train_images.py", "--ranks", address, "--epochs", str(EPOCHS),
+                                 "--seed", str(SEED), "--size", str(SIZE), "--shift", str(SHIFT),
+                                 "--record", str(out), "--summary", str(out / "summary.json"), "--timeout", "60",
+                                 *flags)
+
+        def launch():
+            proc = spawn(command, env=loopback_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            running.append(proc)
+            return proc
+
+        first = launch()
 
         def wait(timeout):
-            try:
-                stdout, stderr = proc.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                kill_tree(proc)                             # mpiexec, its proxies and the ranks
-                stdout, stderr = proc.communicate(timeout=10)
-                raise AssertionError(f"the ranks did not finish within {timeout} s:\n{stderr[-3000:]}")
-            assert proc.returncode == 0, f"the ranks failed ({proc.returncode}):\n{stdout[-2000:]}\n{stderr[-3000:]}"
-            return json.loads((out / "summary.json").read_text()), out
+            proc, relaunched = first, False
+            while True:
+                try:
+                    stdout, stderr = proc.communicate(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    kill_tree(proc)                         # mpiexec, its proxies and the ranks
+                    stdout, stderr = proc.communicate(timeout=10)
+                    raise AssertionError(f"the ranks did not finish within {timeout} s:\n{stderr[-3000:]}")
+                if proc.returncode != 0 and HYDRA_LAUNCH_FAILURE in stderr and not relaunched \
+                        and not any(out.glob("rank*-epoch*.npz")):
+                    proc, relaunched = launch(), True
+                    continue
+                assert proc.returncode == 0, \
+                    f"the ranks failed ({proc.returncode}):\n{stdout[-2000:]}\n{stderr[-3000:]}"
+                return json.loads((out / "summary.json").read_text()), out
 
         return wait
 
