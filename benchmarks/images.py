@@ -286,7 +286,7 @@ def _median(values: Sequence[float]) -> float:
 
 def measure(spark: Any, images: int = IMAGES, reps: int = REPS, *, size: int = SIZE, partitions: int = PARTITIONS,
             batch_size: int = BATCH_SIZE, decoders: int = DECODERS, work: Path | None = None,
-            timeout: float = 300.0, log: Callable[[str], None] = print) -> dict:
+            timeout: float = 300.0, warm_up: bool = True, log: Callable[[str], None] = print) -> dict:
     """Measure both ways ``reps`` times each, interleaved, on one cached DataFrame of ``images`` PNGs.
 
     Args:
@@ -295,6 +295,8 @@ def measure(spark: Any, images: int = IMAGES, reps: int = REPS, *, size: int = S
         decoders: decoding threads (sparkbus) or DataLoader workers (staging) per rank.
         work: a directory for logs and the staged files (a temporary one if None; kept if given).
         timeout: bound on each run's ranks and on the feed's waits.
+        warm_up: first scan the cache, write a little Parquet and feed a little, untimed (False: a test of
+            the harness, whose figures do not matter).
         log: called with a line per repetition.
     Returns:
         A JSON-serialisable dict: the set-up, ``frame`` (how the images are stored), ``runs`` (each way's list of
@@ -319,7 +321,8 @@ def measure(spark: Any, images: int = IMAGES, reps: int = REPS, *, size: int = S
         df, result["frame"] = cached_images(spark, images, size, partitions)
         log(f"  images: {images:,} PNGs of {size}x{size} ({result['frame']['mean_png_bytes']:,.0f} bytes on "
             f"average) made and cached in {result['frame']['build_seconds']:.1f} s")
-        _warm_up(df, broker, work)
+        if warm_up:
+            _warm_up(df, broker, work)
         runner = Runner(df, images, work, size, batch_size, decoders, timeout, broker)
         result["first_task"] = []
         for rep in range(reps):
@@ -426,7 +429,8 @@ def markdown(result: dict) -> str:
                 if result.get("relaunched") else []),
               "", "Each run (seconds from the start of the Spark job):", "",
               "| way | first | last | images/s | Spark job |", "|---|---|---|---|---|"]
-    order = [r for pair in zip(result["runs"]["sparkbus"], result["runs"]["staging"]) for r in pair]
+    pairs = zip(result["runs"]["sparkbus"], result["runs"]["staging"])
+    order = [r for rep, pair in enumerate(pairs) for r in (pair if rep % 2 == 0 else pair[::-1])]   # as run
     for r in order:
         job = r.get("feed_seconds", r.get("write_seconds"))
         lines.append(f"| {r['way']} | {r['first']:.3f} | {r['last']:.2f} | {r['images_per_s']:,.0f} | {job:.2f} |")

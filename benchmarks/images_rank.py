@@ -58,14 +58,18 @@ def decode_into(images, out: np.ndarray, lo: int, hi: int) -> float:
     return time.perf_counter() - began
 
 
-def warm_up(size: int) -> None:
+def warm_up(size: int, parquet: bool) -> None:
     """Pay the decoding path's lazy imports before the clock starts: Pillow's PNG plugin (on the first open), and
-    pandas, which pyarrow imports on the first ``to_numpy``; a DataLoader's forked workers inherit them."""
+    with ``parquet`` pandas, which pyarrow imports on the first ``to_numpy``; a DataLoader's forked workers inherit
+    them."""
+    png = io.BytesIO()
+    Image.new("L", (size, size)).save(png, "PNG")
+    decode_into([png.getvalue()], np.empty((1, size, size), np.uint8), 0, 1)
+    if not parquet:
+        return
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    png = io.BytesIO()
-    Image.new("L", (size, size)).save(png, "PNG")
     staged = io.BytesIO()
     pq.write_table(pa.table({"id": pa.array([0], pa.int64()), "image": pa.array([png.getvalue()], pa.binary())}),
                    staged)
@@ -173,7 +177,7 @@ def from_parquet(args, comm, out: Path) -> tuple[Tally, dict]:
 def main(args) -> None:
     comm, out = MPI.COMM_WORLD, Path(args.out)
     t_start = time.time()
-    warm_up(args.size)
+    warm_up(args.size, parquet=bool(args.parquet))
     tally, extra = (from_bus if args.ranks else from_parquet)(args, comm, out)
     write_figures(out, comm.rank, {
         "rank": comm.rank, "size": comm.size, "source": "bus" if args.ranks else "parquet", "t_start": t_start,

@@ -26,7 +26,7 @@ def benchmark_module(name):
 def test_measure_decodes_every_image_once_on_both_sides(spark, tmp_path):
     images = benchmark_module("images")
     result = images.measure(spark, IMAGES, reps=1, batch_size=BATCH_SIZE, work=tmp_path, timeout=90,
-                            log=lambda line: None)
+                            warm_up=False, log=lambda line: None)
 
     assert result["images"] == IMAGES and result["frame"]["images"] == IMAGES
     assert result["frame"]["mean_png_bytes"] > 100                       # PNGs, not empty cells
