@@ -74,7 +74,11 @@ class ImagesBenchError(RuntimeError):
 
 class EarlyExit(ImagesBenchError):
     """The ranks exited before they were ready, before any clock started (hydra, on a loaded machine, now and
-    then fails a launch: "process reading stdin too slowly"); the run is started again, once."""
+    then fails a launch: "process reading stdin too slowly", with its stdin on /dev/null); the run is started
+    again, up to :data:`LAUNCHES` times in all."""
+
+
+LAUNCHES = 3
 
 
 # ---- the images -------------------------------------------------------------------------------------------
@@ -188,12 +192,15 @@ class Runner:
         self.relaunched: list[str] = []       # runs whose first launch failed before the clock started
 
     def run(self, way: str) -> dict:
-        """One run of ``way`` (``sparkbus`` or ``staging``), started again once if its ranks failed to launch."""
-        try:
-            return getattr(self, way)()
-        except EarlyExit as exc:
-            self.relaunched.append(str(exc).splitlines()[0])
-            return getattr(self, way)()
+        """One run of ``way`` (``sparkbus`` or ``staging``), started again if its ranks failed to launch."""
+        for launch in range(LAUNCHES):
+            try:
+                return getattr(self, way)()
+            except EarlyExit as exc:
+                if launch == LAUNCHES - 1:
+                    raise
+                self.relaunched.append(str(exc).splitlines()[0])
+        raise AssertionError("unreachable")
 
     def _ranks(self, name: str, args: Sequence[str], start: Callable[[], dict]) -> tuple[list[dict], dict]:
         """``mpiexec -n 2 images_rank.py args``; once every rank is ready, ``start()`` (timed); their figures."""
