@@ -5,7 +5,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))   # tests/helpers.py
+sys.path.insert(0, str(Path(__file__).parent))   # tests/harness.py, tests/helpers.py
+
+from harness import children, context, sockets  # noqa: E402, F401  (fixtures of every suite)
 
 
 def _keys_for_every_broker_and_client() -> None:

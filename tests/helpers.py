@@ -1,4 +1,5 @@
-"""Helpers shared by the unit and integration tests: bounded waits, free loopback ports, a stand-in broker."""
+"""Helpers shared by the unit and integration tests: bounded waits, free loopback ports, a rank's HELLO, a
+stand-in broker (over a socket) and a stand-in ranks socket (for the ledger). The fixtures are in ``harness``."""
 
 from __future__ import annotations
 
@@ -8,11 +9,14 @@ import time
 
 import zmq
 
+from broker import codec, protocol
+from broker.books import Outcome
 from broker.protocol import Kind, pack_header, unpack_header
 from launch.processes import wait_for
 
 # wait_for: the tests' bounded wait, the one the benchmark and the demo use (WaitTimeout says what it awaited)
-__all__ = ["FakeBroker", "free_port_triple", "joined", "recv_header", "send", "wait_for"]
+__all__ = ["FakeBroker", "Wire", "free_port_triple", "hello", "joined", "key_directory", "recv_header", "send",
+           "send_hello", "wait_for"]
 
 
 def free_port_triple() -> int:
@@ -38,6 +42,27 @@ def free_port_triple() -> int:
     raise RuntimeError("no three consecutive free ports on 127.0.0.1")
 
 
+def key_directory(directory, clients, roles):
+    """A broker's key directory (its pair, ``feeders/``, ``ranks/``) in ``directory``, and a pair for each client
+    of ``roles`` in ``clients``, its public key allowed in the role ``roles[name]`` names (None: a stranger).
+
+    Returns:
+        Each client's ``(public, secret)`` key paths, by name.
+    """
+    from broker.auth import create_keypair
+
+    for folder in (directory / "feeders", directory / "ranks", clients):
+        folder.mkdir(parents=True)
+    create_keypair(directory / "broker")
+    made = {}
+    for name, role in roles.items():
+        public, secret = create_keypair(clients / name)
+        if role:
+            (directory / role / public.name).write_bytes(public.read_bytes())
+        made[name] = (public, secret)
+    return made
+
+
 def recv_header(sock, timeout=2.0, heartbeats=False):
     """The next header on ``sock`` (and the frames after it), heartbeats skipped; fails instead of hanging."""
     deadline = time.monotonic() + timeout
@@ -53,12 +78,68 @@ def send(sock, kind, **fields):
     sock.send(pack_header(kind, **fields))
 
 
+def hello(rank=0, size=1, *, even=False, stream="s", session="", resume=False, ended=-1, req=1) -> dict:
+    """A rank's HELLO (every field of ``protocol.SCHEMAS[Kind.HELLO]``), as the ledger's ``join_rank`` takes it.
+
+    The default ``session`` is empty: a rank that cannot rejoin, so what it held is requeued as soon as it goes.
+    """
+    return {"req": req, "role": "rank", "stream": stream, "rank": rank, "size": size, "even": even,
+            "session": session, "resume": resume, "ended": ended}
+
+
+def send_hello(sock, rank=0, size=1, **fields):
+    """Send a rank's HELLO on ``sock`` (``fields`` as :func:`hello` takes them)."""
+    send(sock, Kind.HELLO, **hello(rank, size, **fields))
+
+
+class Wire:
+    """Stands in for the daemon's ranks socket, handed to the ledger's sending rules: it records what was sent to
+    which connection, in sending order.
+
+    ``refuse``: sends to these fail for now (EAGAIN, ``Outcome.FULL``); ``gone``: these connections are found
+    closed (``Outcome.GONE``); ``cut``: sends to these succeed but never arrive (a dead link, not yet noticed).
+    """
+
+    def __init__(self, ledger):
+        self.ledger = ledger
+        self.sent: list[tuple[bytes, tuple]] = []      # (rank identity, batch id) as they arrived
+        self.ends: list[tuple[bytes, int]] = []        # (rank identity, epoch)
+        self.refuse: set[bytes] = set()
+        self.gone: set[bytes] = set()
+        self.cut: set[bytes] = set()
+
+    def transmit(self, identity, frames):
+        """The daemon's ``_transmit``: I/O only, never a call back into the ledger."""
+        if identity in self.gone:
+            return Outcome.GONE
+        if identity in self.refuse:
+            return Outcome.FULL
+        if identity not in self.cut:
+            header = protocol.unpack_header(frames[0])
+            if header["kind"] == Kind.EPOCH_END:
+                self.ends.append((identity, header["epoch"]))
+            else:
+                self.sent.append((identity, protocol.batch_id(header)))
+        return Outcome.SENT
+
+    def dispatch(self, stream="s"):
+        self.ledger.dispatch(self.ledger.streams[stream], self.transmit)
+
+    def to(self, identity):
+        """The ids of the batches that arrived at ``identity``, in order."""
+        return [i for who, i in self.sent if who == identity]
+
+    def ended(self, identity):
+        """The epochs whose end arrived at ``identity``, in order."""
+        return [epoch for who, epoch in self.ends if who == identity]
+
+
 class FakeBroker:
     """A ROUTER standing in for the broker: it welcomes one rank, sends what it is told, and records ACKs."""
 
     def __init__(self, context, address):
-        self.sock = context.socket(zmq.ROUTER)
-        self.sock.linger = 0
+        # the harness's own socket (closed at the test's end, not a leak of the rank under test)
+        self.sock = context.harness_socket(zmq.ROUTER)
         self.sock.bind(address)
         self.acks: list[list[int]] = []
         self.window = None
@@ -85,6 +166,12 @@ class FakeBroker:
 
     def end(self, epoch, batches):
         self.send([pack_header(Kind.EPOCH_END, stream="s", epoch=epoch, batches=batches)])
+
+    def send_epoch(self, epoch, batches):
+        """Send ``batches`` (dicts of columns) as batches 0, 1, ... of partition 0 of ``epoch``, then its end."""
+        for seq, columns in enumerate(batches):
+            self.send(codec.encode_batch("s", epoch, 0, seq, columns))
+        self.end(epoch, len(batches))
 
 
 def joined(broker, address, context, **options):

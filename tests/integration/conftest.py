@@ -1,19 +1,20 @@
-"""Real pieces: Spark in local mode (one session for the run), the broker through its CLI, mpiexec ranks."""
+"""Real pieces: Spark in local mode (one session for the run), the broker through its CLI (``start_broker_process``,
+from the harness), mpiexec ranks (``start_ranks``, through the harness's ``children``)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pytest
+from harness import Children, start_broker_process  # noqa: F401
 
-from launch.broker import BrokerProcess
 from launch.mpi import loopback_env, mpiexec_python
-from launch.processes import kill_tree, spawn
 from launch.spark import local_session
 
 HERE = Path(__file__).parent
@@ -28,26 +29,6 @@ def spark():
     session.stop()
 
 
-@pytest.fixture
-def start_broker(tmp_path):
-    """``start_broker(*flags)``: ``python -m broker`` on loopback ports it picks itself, ready when it says so.
-
-    The :class:`launch.broker.BrokerProcess` has ``feed``, ``ranks``, ``control``, ``proc``, ``log``,
-    ``stats()`` and ``restart()``; each must stop on SIGTERM at the end of the test.
-    """
-    started = []
-
-    def start(*flags: str) -> BrokerProcess:
-        broker = BrokerProcess(tmp_path / f"broker-{len(started)}.log", *flags)
-        started.append(broker)
-        return broker.start(timeout=15)
-
-    yield start
-    for broker in started:
-        broker.stop()
-    assert not [broker for broker in started if broker.killed], "broker did not stop on SIGTERM"
-
-
 @dataclass
 class Ranks:
     """``mpiexec -n n`` ranks of rank_main.py (or, with n=0, one independent consumer named ``name``)."""
@@ -59,19 +40,13 @@ class Ranks:
 
     def kill(self) -> None:
         """SIGKILL mpiexec, its proxies and the ranks (or the consumer) at once."""
-        kill_tree(self.proc)
-        self.proc.communicate(timeout=10)
+        Children.kill(self.proc)
 
     def stopped(self, name: str) -> bool:
         return (self.out / f"{name}.stopped").exists()
 
     def wait(self, timeout: float = 90.0) -> list[dict]:
-        try:
-            _, err = self.proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            kill_tree(self.proc)
-            _, err = self.proc.communicate(timeout=10)
-            raise AssertionError(f"ranks did not finish within {timeout} s:\n{err[-3000:]}")
+        _, err = Children.finish(self.proc, timeout, "ranks")
         assert self.proc.returncode == 0, f"ranks failed ({self.proc.returncode}):\n{err[-3000:]}"
         names = [self.name] if self.n == 0 else [f"rank{r}" for r in range(self.n)]
         return [json.loads((self.out / f"{name}.json").read_text()) for name in names]
@@ -83,9 +58,9 @@ class Ranks:
 
 
 @pytest.fixture
-def start_ranks(tmp_path):
+def start_ranks(tmp_path, children):
     """``start_ranks(n, ranks_address, *flags)``: tests/integration/rank_main.py under ``mpiexec -n n``;
-    with ``n=0``, one independent consumer (no MPI) instead."""
+    with ``n=0``, one independent consumer (no MPI) instead. Killed at the end of the test if still running."""
     running = []
 
     def start(n: int, address: str, *flags: str) -> Ranks:
@@ -98,12 +73,39 @@ def start_ranks(tmp_path):
             command = [sys.executable, *script, "--no-mpi", "--name", name]
         else:
             command = mpiexec_python(n, *script)
-        proc = spawn(command, env=loopback_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        proc = children.spawn(command, env=loopback_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True)
         ranks = Ranks(proc, out, n, name)
         running.append(ranks)
         return ranks
 
-    yield start
-    for ranks in running:
-        if ranks.proc.poll() is None:
-            ranks.kill()
+    return start
+
+
+@pytest.fixture
+def killed_inside_a_pack(start_ranks):
+    """``killed_inside_a_pack(broker, stream, make_frame, *flags)``: two independent consumers of ``stream`` (rank_main
+    ``flags`` each); once both have joined, ``make_frame()`` is fed in batches of 100 (packs of 64) and the victim,
+    which stops after five batches, is SIGKILLed; the survivor (5 ms a batch) trains on to the end. Returns
+    ``(victim, survivor)``, both finished."""
+
+    def run(broker, stream: str, make_frame, *flags: str) -> tuple[Ranks, Ranks]:
+        from helpers import wait_for
+
+        from feeder import feed
+
+        victim = start_ranks(0, broker.ranks, "--stream", stream, "--stop-after", "5", *flags)
+        survivor = start_ranks(0, broker.ranks, "--stream", stream, *flags, "--slow-rank", "0",
+                               "--slow-seconds", "0.005")
+        # both joined before the feed: packs are few, and a consumer alone could take them all in its window
+        wait_for(lambda: len(broker.stats()["streams"].get(stream, {}).get("ranks", [])) == 2, 60, "both consumers")
+        feeding = threading.Thread(target=feed, args=(make_frame(), broker.feed),
+                                   kwargs=dict(stream=stream, batch_size=100, timeout=60))
+        feeding.start()
+        wait_for(lambda: victim.stopped(victim.name), 60, "the victim to stop after five batches")
+        victim.kill()
+        feeding.join(90)
+        survivor.wait()
+        return victim, survivor
+
+    return run

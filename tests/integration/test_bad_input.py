@@ -12,25 +12,17 @@ from broker import codec, protocol
 from broker.protocol import Kind
 from sources import labelled_frame
 from feeder import feed
-from helpers import wait_for
+from helpers import hello, wait_for
 from worker import BatchStream
 
 pytestmark = pytest.mark.timeout(120)
 
 OVERSIZED = msgpack.packb({"v": protocol.VERSION, "kind": int(Kind.HEARTBEAT), "pad": "x" * 70_000})
-WRONG_VERSION = msgpack.packb({"v": 99, "kind": int(Kind.HELLO), "req": 1, "role": "rank", "stream": "s",
-                               "rank": 0, "size": 1})
+WRONG_VERSION = msgpack.packb({"v": 99, "kind": int(Kind.HELLO), **hello()})
 UNKNOWN_KIND = msgpack.packb({"v": protocol.VERSION, "kind": 77, "req": 1})
 GARBAGE = b"\xde\xad\xbe\xef not msgpack"
 BAD_MESSAGES = {"garbage": [GARBAGE], "version": [WRONG_VERSION], "oversized": [OVERSIZED],
                 "unknown_kind": [UNKNOWN_KIND], "extra_frames": [GARBAGE, b"second", b"third"]}
-
-
-@pytest.fixture
-def zmq_context():
-    ctx = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)
 
 
 def dealer(ctx, address):
@@ -47,9 +39,9 @@ def reply_to(sock, frames):
 
 
 @pytest.mark.parametrize("socket_name", ["control", "ranks"])
-def test_request_sockets_answer_bad_messages_with_a_reason(start_broker, zmq_context, socket_name):
-    broker = start_broker()
-    sock = dealer(zmq_context, getattr(broker, socket_name))
+def test_request_sockets_answer_bad_messages_with_a_reason(start_broker_process, sockets, socket_name):
+    broker = start_broker_process()
+    sock = sockets(zmq.DEALER, getattr(broker, socket_name))
     reasons = {name: reply_to(sock, frames) for name, frames in BAD_MESSAGES.items()}
     assert all(r["kind"] == Kind.ERROR for r in reasons.values())
     assert "not valid msgpack" in reasons["garbage"]["reason"]
@@ -70,11 +62,9 @@ def test_request_sockets_answer_bad_messages_with_a_reason(start_broker, zmq_con
     assert rejected == expected
 
 
-def test_feed_socket_drops_and_counts_bad_batches(start_broker, zmq_context):
-    broker = start_broker()
-    push = zmq_context.socket(zmq.PUSH)
-    push.linger = 0
-    push.connect(broker.feed)
+def test_feed_socket_drops_and_counts_bad_batches(start_broker_process, sockets):
+    broker = start_broker_process()
+    push = sockets(zmq.PUSH, broker.feed)
     good = codec.encode_batch("s", 0, 0, 0, {"x": np.zeros(4)})
     for frames in BAD_MESSAGES.values():
         push.send_multipart(frames)
@@ -84,23 +74,21 @@ def test_feed_socket_drops_and_counts_bad_batches(start_broker, zmq_context):
     rejected = wait_for(lambda: (r := broker.stats()["broker"]["rejected"].get("feed")) and sum(r.values()) == 8
                         and r, 10, "eight rejections on the feed socket")
     assert rejected == {"malformed": 6, "version": 1, "unknown_epoch": 1}
-    push.close(linger=0)
 
 
-def test_raw_tcp_garbage_and_oversized_messages_leave_valid_traffic_intact(spark, start_broker, zmq_context):
-    broker = start_broker("--max-message", "1MiB")
+def test_raw_tcp_garbage_and_oversized_messages_leave_valid_traffic_intact(spark, start_broker_process, context,
+                                                                           sockets):
+    broker = start_broker_process("--max-message", "1MiB")
     for address in (broker.feed, broker.ranks, broker.control):           # not even ZMTP
         host, port = address.removeprefix("tcp://").split(":")
         with socket.create_connection((host, int(port)), timeout=5) as raw:
             raw.sendall(b"GET / HTTP/1.1\r\n\r\n" + bytes(range(256)) * 64)
-    push = zmq_context.socket(zmq.PUSH)
-    push.linger = 0
-    push.connect(broker.feed)
+    push = sockets(zmq.PUSH, broker.feed)
     push.send_multipart([protocol.pack_header(Kind.HEARTBEAT), b"\0" * (2 << 20)])   # over MAXMSGSIZE
     hostile = threading.Event()
 
     def keep_sending_garbage():
-        sock = dealer(zmq_context, broker.ranks)
+        sock = dealer(context, broker.ranks)             # made, used and closed in this thread
         while not hostile.is_set():
             sock.send_multipart([GARBAGE])
             if sock.poll(10):
@@ -119,7 +107,6 @@ def test_raw_tcp_garbage_and_oversized_messages_leave_valid_traffic_intact(spark
     finally:
         hostile.set()
         noise.join(10)
-        push.close(linger=0)
     assert report.rows == 3_000
     np.testing.assert_array_equal(np.sort(np.concatenate(received)), np.arange(3_000))
     assert broker.stats()["broker"]["rejected"]["ranks"]["malformed"] > 0

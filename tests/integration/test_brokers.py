@@ -16,8 +16,8 @@ from sources import Collector, check_values, labelled_frame, staged_frame, stage
 pytestmark = pytest.mark.timeout(180)
 
 
-def test_two_brokers_one_stream_every_row_once_with_equal_steps(spark, start_broker, start_ranks):
-    brokers = [start_broker(), start_broker()]
+def test_two_brokers_one_stream_every_row_once_with_equal_steps(spark, start_broker_process, start_ranks):
+    brokers = [start_broker_process(), start_broker_process()]
     ranks = start_ranks(2, ",".join(b.ranks for b in brokers), "--stream", "pair", "--epochs", "2")
     feeds = [b.feed for b in brokers]
     df = labelled_frame(spark, rows=8_000, partitions=8)
@@ -41,8 +41,8 @@ def test_two_brokers_one_stream_every_row_once_with_equal_steps(spark, start_bro
         assert epoch0["committed"] == share and epoch0["rows_in"] == 1_000 * share
 
 
-def test_a_retried_task_goes_to_the_broker_its_first_attempt_chose(spark, start_broker, start_ranks):
-    brokers = [start_broker(), start_broker()]
+def test_a_retried_task_goes_to_the_broker_its_first_attempt_chose(spark, start_broker_process, start_ranks):
+    brokers = [start_broker_process(), start_broker_process()]
     ranks = start_ranks(0, ",".join(b.ranks for b in brokers), "--stream", "retry2")
     # 1,500 rows (15 batches, one per message) before the failure: more than the task's send queue holds
     report = feed(staged_rdd(spark, 8_000, 4, fail=1), [b.feed for b in brokers], stream="retry2",
@@ -55,8 +55,8 @@ def test_a_retried_task_goes_to_the_broker_its_first_attempt_chose(spark, start_
     assert report.rows == 8_000 and summary["epochs"][0]["rows"] == 8_000
 
 
-def test_status_shows_each_broker_and_the_totals(spark, start_broker):
-    brokers = [start_broker(), start_broker()]
+def test_status_shows_each_broker_and_the_totals(spark, start_broker_process):
+    brokers = [start_broker_process(), start_broker_process()]
     feed(labelled_frame(spark, rows=1_000, partitions=2), [b.feed for b in brokers], stream="st",
          batch_size=100, timeout=60)
     out = subprocess.run([sys.executable, "-m", "broker.cli", "status", ",".join(b.control for b in brokers),
@@ -83,9 +83,9 @@ def acked_at(broker, stream):
 
 
 def test_one_of_two_brokers_killed_and_restarted_with_its_journal_loses_nothing(spark, small_arrow_batches,
-                                                                                start_broker, tmp_path):
-    steady = start_broker()
-    durable = start_broker("--journal", str(tmp_path / "journal"), "--heartbeat", "200ms")
+                                                                                start_broker_process, tmp_path):
+    steady = start_broker_process()
+    durable = start_broker_process("--journal", str(tmp_path / "journal"), "--heartbeat", "200ms")
     consumer = Collector(f"{steady.ranks},{durable.ranks}", "durable2", timeout=60)
     result = {}
     frame = staged_frame(spark, 8_000, 4, slow=3, slow_seconds=0.1)     # partition 3 (the second broker's) is slow
@@ -105,8 +105,8 @@ def test_one_of_two_brokers_killed_and_restarted_with_its_journal_loses_nothing(
 
 
 def test_one_of_two_brokers_restarted_without_journal_fails_the_feed_naming_it(spark, small_arrow_batches,
-                                                                               start_broker):
-    steady, volatile = start_broker(), start_broker()
+                                                                               start_broker_process):
+    steady, volatile = start_broker_process(), start_broker_process()
     frame = staged_frame(spark, 4_000, 4, slow=3, slow_seconds=0.2)
     errors = []
 

@@ -19,8 +19,8 @@ def received_ids(ranks, n, epoch):
     return np.concatenate([ranks.epoch(r, epoch).get("id", np.zeros(0, np.int64)) for r in range(n)])
 
 
-def test_two_epochs_every_row_once_with_values_and_dtypes_intact(spark, start_broker, start_ranks):
-    broker = start_broker()
+def test_two_epochs_every_row_once_with_values_and_dtypes_intact(spark, start_broker_process, start_ranks):
+    broker = start_broker_process()
     ranks = start_ranks(2, broker.ranks, "--stream", "exact", "--epochs", "2")
     df = labelled_frame(spark, rows=12_000, partitions=4)    # 3,000 rows a partition: 6 batches of 500 each
     reports = [feed(df, broker.feed, stream="exact", epoch=0, batch_size=500, timeout=60),
@@ -43,8 +43,8 @@ def test_two_epochs_every_row_once_with_values_and_dtypes_intact(spark, start_br
     assert stats["0"]["rows_in"] == 12_000 and stats["1"]["batches_out"] == stats["1"]["acked"] == 24
 
 
-def test_even_ranks_yield_equal_counts_and_drop_at_most_one(spark, start_broker, start_ranks):
-    broker = start_broker()
+def test_even_ranks_yield_equal_counts_and_drop_at_most_one(spark, start_broker_process, start_ranks):
+    broker = start_broker_process()
     # 21 batches of 100 rows: one must be left over; rank 1 is slow so the broker hands rank 0 more
     ranks = start_ranks(2, broker.ranks, "--stream", "even", "--slow-rank", "1", "--slow-seconds", "0.05")
     df = labelled_frame(spark, rows=2_100, partitions=3)
@@ -61,8 +61,9 @@ def test_even_ranks_yield_equal_counts_and_drop_at_most_one(spark, start_broker,
         check_values(ranks.epoch(r, 0))
 
 
-def test_even_ranks_that_leave_an_epoch_together_lose_nothing_and_go_on(spark, start_broker, start_ranks, tmp_path):
-    broker = start_broker()
+def test_even_ranks_that_leave_an_epoch_together_lose_nothing_and_go_on(spark, start_broker_process, start_ranks,
+                                                                        tmp_path):
+    broker = start_broker_process()
     go = tmp_path / "go"
     ranks = start_ranks(2, broker.ranks, "--stream", "leave", "--epochs", "2", "--even", "yes",
                         "--leave-after", "5", "--stall-file", str(go))
@@ -82,8 +83,8 @@ def test_even_ranks_that_leave_an_epoch_together_lose_nothing_and_go_on(spark, s
     assert summaries[0]["epochs"][1]["batches"] == summaries[1]["epochs"][1]["batches"] == 20
 
 
-def test_a_slow_rank_gets_markedly_fewer_batches(spark, start_broker, start_ranks):
-    broker = start_broker()
+def test_a_slow_rank_gets_markedly_fewer_batches(spark, start_broker_process, start_ranks):
+    broker = start_broker_process()
     df = labelled_frame(spark, rows=6_000, partitions=2)
     # 60 batches of 3 kB wait in the broker, one message each (pack_bytes=0), and each rank's window is 4 batches
     # (no byte window, which would let the first rank to connect take all 60): shares are counted in batches
@@ -97,9 +98,9 @@ def test_a_slow_rank_gets_markedly_fewer_batches(spark, start_broker, start_rank
     np.testing.assert_array_equal(np.sort(received_ids(ranks, 2, 0)), np.arange(6_000))
 
 
-def test_backpressure_bounds_broker_memory_while_ranks_stall(spark, start_broker, start_ranks, tmp_path):
+def test_backpressure_bounds_broker_memory_while_ranks_stall(spark, start_broker_process, start_ranks, tmp_path):
     max_buffer = 8 << 20
-    broker = start_broker("--max-buffer", "8MiB")
+    broker = start_broker_process("--max-buffer", "8MiB")
     stall = tmp_path / "go"
     ranks = start_ranks(2, broker.ranks, "--stream", "bp", "--stall-file", str(stall))
     from pyspark.sql import functions as F
@@ -133,8 +134,8 @@ def test_backpressure_bounds_broker_memory_while_ranks_stall(spark, start_broker
     np.testing.assert_array_equal(np.sort(ids), np.arange(rows))
 
 
-def test_two_streams_at_once_stay_apart(spark, start_broker, start_ranks):
-    broker = start_broker()
+def test_two_streams_at_once_stay_apart(spark, start_broker_process, start_ranks):
+    broker = start_broker_process()
     train = start_ranks(2, broker.ranks, "--stream", "train")
     val = start_ranks(1, broker.ranks, "--stream", "val")
     feeds = [threading.Thread(target=feed, args=(labelled_frame(spark, 4_000, 2), broker.feed),

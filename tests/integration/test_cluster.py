@@ -131,8 +131,8 @@ def markers(directory: Path) -> dict[tuple[int, int, str], dict]:
     return found
 
 
-def test_every_row_once_across_two_ranks_fed_by_two_executors(driver, start_broker, start_ranks):
-    broker = start_broker()
+def test_every_row_once_across_two_ranks_fed_by_two_executors(driver, start_broker_process, start_ranks):
+    broker = start_broker_process()
     ranks = start_ranks(2, broker.ranks, "--stream", "cluster")
     reply = driver.feed(broker, "cluster")                       # a DataFrame: spark.range, through mapInArrow
     np.testing.assert_array_equal(received(ranks), np.arange(4 * ROWS_PER_PARTITION))
@@ -143,9 +143,9 @@ def test_every_row_once_across_two_ranks_fed_by_two_executors(driver, start_brok
     assert {t["executor"] for t in done} == set(driver.executors), reply["tasks"]
 
 
-def test_a_task_failing_midway_is_retried_on_the_other_executor(driver, start_broker, start_ranks, tmp_path):
+def test_a_task_failing_midway_is_retried_on_the_other_executor(driver, start_broker_process, start_ranks, tmp_path):
     """One partition, so that nothing else runs and Spark cannot speculate (it needs finished tasks to compare)."""
-    broker = start_broker()
+    broker = start_broker_process()
     ranks = start_ranks(2, broker.ranks, "--stream", "retry")
     reply = driver.feed(broker, "retry", 1, source="rdd", markers=tmp_path / "markers",
                         fail={"partition": 0, "after": AFTER})
@@ -163,8 +163,9 @@ def test_a_task_failing_midway_is_retried_on_the_other_executor(driver, start_br
     assert (epoch["batches_in"], epoch["duplicates"], epoch["diverged"]) == (10, 5, [])
 
 
-def test_spark_speculates_a_slow_partition_and_each_row_arrives_once(driver, start_broker, start_ranks, tmp_path):
-    broker = start_broker()
+def test_spark_speculates_a_slow_partition_and_each_row_arrives_once(driver, start_broker_process, start_ranks,
+                                                                     tmp_path):
+    broker = start_broker_process()
     ranks = start_ranks(2, broker.ranks, "--stream", "spec")
     reply = driver.feed(broker, "spec", 4, source="rdd", markers=tmp_path / "markers",
                         slow={"partition": 0, "after": AFTER})

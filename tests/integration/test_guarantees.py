@@ -28,8 +28,8 @@ def small_arrow_batches(spark):
     spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")
 
 
-def test_a_task_failing_midway_is_retried_and_each_row_arrives_once(spark, start_broker):
-    broker = start_broker()
+def test_a_task_failing_midway_is_retried_and_each_row_arrives_once(spark, start_broker_process):
+    broker = start_broker_process()
     consumer = Collector(broker.ranks, "retry")
     # pack_bytes=0: these 1.2 kB batches go one per message, so part of the partition is on the wire when it fails
     report = feed(staged_rdd(spark, 4_000, 2, fail=1), broker.feed, stream="retry", batch_size=100, timeout=30,
@@ -43,9 +43,9 @@ def test_a_task_failing_midway_is_retried_and_each_row_arrives_once(spark, start
     assert epoch["batches_in"] == 40
 
 
-def test_a_task_failing_midway_through_packs_is_retried_and_each_row_arrives_once(spark, start_broker):
+def test_a_task_failing_midway_through_packs_is_retried_and_each_row_arrives_once(spark, start_broker_process):
     """Small batches travel in packs of 64; the failed attempt sent whole packs, the retry sends the same packs."""
-    broker = start_broker()
+    broker = start_broker_process()
     consumer = Collector(broker.ranks, "packs")
     report = feed(staged_rdd(spark, 20_000, 2, fail=1, fail_after=8_000), broker.feed, stream="packs",
                   batch_size=100, timeout=30)
@@ -58,11 +58,11 @@ def test_a_task_failing_midway_through_packs_is_retried_and_each_row_arrives_onc
     assert epoch["duplicates"] >= 1, "the failed attempt's first pack (6,400 rows) reached the broker first"
 
 
-def test_speculative_copies_stream_at_once_and_each_row_arrives_once(start_broker):
+def test_speculative_copies_stream_at_once_and_each_row_arrives_once(start_broker_process):
     """Two attempts of one partition push at once, as a speculative copy does. Spark does not speculate in
     local mode (and did not in local-cluster mode here), so the two attempts are the feeder's real task code
     (``stream_partition``) run side by side, the driver's part done through the control socket."""
-    broker = start_broker()
+    broker = start_broker_process()
     consumer = Collector(broker.ranks, "spec")
     with ControlClient(broker.control, 10) as driver:
         driver.request(Kind.EPOCH_OPEN, stream="spec", epoch=0, partitions=1, delivery="stream")
@@ -90,8 +90,8 @@ def test_speculative_copies_stream_at_once_and_each_row_arrives_once(start_broke
     assert epoch["duplicates"] == 20 and epoch["batches_in"] == 20 and epoch["diverged"] == []
 
 
-def test_a_retry_in_another_order_is_reported_in_stream_delivery(spark, start_broker):
-    broker = start_broker()
+def test_a_retry_in_another_order_is_reported_in_stream_delivery(spark, start_broker_process):
+    broker = start_broker_process()
     consumer = Collector(broker.ranks, "reorder")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -107,8 +107,8 @@ def test_a_retry_in_another_order_is_reported_in_stream_delivery(spark, start_br
     assert len(np.unique(ids)) < 4_000
 
 
-def test_atomic_delivery_is_exactly_once_even_when_a_retry_reorders(spark, start_broker):
-    broker = start_broker()
+def test_atomic_delivery_is_exactly_once_even_when_a_retry_reorders(spark, start_broker_process):
+    broker = start_broker_process()
     consumer = Collector(broker.ranks, "atomic")
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
@@ -120,8 +120,8 @@ def test_atomic_delivery_is_exactly_once_even_when_a_retry_reorders(spark, start
     assert broker.stats()["broker"]["buffered_bytes"] == 0
 
 
-def test_a_consumer_killed_mid_epoch_leaves_its_batches_to_the_other(spark, start_broker, start_ranks):
-    broker = start_broker("--heartbeat", "200ms")
+def test_a_consumer_killed_mid_epoch_leaves_its_batches_to_the_other(spark, start_broker_process, start_ranks):
+    broker = start_broker_process("--heartbeat", "200ms")
     victim = start_ranks(0, broker.ranks, "--stream", "kill1", "--stop-after", "5", "--prefetch", "4")
     survivor = start_ranks(0, broker.ranks, "--stream", "kill1", "--slow-rank", "0", "--slow-seconds", "0.02")
     # one batch a message (pack_bytes=0): the victim dies between batches, not inside a pack
@@ -140,21 +140,13 @@ def test_a_consumer_killed_mid_epoch_leaves_its_batches_to_the_other(spark, star
     np.testing.assert_array_equal(np.sort(both), np.arange(6_000))
 
 
-def test_a_consumer_killed_inside_a_pack_costs_at_most_that_pack_again(spark, start_broker, start_ranks):
+def test_a_consumer_killed_inside_a_pack_costs_at_most_that_pack_again(spark, start_broker_process,
+                                                                      killed_inside_a_pack):
     """Small batches travel in packs of 64, acknowledged with their last batch: a consumer that dies inside a pack
     has the whole pack redelivered, so what it trained of that pack is trained again by the survivor, no more."""
-    broker = start_broker("--heartbeat", "200ms", "--rejoin-grace", "1s")
-    victim = start_ranks(0, broker.ranks, "--stream", "kill2", "--stop-after", "5")
-    survivor = start_ranks(0, broker.ranks, "--stream", "kill2", "--slow-rank", "0", "--slow-seconds", "0.005")
-    # both joined before the feed: there are only 4 packs, which a consumer alone could take in its window
-    wait_for(lambda: len(broker.stats()["streams"].get("kill2", {}).get("ranks", [])) == 2, 60, "both consumers")
-    feeding = threading.Thread(target=feed, args=(staged_frame(spark, 25_600, 2), broker.feed),
-                               kwargs=dict(stream="kill2", batch_size=100, timeout=60))
-    feeding.start()
-    wait_for(lambda: victim.stopped(victim.name), 60, "the victim to stop after five batches")
-    victim.kill()
-    feeding.join(90)
-    survivor.wait()
+    broker = start_broker_process("--heartbeat", "200ms", "--rejoin-grace", "1s")
+    # there are only 4 packs, which a consumer alone could take in its window
+    victim, survivor = killed_inside_a_pack(broker, "kill2", lambda: staged_frame(spark, 25_600, 2))
     taken = victim.epoch(victim.name, 0)["id"]
     kept = survivor.epoch(survivor.name, 0)["id"]
     np.testing.assert_array_equal(np.unique(np.concatenate([taken, kept])), np.arange(25_600))
@@ -164,8 +156,8 @@ def test_a_consumer_killed_inside_a_pack_costs_at_most_that_pack_again(spark, st
     assert broker.stats()["streams"]["kill2"]["epochs"]["0"]["redelivered"] >= 64, "the pack went again, whole"
 
 
-def test_an_mpi_job_killed_and_restarted_resumes_the_stream(spark, start_broker, start_ranks):
-    broker = start_broker("--heartbeat", "200ms")
+def test_an_mpi_job_killed_and_restarted_resumes_the_stream(spark, start_broker_process, start_ranks):
+    broker = start_broker_process("--heartbeat", "200ms")
     first = start_ranks(2, broker.ranks, "--stream", "job", "--stop-after", "3")
     report = feed(staged_frame(spark, 4_000, 2), broker.feed, stream="job", batch_size=100, timeout=60,
                   pack_bytes=0)     # one batch a message: the ranks stop between batches
@@ -192,9 +184,9 @@ def test_an_mpi_job_killed_and_restarted_resumes_the_stream(spark, start_broker,
     assert report.rows == 4_000
 
 
-def test_a_broker_killed_and_restarted_with_its_journal_loses_nothing(spark, small_arrow_batches, start_broker,
+def test_a_broker_killed_and_restarted_with_its_journal_loses_nothing(spark, small_arrow_batches, start_broker_process,
                                                                       tmp_path):
-    broker = start_broker("--journal", str(tmp_path / "journal"), "--heartbeat", "200ms")
+    broker = start_broker_process("--journal", str(tmp_path / "journal"), "--heartbeat", "200ms")
     consumer = Collector(broker.ranks, "durable", timeout=60)
     result = {}
     frame = staged_frame(spark, 6_000, 3, slow=2, slow_seconds=0.1)     # partition 2 takes ~2 s
@@ -213,8 +205,8 @@ def test_a_broker_killed_and_restarted_with_its_journal_loses_nothing(spark, sma
     assert "journal replayed" in broker.log.read_text()
 
 
-def test_a_broker_restart_without_journal_fails_the_feed_loudly(spark, small_arrow_batches, start_broker):
-    broker = start_broker()
+def test_a_broker_restart_without_journal_fails_the_feed_loudly(spark, small_arrow_batches, start_broker_process):
+    broker = start_broker_process()
     frame = staged_frame(spark, 3_000, 3, slow=2, slow_seconds=0.2)
     errors = []
 
@@ -238,8 +230,8 @@ def test_a_broker_restart_without_journal_fails_the_feed_loudly(spark, small_arr
     assert "without --journal" in str(errors[0])
 
 
-def test_a_rank_that_raises_aborts_the_job_instead_of_hanging_its_peers(spark, start_broker, start_ranks):
-    broker = start_broker()
+def test_a_rank_that_raises_aborts_the_job_instead_of_hanging_its_peers(spark, start_broker_process, start_ranks):
+    broker = start_broker_process()
     ranks = start_ranks(2, broker.ranks, "--stream", "boom", "--raise-rank", "1", "--raise-after", "2")
     feed(staged_frame(spark, 2_000, 2), broker.feed, stream="boom", batch_size=100, timeout=60)
     started = time.monotonic()

@@ -406,23 +406,30 @@ TIMEOUT = 2.0
 FAILS_WITHIN = 1.5 + 3 * TIMEOUT + 8
 
 
+def cut_until_the_feed_fails(net, hosts: Hosts, fed, host: str) -> AgentError:
+    """Cut ``host`` while ``fed`` is feeding and restore it once the feed has failed, as it must (a FeedError,
+    within FAILS_WITHIN of the cut); the error."""
+    net.cut(host)
+    cut_at = time.monotonic()
+    with pytest.raises(AgentError) as failed:
+        hosts.fed(fed, 3 * FAILS_WITHIN)
+    took = time.monotonic() - cut_at
+    net.restore(host)
+    assert failed.value.type == "FeedError", failed.value
+    assert took < FAILS_WITHIN, f"feed() failed {took:.1f} s after the cut"
+    return failed.value
+
+
 def test_a_broker_cut_longer_than_the_feed_timeout_fails_the_feed_loudly(net, hosts):
     """The broker's host stays cut: each task's wait ends after its timeout, Spark's one retry cannot reach the
     broker either, and ``feed()`` raises, naming the broker it could not reach (docs/GUARANTEES.md)."""
     broker = hosts.start_broker()
     fed = hosts.feed(broker, "lost", timeout=TIMEOUT, pause=0.03)
     batches_in_at_least(hosts, broker, "lost", 10)
-    net.cut("broker")
-    cut_at = time.monotonic()
-    with pytest.raises(AgentError) as failed:
-        hosts.fed(fed, 3 * FAILS_WITHIN)
-    took = time.monotonic() - cut_at
-    net.restore("broker")
-    assert failed.value.type == "FeedError", failed.value
-    assert took < FAILS_WITHIN, f"feed() failed {took:.1f} s after the cut"
-    assert "feeding stream 'lost' epoch 0 failed" in failed.value.message
-    assert broker.control in failed.value.message or broker.feed in failed.value.message, \
-        f"the error does not say which broker could not be reached: {failed.value.message}"
+    failed = cut_until_the_feed_fails(net, hosts, fed, "broker")
+    assert "feeding stream 'lost' epoch 0 failed" in failed.message
+    assert broker.control in failed.message or broker.feed in failed.message, \
+        f"the error does not say which broker could not be reached: {failed.message}"
 
 
 def test_a_feeder_host_cut_fails_the_feed_and_feeding_the_epoch_again_delivers_each_row_once(net, hosts):
@@ -435,14 +442,7 @@ def test_a_feeder_host_cut_fails_the_feed_and_feeding_the_epoch_again_delivers_e
     ranks = hosts.start_ranks(broker, "--stream", "refeed")
     first = hosts.feed(broker, "refeed", timeout=TIMEOUT, pause=0.03)
     batches_in_at_least(hosts, broker, "refeed", 10)
-    net.cut("spark")
-    cut_at = time.monotonic()
-    with pytest.raises(AgentError) as failed:
-        hosts.fed(first, 3 * FAILS_WITHIN)
-    took = time.monotonic() - cut_at
-    net.restore("spark")
-    assert failed.value.type == "FeedError", failed.value
-    assert took < FAILS_WITHIN, f"feed() failed {took:.1f} s after the cut"
+    cut_until_the_feed_fails(net, hosts, first, "spark")
     kept = hosts.epoch(broker, "refeed")
     assert kept["batches_in"] < ROWS // BATCH and not kept["closed"], kept
     report = hosts.fed(hosts.feed(broker, "refeed", timeout=10), 60)

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from launch.mpi import loopback_env, mpiexec_python
-from launch.processes import kill_tree, spawn
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
@@ -28,7 +27,7 @@ HYDRA_LAUNCH_FAILURE = "process reading stdin too slowly"
 
 
 @pytest.fixture
-def start_image_ranks(tmp_path):
+def start_image_ranks(tmp_path, children):
     """``start_image_ranks(ranks_address, *flags)``: examples/train_images.py under ``mpiexec -n 2``; returns a
     ``wait(timeout)`` that gives rank 0's summary and the directory of each rank's records."""
     running = []
@@ -42,7 +41,8 @@ def start_image_ranks(tmp_path):
                                  *flags)
 
         def launch():
-            proc = spawn(command, env=loopback_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            proc = children.spawn(command, env=loopback_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True)
             running.append(proc)
             return proc
 
@@ -51,12 +51,7 @@ def start_image_ranks(tmp_path):
         def wait(timeout):
             proc, relaunched = first, False
             while True:
-                try:
-                    stdout, stderr = proc.communicate(timeout=timeout)
-                except subprocess.TimeoutExpired:
-                    kill_tree(proc)                         # mpiexec, its proxies and the ranks
-                    stdout, stderr = proc.communicate(timeout=10)
-                    raise AssertionError(f"the ranks did not finish within {timeout} s:\n{stderr[-3000:]}")
+                stdout, stderr = children.finish(proc, timeout, "the ranks")
                 if proc.returncode != 0 and HYDRA_LAUNCH_FAILURE in stderr and not relaunched \
                         and not any(out.glob("rank*-epoch*.npz")):
                     proc, relaunched = launch(), True
@@ -67,11 +62,7 @@ def start_image_ranks(tmp_path):
 
         return wait
 
-    yield start
-    for proc in running:
-        if proc.poll() is None:
-            kill_tree(proc)
-            proc.communicate(timeout=10)
+    return start
 
 
 def encoded_images(spark, ids):
@@ -85,13 +76,13 @@ def encoded_images(spark, ids):
 
 
 @pytest.mark.parametrize("decode", ["rank", "spark"])
-def test_images_arrive_once_per_epoch_decode_to_what_was_encoded_and_train_a_cnn(spark, start_broker,
+def test_images_arrive_once_per_epoch_decode_to_what_was_encoded_and_train_a_cnn(spark, start_broker_process,
                                                                                    start_image_ranks, decode):
     from PIL import Image
 
     from train_images import epoch_jitter, feed_images, jitter_in_place, render
 
-    broker = start_broker()
+    broker = start_broker_process()
     ranks = start_image_ranks(broker.ranks, "--decode", decode, "--decode-threads", "2")
     fed = feed_images(spark, broker.feed, EPOCHS, decode=decode, rows=ROWS, val_rows=VAL_ROWS, size=SIZE,
                       shift=SHIFT, seed=SEED, partitions=3, batch_size=50, timeout=60)

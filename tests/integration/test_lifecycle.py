@@ -18,8 +18,8 @@ from worker import BatchStream
 pytestmark = pytest.mark.timeout(120)
 
 
-def test_sigterm_stops_the_broker_promptly_without_a_traceback(start_broker):
-    broker = start_broker()
+def test_sigterm_stops_the_broker_promptly_without_a_traceback(start_broker_process):
+    broker = start_broker_process()
     rank = BatchStream(broker.ranks, stream="s", timeout=10)     # a connected rank does not hold it up
     try:
         started = time.monotonic()
@@ -33,8 +33,8 @@ def test_sigterm_stops_the_broker_promptly_without_a_traceback(start_broker):
     assert "broker stopped" in log
 
 
-def test_a_port_in_use_is_a_clear_error(start_broker, tmp_path):
-    broker = start_broker()
+def test_a_port_in_use_is_a_clear_error(start_broker_process, tmp_path):
+    broker = start_broker_process()
     port = int(broker.feed.rsplit(":", 1)[1])
     result = subprocess.run([sys.executable, "-m", "broker", "--feed", f"tcp://127.0.0.1:{port}",
                              "--ranks", f"tcp://127.0.0.1:{free_port_triple()}"],
@@ -59,8 +59,8 @@ def test_a_rank_with_an_unreachable_broker_fails_within_its_timeout():
     assert time.monotonic() - started < 5
 
 
-def test_a_rank_notices_its_broker_has_gone(start_broker):
-    broker = start_broker()
+def test_a_rank_notices_its_broker_has_gone(start_broker_process):
+    broker = start_broker_process()
     stream = BatchStream(broker.ranks, stream="s", timeout=2, heartbeat=0.2)
     broker.proc.kill()
     broker.proc.wait(5)
@@ -71,8 +71,8 @@ def test_a_rank_notices_its_broker_has_gone(start_broker):
     stream.close()
 
 
-def test_unsupported_columns_are_refused_by_name_before_any_job(spark, start_broker):
-    broker = start_broker()
+def test_unsupported_columns_are_refused_by_name_before_any_job(spark, start_broker_process):
+    broker = start_broker_process()
     df = spark.createDataFrame([(1, {"a": 1})], "id long, label map<string, int>")
     with pytest.raises(TypeError, match="column 'label' is a map"):
         feed(df, broker.feed)
@@ -81,8 +81,8 @@ def test_unsupported_columns_are_refused_by_name_before_any_job(spark, start_bro
     assert broker.stats()["streams"] == {}
 
 
-def test_rdds_of_dicts_and_tuples_are_fed(spark, start_broker):
-    broker = start_broker()
+def test_rdds_of_dicts_and_tuples_are_fed(spark, start_broker_process):
+    broker = start_broker_process()
     sc = spark.sparkContext
     dicts = sc.parallelize(range(1_000), 4).map(lambda i: {"id": i, "x": np.full(3, i, np.float32)})
     tuples = sc.parallelize(range(500), 2).map(lambda i: (i, float(i) / 2))
@@ -107,8 +107,8 @@ def test_rdds_of_dicts_and_tuples_are_fed(spark, start_broker):
     np.testing.assert_array_equal(seconds, firsts / 2)
 
 
-def test_status_prints_live_figures(spark, start_broker):
-    broker = start_broker()
+def test_status_prints_live_figures(spark, start_broker_process):
+    broker = start_broker_process()
     with BatchStream(broker.ranks, stream="st", timeout=30, prefetch=3) as stream:
         consumer = threading.Thread(target=lambda: sum(1 for _ in stream.epoch()))
         consumer.start()

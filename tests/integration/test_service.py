@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from broker.auth import create_keypair
 from broker.client import ControlClient, fetch_stats
 from broker.errors import BrokerError
 from feeder import feed
+from helpers import key_directory
 from sources import labelled_frame
 from worker import BatchStream
 
@@ -21,16 +21,9 @@ pytestmark = pytest.mark.timeout(180)
 @pytest.fixture
 def keys(tmp_path):
     """A key directory (the broker's pair, one allowed feeder, one allowed rank) and the clients' own pairs."""
-    authority, clients = tmp_path / "auth", tmp_path / "clients"
-    for folder in (authority / "feeders", authority / "ranks", clients):
-        folder.mkdir(parents=True)
-    create_keypair(authority / "broker")
-    made = {}
-    for name, role in (("feeder", "feeders"), ("rank", "ranks"), ("stranger", None)):
-        public, secret = create_keypair(clients / name)
-        if role:
-            (authority / role / public.name).write_bytes(public.read_bytes())
-        made[name] = str(secret)
+    authority = tmp_path / "auth"
+    pairs = key_directory(authority, tmp_path / "clients", {"feeder": "feeders", "rank": "ranks", "stranger": None})
+    made = {name: str(secret) for name, (_, secret) in pairs.items()}
     made["broker"] = str(authority / "broker.key")
     made["dir"] = str(authority)
     return made
@@ -44,8 +37,8 @@ def consume(address, out, **kwargs):
         out["error"] = exc
 
 
-def test_only_allowed_keys_in_their_role_get_in_and_the_allowed_stream_is_exact(spark, start_broker, keys):
-    broker = start_broker("--auth", keys["dir"])
+def test_only_allowed_keys_in_their_role_get_in_and_the_allowed_stream_is_exact(spark, start_broker_process, keys):
+    broker = start_broker_process("--auth", keys["dir"])
     got = {}
     consumer = threading.Thread(target=consume, args=(broker.ranks, got),
                                 kwargs=dict(key=keys["rank"], broker_key=keys["broker"]))
@@ -82,8 +75,8 @@ def scrape(url):
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def test_metrics_over_http_match_what_the_ranks_received(spark, start_broker):
-    broker = start_broker("--metrics-port", "0", "--heartbeat", "200ms")
+def test_metrics_over_http_match_what_the_ranks_received(spark, start_broker_process):
+    broker = start_broker_process("--metrics-port", "0", "--heartbeat", "200ms")
     url = json.loads(broker.ready_file.read_text())["metrics"]
     got = {}
     with BatchStream(broker.ranks, stream="watched", timeout=60) as stream:
@@ -112,27 +105,26 @@ def test_metrics_over_http_match_what_the_ranks_received(spark, start_broker):
     assert samples[("sparkbus_rank_first_batch_seconds", rank)] > 0
 
 
-def test_status_watch_redraws_each_rank_until_interrupted(spark, start_broker):
-    import os
+def test_status_watch_redraws_each_rank_until_interrupted(spark, start_broker_process, children):
     import signal
     import subprocess
     import sys
     import time
 
-    broker = start_broker()
+    broker = start_broker_process()
     with BatchStream(broker.ranks, stream="looked", timeout=60) as stream:
         consumer = threading.Thread(target=lambda: sum(1 for _ in stream.epoch()))
         consumer.start()
         feed(labelled_frame(spark, rows=1_000, partitions=1), broker.feed, stream="looked", batch_size=100,
              timeout=60)
         consumer.join(60)
-        watcher = subprocess.Popen([sys.executable, "-m", "broker.cli", "status", "--watch", "--interval", "0.2",
-                                    broker.control], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                   env={**os.environ, "COLUMNS": "160"})
+        watcher = children.spawn([sys.executable, "-m", "broker.cli", "status", "--watch", "--interval", "0.2",
+                                  broker.control], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 env={"COLUMNS": "160"})
         time.sleep(1.0)               # the behaviour under test: it keeps redrawing (5 intervals) until Ctrl-C
         assert watcher.poll() is None, watcher.communicate(timeout=5)
         watcher.send_signal(signal.SIGINT)
-        out, err = watcher.communicate(timeout=10)
+        out, err = children.finish(watcher, 10, "sparkbus status --watch after Ctrl-C")
     assert watcher.returncode == 0, err
     assert "wait share" in out and "looked" in out
     assert f"{broker.control}: buffer" in out

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 from launch.mpi import loopback_env, mpiexec_python
-from launch.processes import kill_tree, spawn
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -30,29 +29,20 @@ def lengths_by_partition(df):
     return df.select(F.size("tokens").alias("n")).rdd.glom().map(lambda rows: [r.n for r in rows]).collect()
 
 
-def test_text_trains_on_ragged_tokens_padded_per_batch_and_bucketing_cuts_the_padding(spark, start_broker,
-                                                                                      tmp_path):
+def test_text_trains_on_ragged_tokens_padded_per_batch_and_bucketing_cuts_the_padding(spark, start_broker_process,
+                                                                                      children, tmp_path):
     from pyspark.sql import functions as F
 
     from train_text import feed_text_data, text_frame
 
-    broker = start_broker()
+    broker = start_broker_process()
     dump, summary_file = tmp_path / "dump", tmp_path / "summary.json"
     flags = ["--epochs", str(EPOCHS), "--plain-epochs", "1", "--seed", "5", "--classes", "4", "--vocab", "512",
              "--timeout", "60", "--summary", str(summary_file), "--dump", str(dump)]
-    ranks = spawn(mpiexec_python(2, ROOT / "examples" / "train_text.py", "--ranks", broker.ranks, *flags),
-                  env=loopback_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        fed = feed_text_data(spark, broker.feed, EPOCHS, timeout=60, **DATA, **SHAPE)
-        out, err = ranks.communicate(timeout=90)
-    except subprocess.TimeoutExpired:
-        kill_tree(ranks)
-        out, err = ranks.communicate(timeout=10)
-        raise AssertionError(f"the ranks did not finish within 90 s:\n{err[-3000:]}")
-    finally:
-        if ranks.poll() is None:
-            kill_tree(ranks)
-            ranks.communicate(timeout=10)
+    ranks = children.spawn(mpiexec_python(2, ROOT / "examples" / "train_text.py", "--ranks", broker.ranks, *flags),
+                           env=loopback_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    fed = feed_text_data(spark, broker.feed, EPOCHS, timeout=60, **DATA, **SHAPE)
+    out, err = children.finish(ranks, 90, "the ranks")
     assert ranks.returncode == 0, f"the ranks failed ({ranks.returncode}):\n{out[-2000:]}\n{err[-3000:]}"
     summary = json.loads(summary_file.read_text())
     assert [f["bucketed"] for f in fed] == [False, True, True]
@@ -110,13 +100,13 @@ def benchmark_module(name):
     return module
 
 
-def test_measure_reports_the_padding_share_with_and_without_bucketing(spark, start_broker):
+def test_measure_reports_the_padding_share_with_and_without_bucketing(spark, start_broker_process):
     from train_text import text_frame
 
     padding = benchmark_module("padding")
     measure, padding_share = padding.measure, padding.padding_share
 
-    broker = start_broker()
+    broker = start_broker_process()
     df = text_frame(spark, 2_000, 5, 2, **SHAPE).cache()
     shares = measure(df, batch_size=32, bucket_window=16, feed_address=broker.feed, ranks_address=broker.ranks,
                      timeout=30)

@@ -14,7 +14,6 @@ import pytest
 from feeder.epochs import epoch_order, feed_epochs
 from helpers import wait_for
 from launch.mpi import loopback_env, mpiexec_python
-from launch.processes import kill_tree, spawn
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -60,7 +59,7 @@ def test_epoch_order_depends_on_seed_epoch_and_key_only(spark):
         epoch_order(df, epoch=0, seed=1, key=["nope"])
 
 
-def test_next_epoch_is_fed_while_ranks_train_and_epochs_arrive_whole_in_order(spark, start_broker, start_ranks,
+def test_next_epoch_is_fed_while_ranks_train_and_epochs_arrive_whole_in_order(spark, start_broker_process, start_ranks,
                                                                                 tmp_path):
     from pyspark.sql import functions as F
 
@@ -68,7 +67,7 @@ def test_next_epoch_is_fed_while_ranks_train_and_epochs_arrive_whole_in_order(sp
     df = spark.range(rows, numPartitions=4).select(                # 260 bytes a row: about 1 MB an epoch
         "id", F.array(*[(F.col("id") + j).cast("float") for j in range(63)]).alias("x"))
     epoch_bytes = rows * 260
-    broker = start_broker("--max-buffer", str(int(epoch_bytes * 2.5)))   # two epochs fit, three do not
+    broker = start_broker_process("--max-buffer", str(int(epoch_bytes * 2.5)))   # two epochs fit, three do not
     stall = tmp_path / "go"
     # a window of 4 batches (no byte window): the stalled ranks hold 8 of epoch 0's 20 batches, not all of them
     ranks = start_ranks(2, broker.ranks, "--stream", "ovl", "--epochs", str(epochs), "--stall-file", str(stall),
@@ -121,43 +120,34 @@ def test_next_epoch_is_fed_while_ranks_train_and_epochs_arrive_whole_in_order(sp
 # ---- examples/train_torch.py --------------------------------------------------------------------------------
 
 @pytest.fixture
-def start_training(tmp_path):
+def start_training(tmp_path, children):
     """``start_training(ranks_address, *flags)``: examples/train_torch.py under ``mpiexec -n 2``."""
     running = []
 
     def start(address, *flags):
         summary = tmp_path / f"summary-{len(running)}.json"
-        proc = spawn(mpiexec_python(2, EXAMPLES / "train_torch.py", "--ranks", address, "--summary", str(summary),
-                                    "--timeout", "60", *flags),
-                     env=loopback_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = children.spawn(mpiexec_python(2, EXAMPLES / "train_torch.py", "--ranks", address, "--summary",
+                                             str(summary), "--timeout", "60", *flags),
+                              env=loopback_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         running.append(proc)
 
         def wait(timeout=120):
-            try:
-                out, err = proc.communicate(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                kill_tree(proc)                            # mpiexec, its proxies and the ranks
-                out, err = proc.communicate(timeout=10)
-                raise AssertionError(f"training did not finish within {timeout} s:\n{err[-3000:]}")
+            out, err = children.finish(proc, timeout, "training")
             assert proc.returncode == 0, f"training failed ({proc.returncode}):\n{out[-2000:]}\n{err[-3000:]}"
             return json.loads(summary.read_text()), out
 
         return wait
 
-    yield start
-    for proc in running:
-        if proc.poll() is None:
-            kill_tree(proc)
-            proc.communicate(timeout=10)
+    return start
 
 
-def test_train_torch_learns_through_the_broker_and_resumes_from_a_checkpoint(spark, start_broker, start_training,
-                                                                              tmp_path):
+def test_train_torch_learns_through_the_broker_and_resumes_from_a_checkpoint(spark, start_broker_process,
+                                                                              start_training, tmp_path):
     import torch
 
     from train_torch import feed_training_data
 
-    broker = start_broker()
+    broker = start_broker_process()
     checkpoint = tmp_path / "model.pt"
     data = dict(features=16, classes=4, rows=4_000, val_rows=1_000, batch_size=100, partitions=4, seed=11)
     common = ("--val-stream", "val", "--features", "16", "--classes", "4", "--seed", "11",

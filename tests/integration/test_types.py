@@ -4,13 +4,11 @@ to ranks under ``mpiexec -n 2``, compared value by value with the record batches
 
 import datetime as dt
 import json
-import threading
 
 import numpy as np
 import pytest
 
 from feeder import feed
-from helpers import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -88,8 +86,8 @@ def received_by_id(ranks, n, epoch=0):
     return got, forms
 
 
-def test_every_column_type_from_a_dataframe_arrives_exactly(spark, start_broker, start_ranks):
-    broker = start_broker()
+def test_every_column_type_from_a_dataframe_arrives_exactly(spark, start_broker_process, start_ranks):
+    broker = start_broker_process()
     ranks = start_ranks(2, broker.ranks, "--stream", "typed", "--values", "--even", "no")
     df = typed_frame(spark, 2_000, 3)
     report = feed(df, broker.feed, stream="typed", batch_size=128, timeout=60)
@@ -109,8 +107,8 @@ def test_every_column_type_from_a_dataframe_arrives_exactly(spark, start_broker,
         assert form["image"] == form["label"] == form["tokens"] == form["nested"] == "RaggedColumn"
 
 
-def test_rdd_rows_of_bytes_text_ragged_lists_none_and_dicts(spark, start_broker, start_ranks):
-    broker = start_broker()
+def test_rdd_rows_of_bytes_text_ragged_lists_none_and_dicts(spark, start_broker_process, start_ranks):
+    broker = start_broker_process()
     ranks = start_ranks(0, broker.ranks, "--stream", "rows", "--values")
     rows = [{"id": i, "img": bytes([i % 256]) * (i % 5), "text": f"ü{i}" if i % 3 else None,
              "tokens": list(range(i % 4)) if i % 7 else None, "pos": {"x": i / 2, "name": f"p{i}"} if i % 2 else None}
@@ -126,11 +124,11 @@ def test_rdd_rows_of_bytes_text_ragged_lists_none_and_dicts(spark, start_broker,
         assert got[i]["pos.x"] == (i / 2 if i % 2 else None) and got[i]["pos.name"] == (f"p{i}" if i % 2 else None)
 
 
-def test_declared_ragged_columns_keep_their_form_even_in_uniform_and_one_row_batches(spark, start_broker,
+def test_declared_ragged_columns_keep_their_form_even_in_uniform_and_one_row_batches(spark, start_broker_process,
                                                                                   start_ranks):
     from pyspark.sql import functions as F
 
-    broker = start_broker()
+    broker = start_broker_process()
     ranks = start_ranks(0, broker.ranks, "--stream", "declared", "--values")
     df = spark.range(0, 201, numPartitions=1).select("id", F.array(F.col("id"), F.col("id")).alias("pair"))
     feed(df, broker.feed, stream="declared", batch_size=50, ragged=["pair"], timeout=60)
@@ -146,10 +144,10 @@ def test_declared_ragged_columns_keep_their_form_even_in_uniform_and_one_row_bat
     (lambda F, df: df.select(F.array(F.struct(F.col("id"))).alias("a")), "'a' holds arrays of structs"),
     (lambda F, df: df.select(F.lit(None).alias("n")), "'n' has no type"),
 ])
-def test_columns_that_cannot_be_carried_are_refused_before_any_job(spark, start_broker, make, message):
+def test_columns_that_cannot_be_carried_are_refused_before_any_job(spark, start_broker_process, make, message):
     from pyspark.sql import functions as F
 
-    broker = start_broker()
+    broker = start_broker_process()
     df = make(F, spark.range(10))
     tracker = spark.sparkContext.statusTracker()
     jobs = sorted(tracker.getJobIdsForGroup())
@@ -159,8 +157,8 @@ def test_columns_that_cannot_be_carried_are_refused_before_any_job(spark, start_
     assert "refused" not in broker.stats()["streams"]
 
 
-def test_options_that_name_no_suitable_column_are_refused_before_any_job(spark, start_broker):
-    broker = start_broker()
+def test_options_that_name_no_suitable_column_are_refused_before_any_job(spark, start_broker_process):
+    broker = start_broker_process()
     df = typed_frame(spark, 10, 1)
     with pytest.raises(TypeError, match="ragged names 'nope'"):
         feed(df, broker.feed, ragged=["nope"], timeout=10)
@@ -168,20 +166,11 @@ def test_options_that_name_no_suitable_column_are_refused_before_any_job(spark, 
         feed(df, broker.feed, bucket_by="score", timeout=10)
 
 
-def test_a_consumer_killed_inside_a_pack_of_ragged_batches_has_it_redelivered(spark, start_broker, start_ranks):
-    broker = start_broker("--heartbeat", "200ms", "--rejoin-grace", "1s")
-    victim = start_ranks(0, broker.ranks, "--stream", "rpack", "--stop-after", "5", "--values")
-    survivor = start_ranks(0, broker.ranks, "--stream", "rpack", "--values", "--slow-rank", "0",
-                           "--slow-seconds", "0.005")
-    wait_for(lambda: len(broker.stats()["streams"].get("rpack", {}).get("ranks", [])) == 2, 60, "both consumers")
+def test_a_consumer_killed_inside_a_pack_of_ragged_batches_has_it_redelivered(spark, start_broker_process,
+                                                                              killed_inside_a_pack):
+    broker = start_broker_process("--heartbeat", "200ms", "--rejoin-grace", "1s")
     df = typed_frame(spark, 12_800, 2).select("id", "label", "tokens", "image")
-    feeding = threading.Thread(target=feed, args=(df, broker.feed),
-                               kwargs=dict(stream="rpack", batch_size=100, timeout=60))
-    feeding.start()
-    wait_for(lambda: victim.stopped(victim.name), 60, "the victim to stop after five batches")
-    victim.kill()
-    feeding.join(90)
-    survivor.wait()
+    victim, survivor = killed_inside_a_pack(broker, "rpack", lambda: df, "--values")
     taken, _ = received_by_id(victim, 1)
     kept, _ = received_by_id(survivor, 1)
     expected = expected_by_id(df)
@@ -192,8 +181,8 @@ def test_a_consumer_killed_inside_a_pack_of_ragged_batches_has_it_redelivered(sp
     assert epoch["redelivered"] >= 64 and epoch["batches_in"] == 128, "the pack went again, whole"
 
 
-def test_even_ranks_even_out_ragged_batches_over_mpi_with_values_intact(spark, start_broker, start_ranks):
-    broker = start_broker()
+def test_even_ranks_even_out_ragged_batches_over_mpi_with_values_intact(spark, start_broker_process, start_ranks):
+    broker = start_broker_process()
     # 31 batches of 64 rows, rank 1 slow: rank 0 holds more at the end, and batches move between the ranks in
     # wire form (the pooled leftovers); one batch is dropped
     ranks = start_ranks(2, broker.ranks, "--stream", "evened", "--values", "--even", "yes", "--slow-rank", "1",
@@ -209,7 +198,7 @@ def test_even_ranks_even_out_ragged_batches_over_mpi_with_values_intact(spark, s
     assert all(got[i] == expected[i] for i in got)
 
 
-def test_a_task_failing_midway_through_ragged_packs_is_retried_and_each_row_arrives_once(spark, start_broker,
+def test_a_task_failing_midway_through_ragged_packs_is_retried_and_each_row_arrives_once(spark, start_broker_process,
                                                                                       start_ranks):
     def produce(part, ids):
         from pyspark import TaskContext
@@ -220,7 +209,7 @@ def test_a_task_failing_midway_through_ragged_packs_is_retried_and_each_row_arri
                 raise RuntimeError("injected failure on the first attempt")
             yield {"id": i, "text": "ü" * (i % 9), "tokens": list(range(i % 6)) or None}
 
-    broker = start_broker()
+    broker = start_broker_process()
     ranks = start_ranks(0, broker.ranks, "--stream", "rretry", "--values")
     rdd = spark.sparkContext.parallelize(range(20_000), 2).mapPartitionsWithIndex(produce)
     report = feed(rdd, broker.feed, stream="rretry", batch_size=100, timeout=60)     # packs of small batches

@@ -24,6 +24,7 @@ from zmq.utils.monitor import recv_monitor_message
 from broker import auth
 from broker.auth import KeyAuthority, create_keypair, make_curve_client, make_curve_server, zap_reply
 from broker.errors import AuthError, SparkbusError
+from helpers import key_directory
 
 WAIT_MS = 5000
 
@@ -32,13 +33,7 @@ WAIT_MS = 5000
 def keydir(tmp_path):
     """``DIR`` with a broker pair, feeders/spark.key and ranks/trainer.key; the clients' pairs in tmp_path/clients."""
     directory, clients = tmp_path / "auth", tmp_path / "clients"
-    for folder in (directory / "feeders", directory / "ranks", clients):
-        folder.mkdir(parents=True)
-    create_keypair(directory / "broker")
-    for name, role in (("spark", "feeders"), ("trainer", "ranks"), ("stranger", None)):
-        public, _ = create_keypair(clients / name)
-        if role:
-            (directory / role / public.name).write_bytes(public.read_bytes())
+    key_directory(directory, clients, {"spark": "feeders", "trainer": "ranks", "stranger": None})
     return directory, clients
 
 
@@ -225,13 +220,6 @@ def test_server_options_fail_closed_and_refuse_unknown_domains(keydir):
 
 
 # ---- real sockets -------------------------------------------------------------------------------------------
-
-@pytest.fixture
-def context():
-    ctx = zmq.Context()
-    yield ctx
-    ctx.destroy(linger=0)
-
 
 class ZapHandler:
     """A ZAP handler thread made of auth.zap_reply, as the broker loop will run one: decisions go to a queue."""
