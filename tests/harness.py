@@ -9,7 +9,7 @@ processes through these, and teardown fails the test that leaves something behin
 - ``start_broker_process``: ``start_broker_process(*flags)``, ``python -m broker`` as a child process on loopback
   ports it picks itself (:class:`launch.broker.BrokerProcess`; integration tests).
 - ``children``: child processes started by :func:`launch.processes.spawn`, waited for boundedly, and killed with
-  all they started if still running at the end of the test.
+  all they started if still running at the end of the test; :func:`run_child` runs one to its end (a CLI call).
 
 The conftests import what they offer from here; tests import plain helpers (waits, ports, fakes, HELLOs) from
 ``helpers``.
@@ -201,6 +201,23 @@ class Children:
         for proc in self.running:
             if proc.poll() is None:
                 self.kill(proc)
+
+
+def run_child(command: Sequence[str | Path], timeout: float, *, check: bool = False,
+              **popen: Any) -> subprocess.CompletedProcess:
+    """Run ``command`` to its end as :meth:`Children.spawn` starts it, its output captured as text: as
+    :func:`subprocess.run` does, except that a timeout kills all it started too and fails the test (see
+    :meth:`Children.finish`). ``check``: raise :class:`subprocess.CalledProcessError` if it exits non-zero."""
+    proc = spawn([str(part) for part in command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                 **popen)
+    try:
+        out, err = Children.finish(proc, timeout, " ".join(str(part) for part in command[:3]))
+    finally:
+        if proc.poll() is None:
+            Children.kill(proc)
+    if check and proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, proc.args, out, err)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 @pytest.fixture

@@ -1,7 +1,6 @@
 """Several brokers serving one stream: partitions spread over them, every rank consumes from every broker."""
 
 import json
-import subprocess
 import sys
 import threading
 
@@ -10,6 +9,7 @@ import pytest
 
 from broker.errors import BrokerError
 from feeder import feed
+from harness import run_child
 from helpers import wait_for
 from sources import Collector, check_values, labelled_frame, staged_frame, staged_rdd
 
@@ -59,14 +59,14 @@ def test_status_shows_each_broker_and_the_totals(spark, start_broker_process):
     brokers = [start_broker_process(), start_broker_process()]
     feed(labelled_frame(spark, rows=1_000, partitions=2), [b.feed for b in brokers], stream="st",
          batch_size=100, timeout=60)
-    out = subprocess.run([sys.executable, "-m", "broker.cli", "status", ",".join(b.control for b in brokers),
-                          "--json"], capture_output=True, text=True, timeout=30, check=True).stdout
+    out = run_child([sys.executable, "-m", "broker.cli", "status", ",".join(b.control for b in brokers), "--json"],
+                    timeout=30, check=True).stdout
     figures = json.loads(out)
     assert set(figures["brokers"]) == {b.control for b in brokers}
     assert figures["totals"]["streams"]["st"]["rows_in"] == 1_000
     assert figures["totals"]["brokers"] == 2
-    text = subprocess.run([sys.executable, "-m", "broker.cli", "status", ",".join(b.control for b in brokers)],
-                          capture_output=True, text=True, timeout=30, check=True).stdout
+    text = run_child([sys.executable, "-m", "broker.cli", "status", ",".join(b.control for b in brokers)],
+                     timeout=30, check=True).stdout
     assert "all 2 brokers" in text and all(b.control in text for b in brokers)
 
 

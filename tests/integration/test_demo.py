@@ -1,19 +1,18 @@
 """The main job at its quick size: ``sparkbus demo --quick`` trains a model on Spark data through the broker."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from harness import run_child
 
 pytestmark = pytest.mark.timeout(300)
 
 
 def test_the_quick_demo_trains_well_above_chance(tmp_path):
     sparkbus = Path(sys.executable).parent / "sparkbus"
-    result = subprocess.run([str(sparkbus), "demo", "--quick", "--out", str(tmp_path), "--timeout", "240"],
-                            capture_output=True, text=True, timeout=280)
+    result = run_child([sparkbus, "demo", "--quick", "--out", tmp_path, "--timeout", "240"], timeout=280)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     feed = json.loads((tmp_path / "feed-report.json").read_text())
     ranks = json.loads((tmp_path / "summary.json").read_text())

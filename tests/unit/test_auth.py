@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import queue
 import stat
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -18,13 +17,14 @@ from pathlib import Path
 import pytest
 import zmq
 import zmq.auth
+from harness import run_child
+from helpers import key_directory
 from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
 from broker import auth
 from broker.auth import KeyAuthority, create_keypair, make_curve_client, make_curve_server, zap_reply
 from broker.errors import AuthError, SparkbusError
-from helpers import key_directory
 
 WAIT_MS = 5000
 
@@ -344,7 +344,7 @@ def test_a_peer_without_keys_or_with_another_broker_key_fails_the_handshake(curv
 
 def sparkbus(*args, timeout=30):
     command = [str(Path(sys.executable).with_name("sparkbus")), *args]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    result = run_child(command, timeout=timeout)
     assert "Traceback" not in result.stderr, result.stderr
     return result
 

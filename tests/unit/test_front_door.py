@@ -1,7 +1,8 @@
 """``from sparkbus import ...``: the public API in one place, importing nothing heavy."""
 
-import subprocess
 import sys
+
+from harness import run_child
 
 import sparkbus
 
@@ -19,4 +20,4 @@ def test_the_public_api_is_importable_from_sparkbus():
 def test_importing_sparkbus_imports_neither_spark_nor_mpi_nor_torch():
     code = ("import sys, sparkbus; heavy = {'pyspark', 'mpi4py', 'torch'} & set(sys.modules); "
             "assert not heavy, heavy")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    run_child([sys.executable, "-c", code], timeout=60, check=True)
