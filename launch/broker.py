@@ -69,6 +69,8 @@ class BrokerProcess:
         """
         if self.child is not None and self.child.returncode is None:
             raise LaunchError(f"the {self.name} (pid {self.child.pid}) is already running")
+        if self.child is not None:
+            self.child.stop()       # the run before, which exited (or was killed) on its own: close its log
         self.ready_file.unlink(missing_ok=True)
         child = self.child = ChildProcess(self.name, self.command, self.log, env=self.env, cwd=self.cwd,
                                           append=self.pid != 0)
