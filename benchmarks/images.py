@@ -458,6 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help=f"{QUICK_IMAGES:,} images, {QUICK_REPS} repetition")
     parser.add_argument("--images", type=int, help=f"images (default {IMAGES:,})")
     parser.add_argument("--reps", type=int, help=f"repetitions of each way (default {REPS})")
+    parser.add_argument("--size", type=int, default=SIZE, help=f"image side in pixels (default {SIZE})")
     parser.add_argument("--work", help="directory for logs and staged files (default: a temporary one)")
     parser.add_argument("--json", help="also write the result here")
     args = parser.parse_args(argv)
@@ -468,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
 
     spark = local_session("local[2]", "sparkbus-bench-images", conf={"spark.driver.memory": "2g"})
     try:
-        result = measure(spark, images, reps, work=Path(args.work) if args.work else None)
+        result = measure(spark, images, reps, size=args.size, work=Path(args.work) if args.work else None)
     finally:
         spark.stop()
     result["revision"] = _revision()
