@@ -118,18 +118,28 @@ _inproc_names = itertools.count()
 @pytest.fixture
 def start_broker_thread(context):
     """``start_broker_thread(**config)``: a Broker in a thread on fresh inproc endpoints of ``context`` (settings
-    are :class:`broker.config.BrokerConfig` fields); stopped, and its thread joined, after the test."""
+    are :class:`broker.config.BrokerConfig` fields); stopped, and its thread joined, after the test.
+
+    ``tcp=True``: on free loopback ports instead, for clients that make contexts of their own (the feeder's task
+    code, a ``BatchStream`` without ``context=``).
+    """
+    from helpers import free_port_triple
+
     from broker.config import BrokerConfig
     from broker.daemon import Broker
 
     running = []
 
-    def start(**settings: Any) -> Broker:
+    def start(*, tcp: bool = False, **settings: Any) -> Broker:
         settings.setdefault("heartbeat", 30.0)     # quiet: tests that check "nothing arrives" see no heartbeats
         settings.setdefault("dead_after", 60.0)
-        n = next(_inproc_names)
-        config = BrokerConfig(feed=f"inproc://feed-{n}", ranks=f"inproc://ranks-{n}",
-                              control=f"inproc://control-{n}", **settings)
+        if tcp:
+            base = free_port_triple()
+            feed, ranks, control = (f"tcp://127.0.0.1:{base + i}" for i in range(3))
+        else:
+            n = next(_inproc_names)
+            feed, ranks, control = f"inproc://feed-{n}", f"inproc://ranks-{n}", f"inproc://control-{n}"
+        config = BrokerConfig(feed=feed, ranks=ranks, control=control, **settings)
         broker = Broker(config, context=context)
         thread = threading.Thread(target=broker.run, daemon=True)
         thread.start()
