@@ -147,11 +147,14 @@ class FakeBroker:
     def welcome(self):
         assert self.sock.poll(5000), "no HELLO from the rank"
         identity, raw = self.sock.recv_multipart()
-        hello = unpack_header(raw)
         self.identity = identity
-        self.sock.send_multipart([identity, pack_header(
-            Kind.WELCOME, req=hello["req"], broker="fake", incarnation="x", journal=False, free=0)])
+        self.answer(unpack_header(raw))
         self.window = self.next(Kind.CREDIT)
+
+    def answer(self, hello, incarnation="x"):
+        """WELCOME the rank whose ``hello`` this is, as a broker of ``incarnation``."""
+        self.send([pack_header(Kind.WELCOME, req=hello["req"], broker="fake", incarnation=incarnation, journal=False,
+                               free=0)])
 
     def next(self, kind, timeout=5.0):
         while True:

@@ -37,11 +37,6 @@ def told_unknown_after_two_batches(context, address):
     return broker, stream
 
 
-def welcome(broker, hello):
-    broker.send([pack_header(Kind.WELCOME, req=hello["req"], broker="fake", incarnation="y", journal=False,
-                             free=0)])
-
-
 def test_a_rank_told_it_is_unknown_names_what_it_holds_and_consumed_and_drops_a_second_copy(context):
     broker, stream = told_unknown_after_two_batches(context, "inproc://rank-rejoin")
     with stream:
@@ -54,7 +49,7 @@ def test_a_rank_told_it_is_unknown_names_what_it_holds_and_consumed_and_drops_a_
         hello, (held, consumed) = resume_hello(broker)
         assert hello["resume"] and hello["ended"] == -1
         assert (held, consumed) == ([(0, 0, 1)], [(0, 0, 0)])
-        welcome(broker, hello)
+        broker.answer(hello, incarnation="y")
         broker.send(codec.encode_batch("s", 0, 0, 0, batch(0)))      # a copy of one it consumed: dropped
         broker.send(codec.encode_batch("s", 0, 0, 2, batch(2)))
         broker.end(0, 3)
