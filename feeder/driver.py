@@ -8,7 +8,7 @@ import secrets
 import time
 import warnings
 from collections.abc import Iterator, Sequence
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from typing import Any, NamedTuple
 
 from broker.address import feed_and_control_addresses
@@ -46,7 +46,8 @@ def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "t
          delivery: str = "stream", control: str | Sequence[str] | None = None,
          max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES, pack_bytes: int = DEFAULT_PACK_BYTES,
          ragged: Sequence[str] = (), bucket_by: str | None = None, bucket_window: int = 64,
-         key: str | None = None, broker_key: str | None = None) -> FeedReport:
+         arrow_batch_rows: int | None = None, key: str | None = None,
+         broker_key: str | None = None) -> FeedReport:
     """Stream every row of a DataFrame or RDD to the broker as one epoch of ``stream``.
 
     Opens the epoch with the partition count, runs one Spark job whose tasks push their partitions in batches
@@ -84,6 +85,11 @@ def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "t
             windows of ``bucket_window`` batches' worth of rows of a partition (sorted by length, then the
             window's batches in a shuffled order), so padding to the longest row of a batch wastes little.
             Deterministic: a retried task sends the same batches.
+        arrow_batch_rows: rows of the Arrow record batches Spark hands to the feeding tasks
+            (``spark.sql.execution.arrow.maxRecordsPerBatch``, set for this job and restored after it). By default
+            a whole number of batches, at most 8 and at most Spark's default of 10,000 rows: no batch then spans
+            two record batches (which costs a copy), and the first batch leaves a task after 8 batches' worth of
+            rows, not 10,000 (a large share of a partition of images). 0 leaves Spark's setting alone.
         key, broker_key: for a broker run with ``--auth``: this client's ``.key_secret`` file and the broker's
             ``.key`` file (a feeder key; the same paths must exist on the executors), or the variables
             ``SPARKBUS_KEY`` and ``SPARKBUS_BROKER_KEY`` (pass them to executors with ``spark.executorEnv.*``).
@@ -106,10 +112,15 @@ def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "t
     cutting = dict(batch_size=batch_size, max_bytes=max_batch_bytes, pack_bytes=pack_bytes, ragged=tuple(ragged),
                    bucket_by=bucket_by, bucket_window=bucket_window)
     run = secrets.randbits(31)
-    job = _dataframe_job(data, columns, cutting, run, settings) if _is_dataframe(data) \
-        else _rdd_job(data, cutting, run, settings)
     diverged: set[int] = set()
     with ExitStack() as stack:
+        if _is_dataframe(data):
+            rows = arrow_rows_for(batch_size) if arrow_batch_rows is None else arrow_batch_rows
+            if rows:      # Spark reads it when it plans the job: set before, restored after the job
+                stack.enter_context(_spark_conf(data.sparkSession, ARROW_BATCH_CONF, str(rows)))
+            job = _dataframe_job(data, columns, cutting, run, settings)
+        else:
+            job = _rdd_job(data, cutting, run, settings)
         clients = [stack.enter_context(ControlClient(c, timeout, key=key, broker_key=broker_key)) for c in controls]
         brokers = [c.hello("feeder", stream) for c in clients]   # fail fast on an absent broker, before Spark plans
         partitions = job.getNumPartitions()
@@ -139,6 +150,29 @@ def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "t
         warnings.warn(message, DivergedPartitionsWarning, stacklevel=2)
     return FeedReport(partitions, sum(r.batches for r in reports), sum(r.rows for r in reports),
                       sum(r.bytes for r in reports), time.monotonic() - started, differed, tuple(shares))
+
+
+ARROW_BATCH_CONF = "spark.sql.execution.arrow.maxRecordsPerBatch"
+SPARK_ARROW_BATCH_ROWS = 10_000         # Spark's default of that setting
+
+
+def arrow_rows_for(batch_size: int) -> int:
+    """Rows of the Arrow record batches a feed asks Spark for: a whole number of batches (see ``feed``)."""
+    return batch_size * max(1, min(8, SPARK_ARROW_BATCH_ROWS // batch_size))
+
+
+@contextmanager
+def _spark_conf(session: Any, key: str, value: str) -> Iterator[None]:
+    """A Spark SQL setting for the length of a ``with`` block, then what it was (or unset) again."""
+    before = session.conf.get(key, None)
+    session.conf.set(key, value)
+    try:
+        yield
+    finally:
+        if before is None:
+            session.conf.unset(key)
+        else:
+            session.conf.set(key, before)
 
 
 def _raise_if_a_broker_restarted(clients: list[ControlClient], before: list[dict], stream: str, epoch: int,

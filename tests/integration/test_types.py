@@ -4,11 +4,13 @@ to ranks under ``mpiexec -n 2``, compared value by value with the record batches
 
 import datetime as dt
 import json
+import threading
 
 import numpy as np
 import pytest
 
 from feeder import feed
+from worker import BatchStream
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -219,3 +221,30 @@ def test_a_task_failing_midway_through_ragged_packs_is_retried_and_each_row_arri
     assert all(got[i]["text"] == "ü" * (i % 9) and got[i]["tokens"] == (list(range(i % 6)) or None) for i in got)
     epoch = broker.stats()["streams"]["rretry"]["epochs"]["0"]
     assert epoch["duplicates"] >= 1 and epoch["diverged"] == [], "the retry's packs were recognised, not diverged"
+
+
+def test_a_feed_asks_for_whole_batches_per_arrow_batch_and_restores_the_setting(spark, start_broker_process):
+    from feeder.driver import ARROW_BATCH_CONF, arrow_rows_for
+
+    assert [arrow_rows_for(n) for n in (1024, 128, 16, 20_000)] == [8192, 1024, 128, 20_000]
+    broker = start_broker_process()
+
+    def check(batches):          # runs in the job's tasks: Spark's record batches are the feed's 8 x 100 rows
+        for batch in batches:
+            if batch.num_rows not in (800, 600):          # 3,000 rows: 800, 800, 800, 600
+                raise ValueError(f"a record batch of {batch.num_rows} rows")
+            yield batch
+
+    df = spark.range(0, 3_000, numPartitions=1).mapInArrow(check, "id long")
+    spark.conf.set(ARROW_BATCH_CONF, "700")
+    try:
+        with BatchStream(broker.ranks, stream="aligned", timeout=30) as stream:
+            got = []
+            consumer = threading.Thread(target=lambda: got.extend(b["id"].copy() for b in stream.epoch()))
+            consumer.start()
+            feed(df, broker.feed, stream="aligned", batch_size=100, timeout=30)
+            consumer.join(60)
+        assert spark.conf.get(ARROW_BATCH_CONF) == "700", "the session's own setting is back"
+    finally:
+        spark.conf.unset(ARROW_BATCH_CONF)
+    assert sorted(np.concatenate(got).tolist()) == list(range(3_000))
