@@ -15,8 +15,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from common import agent_loop
 from launch.processes import die_with_parent
+
+from .common import agent_loop
 
 SENTINEL = b""       # a one-frame message ends a raw zmq measurement
 
@@ -78,7 +79,7 @@ def _send_zmq(job: dict, batches) -> None:
 
     from broker.codec import encode_batch
 
-    ctx = zmq.Context.instance()
+    ctx: Any = zmq.Context.instance()
     push = ctx.socket(zmq.PUSH)
     push.linger = -1                      # the sentinel must leave before close returns
     push.sndhwm = job["hwm"]
@@ -109,7 +110,7 @@ def _receive_job(conn: Any, job: dict) -> dict:
 def _receive_zmq(conn: Any, job: dict) -> dict:
     import zmq
 
-    ctx = zmq.Context.instance()
+    ctx: Any = zmq.Context.instance()
     pull = ctx.socket(zmq.PULL)
     pull.linger = 0
     pull.rcvhwm = job["hwm"]
@@ -147,7 +148,7 @@ def _receive_sparkbus(conn: Any, job: dict) -> dict:
                      verify=job.get("verify", True), timeout=job.get("timeout", 60.0), **keys) as stream:
         conn.send(("ok", {"endpoint": job["ranks"]}))      # joined: the parent may start the feed
         n, t_last, t_first = 0, None, None
-        for batch in stream.epoch():
+        for _batch in stream.epoch():
             t_last = time.time()
             if t_first is None:
                 t_first = t_last

@@ -1,13 +1,13 @@
-"""sparkbus benchmark: hop, end to end (also cluster-shaped), scaling, memory, data-wait, brokers, varlen, Spark set-ups.
+"""sparkbus benchmark: every figure of benchmarks/README.md, each a section (``sections.Section``).
 
     .venv/bin/python benchmarks/bench.py [--quick] [--out docs/bench]
-        [--only hop,rss,e2e,cluster,scaling,wait,brokers,varlen,spark]
+        [--only hop,rss,e2e,cluster,scaling,wait,brokers,varlen,spark,images]
 
-Prints each figure as it is measured, then the tables and every target with its measured value and PASS/MISS,
-and writes ``OUT/RESULTS.md``, ``OUT/throughput.png`` and ``OUT/results.json``. Exit status 0 when every
-figure was measured (whatever the verdicts: this is a report, not a test), 1 when a part failed, 130 on
-Ctrl-C. Every child process (brokers, agents, mpiexec and its ranks, Spark's JVM) is stopped on the way out.
-See benchmarks/README.md.
+Runs the sections it is given in order, printing each figure as it is measured, then prints the tables and every
+target with its measured value and PASS/MISS, and writes ``OUT/RESULTS.md``, ``OUT/throughput.png`` and
+``OUT/results.json``. Exit status 0 when every figure was measured (whatever the verdicts: this is a report, not
+a test), 1 when a part failed, 130 on Ctrl-C. Every child process (brokers, agents, mpiexec and its ranks,
+Spark's JVM) is stopped on the way out. See benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -18,19 +18,39 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
-SECTIONS = ("hop", "rss", "e2e", "cluster", "scaling", "wait", "brokers", "varlen", "spark")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def all_sections() -> list[Any]:
+    """Every section, in the order they run (the report orders them by figure)."""
+    from benchmarks.brokers import BrokersSection
+    from benchmarks.cluster import ClusterSection
+    from benchmarks.datawait import DataWaitSection
+    from benchmarks.end_to_end import EndToEndSection
+    from benchmarks.hop import HopSection
+    from benchmarks.images import ImagesSection
+    from benchmarks.scaling import RssSection, ScalingSection
+    from benchmarks.spark_configs import SparkSection
+    from benchmarks.varlen import VarlenSection
+
+    # hop and rss first: in a quick run Spark starts in the background meanwhile
+    return [HopSection(), RssSection(), EndToEndSection(), ClusterSection(), ScalingSection(), DataWaitSection(),
+            BrokersSection(), VarlenSection(), SparkSection(), ImagesSection()]
+
+
+def parse_args(argv: list[str] | None = None, sections: list[Any] | None = None) -> argparse.Namespace:
+    sections = all_sections() if sections is None else sections
+    names = [s.name for s in sections]
+    quick = [s.name for s in sections if s.quick]
     parser = argparse.ArgumentParser(prog="benchmarks/bench.py", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
-                        help="small sizes and 1 repetition (under a minute on 2 cores)")
+                        help="small sizes and 1 repetition (a few minutes on 2 cores)")
     parser.add_argument("--out", type=Path, default=HERE.parent / "docs" / "bench",
                         help="directory for RESULTS.md, throughput.png and results.json (default docs/bench)")
-    parser.add_argument("--only", default=",".join(SECTIONS),
-                        help=f"comma-separated sections to run (default all: {','.join(SECTIONS)})")
+    parser.add_argument("--only", help=f"comma-separated sections to run (default all: {','.join(names)}; with "
+                                       f"--quick: {','.join(quick)})")
     parser.add_argument("--reps", type=int, help="repetitions per figure (default 3, --quick 1)")
     parser.add_argument("--rows", type=int, help="rows of the cached DataFrame (default 4,194,304; --quick 100,000)")
     parser.add_argument("--rss-bytes", help="bytes pushed through the broker for its peak RSS (e.g. 1GiB)")
@@ -44,10 +64,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                                        "--quick 100,000)")
     parser.add_argument("--keep-logs", action="store_true", help="keep the children's logs (printed path)")
     args = parser.parse_args(argv)
-    args.sections = [s.strip() for s in args.only.split(",") if s.strip()]
-    unknown = set(args.sections) - set(SECTIONS)
+    only = args.only if args.only is not None else ",".join(quick if args.quick else names)
+    args.sections = [s.strip() for s in only.split(",") if s.strip()]
+    unknown = set(args.sections) - set(names)
     if unknown:
-        parser.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(SECTIONS)}")
+        parser.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(names)}")
     try:
         args.spark_partitions = tuple(int(p) for p in args.spark_partitions.split(",") if p.strip())
     except ValueError:
@@ -56,22 +77,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    sys.path.insert(0, str(HERE))
+    sections = all_sections()
+    args = parse_args(argv, sections)
     import dataclasses
     import os
     import shutil
     import tempfile
 
-    import common
-    import report
+    from benchmarks import common, report, spark_configs
+    from benchmarks.sections import Context, Dataset, Run
     from broker.config import parse_size
 
     sizes = common.QUICK if args.quick else common.FULL
-    import spark_configs
-
     try:
-        configs = spark_configs.parse_configs(args.spark_configs)
+        spark_configs.parse_configs(args.spark_configs)
     except ValueError as exc:
         print(f"benchmarks/bench.py: error: --spark-configs: {exc}", file=sys.stderr)
         return 2
@@ -89,89 +108,36 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="sparkbus-bench-"))
     children = common.Children(work)
     started = time.monotonic()
-    results: dict = {"sizes": sizes, "machine": report.machine(), "notes": []}
-    spark = prep = None
+    run = Run(sizes, report.machine())
     failed = None
 
     def log(text: str) -> None:
         print(f"[{time.monotonic() - started:5.1f} s] {text}", flush=True)
 
+    ctx = Context(children, sizes, work, log, args, results=run.results, notes=run.notes)
     log(f"sparkbus benchmark, {sizes.name} size, {sizes.reps} repetition(s); work dir {work}")
-    sections = set(args.sections)
-    # The cached DataFrame serves sections 2-5; the session alone also serves local[2] in section 6.
-    needs_frame = bool({"e2e", "scaling", "wait", "brokers"} & sections)
-    needs_session = needs_frame or "varlen" in sections or ("spark" in sections and
-                                                            any(not c.executors for c in configs))
+    chosen = [s for s in sections if s.name in args.sections]
+    needs = {s.name: s.needs(args) for s in chosen}
+    needs_frame = "frame" in needs.values()
     # --quick: Spark's start-up (JVM, caching, warm-up) overlaps the hop and RSS sections, whose figures get
-    # noisier but the run fits in a minute. At full size Spark starts after them, on a quiet machine.
-    prep = SparkPrep(sizes, needs_frame, log) if needs_session and args.quick else None
+    # noisier but the run is shorter. At full size Spark starts only when a section needs it, after them.
+    prep = SparkPrep(sizes, needs_frame, log) if any(needs.values()) and args.quick else None
     try:
-        if "hop" in sections:
-            import hop
-
-            log("1. broker hop")
-            results["hop"] = hop.run(children, sizes, log)
-        if "rss" in sections:
-            import scaling
-
-            log("3b. broker peak RSS")
-            results["rss"] = scaling.run_rss(children, sizes, log)
-        df = info = None
-        if needs_session:
-            prep = prep or SparkPrep(sizes, needs_frame, log)
-            spark, df, info = prep.result(sizes.timeout * 2)
-        if needs_frame:
-            results["dataset"] = info
-            log(f"  {info['rows']:,} rows, {info['payload_bytes'] / 2**30:.2f} GiB payload, cached "
-                f"{info['cached_memory_bytes'] / 2**30:.2f} GiB in memory / {info['cached_disk_bytes'] / 2**30:.2f} "
-                f"GiB on disk, built in {info['build_seconds']:.1f} s")
-            if info["cached_disk_bytes"]:
-                results["notes"].append("part of the cached DataFrame spilled to disk: raise the driver memory")
-        rate = None
-        if "e2e" in sections:
-            import end_to_end
-
-            log("2. end to end")
-            results["e2e"] = end_to_end.run(children, df, info["rows"], sizes, work, log)
-            rate = results["e2e"]["sparkbus"].med("rows_per_s")
-        if "cluster" in sections:
-            import cluster
-
-            log("2b. end to end, cluster-shaped (Spark on one core, the broker and the ranks on the other)")
-            results["cluster"] = {}
-            cluster.run(children, sizes, work, log=log, out=results["cluster"])
-        if "scaling" in sections:
-            import scaling
-
-            log("3. scaling")
-            results["scaling"] = scaling.run(children, df, info["rows"], sizes, work, results.get("e2e", {})
-                                             .get("sparkbus"), log)
-        if "wait" in sections:
-            import datawait
-
-            log("4. data-wait")
-            results["datawait"] = datawait.run(children, spark, df, info["rows"], sizes, work, rate, log)
-        if "brokers" in sections:
-            import brokers
-
-            log("5. several brokers")
-            results["brokers"] = brokers.run(children, df, info["rows"], sizes, work, log)
-        if "varlen" in sections:
-            import varlen
-
-            log("7. variable-length columns")
-            results["varlen"] = {}
-            varlen.run(children, spark, sizes, work, log=log, out=results["varlen"])
-        if "spark" in sections:
-            log("6. Spark configurations")
-            results["spark"] = {}
-            spark_configs.run(children, spark, prep.session_seconds if prep else None, sizes, work, configs,
-                              args.spark_partitions, log, out=results["spark"])
-            spilled = [f"{key} at {parts} partitions" for (key, parts), stored in results["spark"]["storage"].items()
-                       if stored.get("cached_disk_bytes")]
-            if spilled:
-                results["notes"].append(f"Spark set-ups whose cached data spilled to disk: {', '.join(spilled)} "
-                                        "(raise the executors' memory)")
+        for section in chosen:
+            if needs[section.name] and ctx.spark is None:
+                prep = prep or SparkPrep(sizes, needs_frame, log)
+                ctx.spark, ctx.df, info = prep.result(sizes.timeout * 2)
+                ctx.session_seconds = prep.session_seconds
+                if needs_frame:
+                    ctx.dataset = run.dataset = Dataset.of(info)
+                    ds = ctx.dataset
+                    log(f"  {ds.rows:,} rows, {ds.payload_bytes / 2**30:.2f} GiB payload, cached "
+                        f"{ds.cached_memory_bytes / 2**30:.2f} GiB in memory / {ds.cached_disk_bytes / 2**30:.2f} "
+                        f"GiB on disk, built in {ds.build_seconds:.1f} s")
+                    if ds.cached_disk_bytes:
+                        run.notes.append("part of the cached DataFrame spilled to disk: raise the driver memory")
+            log(section.title)
+            run.results[section.name] = section.measure(ctx)
     except KeyboardInterrupt as exc:
         failed = f"interrupted ({exc or 'Ctrl-C'})"
     except Exception as exc:
@@ -183,23 +149,22 @@ def main(argv: list[str] | None = None) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):     # a second signal must not cut the clean-up short
             signal.signal(sig, signal.SIG_IGN)
         children.stop_all()
-        if prep is not None:
-            spark = prep.session(30.0)
+        spark = prep.session(30.0) if prep is not None else ctx.spark
         if spark is not None:
             try:
                 spark.stop()
             except Exception:
                 pass
-    results["seconds"] = time.monotonic() - started
-    results["machine"]["load_end"] = os.getloadavg()
+    run.seconds = time.monotonic() - started
+    run.machine["load_end"] = os.getloadavg()
     if failed:
-        results["notes"].append(f"the run did not complete: {failed.splitlines()[0]}")
-    results["targets"] = report.targets(results)
-    md, png = report.write(results, args.out)
+        run.notes.append(f"the run did not complete: {failed.splitlines()[0]}")
+    run.targets = report.targets(run, sections)
+    md, png = report.write(run, sections, args.out)
     print()
-    print(report.markdown(results))
-    print(report.console_targets(results))
-    print(f"\nwrote {md} and {png} ({results['seconds']:.0f} s)")
+    print(report.markdown(run, sections))
+    print(report.console_targets(run, sections))
+    print(f"\nwrote {md} and {png} ({run.seconds:.0f} s)")
     if args.keep_logs or failed:
         print(f"children's logs: {work}")
     else:
@@ -217,13 +182,16 @@ class SparkPrep:
         import threading
 
         self.sizes, self.frame, self.log = sizes, frame, log
-        self.spark = self.value = self.error = self.session_seconds = None
+        self.spark: Any = None
+        self.value: tuple[Any, Any, dict | None] | None = None
+        self.error: BaseException | None = None
+        self.session_seconds: float | None = None
         self._thread = threading.Thread(target=self._run, name="spark-prep", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         try:
-            import spark_data
+            from benchmarks import spark_data
             from launch.spark import local_session
 
             self.log("starting Spark (local[2])" + (" and caching the DataFrame" if self.frame else ""))
@@ -256,4 +224,10 @@ class SparkPrep:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run as a script (python benchmarks/bench.py, sparkbus bench, make bench): Python put this directory first
+    # on sys.path, where its module names (common, report, ...) would shadow others. The checkout's root takes
+    # its place, as with ``python -m benchmarks.bench`` run from there, and the package runs.
+    sys.path[0] = str(HERE.parent)
+    from benchmarks.bench import main as package_main
+
+    sys.exit(package_main())

@@ -15,14 +15,16 @@ import signal
 import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from launch.broker import BrokerProcess
 from launch.mpi import loopback_env, mpiexec_python
 from launch.processes import ChildProcess, die_with_parent, wait_for
-from rank_files import figures_path, ready_path
+
+from .rank_files import figures_path, ready_path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

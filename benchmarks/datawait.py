@@ -19,20 +19,36 @@ MPI between the ranks).
 from __future__ import annotations
 
 import itertools
+import math
 import shutil
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import spark_data
-from common import BenchError, Children, MiB, Sizes, run_ranks
 from launch.processes import wait_for
-from end_to_end import BATCH_SIZE, RANKS, Series
+
+from . import spark_data
+from .common import BenchError, Children, MiB, Sizes, median, run_ranks
+from .end_to_end import BATCH_SIZE, RANKS, Series
+from .report import num, table
+from .sections import Context, Run, Section, Target, at_most
 
 GO_BUFFERED = 16 * MiB
 MAX_BUFFER = "32MiB"
 DEFAULT_COMPUTE = 0.01
 _runs = itertools.count()
+
+
+@dataclass
+class DataWait:
+    """Figure 4: the compute per batch, the rows, and the runs with ``even=True`` (the figure) and ``False``."""
+
+    compute: float
+    rows: int
+    series: Series
+    diagnostic: Series
+    from_rate: float | None       # the end-to-end rows/s the compute was chosen from (None: a default)
 
 
 def compute_per_batch(rows_per_s: float | None) -> float:
@@ -43,7 +59,7 @@ def compute_per_batch(rows_per_s: float | None) -> float:
 
 
 def run(children: Children, spark: Any, main_df: Any, main_rows: int, sizes: Sizes, work: Path,
-        rows_per_s: float | None, log=print) -> dict:
+        rows_per_s: float | None, log=print) -> DataWait:
     compute = compute_per_batch(rows_per_s)
     batches = RANKS * sizes.wait_epoch_seconds / compute
     rows = int(min(main_rows, max(20 * RANKS, batches) * BATCH_SIZE))
@@ -67,8 +83,7 @@ def run(children: Children, spark: Any, main_df: Any, main_rows: int, sizes: Siz
         children.discard(broker)
         if own:
             df.unpersist()
-    return {"compute": compute, "rows": info["rows"], "series": series, "diagnostic": diagnostic,
-            "from_rate": rows_per_s}
+    return DataWait(compute, info["rows"], series, diagnostic, rows_per_s)
 
 
 def _one(children: Children, broker, df: Any, compute: float, work: Path, timeout: float, even: bool) -> dict:
@@ -153,3 +168,68 @@ def _buffered(broker) -> int:
         return int(broker.stats(2.0)["broker"].get("buffered_bytes", 0))
     except Exception:
         return 0
+
+
+# ---- the section ------------------------------------------------------------------------------------------
+
+WAIT_SHARE = 0.02                                # data-wait with even=True, share of the epoch
+
+
+class DataWaitSection(Section[DataWait]):
+    """Figure 4: the ranks' data-wait while the feed outpaces their compute."""
+
+    name, title, figure, spark = "wait", "4. data-wait", "4", "frame"
+
+    def measure(self, ctx: Context) -> DataWait:
+        assert ctx.dataset is not None
+        e2e = ctx.results.get("e2e")
+        rate = e2e.sparkbus.med("rows_per_s") if e2e else None
+        return run(ctx.children, ctx.spark, ctx.df, ctx.dataset.rows, ctx.sizes, ctx.work, rate, ctx.log)
+
+    def targets(self, run: Run, result: DataWait | None) -> list[Target]:
+        what = "ranks' data-wait (even=True) while the feed outpaces compute"
+        goal = f"<= {WAIT_SHARE * 100:.0f} % of the epoch"
+        if result is None:
+            return [Target(what, goal, "not run", None)]
+        share = result.series.med("wait_share")
+        return [Target(what, goal, f"{share * 100:.2f} % (worst rank)", at_most(share, WAIT_SHARE))]
+
+    def markdown(self, run: Run, result: DataWait) -> list[str]:
+        basis = (f"half the measured end-to-end rate ({result.from_rate:,.0f} rows/s)" if result.from_rate
+                 else "a default (no end-to-end figure in this run)")
+        parts = ["", "## 4. Data-wait", "",
+                 f"2 ranks sleep {result.compute * 1e3:.1f} ms per batch of 1024 rows (consumption at {basis}); "
+                 f"{result.rows:,} rows fed by `feeder.feed` into a broker with `--max-buffer 32MiB`. The ranks start "
+                 "the epoch once the feed is under way. Share = `wait_seconds / seconds` of "
+                 "`BatchStream.stats.epochs[-1]`, worst rank.", ""]
+        rows = []
+        for label, series in (("even=True (the figure)", result.series),
+                              ("even=False (diagnostic)", result.diagnostic)):
+            if series is None or not series.runs:
+                continue
+            empty = series.med("queue_empty_share")
+            rows.append([label, num(median([max(x["batches"]) for x in series.runs])),
+                         num(series.med("seconds"), ".2f"),
+                         num(series.med("wait_seconds"), ".3f"), num(series.med("wait_share") * 100, ".2f") + " %",
+                         num(series.med("wait_first"), ".3f"), num(series.med("wait_steady"), ".3f"),
+                         num(series.med("wait_end"), ".3f"), num(series.med("wait_steady_max") * 1e3, ".1f"),
+                         num(series.med("waits_over_1ms")), "-" if math.isnan(empty) else f"{empty * 100:.0f} %",
+                         num(series.med("queue_median"))])
+        parts += [table(["ranks", "batches / rank", "epoch (s)", "waited (s)", "share of the epoch",
+                         "in next(): first (s)", "in next(): between (s)", "in next(): last (s)",
+                         "longest next() between (ms)", "next() > 1 ms", "broker queue empty",
+                         "broker queue (median batches)"], rows),
+                  "", "`waited` and `share` are BatchStream's own figures (time waiting for a batch from the broker "
+                  "and, with `even=True`, for the ranks to agree on each step). The `in next()` columns are the "
+                  "worst rank's loop timing its own calls for the next batch, which also include decoding and "
+                  "checking each batch's checksum: the first call, the ones in between, and the last one (which "
+                  "returns when the epoch ends: `EPOCH_END` and, with `even=True`, the ranks evening out). `broker "
+                  "queue`: batches waiting in the broker for the ranks, sampled every 100 ms while the feed ran; "
+                  "never empty means the feed kept ahead (`-`: the feed was done before the ranks started). "
+                  "`even=False`: the same run with each rank consuming on its own, without the per-step agreement "
+                  "over MPI."]
+        return parts
+
+    def json(self, run: Run, result: DataWait) -> dict:
+        return {"datawait": {"compute": result.compute, "rows": result.rows, "runs": result.series.runs,
+                             "diagnostic_even_false": result.diagnostic.runs if result.diagnostic else []}}

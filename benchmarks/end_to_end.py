@@ -14,15 +14,20 @@ in the ranks and in this process.
 from __future__ import annotations
 
 import itertools
+import math
 import shutil
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
-import spark_data
-from common import BenchError, Children, Sizes, median, run_ranks
 from launch.broker import BrokerProcess
+
+from . import spark_data
+from .common import BenchError, Children, Sizes, median, run_ranks
+from .report import num, table
+from .sections import Context, Run, Section, Target, at_least
 
 RANKS = 2
 BATCH_SIZE = 1024
@@ -182,9 +187,22 @@ def run_limit(df: Any) -> dict:
     return {"first": None, "last": seconds, "rows": rows, "rows_per_s": rows / seconds, "cpu": meter.stop()}
 
 
-def run(children: Children, df: Any, rows: int, sizes: Sizes, work: Path, log=print) -> dict[str, Series]:
+@dataclass
+class EndToEnd:
+    """Figure 2: the repetitions of the three ways."""
+
+    limit: Series
+    sparkbus: Series
+    parquet: Series
+
+    def series(self) -> dict[str, Series]:
+        return {"limit": self.limit, "sparkbus": self.sparkbus, "parquet": self.parquet}
+
+
+def run(children: Children, df: Any, rows: int, sizes: Sizes, work: Path, log=print) -> EndToEnd:
     """The three ways, repetitions interleaved (limit, sparkbus, parquet, limit, ...)."""
-    series = {name: Series(name) for name in ("limit", "sparkbus", "parquet")}
+    result = EndToEnd(Series("limit"), Series("sparkbus"), Series("parquet"))
+    series = result.series()
     broker = children.broker("256MiB")
     try:
         # Warm-ups, not recorded: the first full scan of the cache, and the first Parquet write of the session
@@ -204,4 +222,127 @@ def run(children: Children, df: Any, rows: int, sizes: Sizes, work: Path, log=pr
                 f"{p['first']:.2f} s last {p['last']:.2f} s ({p['rows_per_s']:,.0f} rows/s)")
     finally:
         children.discard(broker)
-    return series
+    return result
+
+
+# ---- the section ------------------------------------------------------------------------------------------
+
+E2E_RATIO = 0.9                                  # x the Arrow hand-off limit
+PARQUET_FASTER, PARQUET_FIRST = 2.5, 0.05        # x faster to the last batch; first batch at most x staging's
+
+
+class EndToEndSection(Section[EndToEnd]):
+    """Figure 2: the cached DataFrame to 2 ranks by sparkbus, by Parquet staging, and Spark's own hand-off."""
+
+    name, title, figure, spark = "e2e", "2. end to end", "2", "frame"
+
+    def measure(self, ctx: Context) -> EndToEnd:
+        assert ctx.dataset is not None
+        return run(ctx.children, ctx.df, ctx.dataset.rows, ctx.sizes, ctx.work, ctx.log)
+
+    def targets(self, run: Run, result: EndToEnd | None) -> list[Target]:
+        what_e2e = "end to end from the cached DataFrame, rows/s"
+        goal_e2e = f">= {E2E_RATIO} x the Arrow hand-off limit"
+        what_pq = "end to end vs Parquet staging"
+        goal_pq = f">= {PARQUET_FASTER} x faster to the last batch; first batch in <= {PARQUET_FIRST} x staging's time"
+        if result is None:
+            return [Target(what_e2e, goal_e2e, "not run", None), Target(what_pq, goal_pq, "not run", None)]
+        s, p, lim = result.sparkbus, result.parquet, result.limit
+        ratio = s.med("rows_per_s") / lim.med("rows_per_s")
+        faster = p.med("last") / s.med("last")
+        first = s.med("first") / p.med("first")
+        return [Target(what_e2e, goal_e2e,
+                       f"{ratio:.2f} x ({s.med('rows_per_s'):,.0f} vs {lim.med('rows_per_s'):,.0f} rows/s)",
+                       at_least(ratio, E2E_RATIO)),
+                Target(what_pq, goal_pq,
+                       f"{faster:.2f} x faster to the last; first batch at {first:.3f} x "
+                       f"({s.med('first'):.2f} s vs {p.med('first'):.2f} s)",
+                       None if math.isnan(faster) or math.isnan(first)
+                       else (faster >= PARQUET_FASTER and first <= PARQUET_FIRST))]
+
+    def markdown(self, run: Run, result: EndToEnd) -> list[str]:
+        ds = run.dataset
+        assert ds is not None
+        parts = ["", "## 2. End to end from Spark (cached DataFrame -> 2 ranks)", "",
+                 f"{ds.rows:,} rows of `id` long + `features` float32[64] ({ds.payload_bytes / 2**30:.2f} GiB "
+                 f"of payload; Spark's cache holds {ds.cached_memory_bytes / 2**30:.2f} GiB in memory, "
+                 f"{ds.cached_disk_bytes / 2**30:.2f} GiB on disk) in {ds.partitions} partitions, "
+                 "Spark local[2]. Times from the start of the feed / the Parquet write to the first and the last "
+                 "batch at any rank (ranks started and ready beforehand). The limit is the DataFrame handed to "
+                 "Python by `mapInArrow` and dropped there.", ""]
+        rows = []
+        for s, label in ((result.limit, "Arrow hand-off limit (mapInArrow, no sink)"),
+                         (result.sparkbus, "sparkbus (broker + feed + 2 ranks)"),
+                         (result.parquet, "Parquet staging (write, then 2 ranks read)")):
+            rows.append([label, num(s.med("first"), ".2f"), num(s.med("last"), ".2f"), num(s.med("rows_per_s")),
+                         num(s.med("rows_per_s") * spark_data.ROW_BYTES / 1e6, ",.0f")])
+        parts.append(table(["path", "first batch (s)", "last batch (s)", "rows/s", "MB/s"], rows))
+        s, p, lim = result.sparkbus, result.parquet, result.limit
+        parts += ["", f"- sparkbus rows/s / limit rows/s = **{s.med('rows_per_s') / lim.med('rows_per_s'):.2f}**",
+                  f"- Parquet time to last / sparkbus time to last = **{p.med('last') / s.med('last'):.2f}**",
+                  f"- sparkbus first batch / Parquet first batch = **{s.med('first') / p.med('first'):.3f}**",
+                  f"- Parquet: the write alone took {p.med('write_seconds'):.2f} s "
+                  f"({num(median([x['staged_bytes'] for x in p.runs]) / 2**20)} MiB in "
+                  f"{p.runs[0]['files']} files); sparkbus: `feed()` returned after {s.med('feed_seconds'):.2f} s, "
+                  f"{num(s.med('dropped_rows'))} rows dropped to keep the ranks even"]
+        return parts + _cpu_markdown(lim, s, ds.payload_bytes, run.machine.get("nproc"))
+
+    def json(self, run: Run, result: EndToEnd) -> dict:
+        return {"dataset": run.dataset.__dict__ if run.dataset else None,
+                "e2e": {k: s.runs for k, s in result.series().items()}}
+
+    def plots(self, result: EndToEnd) -> bool:
+        return True
+
+    def plot(self, ax, run: Run, result: EndToEnd) -> None:
+        names = ["limit", "sparkbus", "parquet"]
+        labels = ["Arrow limit\n(mapInArrow)", "sparkbus\n(2 ranks)", "Parquet staging\n(2 ranks)"]
+        series = result.series()
+        values = [series[n].med("rows_per_s") / 1e3 for n in names]
+        bars = ax.bar(labels, values, color=["#999999", "#1f77b4", "#ff7f0e"])
+        for bar, n in zip(bars, names):
+            s = series[n]
+            text = f"last {s.med('last'):.1f} s"
+            if n != "limit":
+                text = f"first {s.med('first'):.2f} s\n" + text
+            ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
+                        fontsize=8)
+        ax.set_ylabel("thousand rows/s")
+        ax.set_title(f"End to end, {run.dataset.rows if run.dataset else 0:,} rows")
+        ax.margins(y=0.25)
+
+
+def _cpu_markdown(limit, sparkbus, payload_bytes: int, cores: int | None) -> list[str]:
+    """Where the CPU of the end-to-end runs went: the limit's and sparkbus's, per process group (medians)."""
+    if not all(run.get("cpu") for run in (*limit.runs, *sparkbus.runs)):
+        return []
+    groups = [("jvm", "Spark JVM"), ("workers", "Spark's Python workers (the feeder)"), ("broker", "broker"),
+              ("ranks", "ranks")]
+
+    def cpu(series, group):
+        return median([run["cpu"].get(group, 0.0) for run in series.runs])
+
+    rows = []
+    for series, label in ((limit, "Arrow hand-off limit"), (sparkbus, "sparkbus")):
+        total = sum(cpu(series, g) for g, _ in groups)
+        rows.append([label, *[num(cpu(series, g), ".2f") for g, _ in groups], num(total, ".2f"),
+                     num(series.med("last"), ".2f"), num(total / series.med("last"), ".2f")])
+    gb = payload_bytes / 1e9
+    extra = sum(cpu(sparkbus, g) - cpu(limit, g) for g, _ in groups)
+    limit_total = sum(cpu(limit, g) for g, _ in groups)
+    out = ["", "CPU seconds per run (medians; user + system of each process group, psutil), and the cores they "
+           "kept busy on average:", "",
+           table(["run", *[label for _, label in groups], "all", "wall (s)", "cores busy"], rows), "",
+           f"sparkbus adds {extra:.2f} CPU-s to the limit's {limit_total:.2f} ({extra / gb:.2f} CPU-s per GB of "
+           f"payload)."]
+    feeder = (cpu(sparkbus, "workers") - cpu(limit, "workers")) / gb
+    out += ["", f"The feeder's CPU in Spark's Python workers above what the hand-off costs them: **{feeder:.2f} CPU-s "
+            f"per GB** ({cpu(sparkbus, 'workers'):.2f} - {cpu(limit, 'workers'):.2f} CPU-s for {gb:.2f} GB, batches "
+            "of 1,024 rows = 264 KiB; section 2b gives it at 1 MiB and 64 KiB)."]
+    if cores:
+        best = (limit_total + extra) / cores
+        out[-3] += (f" With {cores} cores shared by every process, the limit's work plus that cannot take less than "
+                    f"{best:.2f} s of wall time, {limit.med('last') / best:.2f} x the limit's rate at best; 0.9 x "
+                    f"would need sparkbus to add at most {(limit.med('last') / 0.9 * cores - limit_total) / gb:.2f} "
+                    f"CPU-s per GB here.")
+    return out

@@ -28,11 +28,15 @@ import itertools
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-import agents
 from broker.client import ControlClient
 from broker.protocol import Kind
-from common import open_epoch, Agent, BenchError, KiB, MiB, Children, Sizes, median
+
+from . import agents
+from .common import Agent, BenchError, Children, KiB, MiB, Sizes, median, open_epoch
+from .report import mb, num, table
+from .sections import Context, Run, Section, Target, at_least
 
 SIZES = (1 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB)
 MODES = ("direct", "zmq.proxy", "sparkbus")
@@ -116,13 +120,13 @@ def feeder_pack_bytes() -> int | None:
     return getattr(feeder.task, "DEFAULT_PACK_BYTES", None)
 
 
-def diagnostics() -> list[tuple[str, int, dict]]:
+def diagnostics() -> list[tuple[str, int, dict[str, Any]]]:
     """Diagnostics (not targets): the sparkbus hop again with one default changed, to tell causes apart.
 
     ``(label, batch size, changed settings)``; the settings are ``prefetch``, ``verify`` (the rank's) and
     ``pack_bytes`` (the feeder's, 0 = one message per batch, where the feeder packs small batches).
     """
-    rows = [("sparkbus, prefetch 64", 1 * KiB, {"prefetch": 64}),
+    rows: list[tuple[str, int, dict[str, Any]]] = [("sparkbus, prefetch 64", 1 * KiB, {"prefetch": 64}),
             ("sparkbus, verify=False", 1 * MiB, {"verify": False})]
     if feeder_pack_bytes():
         rows += [("sparkbus, unpacked", size, {"pack_bytes": 0}) for size in (1 * KiB, 64 * KiB)]
@@ -151,10 +155,10 @@ def make_curve_keys(root: Path) -> CurveKeys:
     for folder in (auth / "feeders", auth / "ranks", clients):
         folder.mkdir(parents=True)
     broker_public, _ = create_keypair(auth / "broker")
-    secrets = {}
-    for role, folder in (("feeder", "feeders"), ("rank", "ranks")):
+    secrets: dict[str, Path] = {}
+    for role, keys_folder in (("feeder", "feeders"), ("rank", "ranks")):
         public, secrets[role] = create_keypair(clients / f"bench-{role}")
-        shutil.copy(public, auth / folder / public.name)
+        shutil.copy(public, auth / keys_folder / public.name)
     return CurveKeys(auth, str(broker_public), str(secrets["feeder"]), str(secrets["rank"]))
 
 
@@ -183,18 +187,10 @@ def run(children: Children, sizes: Sizes, log=print) -> list[HopResult]:
             proxy = children.agent(f"zmq-proxy-{size_label(size)}", agents.proxy, hwm_for(size))
             ends = proxy.recv(timeout, "its endpoints")
             try:
-                for rep in range(sizes.reps):
-                    run_one = {
-                        "direct": lambda: _measure(sender, receiver, {**base, "mode": "zmq", "hwm": hwm_for(size)},
-                                                   {**base, "mode": "zmq", "hwm": hwm_for(size)}, timeout),
-                        "zmq.proxy": lambda: _measure(
-                            sender, receiver, {**base, "mode": "zmq", "hwm": hwm_for(size), "address": ends["front"]},
-                            {**base, "mode": "zmq", "hwm": hwm_for(size), "address": ends["back"]}, timeout,
-                            middle=proxy.pid),
-                        "sparkbus": lambda: _sparkbus(sender, receiver, broker, base, timeout),
-                    }
+                for _ in range(sizes.reps):
                     for mode in MODES:
-                        results[mode, size].runs.append(run_one[mode]())
+                        results[mode, size].runs.append(
+                            _one_hop(mode, size, sender, receiver, broker, proxy, ends, base, timeout))
                     if size in curve:          # right after the plain sparkbus hop it is compared with
                         curve[size].runs.append(_sparkbus(sender, receiver, curve_broker, base, timeout, keys=keys))
                     for label, diag_size, changed in diagnostics():
@@ -219,11 +215,24 @@ def run(children: Children, sizes: Sizes, log=print) -> list[HopResult]:
     return [results[m, s] for s in SIZES for m in MODES] + list(extra.values()) + list(curve.values())
 
 
+def _one_hop(mode: str, size: int, sender: Agent, receiver: Agent, broker, proxy: Agent, ends: dict, base: dict,
+             timeout: float) -> dict:
+    """One repetition of one of the three ways (the raw ones with a queue of about 64 MiB)."""
+    if mode == "direct":
+        return _measure(sender, receiver, {**base, "mode": "zmq", "hwm": hwm_for(size)},
+                        {**base, "mode": "zmq", "hwm": hwm_for(size)}, timeout)
+    if mode == "zmq.proxy":
+        return _measure(sender, receiver, {**base, "mode": "zmq", "hwm": hwm_for(size), "address": ends["front"]},
+                        {**base, "mode": "zmq", "hwm": hwm_for(size), "address": ends["back"]}, timeout,
+                        middle=proxy.pid)
+    return _sparkbus(sender, receiver, broker, base, timeout)
+
+
 def _sparkbus(sender, receiver, broker, base: dict, timeout: float, prefetch: int = 4, verify: bool = True,
               pack_bytes: int | None = None, keys: CurveKeys | None = None) -> dict:
     """One sparkbus hop; with ``keys``, through a broker run with ``--auth`` (every client passes its keys)."""
     stream = f"hop-{next(_streams)}"
-    feeder_keys = {} if keys is None else {"key": keys.feeder, "broker_key": keys.broker_key}
+    feeder_keys: dict[str, Any] = {} if keys is None else {"key": keys.feeder, "broker_key": keys.broker_key}
     rank_keys = {} if keys is None else {"key": keys.rank, "broker_key": keys.broker_key}
     client = ControlClient(broker.control, timeout, **feeder_keys)
     try:
@@ -241,3 +250,161 @@ def _sparkbus(sender, receiver, broker, base: dict, timeout: float, prefetch: in
 
 
 __all__ = ["run", "HopResult", "SIZES", "MODES", "CURVE_SIZES", "CURVE_MODE", "curve_pairs", "size_label"]
+
+
+# ---- the section ------------------------------------------------------------------------------------------
+
+HOP_RATIOS = ((64 * KiB, 0.8), (MiB, 0.95))      # batch size -> sparkbus / zmq.proxy at least
+HOP_SMALL_RATE = 100_000                         # batches/s at 1 KiB, delivered to the training loop
+
+
+class HopSection(Section[list[HopResult]]):
+    """Figure 1: the broker hop, its diagnostics, the CPU of each process, and what CURVE costs."""
+
+    name, title, figure = "hop", "1. broker hop", "1"
+
+    def measure(self, ctx: Context) -> list[HopResult]:
+        return run(ctx.children, ctx.sizes, ctx.log)
+
+    def targets(self, run: Run, result: list[HopResult] | None) -> list[Target]:
+        hop = {(h.mode, h.size): h for h in result or []}
+        out = []
+        for size, goal in HOP_RATIOS:
+            what = f"sparkbus broker throughput at {size_label(size)} batches"
+            if ("sparkbus", size) in hop:
+                s, p = hop["sparkbus", size].mb_per_s, hop["zmq.proxy", size].mb_per_s
+                out.append(Target(what, f">= {goal} x zmq.proxy", f"{s / p:.2f} x ({s:,.0f} vs {p:,.0f} MB/s)",
+                                  at_least(s / p, goal)))
+            else:
+                out.append(Target(what, f">= {goal} x zmq.proxy", "not run", None))
+        what = "sparkbus broker at 1 KiB batches, delivered to the training loop"
+        goal_text = f">= {HOP_SMALL_RATE:,} batches/s"
+        if ("sparkbus", 1024) in hop:
+            rate = hop["sparkbus", 1024].batches_per_s
+            out.append(Target(what, goal_text, f"{rate:,.0f} batches/s", at_least(rate, HOP_SMALL_RATE)))
+        else:
+            out.append(Target(what, goal_text, "not run", None))
+        return out
+
+    def markdown(self, run: Run, result: list[HopResult]) -> list[str]:
+        if not result:
+            return []
+        parts = ["", "## 1. Broker hop (between processes, loopback TCP)", "",
+                 "MB/s = 10^6 bytes of payload per second, from the sender's first send to the receiver's last "
+                 "receive; b/s = batches per second. Each batch is one float32 column of the given size. "
+                 "`direct`: raw pyzmq PUSH -> PULL; `zmq.proxy`: through `zmq.proxy(PULL, PUSH)` in a third "
+                 "process; `sparkbus`: `python -m broker`, fed by `feeder.task.stream_partition`, consumed by "
+                 "`BatchStream(comm=None)` (its defaults: prefetch 4, checksum verified)." + _packing_note(), ""]
+        hop = {(h.mode, h.size): h for h in result}
+        rows = []
+        for size in SIZES:
+            d, p, s = (hop[mode, size] for mode in MODES)
+            rows.append([size_label(size), mb(d.mb_per_s), num(d.batches_per_s), mb(p.mb_per_s), num(p.batches_per_s),
+                         mb(s.mb_per_s), num(s.batches_per_s), num(s.mb_per_s / p.mb_per_s, ".2f"),
+                         num(s.mb_per_s / d.mb_per_s, ".2f")])
+        parts.append(table(["batch", "direct MB/s", "direct b/s", "zmq.proxy MB/s", "zmq.proxy b/s",
+                            "sparkbus MB/s", "sparkbus b/s", "sparkbus / zmq.proxy", "sparkbus / direct"], rows))
+        extra = [h for h in result if h.mode not in MODES and h.mode != CURVE_MODE]
+        if extra:
+            parts += ["", "Diagnostics (not targets), the sparkbus hop with one default changed: " + "; ".join(
+                f"`{h.mode}` at {size_label(h.size)}: {mb(h.mb_per_s)} MB/s, {num(h.batches_per_s)} b/s "
+                f"({num(h.mb_per_s / hop['sparkbus', h.size].mb_per_s, '.2f')} x the default)" for h in extra)
+                + ". More credits in flight show how much of the 1 KiB figure is the credit round trip; "
+                "`verify=False` shows what the ranks' checksum check costs" + (
+                    "; `unpacked` (the feeder's `pack_bytes=0`) what packing small batches gains." if any(
+                        h.mode.endswith("unpacked") for h in extra) else ".")]
+        return parts + _cpu_markdown(result) + _curve_markdown(result)
+
+    def console(self, run: Run, result: list[HopResult]) -> list[str]:
+        summary = curve_summary(result)
+        return ["", f"CURVE (--auth) vs plain sparkbus hop (a cost, not a target): {summary}"] if summary else []
+
+    def json(self, run: Run, result: list[HopResult]) -> dict:
+        if not result:
+            return {}
+        return {"hop": [{"mode": h.mode, "size": h.size, "mb_per_s": h.mb_per_s, "batches_per_s": h.batches_per_s,
+                         "runs": h.runs} for h in result],
+                "curve": [{"size": plain.size, "plain_mb_per_s": plain.mb_per_s, "curve_mb_per_s": curve.mb_per_s,
+                           "plain_batches_per_s": plain.batches_per_s, "curve_batches_per_s": curve.batches_per_s,
+                           "ratio": curve.mb_per_s / plain.mb_per_s} for plain, curve in curve_pairs(result)]}
+
+    def plots(self, result: list[HopResult]) -> bool:
+        return bool(result)
+
+    def plot(self, ax, run: Run, result: list[HopResult]) -> None:
+        hop = {(h.mode, h.size): h for h in result}
+        for mode, style in zip(MODES, ("o-", "s--", "^-")):
+            ax.plot([s / 1024 for s in SIZES], [hop[mode, s].mb_per_s for s in SIZES], style, label=mode)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xticks([s / 1024 for s in SIZES], [size_label(s).replace(" ", "\n") for s in SIZES])
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("MB/s (payload)")
+        ax.set_title("Broker hop between processes")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+
+
+def _packing_note() -> str:
+    pack = feeder_pack_bytes()
+    if not pack:
+        return " sparkbus sends one message per batch."
+    return (f" The feeder packs consecutive batches smaller than {size_label(pack // 4)} into messages of up to "
+            f"{size_label(pack)} (its default); the ranks still get them one by one, and b/s counts the batches "
+            "the `BatchStream` loop received.")
+
+
+def _cpu_markdown(result: list[HopResult]) -> list[str]:
+    """CPU seconds per GB of payload in each process of the three hops (medians), where they were measured."""
+    from broker.daemon import IO_THREADS
+
+    by = {(h.mode, h.size): h for h in result}
+    roles = ("sender", "middle", "receiver")
+    rows = []
+    for size in sorted({h.size for h in result}):
+        cells = []
+        for mode in ("direct", "zmq.proxy", "sparkbus"):
+            h = by.get((mode, size))
+            per_gb = [h.cpu_per_gb(role) for role in roles] if h and h.runs else [None] * 3
+            if None in per_gb:
+                break
+            cells.append("/".join(num(x, ".2f") for x in per_gb) if mode != "direct"
+                         else f"{num(per_gb[0], '.2f')}/-/{num(per_gb[2], '.2f')}")
+            cells.append(num(sum(x for x in per_gb if x is not None), ".2f"))
+        else:
+            rows.append([size_label(size), *cells])
+    if not rows:
+        return []
+    return ["", "CPU seconds per GB of payload in each process of a hop (medians, user + system of all its threads, "
+            "psutil): sender / middle / receiver, then their sum. The sender is raw pyzmq for `direct` and "
+            "`zmq.proxy` and `feeder.task.stream_partition` (encoding, checksum) for sparkbus; the middle is the "
+            f"proxy process or the broker (both with {IO_THREADS} ZeroMQ I/O threads); the receiver is raw pyzmq "
+            "or a `BatchStream` (checksum, acknowledgements). On a machine whose cores all three share, the hop "
+            "with the larger sum is the slower one.", "",
+            table(["batch", "direct CPU-s/GB", "sum", "zmq.proxy CPU-s/GB", "sum", "sparkbus CPU-s/GB", "sum"],
+                  rows)]
+
+
+def _curve_markdown(result: list[HopResult]) -> list[str]:
+    """The CURVE rows of section 1: the sparkbus hop with and without ``--auth``. A cost, not a target."""
+    pairs = curve_pairs(result)
+    if not pairs:
+        return []
+    rows = [[size_label(plain.size), mb(plain.mb_per_s), num(plain.batches_per_s), mb(curve.mb_per_s),
+             num(curve.batches_per_s), num(curve.mb_per_s / plain.mb_per_s, ".2f")] for plain, curve in pairs]
+    return ["", "### What CURVE costs (`--auth`)", "",
+            "The sparkbus hop through a second broker started with `--auth DIR` (otherwise the same flags), with "
+            "keys made for this run (`broker.auth.create_keypair`: the broker's pair, a feeder's key in "
+            "`DIR/feeders`, a rank's in `DIR/ranks`), every client passing `key=` and `broker_key=`: each batch is "
+            "encrypted by the feeder, decrypted and encrypted again by the broker, and decrypted by the rank. Each "
+            "repetition runs right after the plain sparkbus hop of the same size (the `sparkbus` column above), "
+            "which is the plain figure here.", "",
+            table(["batch", "plain MB/s", "plain b/s", "CURVE MB/s", "CURVE b/s", "CURVE / plain"], rows),
+            "", "Diagnostic (a cost, not a target): CURVE ran at " + curve_summary(result) + "."]
+
+
+def curve_summary(result: list[HopResult]) -> str:
+    """``0.45 x the plain rate at 64 KiB, 0.31 x at 1 MiB`` (empty if the CURVE rows were not measured)."""
+    return ", ".join(f"{curve.mb_per_s / plain.mb_per_s:.2f} x{' the plain rate' if i == 0 else ''} at "
+                     f"{size_label(plain.size)} ({mb(curve.mb_per_s)} vs {mb(plain.mb_per_s)} MB/s)"
+                     for i, (plain, curve) in enumerate(curve_pairs(result)))

@@ -1,6 +1,7 @@
 """Images into decoding ranks (issue 15): PNG bytes from a cached Spark DataFrame, sparkbus vs Parquet staging.
 
-    .venv/bin/python benchmarks/images.py [--quick] [--images N] [--reps R] [--json FILE]
+    .venv/bin/python -m benchmarks.images [--quick] [--images N] [--reps R] [--json FILE]   # from the checkout
+    .venv/bin/python benchmarks/bench.py --only images [--quick]          # the same as a section of the benchmark
 
 One cached DataFrame, ``id long, image binary, label int``: scikit-learn's digits (8x8, in its wheel: no
 download) upscaled to 32x32, each rotated and shifted by its own amount, PNG-encoded with Pillow in Spark's Python
@@ -21,14 +22,13 @@ medians, and the ratios are ratios of medians (targets: sparkbus >= 1.5 x stagin
 <= 0.05 x staging's). Every run must decode every image once: the images, the sum of their ids and the sum of
 their pixels are checked, the last against every other run of either way.
 
-Only loopback; the broker and mpiexec are ``launch`` children, stopped on the way out whatever happens. The
-module imports nothing else of ``benchmarks/`` (it can be loaded by path), except ``rank_files`` by path.
+Only loopback; the broker and mpiexec are ``launch`` children, stopped on the way out whatever happens. Of
+``benchmarks`` it imports ``rank_files`` (the files the ranks and it meet through) and the section interface.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import shutil
@@ -41,14 +41,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from launch.broker import BrokerProcess
+from launch.mpi import loopback_env, mpiexec_python
+from launch.processes import ChildProcess, wait_for
+
+from .rank_files import figures_path, ready_path
+from .sections import Context, Run, Section, Target
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-if str(ROOT) not in sys.path:                  # run as a script: launch/ and the sparkbus packages live there
-    sys.path.insert(0, str(ROOT))
-
-from launch.broker import BrokerProcess  # noqa: E402
-from launch.mpi import loopback_env, mpiexec_python  # noqa: E402
-from launch.processes import ChildProcess, wait_for  # noqa: E402
 
 IMAGES, QUICK_IMAGES = 50_000, 5_000
 REPS, QUICK_REPS = 5, 1
@@ -56,16 +57,6 @@ SIZE, PARTITIONS, BATCH_SIZE, RANKS, DECODERS = 32, 4, 128, 2, 2
 FASTER, FIRST = 1.5, 0.05                      # the targets: images/s ratio at least, first-image ratio at most
 WAYS = ("sparkbus", "staging")
 SEED = 7
-
-
-def _rank_files():
-    spec = importlib.util.spec_from_file_location("sparkbus_bench_rank_files", HERE / "rank_files.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-rank_files = _rank_files()
 
 
 class ImagesBenchError(RuntimeError):
@@ -211,7 +202,7 @@ class Runner:
                                  "--threads", str(self.decoders), "--timeout", str(self.timeout), *args)
         ranks = ChildProcess(name, command, self.work / f"{name}.log", env=loopback_env(), cwd=ROOT)
         try:
-            wait_for(lambda: all(rank_files.ready_path(out, r).exists() for r in range(RANKS))
+            wait_for(lambda: all(ready_path(out, r).exists() for r in range(RANKS))
                      or ranks.poll() is not None, 120.0, f"the ranks of {name} to be ready")
             if ranks.poll() is not None:
                 raise EarlyExit(f"the ranks of {name} exited early ({ranks.poll()}):\n{ranks.tail()}")
@@ -221,7 +212,7 @@ class Runner:
             cpu = meter.stop()
             if code != 0:
                 raise ImagesBenchError(f"the ranks of {name} failed with exit status {code}:\n{ranks.tail()}")
-            figures = [json.loads(rank_files.figures_path(out, r).read_text()) for r in range(RANKS)]
+            figures = [json.loads(figures_path(out, r).read_text()) for r in range(RANKS)]
         finally:
             ranks.stop()
         shutil.rmtree(out, ignore_errors=True)
@@ -315,7 +306,7 @@ def measure(spark: Any, images: int = IMAGES, reps: int = REPS, *, size: int = S
             decoded differ between runs. Whatever it started is stopped first.
     """
     temporary = work is None
-    work = Path(tempfile.mkdtemp(prefix="sparkbus-images-")) if temporary else Path(work)
+    work = Path(tempfile.mkdtemp(prefix="sparkbus-images-")) if work is None else Path(work)
     work.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"images": images, "size": size, "partitions": partitions, "batch_size": batch_size,
                               "ranks": RANKS, "decoders_per_rank": decoders, "reps": reps,
@@ -485,6 +476,39 @@ def _revision() -> str:
                               timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+
+# ---- the section ------------------------------------------------------------------------------------------
+
+class ImagesSection(Section[dict]):
+    """Figure 8: PNG images into decoding ranks, sparkbus vs Parquet staging + DataLoader.
+
+    Its record is :func:`measure`'s JSON-serialisable dict, as ``python -m benchmarks.images --json`` writes it.
+    Not in ``--quick``'s default sections (``--only images`` runs it at the quick size); its targets are listed
+    only when it ran.
+    """
+
+    name, title, figure, spark, quick = "images", "8. images into decoding ranks", "8", "session", False
+
+    def measure(self, ctx: Context) -> dict:
+        quick = ctx.sizes.name.startswith("quick")
+        images = QUICK_IMAGES if quick else IMAGES
+        reps = ctx.args.reps or (QUICK_REPS if quick else REPS)
+        return measure(ctx.spark, images, reps, work=ctx.work / "images", timeout=max(ctx.sizes.timeout, 120.0),
+                       log=ctx.log)
+
+    def targets(self, run: Run, result: dict | None) -> list[Target]:
+        if result is None:
+            return []
+        return [Target(name, goal, f"{value:.3f} x", passed) for name, value, goal, passed in targets(result)]
+
+    def markdown(self, run: Run, result: dict) -> list[str]:
+        return ["", "## 8. Images into decoding ranks (PNG bytes, sparkbus vs Parquet staging + DataLoader)", "",
+                markdown(result).rstrip()]
+
+    def json(self, run: Run, result: dict) -> dict:
+        return {"images": result}
 
 
 if __name__ == "__main__":

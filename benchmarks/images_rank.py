@@ -85,7 +85,8 @@ class Tally:
         self.out, self.rank = out, rank
         self.batches = self.images = self.id_sum = self.pixel_sum = 0
         self.decode_seconds = self.cpu_start = 0.0
-        self.t_first = self.t_last = None
+        self.t_first: float | None = None
+        self.t_last: float | None = None
 
     def ready(self) -> None:
         """Say so to the benchmark (which then starts the clock); CPU time is counted from here."""

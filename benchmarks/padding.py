@@ -18,9 +18,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -127,9 +128,10 @@ def measure(df: Any, column: str = "tokens", *, batch_size: int = 64, bucket_win
     started = time.monotonic()
     reader = threading.Thread(target=read, name="padding-reader", daemon=True)
     reader.start()
+    bucketings: tuple[dict[str, Any], ...] = ({}, {"bucket_by": column, "bucket_window": bucket_window})
     reports = [feed(df, feed_address, stream=stream, epoch=first_epoch + i, batch_size=batch_size,
                     columns=[column], ragged=[column], timeout=timeout, **feed_kwargs, **bucketing)
-               for i, bucketing in enumerate(({}, {"bucket_by": column, "bucket_window": bucket_window}))]
+               for i, bucketing in enumerate(bucketings)]
     reader.join(timeout)
     if reader.is_alive():
         raise RuntimeError(f"the reader of stream {stream!r} did not finish both epochs within {timeout} s")
@@ -150,8 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=7)
     args = parser.parse_args(argv)
     sys.path.insert(0, str(HERE.parent / "examples"))
-    from launch.spark import local_session
     from train_text import text_frame
+
+    from launch.spark import local_session
 
     spark = local_session("local[2]", "sparkbus-padding")
     try:

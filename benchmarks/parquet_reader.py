@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 from mpi4py import MPI
-
 from rank_files import ready_path, run_or_abort, wait_for_go, write_figures
 
 parser = argparse.ArgumentParser()

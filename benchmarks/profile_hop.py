@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+if __name__ == "__main__":        # as a script: the package from the checkout's root, not this directory's modules
+    sys.path[0] = str(HERE.parent)
 
 IDLE = re.compile(r"^(poll|_poll|recv|recv_multipart|select|wait|sleep|_recv_copy|_recv_frame) ")
 
@@ -73,12 +74,11 @@ def summarize(path: Path, top: int) -> str:
 
 
 def main() -> int:
-    import agents
-    import hop
+    from benchmarks import agents, hop
+    from benchmarks.common import Children, open_epoch
     from broker.client import ControlClient
     from broker.config import parse_size
     from broker.protocol import Kind
-    from common import Children, open_epoch
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="1KiB")
@@ -113,7 +113,7 @@ def main() -> int:
             if args.no_profile:
                 break
             recorders.append((name, subprocess.Popen(
-                [spy, "record", "--idle", *(["--native"] if args.native else ["--nonblocking"]), "--format", "raw",
+                [str(spy), "record", "--idle", *(["--native"] if args.native else ["--nonblocking"]), "--format", "raw",
                  "--rate", "250", "--duration", str(int(args.seconds)), "--pid", str(pid),
                  "--output", str(args.out / f"{name}.txt")],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))

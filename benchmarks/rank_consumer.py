@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 from mpi4py import MPI
-
 from rank_files import ready_path, run_or_abort, wait_for_go, write_figures
+
 import worker
 from worker import BatchStream
 

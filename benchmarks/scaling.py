@@ -16,21 +16,39 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import agents
-import end_to_end
 from broker.client import ControlClient
 from broker.protocol import Kind
-from common import BenchError, Children, MiB, Sizes, open_epoch, rss_sampler, vm_hwm
-from end_to_end import Series
+
+from . import agents, end_to_end
+from .common import BenchError, Children, MiB, Sizes, median, open_epoch, rss_sampler, vm_hwm
+from .end_to_end import Series
+from .report import gib, num, table
+from .sections import Context, Run, Section, Target, at_least, at_most
+from .spark_data import ROW_BYTES
 
 RANKS = (1, 2, 4)
 TASKS = (1, 2, 4)
 RSS_BATCH = 1 * MiB
 RSS_FEEDERS = 2
 _streams = itertools.count()
+
+
+@dataclass
+class RssRun:
+    """One repetition of the broker's peak RSS: bytes through it, in how long, its RSS idle and at peak."""
+
+    bytes: int
+    seconds: float
+    idle_rss: int
+    peak_rss: int
+    vm_hwm: int | None              # the kernel's high-water mark (None where /proc does not give it)
+    samples: int
+    max_buffer: int
+    at: float
 
 
 def run(children: Children, df: Any, rows: int, sizes: Sizes, work: Path, e2e: Series | None = None,
@@ -62,7 +80,7 @@ def run(children: Children, df: Any, rows: int, sizes: Sizes, work: Path, e2e: S
     return series
 
 
-def run_rss(children: Children, sizes: Sizes, log=print) -> list[dict]:
+def run_rss(children: Children, sizes: Sizes, log=print) -> list[RssRun]:
     """Peak RSS of a broker with ``--max-buffer sizes.rss_max_buffer`` while ``sizes.rss_bytes`` flow through."""
     per_feeder = max(1, sizes.rss_bytes // RSS_BATCH // RSS_FEEDERS)
     feeders = [children.agent(f"rss-feeder-{i}", agents.sender) for i in range(RSS_FEEDERS)]
@@ -77,16 +95,16 @@ def run_rss(children: Children, sizes: Sizes, log=print) -> list[dict]:
             finally:
                 children.discard(broker)
             r = runs[-1]
-            log(f"  broker RSS rep {rep + 1}/{sizes.reps}: {r['bytes'] / MiB:,.0f} MiB through --max-buffer "
-                f"{sizes.rss_max_buffer / MiB:.0f}MiB in {r['seconds']:.1f} s: idle {r['idle_rss'] / MiB:.0f} MiB, "
-                f"peak {r['peak_rss'] / MiB:.0f} MiB (VmHWM {(r['vm_hwm'] or 0) / MiB:.0f} MiB)")
+            log(f"  broker RSS rep {rep + 1}/{sizes.reps}: {r.bytes / MiB:,.0f} MiB through --max-buffer "
+                f"{sizes.rss_max_buffer / MiB:.0f}MiB in {r.seconds:.1f} s: idle {r.idle_rss / MiB:.0f} MiB, "
+                f"peak {r.peak_rss / MiB:.0f} MiB (VmHWM {(r.vm_hwm or 0) / MiB:.0f} MiB)")
     finally:
         for child in (consumer, *feeders):
             children.discard(child)
     return runs
 
 
-def _one_rss(broker, feeders, consumer, per_feeder: int, sizes: Sizes, timeout: float) -> dict:
+def _one_rss(broker, feeders, consumer, per_feeder: int, sizes: Sizes, timeout: float) -> RssRun:
     import psutil
 
     stream = f"rss-{next(_streams)}"
@@ -112,6 +130,105 @@ def _one_rss(broker, feeders, consumer, per_feeder: int, sizes: Sizes, timeout: 
     if got["received"] != sum(s["sent"] for s in sent):
         raise BenchError(f"RSS run: sent {sum(s['sent'] for s in sent)} batches, received {got['received']}")
     start = min(s["t_first"] for s in sent)
-    return {"bytes": got["received"] * RSS_BATCH, "seconds": got["t_last"] - start, "idle_rss": idle,
-            "peak_rss": peak, "vm_hwm": hwm, "samples": sampler.samples, "max_buffer": sizes.rss_max_buffer,
-            "at": time.time()}
+    return RssRun(bytes=got["received"] * RSS_BATCH, seconds=got["t_last"] - start, idle_rss=idle,
+                  peak_rss=peak, vm_hwm=hwm, samples=sampler.samples, max_buffer=sizes.rss_max_buffer, at=time.time())
+
+
+# ---- the sections -----------------------------------------------------------------------------------------
+
+RANKS_RATIO = 1.0                                # 4 ranks vs 1 rank on one broker, same data
+Scaling = dict[tuple[int, int], Series]          # (ranks, feeding tasks) -> repetitions
+
+
+class ScalingSection(Section[Scaling]):
+    """Figure 3: ranks and feeding tasks; the (2 ranks, 4 tasks) point reuses figure 2's sparkbus runs."""
+
+    name, title, figure, spark = "scaling", "3. scaling", "3", "frame"
+
+    def measure(self, ctx: Context) -> Scaling:
+        assert ctx.dataset is not None
+        e2e = ctx.results.get("e2e")
+        return run(ctx.children, ctx.df, ctx.dataset.rows, ctx.sizes, ctx.work, e2e.sparkbus if e2e else None,
+                   ctx.log)
+
+    def targets(self, run: Run, result: Scaling | None) -> list[Target]:
+        tasks = run.sizes.partitions
+        what, goal = "4 ranks vs 1 rank on one broker, same data, rows/s", f">= {RANKS_RATIO:.1f} x"
+        four, one = (result or {}).get((4, tasks)), (result or {}).get((1, tasks))
+        if four is None or one is None or not four.runs or not one.runs:
+            return [Target(what, goal, "not run", None)]
+        ratio = four.med("rows_per_s") / one.med("rows_per_s")
+        return [Target(what, goal, f"{ratio:.2f} x ({four.med('rows_per_s'):,.0f} vs {one.med('rows_per_s'):,.0f} "
+                       f"rows/s)", at_least(ratio, RANKS_RATIO))]
+
+    def markdown(self, run: Run, result: Scaling) -> list[str]:
+        if not result:
+            return []
+        parts = ["", "## 3. Scaling", "",
+                 "The same cached DataFrame fed by sparkbus. Feeding tasks = partitions (fewer than the "
+                 "cached 4 through `coalesce`, no shuffle); Spark stays local[2], so at most 2 tasks feed at "
+                 "once.", ""]
+        rows = []
+        for (ranks, tasks), s in sorted(result.items()):
+            rows.append([str(ranks), str(tasks), num(s.med("rows_per_s")), num(s.med("rows_per_s") * ROW_BYTES / 1e6),
+                         num(s.med("first"), ".2f"), num(s.med("last"), ".2f"), num(s.med("wait_share") * 100, ".0f")])
+        parts.append(table(["ranks", "feeding tasks", "rows/s", "MB/s", "first batch (s)", "last batch (s)",
+                            "ranks idle (% of epoch)"], rows))
+        parts += ["", "Ranks idle = BatchStream's `wait_seconds / seconds` (worst rank) with no compute: near "
+                  "100 % means the ranks are starved and the feed sets the pace."]
+        return parts
+
+    def json(self, run: Run, result: Scaling) -> dict:
+        if not result:
+            return {}
+        return {"scaling": [{"ranks": k[0], "tasks": k[1], "runs": s.runs} for k, s in sorted(result.items())]}
+
+    def plots(self, result: Scaling) -> bool:
+        return bool(result)
+
+    def plot(self, ax, run: Run, result: Scaling) -> None:
+        items = sorted(result.items())
+        ax.bar([f"{k[0]}r/{k[1]}t" for k, _ in items], [s.med("rows_per_s") / 1e3 for _, s in items],
+               color="#1f77b4")
+        ax.set_ylabel("thousand rows/s")
+        ax.set_xlabel("ranks / feeding tasks")
+        ax.set_title("sparkbus scaling (local[2])")
+
+
+class RssSection(Section[list[RssRun]]):
+    """Figure 3b: the broker's peak RSS while far more than ``--max-buffer`` flows through it."""
+
+    name, title, figure = "rss", "3b. broker peak RSS", "3b"
+
+    def measure(self, ctx: Context) -> list[RssRun]:
+        return run_rss(ctx.children, ctx.sizes, ctx.log)
+
+    def targets(self, run: Run, result: list[RssRun] | None) -> list[Target]:
+        if not result:
+            return [Target("broker peak RSS with 4 GiB through it", "<= --max-buffer + 100 MiB", "not run", None)]
+        peak = median([x.peak_rss for x in result])
+        bound = result[0].max_buffer + 100 * MiB
+        through = median([x.bytes for x in result])
+        return [Target(f"broker peak RSS with {gib(through)} through it", "<= --max-buffer + 100 MiB",
+                       f"{peak / MiB:,.0f} MiB (bound {bound / MiB:,.0f} MiB)", at_most(peak, bound))]
+
+    def markdown(self, run: Run, result: list[RssRun]) -> list[str]:
+        if not result:
+            return []
+        nan = float("nan")
+        parts = ["", "### Broker memory", "",
+                 "A fresh broker per repetition, fed 1 MiB batches by two processes on the real feeder path and "
+                 "drained by one `BatchStream` (checksums verified). RSS sampled every 50 ms (psutil); VmHWM is the "
+                 "kernel's high-water mark.", ""]
+        parts.append(table(["bytes through", "--max-buffer", "idle RSS", "peak RSS (sampled)", "VmHWM",
+                            "bound (max-buffer + 100 MiB)", "MB/s through"],
+                           [[gib(median([x.bytes for x in result])), gib(result[0].max_buffer),
+                             f"{median([x.idle_rss for x in result]) / MiB:,.0f} MiB",
+                             f"{median([x.peak_rss for x in result]) / MiB:,.0f} MiB",
+                             f"{median([x.vm_hwm or nan for x in result]) / MiB:,.0f} MiB",
+                             f"{(result[0].max_buffer + 100 * MiB) / MiB:,.0f} MiB",
+                             num(median([x.bytes / x.seconds / 1e6 for x in result]))]]))
+        return parts
+
+    def json(self, run: Run, result: list[RssRun]) -> dict:
+        return {"rss": [asdict(x) for x in result]} if result else {}

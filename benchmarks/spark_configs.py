@@ -30,16 +30,19 @@ import itertools
 import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import end_to_end
-from common import HERE, ROOT, BenchError, Children, Sizes
-from end_to_end import BATCH_SIZE, RANKS, Series
 from launch.cluster import QUICK_START_JAVA_OPTS, StandaloneCluster
 from launch.processes import ChildProcess, LaunchError, wait_for
 from launch.spark import LOCAL_CONF
+
+from . import end_to_end
+from .common import HERE, ROOT, BenchError, Children, Sizes
+from .end_to_end import BATCH_SIZE, RANKS, Series
+from .report import num, table
+from .sections import Context, Run, Section
 
 HOSTS = ("127.0.0.1", "127.0.0.2")        # two Workers on two loopback "hosts"
 WORKER_CORES, WORKER_MEMORY = 2, "2g"
@@ -124,7 +127,8 @@ class DriverProcess:
     def request(self, message: dict, timeout: float) -> dict:
         import zmq
 
-        with zmq.Context.instance().socket(zmq.REQ) as sock:     # a fresh REQ: a timed-out one is unusable
+        context: Any = zmq.Context.instance()
+        with context.socket(zmq.REQ) as sock:     # a fresh REQ: a timed-out one is unusable
             sock.linger = 0
             sock.connect(self.control)
             sock.send(json.dumps(message).encode())
@@ -170,26 +174,31 @@ class DriverProcess:
 
 # ---- the figure ------------------------------------------------------------------------------------------------
 
+@dataclass
+class SparkSetups:
+    """Figure 6, filled as it goes (a failure keeps what was measured)."""
+
+    rows: int
+    partitions: list[int]
+    configs: dict[str, dict] = field(default_factory=dict)    # key -> label, executors, session_seconds
+    points: dict[tuple[str, int], Series] = field(default_factory=dict)     # (config key, partitions)
+    storage: dict[tuple[str, int], dict] = field(default_factory=dict)      # how its cached DataFrame is stored
+
 def run(children: Children, spark: Any, session_seconds: float | None, sizes: Sizes, work: Path,
         configs: tuple[Config, ...] = CONFIGS, partitions: tuple[int, ...] = PARTITIONS, log=print,
-        out: dict | None = None) -> dict:
-    """Every (configuration, partitions) point; fills and returns ``out``:
+        out: SparkSetups | None = None) -> SparkSetups:
+    """Every (configuration, partitions) point, filled into ``out`` as it goes (a new record if None), so that a
+    failure part-way still leaves the points measured before it."""
+    from . import spark_driver
 
-    ``{"rows", "partitions", "configs": {key: {"label", "executors", "session_seconds"}},
-    "points": {(key, P): Series}, "storage": {(key, P): how the cached DataFrame is stored}}``
-    (filled as it goes, so that a failure part-way still leaves the points measured before it).
-    """
-    import spark_driver
-
-    out = {} if out is None else out
-    out.update(rows=sizes.spark_rows, partitions=list(partitions), configs={}, points={}, storage={})
+    out = SparkSetups(sizes.spark_rows, list(partitions)) if out is None else out
     broker = children.broker(MAX_BUFFER)
     cluster = None
     try:
         for config in configs:
             if config.executors:
                 continue
-            out["configs"][config.key] = {"label": config.label, "executors": [], "session_seconds": session_seconds}
+            out.configs[config.key] = {"label": config.label, "executors": [], "session_seconds": session_seconds}
             source = spark_driver.Driver(spark)
             try:
                 _points(children, broker, config, source, partitions, sizes, work, out, log)
@@ -204,13 +213,14 @@ def run(children: Children, spark: Any, session_seconds: float | None, sizes: Si
             log(f"  standalone cluster: Master at {cluster.master_url}, Workers on {', '.join(HOSTS)} "
                 f"({WORKER_CORES} cores each) starting")
         for i, config in enumerate(standalone):
+            assert cluster is not None
             driver = DriverProcess(children, config, cluster.master_url, sizes, work)
             try:
                 if i == 0:            # the first driver starts while the Workers register
                     cluster.wait_ready(120)
                     log(f"  standalone cluster up after {time.monotonic() - started:.1f} s")
                 info = driver.wait_ready()
-                out["configs"][config.key] = {"label": config.label, "executors": info["executors"],
+                out.configs[config.key] = {"label": config.label, "executors": info["executors"],
                                               "session_seconds": info["session_seconds"]}
                 log(f"  {config.label}: driver and executors up after {info['session_seconds']:.1f} s; executors "
                     + ", ".join(f"{e['executor']} on {e['host']} ({e['slots']} slot{'s' if e['slots'] > 1 else ''})"
@@ -232,18 +242,18 @@ def run(children: Children, spark: Any, session_seconds: float | None, sizes: Si
 
 
 def _points(children: Children, broker, config: Config, source: Any, partitions: tuple[int, ...], sizes: Sizes,
-            work: Path, out: dict, log) -> None:
+            work: Path, out: SparkSetups, log) -> None:
     for parts in partitions:
         started = time.monotonic()
         info = source.prepare(rows=sizes.spark_rows, partitions=parts, feed=broker.feed)
         log(f"  {config.label}, {parts} partitions: cached and warmed up in {time.monotonic() - started:.1f} s")
-        out["storage"][config.key, parts] = info
-        series = out["points"][config.key, parts] = Series(f"{config.label}, {parts} partitions")
+        out.storage[config.key, parts] = info
+        series = out.points[config.key, parts] = Series(f"{config.label}, {parts} partitions")
         for rep in range(sizes.reps):
             limit = source.limit()
             stream = f"config-{config.key}-{parts}-{next(_streams)}"
 
-            def start():
+            def start(stream: str = stream) -> tuple:
                 fed = source.feed(feed=broker.feed, stream=stream, batch_size=BATCH_SIZE,
                                   timeout=min(sizes.timeout, 120.0))
                 return fed["t0"], fed["t_fed"], fed["report"]
@@ -257,18 +267,107 @@ def _points(children: Children, broker, config: Config, source: Any, partitions:
                 f"(mapInArrow) {run['limit_rows_per_s']:,.0f} rows/s")
 
 
-def best_points(out: dict) -> dict:
+def best_points(out: SparkSetups) -> dict[str, tuple[str, int]]:
     """The points with the most rows/s and with the earliest first batch (medians)."""
-    points = {k: s for k, s in out.get("points", {}).items() if s.runs}
+    points = {k: s for k, s in out.points.items() if s.runs}
     if not points:
         return {}
     return {"rows_per_s": max(points, key=lambda k: points[k].med("rows_per_s")),
             "first": min(points, key=lambda k: points[k].med("first"))}
 
 
-def point_name(out: dict, point: tuple[str, int]) -> str:
+def point_name(out: SparkSetups, point: tuple[str, int]) -> str:
     """E.g. ``standalone, 2 executors x 1 core, 4 partitions``."""
-    return f"{out['configs'][point[0]]['label']}, {point[1]} partitions"
+    return f"{out.configs[point[0]]['label']}, {point[1]} partitions"
 
 
-__all__ = ["run", "Config", "CONFIGS", "PARTITIONS", "parse_configs", "best_points", "point_name"]
+# ---- the section ------------------------------------------------------------------------------------------
+
+class SparkSection(Section[SparkSetups]):
+    """Figure 6: Spark set-ups as data suppliers (no target: it compares set-ups)."""
+
+    name, title, figure = "spark", "6. Spark configurations", "6"
+
+    def needs(self, args) -> str:
+        """The benchmark's session only for ``local``: a standalone set-up has a driver process of its own."""
+        return "session" if any(not c.executors for c in parse_configs(args.spark_configs)) else ""
+
+    def measure(self, ctx: Context) -> SparkSetups:
+        partitions = ctx.args.spark_partitions
+        out = ctx.results[self.name] = SparkSetups(ctx.sizes.spark_rows, list(partitions))
+        run(ctx.children, ctx.spark, ctx.session_seconds, ctx.sizes, ctx.work,
+            parse_configs(ctx.args.spark_configs), partitions, ctx.log, out=out)
+        spilled = [f"{key} at {parts} partitions" for (key, parts), stored in out.storage.items()
+                   if stored.get("cached_disk_bytes")]
+        if spilled:
+            ctx.notes.append(f"Spark set-ups whose cached data spilled to disk: {', '.join(spilled)} "
+                             "(raise the executors' memory)")
+        return out
+
+    def markdown(self, run: Run, result: SparkSetups) -> list[str]:
+        if not result.points:
+            return []
+        sp = result
+        points = sp.points
+        best = best_points(sp)
+        nproc = run.machine["nproc"]
+        parts = ["", "## 6. Spark configurations as data suppliers", "",
+                 f"The same data ({sp.rows:,} rows of `id` long + `features` float32[64], cached in the executors) fed "
+                 "by `feeder.feed` through one broker to 2 ranks, with Spark set up in different ways: the benchmark's "
+                 "own `local[2]` session, and a standalone cluster from the pyspark wheel (a Master and two Workers on "
+                 "127.0.0.1 and 127.0.0.2, 2 cores each) used by a driver process of its own per set-up. Partitions = "
+                 "feeding tasks per epoch. rows/s = all rows / time from the call of `feed` to the last batch at any "
+                 "rank; first batch = time from the call of `feed` to the first batch at any rank (warm executors: a "
+                 "scan and a small feed ran first). Spark alone = the same cached data handed to Python by "
+                 "`mapInArrow` and dropped, in the same set-up: what that set-up can supply at most. Session start = "
+                 "from the driver's start to its executors being up" + (
+                     " (for local[2], the session's start, which overlaps the hop section in a quick run)."
+                     if run.quick else " (for local[2], the in-process session's start)."), ""]
+        rows = []
+        for (key, parts_n), s in sorted(points.items(), key=lambda kv: (list(sp.configs).index(kv[0][0]), kv[0][1])):
+            if not s.runs:
+                continue
+            config = sp.configs[key]
+            executors = config.get("executors") or []
+            where = ", ".join(f"{e['host']} ({e['slots']})" for e in executors) if executors else "driver JVM (2)"
+            marks = []
+            if best.get("rows_per_s") == (key, parts_n):
+                marks.append("most rows/s")
+            if best.get("first") == (key, parts_n):
+                marks.append("earliest first batch")
+            rows.append([config["label"], where, str(parts_n), num(s.med("rows_per_s")), num(s.med("first"), ".2f"),
+                         num(s.med("last"), ".2f"), num(s.med("limit_rows_per_s")),
+                         num(s.med("rows_per_s") / s.med("limit_rows_per_s"), ".2f"),
+                         num(config.get("session_seconds"), ".1f"), "**" + ", ".join(marks) + "**" if marks else ""])
+        parts.append(table(["Spark set-up", "executors on (task slots)", "partitions", "rows/s to the ranks",
+                             "first batch (s)", "last batch (s)", "Spark alone rows/s", "to the ranks / Spark alone",
+                             "session start (s)", "best"], rows))
+        if best:
+            parts += ["", f"- most rows/s to the ranks: **{point_name(sp, best['rows_per_s'])}**",
+                      f"- earliest first batch: **{point_name(sp, best['first'])}**"]
+        parts += ["", f"On this machine ({nproc} cores) every set-up shares the same {nproc} cores with the broker and "
+                  "the ranks: more executors or more cores per executor add processes and threads, not CPU, and "
+                  "standalone executors add a JVM each. On a cluster, where executors have cores of their own, the "
+                  "same table tells which set-up keeps the ranks fed for the least hardware."]
+        return parts
+
+    def json(self, run: Run, result: SparkSetups) -> dict:
+        return {"spark": {"rows": result.rows, "configs": result.configs,
+                          "points": [{"config": k[0], "partitions": k[1], "runs": s.runs,
+                                      "storage": result.storage.get(k)} for k, s in result.points.items()]}}
+
+    def plots(self, result: SparkSetups) -> bool:
+        return any(s.runs for s in result.points.values())
+
+    def plot(self, ax, run: Run, result: SparkSetups) -> None:
+        sp = result
+        keys = [k for k in sp.configs if any(p[0] == k and s.runs for p, s in sp.points.items())]
+        width = 0.8 / max(1, len(sp.partitions))
+        for i, parts in enumerate(sp.partitions):
+            values = [sp.points[k, parts].med("rows_per_s") / 1e3 if (k, parts) in sp.points else 0 for k in keys]
+            ax.bar([j + i * width for j in range(len(keys))], values, width, label=f"{parts} partitions")
+        ax.set_xticks([j + width * (len(sp.partitions) - 1) / 2 for j in range(len(keys))],
+                      [sp.configs[k]["label"].replace("standalone, ", "standalone\n") for k in keys], fontsize=7)
+        ax.set_ylabel("thousand rows/s to the ranks")
+        ax.set_title(f"Spark set-ups, {sp.rows:,} rows")
+        ax.legend(fontsize=8)

@@ -43,7 +43,10 @@ import zmq
 
 from launch.processes import announce_ready
 
-import spark_data
+try:                                  # a module of the benchmarks package (the local[2] set-up of figure 6)
+    from . import spark_data
+except ImportError:                   # run as a script: its own directory is on sys.path
+    import spark_data  # type: ignore[no-redef]
 
 log = logging.getLogger("sparkbus.bench.spark_driver")
 

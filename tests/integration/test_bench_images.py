@@ -2,9 +2,8 @@
 
 Counts and sums only: the figures themselves are not asserted (no timing in tests)."""
 
-import importlib.util
+import importlib
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,16 +14,14 @@ ROOT = Path(__file__).resolve().parents[2]
 IMAGES, BATCH_SIZE = 300, 32
 
 
-def benchmark_module(name):
-    """benchmarks/NAME.py, loaded by path (benchmarks/ on sys.path would shadow other modules with its own)."""
-    spec = importlib.util.spec_from_file_location(f"sparkbus_bench_{name}", ROOT / "benchmarks" / f"{name}.py")
-    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+@pytest.fixture
+def images(monkeypatch):
+    """The ``benchmarks.images`` module: the package lives at the checkout's root, put on sys.path for the test."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    return importlib.import_module("benchmarks.images")
 
 
-def test_measure_decodes_every_image_once_on_both_sides(spark, tmp_path):
-    images = benchmark_module("images")
+def test_measure_decodes_every_image_once_on_both_sides(images, spark, tmp_path):
     result = images.measure(spark, IMAGES, reps=1, batch_size=BATCH_SIZE, work=tmp_path, timeout=90,
                             warm_up=False, log=lambda line: None)
 
@@ -56,3 +53,11 @@ def test_measure_decodes_every_image_once_on_both_sides(spark, tmp_path):
     text = images.markdown(result)
     assert "| target | value | goal | result |" in text and text.count("**PASS**") + text.count("**MISS**") == 2
     assert "DataLoader workers" in text
+
+    # the same figure as a section of the benchmark (sparkbus bench --only images): its targets, its part of RESULTS.md
+    section = images.ImagesSection()
+    assert section.name == "images" and not section.quick
+    assert [t.what for t in section.targets(None, result)] == [name for name, *_ in listed]
+    assert section.targets(None, None) == []                            # not run: no "not run" lines
+    assert "## 8. Images into decoding ranks" in "\n".join(section.markdown(None, result))
+    assert section.json(None, result) == {"images": result}
