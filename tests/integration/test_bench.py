@@ -59,6 +59,7 @@ def test_the_quick_benchmark_runs_and_writes_its_report(tmp_path):
     assert 0 <= varlen["padding"]["bucketed"] < varlen["padding"]["plain"]
     assert "## 7. Variable-length columns" in report and "not measured" not in report
     assert (tmp_path / "throughput.png").stat().st_size > 10_000
+    assert "images" not in figures and "## 8. Images" not in report     # not in --quick's default sections
 
 
 @pytest.mark.skipif(not os.environ.get("SPARKBUS_TEST_STANDALONE_BENCH"),
