@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: setup demo test unit integration bench bench-quick clean
+.PHONY: setup demo test lint unit integration bench bench-quick clean
 
 setup: $(VENV)/.installed
 
@@ -25,6 +25,11 @@ demo: setup
 test: setup
 	$(PY) -m pytest $(ARGS)
 	$(if $(ARGS),,SPARKBUS_TEST_AUTH=1 $(PY) -m pytest tests/integration/test_fuzz.py tests/integration/test_guarantees.py)
+
+# ruff over the whole tree, mypy over the library (the parts and launch/); both configured in pyproject.toml
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 bench: setup
 	$(PY) benchmarks/bench.py $(ARGS)
