@@ -121,6 +121,8 @@ class Section(Generic[R]):
         return self.spark
 
     def measure(self, ctx: Context) -> R:
+        """Measure the figure and return its record. A section whose record fills as it goes (cluster, varlen,
+        spark) puts it in ``ctx.results`` first, so that a failure part-way still reports what was measured."""
         raise NotImplementedError
 
     def targets(self, run: Run, result: R | None) -> list[Target]:
