@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 import synthetic
+
 from feeder import epoch_order, feed
 
 HERE = Path(__file__).resolve().parent

@@ -22,9 +22,9 @@ for _name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_name, "1")
 
 import numpy as np  # noqa: E402
+import synthetic  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-import synthetic  # noqa: E402
 from worker import BatchStream  # noqa: E402
 from worker.collectives import allreduce, gather  # noqa: E402
 

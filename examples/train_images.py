@@ -40,15 +40,16 @@ import os
 import sys
 import time
 from collections import deque
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import numpy as np
 
-from feeder import epoch_order, feed                   # none of these imports pyspark, torch or MPI
+from feeder import epoch_order, feed  # none of these imports pyspark, torch or MPI
 from worker import BatchStream
 from worker.collectives import allreduce, gather
 

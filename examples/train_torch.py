@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from feeder import feed, feed_epochs                  # none of these imports pyspark, torch or MPI
+from feeder import feed, feed_epochs  # none of these imports pyspark, torch or MPI
 from worker import BatchStream
 from worker.collectives import allreduce, wait
 from worker.torch_data import to_tensors
