@@ -34,8 +34,9 @@ import datetime
 import logging
 import os
 import stat
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import zmq
 import zmq.auth
@@ -274,7 +275,7 @@ def zap_reply(request: Sequence[bytes | zmq.Frame], authority: KeyAuthority,
     return [ZAP_VERSION, request_id, *status, user, b""], allowed, reason, address
 
 
-def handshake_refusal(event: dict[str, Any]) -> str | None:
+def handshake_refusal(event: Mapping[str, Any]) -> str | None:
     """The refusal reason of a socket monitor event (``zmq.utils.monitor.parse_monitor_message``), if it is one
     that ZAP never sees: a peer without CURVE (``no_key``) or one that encrypted for another broker key
     (``wrong_broker_key``). ``None`` for other events, including ``HANDSHAKE_FAILED_AUTH``, which
@@ -356,6 +357,6 @@ def client_socket(context: zmq.Context, kind: int, key: str | os.PathLike | None
     return sock
 
 
-__all__ = ["ZAP_ENDPOINT", "client_socket", "KEY_ENV", "BROKER_KEY_ENV", "BROKER_KEY_FILE", "DOMAIN_ROLES", "ROLE_FOLDERS",
-           "create_keypair", "load_public_key", "load_key_pair", "KeyAuthority", "zap_reply", "handshake_refusal",
-           "server_socket_options", "make_curve_server", "make_curve_client"]
+__all__ = ["ZAP_ENDPOINT", "client_socket", "KEY_ENV", "BROKER_KEY_ENV", "BROKER_KEY_FILE", "DOMAIN_ROLES",
+           "ROLE_FOLDERS", "create_keypair", "load_public_key", "load_key_pair", "KeyAuthority", "zap_reply",
+           "handshake_refusal", "server_socket_options", "make_curve_server", "make_curve_client"]

@@ -9,8 +9,9 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import cast
 
-from .config import (BROKER_SETTINGS, broker_config, is_loopback_endpoint, parse_duration, resolve_settings)
+from .config import BROKER_SETTINGS, broker_config, is_loopback_endpoint, parse_duration, resolve_settings
 from .errors import AuthError
 
 log = logging.getLogger("sparkbus.broker")
@@ -94,7 +95,11 @@ def run_status(args: argparse.Namespace) -> int:
     from .auth import BROKER_KEY_ENV, KEY_ENV, load_key_pair, load_public_key
     from .client import fetch_stats
     from .errors import BrokerError
+    from .figures import Figures
     from .status import render_stats, render_totals, totals
+
+    def fetch(address: str) -> Figures:
+        return cast("Figures", fetch_stats(address, args.timeout))
 
     try:
         addresses = broker_addresses(args.address, "SPARKBUS_STATUS_ADDRESS")
@@ -111,13 +116,13 @@ def run_status(args: argparse.Namespace) -> int:
     if args.watch:
         from .status import watch
         try:
-            watch(lambda: {address: fetch_stats(address, args.timeout) for address in addresses}, args.interval)
+            watch(lambda: {address: fetch(address) for address in addresses}, args.interval)
         except BrokerError as exc:
             print(f"sparkbus status: {exc}", file=sys.stderr)
             return 1
         return 0
     try:
-        stats = {address: fetch_stats(address, args.timeout) for address in addresses}
+        stats = {address: fetch(address) for address in addresses}
     except BrokerError as exc:
         print(f"sparkbus status: {exc}", file=sys.stderr)
         return 1

@@ -14,7 +14,6 @@ import zmq
 
 from .auth import client_socket
 from .errors import BrokerError, ProtocolError
-from .figures import Figures
 from .protocol import ErrorCode, Kind, pack_header, unpack_header
 
 
@@ -74,7 +73,7 @@ class ControlClient:
     def close(self) -> None:
         self._sock.close(linger=0)
 
-    def __enter__(self) -> "ControlClient":
+    def __enter__(self) -> ControlClient:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -90,8 +89,8 @@ def _error_code(code: int) -> ErrorCode | int:
 
 
 def fetch_stats(address: str, timeout: float = 5.0, key: str | None = None,
-                broker_key: str | None = None) -> Figures:
-    """The broker's live figures (``broker.figures``) from its control or ranks address. Raises
+                broker_key: str | None = None) -> dict[str, Any]:
+    """The broker's live figures (a ``broker.figures.Figures``) from its control or ranks address. Raises
     :class:`BrokerError` on timeout."""
     with ControlClient(address, timeout, key=key, broker_key=broker_key) as client:
         return client.request(Kind.STATS_REQUEST)["stats"]

@@ -20,9 +20,10 @@ import os
 import re
 import socket
 import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Callable, Mapping, TypeVar
+from typing import Any, TypeVar
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -22,7 +22,8 @@ import secrets
 import threading
 import time
 from collections import defaultdict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import zmq
 
@@ -116,7 +117,7 @@ class Broker:
             ranks.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.config.dead_after * 1000))
             self._bind(socks)
             if self.config.metrics_port is not None:
-                from .metrics import MetricsExporter           # prometheus-client only when metrics are asked for
+                from .metrics import MetricsExporter  # prometheus-client only when metrics are asked for
                 metrics = MetricsExporter(self.config.metrics_port, self.config.metrics_host)
                 self.endpoints["metrics"] = f"http://{self.config.metrics_host}:{metrics.start()}/metrics"
             self._announce()

@@ -8,8 +8,9 @@ back as the same events, which the ledger applies with its observers muted.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Union
+from typing import Any
 
 from . import protocol
 from .figures import EpochFigures
@@ -84,10 +85,9 @@ class EpochRetired:
 
 
 # What the ledger applies (live, and on replay from the journal's records) ...
-Applied = Union[EpochOpened, BatchArrived, PartitionCommitted, PartitionClaimed, EpochClosed, BatchesAcked]
+Applied = EpochOpened | BatchArrived | PartitionCommitted | PartitionClaimed | EpochClosed | BatchesAcked
 # ... and what its observers see: those (a batch as BatchTaken), and epochs retired.
-Event = Union[EpochOpened, BatchTaken, PartitionCommitted, PartitionClaimed, EpochClosed, BatchesAcked,
-              EpochRetired]
+Event = EpochOpened | BatchTaken | PartitionCommitted | PartitionClaimed | EpochClosed | BatchesAcked | EpochRetired
 Observer = Callable[[Event], None]
 
 

@@ -10,7 +10,8 @@ Figures of epochs retired by an older broker may lack fields added since (``rows
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, TypedDict
+from collections.abc import Callable
+from typing import NamedTuple, TypedDict
 
 
 class EpochFigures(TypedDict):

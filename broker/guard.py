@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import socket as pysocket
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -62,7 +62,7 @@ class Guard:
 
     def handle(self, sock: zmq.Socket) -> None:
         """Answer a ZAP request or read a monitor event, whichever ``sock`` is."""
-        if sock is self._zap:
+        if sock is self._zap and self.authority is not None:      # a ZAP socket is made only with an authority
             request = sock.recv_multipart()
             reply, allowed, reason, address = zap_reply(request, self.authority)
             sock.send_multipart(reply)
@@ -72,9 +72,9 @@ class Guard:
             return
         name = self._monitors[sock]
         event = recv_monitor_message(sock)
-        reason = handshake_refusal(event)
-        if reason is not None:
-            self._refused(name, reason, f"a peer of {event['endpoint'].decode(errors='replace')}")
+        refusal = handshake_refusal(event)
+        if refusal is not None:
+            self._refused(name, refusal, f"a peer of {event['endpoint'].decode(errors='replace')}")
         elif event["event"] == zmq.EVENT_ACCEPTED:
             log.debug("%s socket: connection from %s", name, _peer(event["value"]))
         elif event["event"] == zmq.EVENT_DISCONNECTED:

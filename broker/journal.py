@@ -35,10 +35,11 @@ import os
 import struct
 import time
 import zlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 import msgpack
 

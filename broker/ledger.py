@@ -18,11 +18,21 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .dispatch import MAX_WINDOW_BYTES, Dispatch
-from .events import (Applied, BatchArrived, BatchesAcked, EpochClosed, EpochOpened, JournalRecorder,
-                     PartitionClaimed, PartitionCommitted, replayed_events)
+from .events import (
+    Applied,
+    BatchArrived,
+    BatchesAcked,
+    EpochClosed,
+    EpochOpened,
+    JournalRecorder,
+    PartitionClaimed,
+    PartitionCommitted,
+    replayed_events,
+)
 from .journal import DeliveredEpochs, Journal
 from .partitions import MAX_PARTITIONS, Partitions, Rejected, Reply
 from .rejoin import MissedEnd

@@ -19,7 +19,8 @@ import socketserver
 import threading
 import time
 from collections import defaultdict
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, ProcessCollector, make_wsgi_app
@@ -27,8 +28,18 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.core import Metric as Family
 from prometheus_client.registry import Collector
 
-from .figures import (BROKER_METRICS, EPOCH_METRICS, HIGH_WATER, METRIC, RANK_METRICS, STREAM_METRICS, BrokerFigures,
-                      Figures, Metric, StreamFigures)
+from .figures import (
+    BROKER_METRICS,
+    EPOCH_METRICS,
+    HIGH_WATER,
+    METRIC,
+    RANK_METRICS,
+    STREAM_METRICS,
+    BrokerFigures,
+    Figures,
+    Metric,
+    StreamFigures,
+)
 
 log = logging.getLogger("sparkbus.metrics")
 
@@ -201,7 +212,7 @@ class MetricsExporter:
                 self._thread.join(2)
             self._server = self._thread = None
 
-    def __enter__(self) -> "MetricsExporter":
+    def __enter__(self) -> MetricsExporter:
         self.start()
         return self
 

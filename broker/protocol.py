@@ -1,12 +1,14 @@
 """The sparkbus wire protocol: message kinds, their header schemas, and validation on receipt.
 
 Every message is a ZeroMQ multipart message. Frame 0 is a msgpack map, the *header*; a data batch adds its
-columns' buffers as raw frames, laid out as Arrow lays them out (validity bitmaps, offsets, values). Nothing on the wire is ever pickled. The prose contract is
-``docs/PROTOCOL.md``; this module is its implementation, and the two must say the same thing (a unit test
-compares the document's message table with :data:`SCHEMAS`).
+columns' buffers as raw frames, laid out as Arrow lays them out (validity bitmaps, offsets, values). Nothing on
+the wire is ever pickled. The prose contract is ``docs/PROTOCOL.md``; this module is its implementation, and the
+two must say the same thing (a unit test compares the document's message table with :data:`SCHEMAS`). A refusal
+is an ``ERROR`` whose ``code`` (:class:`ErrorCode`) clients act on.
 
 The rest of the contract lives beside this module, one role each: :mod:`broker.codec` turns columns into
-batch frames and back, :mod:`broker.ragged` is the rank's view of a variable-length column, :mod:`broker.address` derives endpoints, :mod:`broker.errors` holds the errors.
+batch frames and back, :mod:`broker.ragged` is the rank's view of a variable-length column,
+:mod:`broker.address` derives endpoints, :mod:`broker.errors` holds the errors.
 This module needs no numpy: the broker validates batches from their headers and frame lengths alone.
 """
 
@@ -14,8 +16,9 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Iterable, Mapping, Sequence
 from enum import IntEnum
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import msgpack
 

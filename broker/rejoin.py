@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import Iterable, NamedTuple
+from collections.abc import Iterable
+from typing import NamedTuple
 
 from . import protocol
 from .books import Books, Outcome, Transmit

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Mapping, TypedDict
+from collections.abc import Callable, Mapping
+from typing import Any, TypedDict
 
 from .figures import EpochFigures, Figures
 

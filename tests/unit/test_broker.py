@@ -4,10 +4,10 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
+from helpers import recv_header, send, wait_for
 
 from broker import codec, protocol
 from broker.protocol import Kind
-from helpers import recv_header, send, wait_for
 
 
 @pytest.fixture

@@ -14,8 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from broker.config import (BROKER_SETTINGS, BrokerConfig, broker_config, check_exposure, is_loopback_endpoint,
-                           read_config_file, resolve_settings)
+from broker.config import (
+    BROKER_SETTINGS,
+    BrokerConfig,
+    broker_config,
+    check_exposure,
+    is_loopback_endpoint,
+    read_config_file,
+    resolve_settings,
+)
 from launch.broker import BrokerProcess
 
 RUN_SECONDS = 30

@@ -10,14 +10,24 @@ from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from test_ledger import STREAM, end, hello, join, push, window
 
 from broker.books import Outcome
 from broker.config import BrokerConfig
 from broker.daemon import Broker
-from broker.figures import (BROKER_METRICS, EPOCH_METRICS, METRICS, RANK_METRICS, STREAM_METRICS, BrokerFigures,
-                            EpochFigures, OrphanFigures, RankFigures, StreamFigures)
+from broker.figures import (
+    BROKER_METRICS,
+    EPOCH_METRICS,
+    METRICS,
+    RANK_METRICS,
+    STREAM_METRICS,
+    BrokerFigures,
+    EpochFigures,
+    OrphanFigures,
+    RankFigures,
+    StreamFigures,
+)
 from broker.metrics import MetricsExporter
-from test_ledger import STREAM, end, hello, join, push, window
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 

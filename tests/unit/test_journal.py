@@ -16,13 +16,13 @@ from pathlib import Path
 
 import msgpack
 import pytest
+from test_ledger import STREAM, Wire, ack, batch_frames, end, hello, join, nbytes, window
 
 from broker import protocol
 from broker.errors import ProtocolError
 from broker.journal import Journal, Record
 from broker.ledger import Ledger, Rejected
 from broker.protocol import Kind
-from test_ledger import STREAM, Wire, ack, batch_frames, end, hello, join, nbytes, window
 
 PREFIX = struct.Struct("<II")      # a record: body length, CRC-32 of the body, then the msgpack body
 
@@ -294,11 +294,11 @@ def test_a_torn_last_record_replays_as_if_it_was_never_written(tmp_path, restart
     bounds = record_bounds(log)
     assert {record_at(log, *b)["t"] for b in bounds} == {kind.value for kind in Record}, "a kind is not covered"
     for n, (start, stop) in enumerate(bounds):
-        whole = damaged_copy(journal, tmp_path / f"whole-{n}", lambda log, data: os.truncate(log, start))
+        whole = damaged_copy(journal, tmp_path / f"whole-{n}", lambda log, data, at=start: os.truncate(log, at))
         expected = snapshot(restart(whole))
         for cut in sorted({start + 1, start + PREFIX.size - 1, start + PREFIX.size, start + PREFIX.size + 1,
                            stop - 1}):
-            torn = damaged_copy(journal, tmp_path / f"torn-{n}-{cut}", lambda log, data: os.truncate(log, cut))
+            torn = damaged_copy(journal, tmp_path / f"torn-{n}-{cut}", lambda log, data, at=cut: os.truncate(log, at))
             assert snapshot(restart(torn)) == expected, f"record {n} cut at byte {cut - start}"
     assert snapshot(restart(journal)) != expected        # the last record did change something
 
@@ -319,14 +319,14 @@ def test_a_record_that_fails_its_crc_stops_the_replay_there(tmp_path, restart, j
     log, _ = epoch_files(journal)
     bounds = record_bounds(log)
     offset = {"body": PREFIX.size + 2, "crc": 5, "length": 0}[where]
-    for n, (start, stop) in enumerate(bounds):
+    for n, (start, _stop) in enumerate(bounds):
         def flip(log, data, at=start + offset):
             raw = bytearray(log.read_bytes())
             raw[at] ^= 0x01
             log.write_bytes(bytes(raw))
 
         damaged = damaged_copy(journal, tmp_path / f"flipped-{n}", flip)
-        prefix = damaged_copy(journal, tmp_path / f"prefix-{n}", lambda log, data: os.truncate(log, start))
+        prefix = damaged_copy(journal, tmp_path / f"prefix-{n}", lambda log, data, at=start: os.truncate(log, at))
         assert snapshot(restart(damaged)) == snapshot(restart(prefix)), f"record {n}"
 
 
@@ -338,8 +338,8 @@ def test_a_data_file_shorter_than_a_batchs_payload_stops_the_replay_at_that_batc
     assert len(batches) >= 3
     for n, (start, record) in enumerate(batches):
         cut = record["offset"] + sum(record["sizes"]) - 1
-        short = damaged_copy(journal, tmp_path / f"short-{n}", lambda log, data: os.truncate(data, cut))
-        prefix = damaged_copy(journal, tmp_path / f"prefix-{n}", lambda log, data: os.truncate(log, start))
+        short = damaged_copy(journal, tmp_path / f"short-{n}", lambda log, data, at=cut: os.truncate(data, at))
+        prefix = damaged_copy(journal, tmp_path / f"prefix-{n}", lambda log, data, at=start: os.truncate(log, at))
         replayed = restart(short)
         assert snapshot(replayed) == snapshot(restart(prefix)), f"batch record {n}"
 

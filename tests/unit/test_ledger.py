@@ -1036,7 +1036,7 @@ def test_a_rank_rejoining_after_its_grace_with_batches_given_to_another_rank_is_
     assert stats["given_twice"] == 1 and stats["batches_out"] == stats["acked"] == stats["batches_in"] == 2
 
 
-# ---- refused acknowledgements, and what given_twice counts ----------------------------------------------------------------------------------
+# ---- refused acknowledgements, and what given_twice counts ------------------------------------------------------
 
 
 def test_an_ack_refused_for_a_bad_id_after_good_ones_changes_nothing():

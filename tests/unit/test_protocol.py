@@ -3,7 +3,8 @@
 import msgpack
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from broker import address, codec, protocol
 from broker.errors import ProtocolError, VersionMismatch

@@ -5,13 +5,13 @@ import threading
 import numpy as np
 import pytest
 import zmq
+from helpers import FakeBroker, joined, recv_header, send
 
 from broker import codec, protocol
 from broker.errors import ProtocolError
 from broker.protocol import Kind
 from broker.state import MAX_WINDOW, RankState
 from feeder.columns import pack_small
-from helpers import FakeBroker, joined, recv_header, send
 
 
 def batch(first, rows, width=4):
@@ -145,8 +145,11 @@ def test_a_rank_waiting_for_its_peers_keeps_what_the_broker_sends_for_later(cont
 
 
 def test_until_every_rank_has_stated_its_window_ranks_get_batches_by_their_batch_window_only():
+    from test_rejoin import Wire
+    from test_rejoin import feed as feed_epoch
+    from test_rejoin import hello as hello_rank
+
     from broker.ledger import Ledger
-    from test_rejoin import Wire, feed as feed_epoch, hello as hello_rank
 
     ledger = Ledger()
     feed_epoch(ledger, 10)
