@@ -4,16 +4,16 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from helpers import recv_header, send, wait_for
+from helpers import recv_header, send, send_hello, wait_for
 
 from broker import codec, protocol
 from broker.protocol import Kind
 
 
 @pytest.fixture
-def bus(start_broker, sockets, context):
+def bus(start_broker_thread, sockets, context):
     """A broker with a feeder (PUSH + control DEALER) connected; ranks are added per test."""
-    broker = start_broker(max_buffer=1 << 20)
+    broker = start_broker_thread(max_buffer=1 << 20)
 
     class Bus:
         pass
@@ -38,8 +38,7 @@ def bus(start_broker, sockets, context):
 
     def rank(rank=0, size=1, credit=0, stream="s", even=False):
         sock = sockets(zmq.DEALER, broker.config.ranks)
-        send(sock, Kind.HELLO, req=1, role="rank", stream=stream, rank=rank, size=size, even=even,
-             session=f"s{rank}-{id(sock)}", resume=False, ended=-1)
+        send_hello(sock, rank, size, stream=stream, even=even, session=f"s{rank}-{id(sock)}")
         assert recv_header(sock)[0]["kind"] == Kind.WELCOME
         if credit:
             send(sock, Kind.CREDIT, window=credit, window_bytes=0)
@@ -215,8 +214,7 @@ def test_a_delivered_epoch_cannot_be_reopened(bus):
 def test_ranks_of_another_communicator_size_are_refused(bus):
     bus.rank(0, 2)
     other = bus.sockets(zmq.DEALER, bus.broker.config.ranks)
-    send(other, Kind.HELLO, req=1, role="rank", stream="s", rank=0, size=3, even=False, session="x", resume=False,
-         ended=-1)
+    send_hello(other, 0, 3, session="x")
     reply = recv_header(other)[0]
     assert reply["kind"] == Kind.ERROR and "consumed by 2 ranks" in reply["reason"]
 
@@ -296,8 +294,7 @@ def test_each_error_reply_carries_the_code_clients_act_on(bus):
     assert recv_header(stranger)[0]["code"] == ErrorCode.UNKNOWN_RANK
     bus.rank(0, 2)
     other = bus.sockets(zmq.DEALER, ranks)                        # another process asks for rank 0
-    send(other, Kind.HELLO, req=3, role="rank", stream="s", rank=0, size=2, even=False, session="other",
-         resume=False, ended=-1)
+    send_hello(other, 0, 2, session="other", req=3)
     reply = recv_header(other)[0]
     assert (reply["kind"], reply["req"], reply["code"]) == (Kind.ERROR, 3, ErrorCode.ALREADY_CONNECTED)
     assert bus.request(Kind.EPOCH_CLOSE, stream="s", epoch=9, partitions=1)["code"] == ErrorCode.REFUSED

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import msgpack
 import pytest
-from test_ledger import STREAM, Wire, ack, batch_frames, end, hello, join, nbytes, window
+from helpers import Wire, hello
+from test_ledger import STREAM, ack, batch_frames, end, join, nbytes, window
 
 from broker import protocol
 from broker.errors import ProtocolError

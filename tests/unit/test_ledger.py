@@ -1,7 +1,7 @@
 """The broker's rules, without sockets: `Ledger` driven directly with fake frames, identities and callbacks.
 
 Batches are real frames from `codec.encode_batch` (the ledger reads only the header and the frame lengths);
-`Wire` stands in for the daemon's sends and records what went to which rank.
+`Wire` (tests/helpers.py) stands in for the daemon's sends and records what went to which rank.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import logging
 
 import numpy as np
 import pytest
+from helpers import Wire, hello
 
 from broker import codec, protocol
-from broker.books import Outcome
 from broker.errors import ProtocolError
 from broker.ledger import MAX_WINDOW_BYTES, Ledger, Rejected
 from broker.protocol import Kind
@@ -48,12 +48,6 @@ def end(ledger, epoch, part, attempt, batches, req=1, identity=None, stream=STRE
                                            "attempt": attempt, "batches": batches, "rows": 2 * batches})
 
 
-def hello(rank=0, size=1, even=False, stream=STREAM):
-    """A rank's HELLO. No ``session``: a rank that cannot rejoin, so what it held is requeued as soon as it goes."""
-    return {"req": 1, "role": "rank", "stream": stream, "rank": rank, "size": size, "even": even,
-            "session": "", "resume": False, "ended": -1}
-
-
 def join(ledger, identity, h, prefetch=0, prefetch_bytes=0):
     """Admit a rank (HELLO) that then states a window of ``prefetch`` batches or ``prefetch_bytes`` bytes (CREDIT);
     returns its state."""
@@ -74,34 +68,16 @@ def feed(ledger, epoch, partitions, batches, delivery="stream", close=True):
         assert ledger.close_epoch(STREAM, epoch, partitions) == []
 
 
-class Wire:
-    """The daemon's sends, recorded. ``refuse`` makes a send fail (EAGAIN); ``gone`` makes it find the rank gone."""
-
-    def __init__(self, ledger):
-        self.ledger = ledger
-        self.sent: list[tuple[bytes, tuple]] = []      # (rank identity, batch id) in sending order
-        self.ends: list[tuple[bytes, int]] = []        # (rank identity, epoch)
-        self.refuse: set[bytes] = set()
-        self.gone: set[bytes] = set()
-
-    def transmit(self, identity, frames):
-        """The daemon's ``_transmit``: I/O only, never a call back into the ledger."""
-        if identity in self.gone:
-            return Outcome.GONE
-        if identity in self.refuse:
-            return Outcome.FULL
-        header = protocol.unpack_header(frames[0])
-        if header["kind"] == Kind.EPOCH_END:
-            self.ends.append((identity, header["epoch"]))
-        else:
-            self.sent.append((identity, protocol.batch_id(header)))
-        return Outcome.SENT
-
-    def dispatch(self, stream=STREAM):
-        self.ledger.dispatch(self.ledger.streams[stream], self.transmit)
-
-    def to(self, identity):
-        return [i for who, i in self.sent if who == identity]
+def dispatched(batches, ranks=(b"a", b"b"), prefetch=1):
+    """A ledger with epoch 0 of ``batches`` batches in one partition, dispatched once to independent ``ranks`` that
+    each stated a window of ``prefetch`` batches; returns it and the :class:`Wire` it sent on."""
+    ledger = Ledger()
+    wire = Wire(ledger)
+    feed(ledger, 0, 1, batches)
+    for name in ranks:
+        join(ledger, name, hello(), prefetch=prefetch)
+    wire.dispatch()
+    return ledger, wire
 
 
 # Ranks state their windows and acknowledge batches through these helpers (and the machine's _window,
@@ -543,12 +519,7 @@ def test_however_small_the_batches_a_byte_window_holds_at_most_max_window_in_fli
 
 
 def test_ranks_with_equal_windows_get_equal_shares_and_a_faster_rank_gets_more():
-    ledger = Ledger()
-    wire = Wire(ledger)
-    feed(ledger, 0, 1, 12)
-    for name in (b"a", b"b", b"c"):
-        join(ledger, name, hello(), prefetch=2)
-    wire.dispatch()
+    ledger, wire = dispatched(12, (b"a", b"b", b"c"), prefetch=2)
     assert [len(wire.to(n)) for n in (b"a", b"b", b"c")] == [2, 2, 2]
     ack(ledger, b"a", wire.to(b"a"))                 # a trains faster: it has room again sooner
     wire.dispatch()
@@ -590,12 +561,7 @@ def test_a_refused_send_keeps_the_batch_first_in_the_queue_and_the_window_free()
 
 
 def test_a_rank_found_gone_while_sending_leaves_its_batches_to_the_others():
-    ledger = Ledger()
-    wire = Wire(ledger)
-    feed(ledger, 0, 1, 4)
-    for name in (b"a", b"b"):
-        join(ledger, name, hello(), prefetch=1)
-    wire.dispatch()
+    ledger, wire = dispatched(4)
     held_by_a = wire.to(b"a")
     wire.gone.add(b"a")
     window(ledger, b"a", 2)                          # room for one more: the send finds the rank gone
@@ -649,12 +615,7 @@ def test_epoch_state_delivered_is_closed_and_sent_and_for_independent_ranks_ackn
 
 
 def test_independent_ranks_are_told_the_epoch_ended_only_once_every_batch_is_acknowledged():
-    ledger = Ledger()
-    wire = Wire(ledger)
-    feed(ledger, 0, 1, 2)
-    for name in (b"a", b"b"):
-        join(ledger, name, hello(), prefetch=1)
-    wire.dispatch()
+    ledger, wire = dispatched(2)
     assert wire.ends == []
     ack(ledger, b"a", wire.to(b"a"))
     wire.dispatch()
@@ -685,12 +646,7 @@ def test_even_ranks_are_told_the_epoch_ended_once_everything_was_sent():
 
 
 def test_acknowledgements_of_ids_not_in_flight_to_that_rank_are_counted_and_ignored():
-    ledger = Ledger()
-    wire = Wire(ledger)
-    feed(ledger, 0, 1, 2)
-    for name in (b"a", b"b"):
-        join(ledger, name, hello(), prefetch=1)
-    wire.dispatch()
+    ledger, wire = dispatched(2)
     [mine], [theirs] = wire.to(b"a"), wire.to(b"b")
     # flat triples: another rank's batch, a seq never sent, an epoch never opened, then mine twice (an id that
     # is not an integer refuses the whole ACK instead: see the tests of refused acknowledgements)
@@ -712,11 +668,8 @@ def test_acknowledgements_of_ids_not_in_flight_to_that_rank_are_counted_and_igno
     [{"epoch": 0}, 0, 0],
 ])
 def test_an_ack_whose_ids_are_not_flat_triples_is_refused_and_changes_nothing(ids):
-    ledger = Ledger()
-    wire = Wire(ledger)
-    feed(ledger, 0, 1, 2)
-    rank = join(ledger, b"a", hello(), prefetch=2)
-    wire.dispatch()
+    ledger, _ = dispatched(2, (b"a",), prefetch=2)
+    rank = ledger.rank(b"a")
     before = (set(rank.inflight), rank.inflight_bytes, rank.acked, ledger.buffered)
     with pytest.raises(ProtocolError, match="ACK ids must be"):
         ledger.acknowledge(rank, ids)
@@ -1040,11 +993,8 @@ def test_a_rank_rejoining_after_its_grace_with_batches_given_to_another_rank_is_
 
 
 def test_an_ack_refused_for_a_bad_id_after_good_ones_changes_nothing():
-    ledger = Ledger()
-    wire = Wire(ledger)
-    feed(ledger, 0, 1, 2)
-    rank = join(ledger, b"a", hello(), prefetch=2)
-    wire.dispatch()
+    ledger, _ = dispatched(2, (b"a",), prefetch=2)
+    rank = ledger.rank(b"a")
     with pytest.raises(ProtocolError, match="ACK ids must be"):
         ledger.acknowledge(rank, [0, 0, 0, [1], 0, 0])
     assert set(rank.inflight) == {(0, 0, 0), (0, 0, 1)}
@@ -1052,11 +1002,8 @@ def test_an_ack_refused_for_a_bad_id_after_good_ones_changes_nothing():
 
 
 def test_ids_of_bools_or_floats_acknowledge_nothing():
-    ledger = Ledger()
-    wire = Wire(ledger)
-    feed(ledger, 0, 1, 2)
-    rank = join(ledger, b"a", hello(), prefetch=2)
-    wire.dispatch()
+    ledger, _ = dispatched(2, (b"a",), prefetch=2)
+    rank = ledger.rank(b"a")
     try:
         ledger.acknowledge(rank, [0, 0, True, 0, 0, 0.0])
     except ProtocolError:
@@ -1084,12 +1031,7 @@ def test_a_pack_given_twice_counts_its_batches():
 def test_a_send_that_finds_a_rank_gone_changes_nothing_until_the_pass_is_over():
     """``transmit`` only says what became of a message; the ranks and the queue stay as they are while a pass of
     dispatch iterates over them, and the gone rank's batches reach the others in the same dispatch."""
-    ledger = Ledger()
-    wire = Wire(ledger)
-    feed(ledger, 0, 1, 6)
-    for name in (b"a", b"b", b"c"):
-        join(ledger, name, hello(), prefetch=1)
-    wire.dispatch()
+    ledger, wire = dispatched(6, (b"a", b"b", b"c"), prefetch=1)
     wire.gone.add(b"b")
     for name in (b"a", b"b", b"c"):
         window(ledger, name, 3)

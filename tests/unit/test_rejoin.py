@@ -1,13 +1,15 @@
 """Rejoining, without sockets: a rank that comes back keeps what it holds, and no batch goes to two live ranks.
 
-Each test drives the ledger as the daemon does (HELLO dicts, dispatch with recording callbacks) and checks where
-every batch id ends up.
+Each test drives the ledger as the daemon does (HELLO dicts, dispatch through the harness's ``Wire``) and checks
+where every batch id ends up.
 """
 
 import numpy as np
 import pytest
+from helpers import Wire
+from helpers import hello as rank_hello
 
-from broker import codec, protocol
+from broker import codec
 from broker.books import Outcome
 from broker.errors import ProtocolError
 from broker.journal import Journal
@@ -16,30 +18,18 @@ from broker.protocol import Kind, unpack_header
 
 
 def hello(rank, size=2, session=None, resume=False, ended=-1, even=True, stream="s"):
-    return {"req": 1, "role": "rank", "stream": stream, "rank": rank, "size": size, "even": even,
-            "session": session if session is not None else f"session-{rank}", "resume": resume, "ended": ended}
+    """The HELLO of rank ``rank`` of two even ranks, with a session (``session-RANK``) it can rejoin with."""
+    return rank_hello(rank, size, even=even, stream=stream, resume=resume, ended=ended,
+                      session=session if session is not None else f"session-{rank}")
 
 
-class Wire:
-    """Stands in for the ranks socket: what was sent to which connection, and which connections are cut."""
-
-    def __init__(self, ledger):
-        self.ledger = ledger
-        self.got: dict[bytes, list] = {}
-        self.ends: dict[bytes, list] = {}
-        self.cut: set[bytes] = set()      # sends to these succeed but never arrive (a dead link, not yet noticed)
-
-    def transmit(self, identity, frames):
-        if identity not in self.cut:
-            header = protocol.unpack_header(frames[0])
-            if header["kind"] == Kind.EPOCH_END:
-                self.ends.setdefault(identity, []).append(header["epoch"])
-            else:
-                self.got.setdefault(identity, []).append(protocol.batch_id(header))
-        return Outcome.SENT
-
-    def dispatch(self, stream="s"):
-        self.ledger.dispatch(self.ledger.streams[stream], self.transmit)
+def join_two(ledger, prefix, window, **fields):
+    """Ranks 0 and 1 join on connections ``PREFIX0`` and ``PREFIX1`` (their :func:`hello` with ``fields``), and
+    each states a window of ``window`` batches."""
+    for r in (0, 1):
+        identity = f"{prefix}{r}".encode()
+        ledger.join_rank(identity, hello(r, **fields))
+        ledger.set_window(ledger.rank(identity), window, 0)
 
 
 def feed(ledger, batches, epoch=0, partitions=1, stream="s", close=True):
@@ -61,11 +51,9 @@ def ledger():
 def test_a_rank_whose_old_connection_lingers_takes_it_over_and_keeps_what_it_holds(ledger):
     feed(ledger, 20)
     wire = Wire(ledger)
-    for r in (0, 1):
-        ledger.join_rank(f"old{r}".encode(), hello(r))
-        ledger.set_window(ledger.rank(f"old{r}".encode()), 4, 0)
+    join_two(ledger, "old", 4)
     wire.dispatch()
-    got0 = list(wire.got[b"old0"])
+    got0 = list(wire.to(b"old0"))
     assert len(got0) == 4
     # Rank 0 consumed two, holds two, and its link drops; the broker still holds the old connection (FIN lost).
     ledger.acknowledge(ledger.rank(b"old0"), list(got0[0]))        # this ack arrived
@@ -79,7 +67,7 @@ def test_a_rank_whose_old_connection_lingers_takes_it_over_and_keeps_what_it_hol
     # nothing of rank 0's goes to anyone else, and the rest of the epoch is shared out as usual
     ledger.set_window(ledger.rank(b"new0"), 4, 0)   # it holds two: room for two more
     wire.dispatch()
-    assert not set(got0) & set(wire.got[b"old1"]) and not set(got0) & set(wire.got.get(b"new0", []))
+    assert not set(got0) & set(wire.to(b"old1")) and not set(got0) & set(wire.to(b"new0"))
 
 
 def test_another_process_cannot_take_a_connected_rank_number(ledger):
@@ -101,22 +89,20 @@ def test_the_same_hello_twice_on_one_connection_changes_nothing(ledger):
 def test_a_lost_rank_keeps_its_batches_for_the_grace_then_they_go_to_the_others(ledger):
     feed(ledger, 12)
     wire = Wire(ledger)
-    for r in (0, 1):
-        ledger.join_rank(f"r{r}".encode(), hello(r, even=False))
-        ledger.set_window(ledger.rank(f"r{r}".encode()), 3, 0)
+    join_two(ledger, "r", 3, even=False)
     wire.dispatch()
-    lost = set(wire.got[b"r0"])
+    lost = set(wire.to(b"r0"))
     ledger.rank_gone(b"r0", "disconnected")
     survivor = ledger.rank(b"r1")
-    ledger.acknowledge(survivor, [x for i in wire.got[b"r1"] for x in i])
+    ledger.acknowledge(survivor, [x for i in wire.to(b"r1") for x in i])
     ledger.set_window(survivor, 3, 0)
     wire.dispatch()
-    assert not lost & set(wire.got[b"r1"]), "a lost rank's batches went to another rank within the grace"
+    assert not lost & set(wire.to(b"r1")), "a lost rank's batches went to another rank within the grace"
     ledger.expire_orphans(now=float("inf"))
     ledger.acknowledge(survivor, [x for i in ledger.rank(b"r1").inflight for x in i])
     ledger.set_window(survivor, 12, 0)
     wire.dispatch()
-    assert lost <= set(wire.got[b"r1"])
+    assert lost <= set(wire.to(b"r1"))
     assert ledger.streams["s"].epochs[0].redelivered == len(lost)
 
 
@@ -145,20 +131,18 @@ def test_a_new_job_on_the_same_rank_numbers_gets_the_dead_jobs_batches_at_once(l
         ledger.set_window(ledger.rank(f"new{r}".encode()), 10, 0)
     assert not ledger.streams["s"].orphans
     wire.dispatch()
-    delivered = sorted(wire.got[b"new0"] + wire.got[b"new1"])
+    delivered = sorted(wire.to(b"new0") + wire.to(b"new1"))
     assert delivered == [(0, 0, seq) for seq in range(10)]
 
 
 def test_a_rank_back_after_the_epoch_ended_gets_its_lost_batches_then_the_end(ledger):
     feed(ledger, 4)
     wire = Wire(ledger)
-    for r in (0, 1):
-        ledger.join_rank(f"r{r}".encode(), hello(r))
-        ledger.set_window(ledger.rank(f"r{r}".encode()), 2, 0)
+    join_two(ledger, "r", 2)
     wire.cut.add(b"r0")                   # rank 0's link is down: its batches and the epoch's end never arrive
     wire.dispatch()
     stream = ledger.streams["s"]
-    assert stream.epochs[0].end_sent and wire.ends[b"r1"] == [0]
+    assert stream.epochs[0].end_sent and wire.ended(b"r1") == [0]
     in_flight_to_0 = sorted(ledger.rank(b"r0").inflight)
     missed = ledger.join_rank(b"r0-new", hello(0, resume=True), held=[], consumed=[])
     assert [(m.epoch, m.batches, [b.id for b in m.resend]) for m in missed] == [(0, 4, in_flight_to_0)]
@@ -166,15 +150,13 @@ def test_a_rank_back_after_the_epoch_ended_gets_its_lost_batches_then_the_end(le
     assert stream.epochs[0].redelivered == 2 and not stream.epochs[0].queue
 
     ledger.send_missed(b"r0-new", missed, wire.transmit)     # after its WELCOME: the lost batches, then the end
-    assert wire.got[b"r0-new"] == in_flight_to_0 and wire.ends[b"r0-new"] == [0]
+    assert wire.to(b"r0-new") == in_flight_to_0 and wire.ended(b"r0-new") == [0]
 
 
 def test_a_rank_gone_again_while_it_is_sent_what_it_missed_is_not_sent_the_rest(ledger):
     feed(ledger, 4)
     wire = Wire(ledger)
-    for r in (0, 1):
-        ledger.join_rank(f"r{r}".encode(), hello(r))
-        ledger.set_window(ledger.rank(f"r{r}".encode()), 2, 0)
+    join_two(ledger, "r", 2)
     wire.cut.add(b"r0")
     wire.dispatch()
     in_flight_to_0 = sorted(ledger.rank(b"r0").inflight)
@@ -195,11 +177,9 @@ def test_after_a_journalled_restart_a_rank_keeps_what_it_held_and_consumed(tmp_p
     before = Ledger(Journal(tmp_path))
     feed(before, 8)
     wire = Wire(before)
-    for r in (0, 1):
-        before.join_rank(f"r{r}".encode(), hello(r))
-        before.set_window(before.rank(f"r{r}".encode()), 2, 0)
+    join_two(before, "r", 2)
     wire.dispatch()
-    got = {r: list(wire.got[f"r{r}".encode()]) for r in (0, 1)}
+    got = {r: list(wire.to(f"r{r}".encode())) for r in (0, 1)}
     before.acknowledge(before.rank(b"r0"), list(got[0][0]))
     before.journal.close()
 
@@ -213,7 +193,7 @@ def test_after_a_journalled_restart_a_rank_keeps_what_it_held_and_consumed(tmp_p
     for r in (0, 1):
         after.set_window(after.rank(f"n{r}".encode()), 8, 0)
     wire.dispatch()
-    sent_again = set(wire.got.get(b"n0", [])) | set(wire.got.get(b"n1", []))
+    sent_again = set(wire.to(b"n0")) | set(wire.to(b"n1"))
     assert not sent_again & (set(got[0]) | set(got[1])), "a batch a rank had was sent again"
     assert sent_again | set(got[0]) | set(got[1]) == {(0, 0, seq) for seq in range(8)}
     assert after.streams["s"].epochs[0].acked == 2

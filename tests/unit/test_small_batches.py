@@ -5,7 +5,7 @@ import threading
 import numpy as np
 import pytest
 import zmq
-from helpers import FakeBroker, joined, recv_header, send
+from helpers import FakeBroker, Wire, joined, recv_header, send, send_hello
 
 from broker import codec, protocol
 from broker.errors import ProtocolError
@@ -100,9 +100,7 @@ def test_a_rank_yields_a_packs_batches_one_by_one_and_acknowledges_the_pack_once
 def test_an_ack_leaves_when_the_loop_asks_for_the_next_batch_and_a_skipped_rest_shares_one(context):
     broker = FakeBroker(context, "inproc://ack-broker")
     with joined(broker, "inproc://ack-broker", context) as stream:
-        for seq in range(300):
-            broker.send(codec.encode_batch("s", 0, 0, seq, batch(seq, 1)))
-        broker.end(0, 300)
+        broker.send_epoch(0, [batch(seq, 1) for seq in range(300)])
         for n, _ in enumerate(stream.epoch()):
             if n == 1:              # the loop came back for batch 1: batch 0 is acknowledged, alone
                 assert broker.next(Kind.ACK)["ids"] == [0, 0, 0]
@@ -111,8 +109,7 @@ def test_an_ack_leaves_when_the_loop_asks_for_the_next_batch_and_a_skipped_rest_
         assert broker.next(Kind.ACK)["ids"] == [0, 0, 1]
         # leaving the epoch acknowledges the batch in hand; the next epoch() skips the other 297 in two ACKs
         assert broker.next(Kind.ACK)["ids"] == [0, 0, 2]
-        broker.send(codec.encode_batch("s", 1, 0, 0, batch(0, 1)))
-        broker.end(1, 1)
+        broker.send_epoch(1, [batch(0, 1)])
         assert len(list(stream.epoch())) == 1
         skipped = broker.next(Kind.ACK)["ids"]
         assert skipped[2::3] == list(range(3, 256 + 3)), "the skipped batches, in ACKs of at most 256 ids"
@@ -120,11 +117,10 @@ def test_an_ack_leaves_when_the_loop_asks_for_the_next_batch_and_a_skipped_rest_
         assert stream.stats.skipped_batches == 297
 
 
-def test_an_ack_with_ids_that_are_not_triples_is_refused(start_broker, sockets):
-    broker = start_broker()
+def test_an_ack_with_ids_that_are_not_triples_is_refused(start_broker_thread, sockets):
+    broker = start_broker_thread()
     rank = sockets(zmq.DEALER, broker.config.ranks)
-    send(rank, Kind.HELLO, req=1, role="rank", stream="s", rank=0, size=1, even=False, session="a", resume=False,
-         ended=-1)
+    send_hello(rank, 0, 1, session="a")
     assert recv_header(rank)[0]["kind"] == Kind.WELCOME
     send(rank, Kind.ACK, ids=[0, 0])
     reply = recv_header(rank)[0]
@@ -134,9 +130,7 @@ def test_an_ack_with_ids_that_are_not_triples_is_refused(start_broker, sockets):
 def test_a_rank_waiting_for_its_peers_keeps_what_the_broker_sends_for_later(context):
     broker = FakeBroker(context, "inproc://service-broker")
     with joined(broker, "inproc://service-broker", context) as stream:
-        for seq in range(3):
-            broker.send(codec.encode_batch("s", 0, 0, seq, batch(seq, 1)))
-        broker.end(0, 3)
+        broker.send_epoch(0, [batch(seq, 1) for seq in range(3)])
         servicing = threading.Thread(target=stream._service)      # what a wait in an MPI collective calls
         servicing.start()
         servicing.join(5)
@@ -145,7 +139,6 @@ def test_a_rank_waiting_for_its_peers_keeps_what_the_broker_sends_for_later(cont
 
 
 def test_until_every_rank_has_stated_its_window_ranks_get_batches_by_their_batch_window_only():
-    from test_rejoin import Wire
     from test_rejoin import feed as feed_epoch
     from test_rejoin import hello as hello_rank
 
@@ -157,9 +150,8 @@ def test_until_every_rank_has_stated_its_window_ranks_get_batches_by_their_batch
         ledger.join_rank(f"r{r}".encode(), hello_rank(r))
     ledger.set_window(ledger.rank(b"r0"), 4, 1 << 20)          # room for all ten by bytes
     wire = Wire(ledger)
-    got = wire.got = {b"r0": [], b"r1": []}
     wire.dispatch()
-    assert len(got[b"r0"]) == 4 and not got[b"r1"], "rank 0 took more than its batch window alone"
+    assert len(wire.to(b"r0")) == 4 and not wire.to(b"r1"), "rank 0 took more than its batch window alone"
     ledger.set_window(ledger.rank(b"r1"), 4, 1 << 20)
     wire.dispatch()
-    assert len(got[b"r0"]) + len(got[b"r1"]) == 10 and len(got[b"r1"]) >= 3
+    assert len(wire.to(b"r0")) + len(wire.to(b"r1")) == 10 and len(wire.to(b"r1")) >= 3

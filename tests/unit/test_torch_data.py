@@ -1,19 +1,15 @@
 """The training side of a stream: the shuffle buffer (numpy), zero-copy tensors and the DataLoader (torch)."""
 
-import subprocess
 import sys
-import threading
 
 import numpy as np
 import pytest
+from harness import run_child
 
 from broker import codec, protocol
 from broker.client import ControlClient
-from broker.config import BrokerConfig
-from broker.daemon import Broker
 from broker.protocol import Kind
 from feeder.task import stream_partition
-from helpers import free_port_triple
 from worker import BatchStream
 from worker.shuffle import ShuffleBuffer, shuffled
 from worker.torch_data import to_tensors
@@ -106,7 +102,7 @@ def test_shuffle_refuses_batches_of_another_layout():
 def test_importing_worker_and_the_adapter_does_not_import_torch():
     code = ("import sys, worker, worker.torch_data; from worker.shuffle import shuffled, ShuffleBuffer; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    run_child([sys.executable, "-c", code], timeout=60, check=True)
 
 
 # ---- torch -----------------------------------------------------------------------------------------------
@@ -196,37 +192,30 @@ def test_dataset_refuses_to_run_in_a_loader_worker(monkeypatch):
         next(iter(StreamDataset(FakeStream([[received(0, 4)]]))))
 
 
-def test_a_real_stream_through_a_dataloader_stays_zero_copy():
+def test_a_real_stream_through_a_dataloader_stays_zero_copy(start_broker_thread):
     """A broker on loopback, one partition pushed by the feeder's task code, one rank reading through torch."""
     torch = pytest.importorskip("torch")
     from torch.utils.data import DataLoader
 
     from worker.torch_data import StreamDataset
 
-    base = free_port_triple()
-    feed, ranks, control = (f"tcp://127.0.0.1:{base + i}" for i in range(3))
-    broker = Broker(BrokerConfig(feed=feed, ranks=ranks, control=control))
-    thread = threading.Thread(target=broker.run, daemon=True)
-    thread.start()
-    try:
-        with ControlClient(control, timeout=10) as client:
-            client.request(Kind.EPOCH_OPEN, stream="t", epoch=0, partitions=1, delivery="stream")
-            ids = np.arange(30, dtype=np.int64)
-            batches = [{"id": ids[i:i + 8], "x": np.repeat(ids[i:i + 8, None], 4, 1).astype(np.float32)}
-                       for i in range(0, 30, 8)]
-            stream_partition(batches, feed, control, "t", 0, partition=0, attempt=0, timeout=10)
-            client.request(Kind.EPOCH_CLOSE, stream="t", epoch=0, partitions=1)
-        with BatchStream(ranks, stream="t", timeout=10) as stream:
-            got = []
-            for batch in DataLoader(StreamDataset(stream), batch_size=None, num_workers=0):
-                assert batch["x"].dtype == torch.float32 and batch["x"].shape[1] == 4
-                assert not batch["x"].numpy().flags.owndata     # a view of the received frame
-                got.append(batch["id"].clone())
-            assert stream.stats.epochs[-1].batches == 4
-        assert torch.cat(got).tolist() == list(range(30))
-    finally:
-        broker.stop()
-        thread.join(5)
+    config = start_broker_thread(tcp=True).config
+    feed, ranks, control = config.feed, config.ranks, config.control
+    with ControlClient(control, timeout=10) as client:
+        client.request(Kind.EPOCH_OPEN, stream="t", epoch=0, partitions=1, delivery="stream")
+        ids = np.arange(30, dtype=np.int64)
+        batches = [{"id": ids[i:i + 8], "x": np.repeat(ids[i:i + 8, None], 4, 1).astype(np.float32)}
+                   for i in range(0, 30, 8)]
+        stream_partition(batches, feed, control, "t", 0, partition=0, attempt=0, timeout=10)
+        client.request(Kind.EPOCH_CLOSE, stream="t", epoch=0, partitions=1)
+    with BatchStream(ranks, stream="t", timeout=10) as stream:
+        got = []
+        for batch in DataLoader(StreamDataset(stream), batch_size=None, num_workers=0):
+            assert batch["x"].dtype == torch.float32 and batch["x"].shape[1] == 4
+            assert not batch["x"].numpy().flags.owndata     # a view of the received frame
+            got.append(batch["id"].clone())
+        assert stream.stats.epochs[-1].batches == 4
+    assert torch.cat(got).tolist() == list(range(30))
 
 
 # ---- variable-length columns: shuffled, passed through, padded ------------------------------------------------
