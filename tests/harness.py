@@ -123,10 +123,10 @@ def start_broker_thread(context):
     ``tcp=True``: on free loopback ports instead, for clients that make contexts of their own (the feeder's task
     code, a ``BatchStream`` without ``context=``).
     """
-    from helpers import free_port_triple
-
     from broker.config import BrokerConfig
     from broker.daemon import Broker
+
+    from helpers import free_port_triple
 
     running = []
 

@@ -51,8 +51,8 @@ from pathlib import Path
 import zmq
 
 from broker.address import control_address
-from launch.processes import announce_ready
 from feeder import feed
+from launch.processes import announce_ready
 
 log = logging.getLogger("sparkbus.tests.cluster_driver")
 WAIT_LIMIT = 60.0         # seconds a misbehaving attempt waits for the broker or for its copy before going on

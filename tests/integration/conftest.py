@@ -12,10 +12,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from harness import Children, start_broker_process  # noqa: F401
 
 from launch.mpi import loopback_env, mpiexec_python
 from launch.spark import local_session
+
+from harness import Children, start_broker_process  # noqa: F401
 
 HERE = Path(__file__).parent
 
@@ -90,9 +91,9 @@ def killed_inside_a_pack(start_ranks):
     ``(victim, survivor)``, both finished."""
 
     def run(broker, stream: str, make_frame, *flags: str) -> tuple[Ranks, Ranks]:
-        from helpers import wait_for
-
         from feeder import feed
+
+        from helpers import wait_for
 
         victim = start_ranks(0, broker.ranks, "--stream", stream, "--stop-after", "5", *flags)
         survivor = start_ranks(0, broker.ranks, "--stream", stream, *flags, "--slow-rank", "0",

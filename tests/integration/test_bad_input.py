@@ -10,10 +10,11 @@ import zmq
 
 from broker import codec, protocol
 from broker.protocol import Kind
-from sources import labelled_frame
 from feeder import feed
-from helpers import hello, wait_for
 from worker import BatchStream
+
+from helpers import hello, wait_for
+from sources import labelled_frame
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -9,6 +9,7 @@ import pytest
 
 from broker.errors import BrokerError
 from feeder import feed
+
 from harness import run_child
 from helpers import wait_for
 from sources import Collector, check_values, labelled_frame, staged_frame, staged_rdd

@@ -6,10 +6,11 @@ import numpy as np
 import psutil
 import pytest
 
-from sources import check_values, labelled_frame
 from feeder import feed
 from feeder.task import DEFAULT_PACK_BYTES
+
 from helpers import wait_for
+from sources import check_values, labelled_frame
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from harness import run_child
 
 pytestmark = pytest.mark.timeout(300)

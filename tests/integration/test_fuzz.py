@@ -9,13 +9,15 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from hypothesis import HealthCheck, Phase, given, settings, strategies as st
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 
 from broker import protocol
 from broker.auth import client_socket
 from broker.client import ControlClient
 from broker.protocol import Kind
 from feeder import stream_partition
+
 from sources import Collector
 
 pytestmark = pytest.mark.timeout(240)

@@ -14,6 +14,7 @@ from broker.client import ControlClient
 from broker.errors import BrokerError
 from broker.protocol import Kind
 from feeder import DivergedPartitionsWarning, feed, stream_partition
+
 from helpers import wait_for
 from sources import Collector, staged_frame, staged_rdd
 

@@ -25,11 +25,12 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-
-from helpers import wait_for
 from host_agent import AgentError, HostAgent
+
 from launch import netns
 from launch.mpi import LOOPBACK_MPI
+
+from helpers import wait_for
 
 HERE = Path(__file__).parent
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
@@ -229,7 +230,7 @@ def assert_equal_steps(summaries: list[dict]) -> None:
     assert steps[0] == steps[1], f"ranks took {steps} steps"
 
 
-def view(hosts: "Hosts", broker: Broker, stream: str) -> str:
+def view(hosts: Hosts, broker: Broker, stream: str) -> str:
     """What the broker says about ``stream``, and its log about ranks, repeats counted (for a failure message)."""
     stats = hosts.stats(broker)
     lines: list[list] = []

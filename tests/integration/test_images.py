@@ -68,7 +68,6 @@ def start_image_ranks(tmp_path, children):
 def encoded_images(spark, ids):
     """The PNG bytes Spark makes for ``ids``, by id (the same deterministic frame the feed made)."""
     from pyspark.sql import functions as F
-
     from train_images import image_frame
 
     rows = image_frame(spark, ROWS, SIZE, SEED, 3).filter(F.col("id").isin([int(i) for i in ids])).collect()
@@ -79,7 +78,6 @@ def encoded_images(spark, ids):
 def test_images_arrive_once_per_epoch_decode_to_what_was_encoded_and_train_a_cnn(spark, start_broker_process,
                                                                                    start_image_ranks, decode):
     from PIL import Image
-
     from train_images import epoch_jitter, feed_images, jitter_in_place, render
 
     broker = start_broker_process()

@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 
 from broker.errors import BrokerError
-from sources import labelled_frame
 from feeder import feed
+from worker import BatchStream
+
 from harness import run_child
 from helpers import free_port_triple
-from worker import BatchStream
+from sources import labelled_frame
 
 pytestmark = pytest.mark.timeout(120)
 

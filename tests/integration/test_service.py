@@ -11,9 +11,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from broker.client import ControlClient, fetch_stats
 from broker.errors import BrokerError
 from feeder import feed
+from worker import BatchStream
+
 from helpers import key_directory
 from sources import labelled_frame
-from worker import BatchStream
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -48,7 +49,7 @@ def test_only_allowed_keys_in_their_role_get_in_and_the_allowed_stream_is_exact(
         "a key the broker does not know": dict(key=keys["stranger"], broker_key=keys["broker"]),
         "a feeder's key on the ranks socket": dict(key=keys["feeder"], broker_key=keys["broker"]),
     }
-    for what, credentials in refusals.items():
+    for credentials in refusals.values():         # the keys say what each case is
         with pytest.raises(BrokerError, match="no answer"):
             BatchStream(broker.ranks, stream="secure", timeout=2, **credentials).close()
     with ControlClient(broker.control, 2, key=keys["rank"], broker_key=keys["broker"]) as rank_as_feeder:

@@ -32,7 +32,6 @@ def lengths_by_partition(df):
 def test_text_trains_on_ragged_tokens_padded_per_batch_and_bucketing_cuts_the_padding(spark, start_broker_process,
                                                                                       children, tmp_path):
     from pyspark.sql import functions as F
-
     from train_text import feed_text_data, text_frame
 
     broker = start_broker_process()

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from feeder.epochs import epoch_order, feed_epochs
-from helpers import wait_for
 from launch.mpi import loopback_env, mpiexec_python
+
+from helpers import wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -144,7 +145,6 @@ def start_training(tmp_path, children):
 def test_train_torch_learns_through_the_broker_and_resumes_from_a_checkpoint(spark, start_broker_process,
                                                                               start_training, tmp_path):
     import torch
-
     from train_torch import feed_training_data
 
     broker = start_broker_process()

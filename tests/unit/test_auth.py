@@ -17,14 +17,15 @@ from pathlib import Path
 import pytest
 import zmq
 import zmq.auth
-from harness import run_child
-from helpers import key_directory
 from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
 from broker import auth
 from broker.auth import KeyAuthority, create_keypair, make_curve_client, make_curve_server, zap_reply
 from broker.errors import AuthError, SparkbusError
+
+from harness import run_child
+from helpers import key_directory
 
 WAIT_MS = 5000
 

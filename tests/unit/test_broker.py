@@ -4,10 +4,11 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from helpers import recv_header, send, send_hello, wait_for
 
 from broker import codec, protocol
 from broker.protocol import Kind
+
+from helpers import recv_header, send, send_hello, wait_for
 
 
 @pytest.fixture

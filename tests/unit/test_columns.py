@@ -9,7 +9,8 @@ import datetime as dt
 import numpy as np
 import pyarrow as pa
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from broker import codec, protocol
 from broker.ragged import RaggedColumn
@@ -60,7 +61,8 @@ TABLE = pa.record_batch({
     "features": pa.array([[float(i), float(-i)] for i in range(10)], pa.list_(pa.float32())),
     "nested": pa.array([[[1], [2, 3]], None, [[None]], [], [[4]], [None, [5]], [[6, 7]], [], [[8]], [[9]]],
                        pa.list_(pa.list_(pa.int64()))),
-    "meta": pa.array([{"source": f"s{i}", "pos": {"x": i, "y": float(i) if i % 2 else None}} if i % 3 else None for i in range(10)]),
+    "meta": pa.array([{"source": f"s{i}", "pos": {"x": i, "y": float(i) if i % 2 else None}} if i % 3 else None
+                      for i in range(10)]),
     "day": pa.array([dt.date(2024, 2, 1 + i) for i in range(10)]),
     "at": pa.array([dt.datetime(2024, 2, 1, 12, 0, i) for i in range(10)], pa.timestamp("us", tz="Europe/Paris")),
     "flag": pa.array([True, False, None, True, True, False, True, None, False, True]),

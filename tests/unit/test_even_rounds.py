@@ -10,8 +10,9 @@ import pytest
 
 from broker import codec
 from broker.protocol import Kind
-from helpers import FakeBroker, joined
 from worker.steps import ROUND_BATCHES
+
+from helpers import FakeBroker, joined
 
 
 class Request:

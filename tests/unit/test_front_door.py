@@ -2,9 +2,9 @@
 
 import sys
 
-from harness import run_child
-
 import sparkbus
+
+from harness import run_child
 
 
 def test_the_public_api_is_importable_from_sparkbus():

@@ -10,13 +10,14 @@ import logging
 
 import numpy as np
 import pytest
-from helpers import Wire, hello
 
 from broker import codec, protocol
 from broker.errors import ProtocolError
 from broker.ledger import MAX_WINDOW_BYTES, Ledger, Rejected
 from broker.protocol import Kind
 from broker.state import MAX_WINDOW, EpochState
+
+from helpers import Wire, hello
 
 STREAM = "s"
 

@@ -3,10 +3,11 @@ consumed, and redeliveries of batches it has, which it does not yield again."""
 
 import numpy as np
 import pytest
-from helpers import FakeBroker, joined
 
 from broker import codec, protocol
 from broker.protocol import ErrorCode, Kind, pack_header, unpack_header
+
+from helpers import FakeBroker, joined
 
 
 def batch(seq):

@@ -6,8 +6,6 @@ where every batch id ends up.
 
 import numpy as np
 import pytest
-from helpers import Wire
-from helpers import hello as rank_hello
 
 from broker import codec
 from broker.books import Outcome
@@ -15,6 +13,9 @@ from broker.errors import ProtocolError
 from broker.journal import Journal
 from broker.ledger import Ledger
 from broker.protocol import Kind, unpack_header
+
+from helpers import Wire
+from helpers import hello as rank_hello
 
 
 def hello(rank, size=2, session=None, resume=False, ended=-1, even=True, stream="s"):

@@ -5,13 +5,14 @@ import threading
 import numpy as np
 import pytest
 import zmq
-from helpers import FakeBroker, Wire, joined, recv_header, send, send_hello
 
 from broker import codec, protocol
 from broker.errors import ProtocolError
 from broker.protocol import Kind
 from broker.state import MAX_WINDOW, RankState
 from feeder.columns import pack_small
+
+from helpers import FakeBroker, Wire, joined, recv_header, send, send_hello
 
 
 def batch(first, rows, width=4):

@@ -4,7 +4,6 @@ import sys
 
 import numpy as np
 import pytest
-from harness import run_child
 
 from broker import codec, protocol
 from broker.client import ControlClient
@@ -13,6 +12,8 @@ from feeder.task import stream_partition
 from worker import BatchStream
 from worker.shuffle import ShuffleBuffer, shuffled
 from worker.torch_data import to_tensors
+
+from harness import run_child
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -122,7 +123,7 @@ def test_tensors_share_memory_with_the_received_frames():
 
 
 def test_writable_tensors_are_copies():
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     batch = received(0, 8)
     tensors = to_tensors(batch, writable=True)
     assert all(t.data_ptr() != batch[name].ctypes.data for name, t in tensors.items())
