@@ -45,6 +45,7 @@ from launch.broker import BrokerProcess
 from launch.mpi import loopback_env, mpiexec_python
 from launch.processes import ChildProcess, wait_for
 
+from .end_to_end import CpuMeter
 from .rank_files import figures_path, ready_path
 from .sections import Context, Run, Section, Target
 
@@ -128,48 +129,6 @@ def cached_images(spark: Any, images: int, size: int, partitions: int) -> tuple[
                 "cached_memory_bytes": mem, "cached_disk_bytes": disk}
 
 
-# ---- CPU of the process groups ----------------------------------------------------------------------------
-
-class CpuMeter:
-    """CPU seconds (user + system) during a run of Spark's JVM, Spark's Python workers and the broker."""
-
-    def __init__(self, broker_pid: int | None = None):
-        self._broker_pid = broker_pid
-        self._start = self._read()
-
-    def _read(self) -> dict[str, dict[int, float]]:
-        import psutil
-
-        groups: dict[str, dict[int, float]] = {"spark_jvm": {}, "spark_python": {}, "broker": {}}
-
-        def add(group: str, proc: psutil.Process) -> None:
-            try:
-                t = proc.cpu_times()
-                groups[group][proc.pid] = t.user + t.system
-            except psutil.Error:
-                pass
-
-        for proc in psutil.Process().children(recursive=True):
-            try:
-                if proc.name() == "java":
-                    add("spark_jvm", proc)
-                    for child in proc.children(recursive=True):
-                        add("spark_python", child)
-            except psutil.Error:
-                pass
-        if self._broker_pid:
-            try:
-                add("broker", psutil.Process(self._broker_pid))
-            except psutil.Error:
-                pass
-        return groups
-
-    def stop(self) -> dict[str, float]:
-        end = self._read()
-        return {group: sum(max(0.0, t - self._start[group].get(pid, 0.0)) for pid, t in pids.items())
-                for group, pids in end.items()}
-
-
 # ---- one run of each way ----------------------------------------------------------------------------------
 
 class Runner:
@@ -206,10 +165,10 @@ class Runner:
                      or ranks.poll() is not None, 120.0, f"the ranks of {name} to be ready")
             if ranks.poll() is not None:
                 raise EarlyExit(f"the ranks of {name} exited early ({ranks.poll()}):\n{ranks.tail()}")
-            meter = CpuMeter(self.broker.pid)
+            meter = CpuMeter([self.broker])
             clock = start()
             code = ranks.wait(self.timeout)
-            cpu = meter.stop()
+            cpu = _named(meter.stop())
             if code != 0:
                 raise ImagesBenchError(f"the ranks of {name} failed with exit status {code}:\n{ranks.tail()}")
             figures = [json.loads(figures_path(out, r).read_text()) for r in range(RANKS)]
@@ -392,6 +351,12 @@ def targets(result: dict) -> list[tuple[str, float, str, bool]]:
              faster, f">= {FASTER} x", faster >= FASTER),
             ("first decoded image vs Parquet staging + DataLoader, from the start of the Spark job",
              first, f"<= {FIRST} x", first <= FIRST)]
+
+
+def _named(cpu: dict[str, float]) -> dict[str, float]:
+    """End to end's CPU groups under this figure's names (those of its report and results.json)."""
+    names = {"jvm": "spark_jvm", "workers": "spark_python", "broker": "broker"}
+    return {names[group]: seconds for group, seconds in cpu.items()}
 
 
 CPU_GROUPS = (("spark_jvm", "Spark JVM"), ("spark_python", "Spark's Python workers (the feeder)"),
