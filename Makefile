@@ -12,9 +12,11 @@ $(VENV)/.installed: pyproject.toml
 	@command -v java >/dev/null || { echo "sparkbus needs Java 17+ for Spark (java not found)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	# torch pinned first: the CPU build that lies on our machines' disk (an open range would pull a
-	# multi-GB CUDA build from PyPI); the [torch] extra's range is then already satisfied
+	# multi-GB CUDA build from PyPI); the [torch] extra's range (in [all]) is then already satisfied
 	$(PY) -m pip install --quiet 'torch==2.13.0'
-	$(PY) -m pip install --quiet -e '.[test,torch,bench,images]'
+	# [all]: every user's extra (Spark, Spark Connect, MPI, torch, the broker's metrics and status --watch), which
+	# the demo and the suite exercise; then the suite's, the benchmark's and the image example's own
+	$(PY) -m pip install --quiet -e '.[all,test,bench,images]'
 	touch $@
 
 demo: setup
