@@ -44,7 +44,8 @@ class Partitions(Books):
     # ---- epochs -----------------------------------------------------------------------------------------
 
     def open_epoch(self, name: str, number: int, partitions: int, delivery: str) -> None:
-        """EPOCH_OPEN. Opening an open epoch again with the same terms changes nothing.
+        """EPOCH_OPEN. Opening an open epoch again with the same terms changes nothing. ``partitions`` is the
+        epoch's count, or an upper bound on it that EPOCH_CLOSE lowers (see :meth:`close_epoch`).
 
         Raises:
             ProtocolError: numbers out of range, an unknown delivery, an epoch already delivered or open with
@@ -74,18 +75,34 @@ class Partitions(Books):
         """EPOCH_CLOSE, once the ``expected`` partitions streamed through this broker are committed (all of them
         with one broker; this broker's share with several). Returns the partitions that diverged.
 
+        ``partitions`` is the epoch's count. It may be lower than EPOCH_OPEN's, which was then an upper bound: a
+        driver that learns the count from its job's results (on Spark Connect, which has no RDD to ask) opens
+        with :data:`MAX_PARTITIONS`. The epoch then has ``partitions`` partitions, provided that nothing arrived
+        for a partition past them.
+
         Raises:
-            ProtocolError: the epoch is not open, or partitions are missing.
+            ProtocolError: the epoch is not open, partitions are missing, more partitions than it was opened
+                with, or batches, commits or claims of partitions past ``partitions``.
         """
         _, ep = self.epoch(name, number)
-        expected = ep.partitions if expected is None else expected
-        if partitions != ep.partitions or len(ep.committed) != expected:
-            missing = list(itertools.islice((p for p in range(ep.partitions) if p not in ep.committed), 10))
-            if expected == ep.partitions:
-                raise ProtocolError(f"stream {name!r} epoch {number}: {len(ep.committed)} of {ep.partitions} "
+        beyond = sorted(n for n in {*ep.parts, *ep.claims} if n >= partitions)
+        if partitions > ep.partitions or beyond:
+            past = f": partitions {beyond[:10]}{'...' if len(beyond) > 10 else ''} are past that" if beyond else ""
+            raise ProtocolError(f"stream {name!r} epoch {number}: {len(ep.committed)} of {ep.partitions} "
+                                f"partitions committed, and the driver closes it with {partitions}{past}")
+        expected = partitions if expected is None else expected
+        if len(ep.committed) != expected:
+            missing = list(itertools.islice((p for p in range(partitions) if p not in ep.committed), 10))
+            if expected == partitions:
+                raise ProtocolError(f"stream {name!r} epoch {number}: {len(ep.committed)} of {partitions} "
                                     f"partitions committed (missing {missing}{'...' if len(missing) == 10 else ''})")
             raise ProtocolError(f"stream {name!r} epoch {number}: {len(ep.committed)} of the {expected} partitions "
                                 f"streamed through this broker are committed")
+        if partitions < ep.partitions:
+            # Not journalled (the close record has no count): after a restart the status shows the bound again
+            log.info("stream %r epoch %d: %d partitions (opened with at most %d)", name, number, partitions,
+                     ep.partitions)
+            ep.partitions = partitions
         self._close(EpochClosed(name, number))
         log.info("stream %r epoch %d closed: %d batches, %d rows", name, number, ep.batches_in, ep.rows_in)
         return ep.diverged
