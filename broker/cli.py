@@ -58,7 +58,9 @@ def run_broker(args: argparse.Namespace) -> int:
         if config.auth:
             from .auth import KeyAuthority
             KeyAuthority(config.auth)          # a bad key directory is a usage error now, not a failed start
-    except (ValueError, AuthError) as exc:
+        if config.metrics_port is not None:
+            from . import metrics  # noqa: F401  (prometheus-client, sparkbus[broker]: missing is a usage error)
+    except (ValueError, AuthError, ImportError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
 
@@ -114,6 +116,11 @@ def run_status(args: argparse.Namespace) -> int:
         print(f"sparkbus status: error: {exc}", file=sys.stderr)
         return 2
     if args.watch:
+        try:
+            import rich  # noqa: F401  (the live table; the plain figures need nothing more)
+        except ImportError:
+            print("sparkbus status: error: --watch needs rich: pip install 'sparkbus[broker]'", file=sys.stderr)
+            return 2
         from .status import watch
         try:
             watch(lambda: {address: fetch(address) for address in addresses}, args.interval)

@@ -23,10 +23,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, ProcessCollector, make_wsgi_app
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.core import Metric as Family
-from prometheus_client.registry import Collector
+try:
+    from prometheus_client import CollectorRegistry, ProcessCollector, make_wsgi_app
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.core import Metric as Family
+    from prometheus_client.registry import Collector
+except ImportError as exc:     # the daemon imports this module only for --metrics-port
+    raise ImportError(f"the broker's --metrics-port needs prometheus-client ({exc}): "
+                      "pip install 'sparkbus[broker]'") from exc
 
 from .figures import (
     BROKER_METRICS,

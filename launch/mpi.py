@@ -20,5 +20,12 @@ def loopback_env(environ: Mapping[str, str] | None = None) -> dict[str, str]:
 
 
 def mpiexec_python(n: int, script: Path | str, *args: str) -> list[str]:
-    """The argv of ``mpiexec -n n python -u script args``, with this interpreter (the venv's) on every rank."""
+    """The argv of ``mpiexec -n n python -u script args``, with this interpreter (the venv's) on every rank.
+
+    Raises:
+        FileNotFoundError: no ``mpiexec`` beside this interpreter (the ``mpi`` extra is not installed).
+    """
+    if not MPIEXEC.exists():
+        raise FileNotFoundError(f"no mpiexec at {MPIEXEC}: the local MPI runs need the mpich wheel, "
+                                "pip install 'sparkbus[mpi]'")
     return [str(MPIEXEC), "-n", str(n), sys.executable, "-u", str(script), *args]

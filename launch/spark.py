@@ -42,7 +42,10 @@ def local_session(master: str = "local[2]", app: str = "sparkbus", conf: Mapping
         The ``pyspark.sql.SparkSession``; the caller stops it.
     """
     os.environ.update(local_env())
-    from pyspark.sql import SparkSession
+    try:
+        from pyspark.sql import SparkSession
+    except ImportError as exc:
+        raise ImportError(f"a local Spark run needs pyspark ({exc}): pip install 'sparkbus[spark]'") from exc
 
     builder = SparkSession.builder.master(master).appName(app)
     for key, value in {**LOCAL_CONF, "spark.sql.shuffle.partitions": "4", **(conf or {})}.items():

@@ -1,0 +1,237 @@
+"""Install only what each side needs: the core dependencies carry the broker, a Spark-free feed and the rank side.
+
+A real venv with only the core would need PyPI (or a wheel cache) at test time. Instead the children here run in
+this venv with every distribution outside the core's dependency closure refused at import time: a
+``sitecustomize`` on their ``PYTHONPATH`` puts a finder first on ``sys.meta_path`` that raises
+``ModuleNotFoundError`` for those top-level names, exactly as a missing package does (pyarrow's and numpy's
+optional imports then take their "not installed" paths). The refused names are computed from the installed
+metadata (the core's ``Requires-Dist`` without extras, recursively), so a new import of anything else on these
+paths (psutil, pandas, tqdm, ...) fails this test, not only pyspark, mpi4py and torch.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as metadata
+import json
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement  # pytest's own dependency
+from packaging.utils import canonicalize_name
+
+from launch.broker import BrokerProcess
+
+from harness import run_child
+
+pytestmark = pytest.mark.timeout(90)
+
+ROOT = Path(__file__).resolve().parents[2]
+# What the issue names: the rank side must import without these (asserted to be among the refused).
+EXTRAS_PACKAGES = ("pyspark", "py4j", "pandas", "mpi4py", "torch", "rich", "prometheus_client", "grpc")
+USER_EXTRAS = {"spark", "connect", "mpi", "torch", "broker"}        # what `all` must hold
+DEVELOPER_EXTRAS = {"test", "bench", "images"}
+
+# sitecustomize for the children: refuse the names in SPARKBUS_TEST_REFUSE (a JSON list) before any other finder.
+REFUSER = '''
+import json, os, sys
+
+class RefuseExtras:
+    """Stands in for a distribution that is not installed."""
+    refused = frozenset(json.loads(os.environ["SPARKBUS_TEST_REFUSE"]))
+
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in self.refused:
+            raise ModuleNotFoundError(f"No module named {name!r} (refused: not in sparkbus's core)", name=name)
+        return None
+
+sys.meta_path.insert(0, RefuseExtras())
+'''
+
+# The rank: consume `epochs` epochs and print the ids of each, and the refused modules that got loaded (none).
+RANK = '''
+import json, sys
+import sparkbus, worker
+from sparkbus import BatchStream
+
+address, epochs = sys.argv[1], int(sys.argv[2])
+ids = []
+with BatchStream(address, stream="core", timeout=30) as s:
+    for _ in range(epochs):
+        ids.append(sorted(int(i) for batch in s.epoch() for i in batch["id"]))
+refused = sys.meta_path[0].refused
+print(json.dumps({"ids": ids, "loaded": sorted(m for m in sys.modules if m.partition(".")[0] in refused)}))
+'''
+
+# The feed, as a Spark task would do it but without Spark: the driver's epoch open and close through the control
+# socket, each partition through the task code (feeder.task.stream_partition) from numpy dicts.
+FEEDER = '''
+import sys
+import numpy as np
+from broker.client import ControlClient
+from broker.protocol import Kind
+from feeder.task import stream_partition
+
+feed, control, epochs, partitions, rows = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
+with ControlClient(control, 30) as driver:
+    for epoch in range(epochs):
+        driver.request(Kind.EPOCH_OPEN, stream="core", epoch=epoch, partitions=partitions, delivery="stream")
+        for part in range(partitions):
+            ids = np.arange(part * rows, (part + 1) * rows, dtype=np.int64) + epoch * partitions * rows
+            batches = ({"id": ids[i:i + 64], "x": ids[i:i + 64, None].astype(np.float32).repeat(8, 1)}
+                       for i in range(0, rows, 64))
+            stream_partition(batches, feed, control, "core", epoch, part, 0, 30)
+        driver.request(Kind.EPOCH_CLOSE, stream="core", epoch=epoch, partitions=partitions)
+'''
+
+# What an extra's absence looks like to its user: a message that names the extra, no traceback from deep inside.
+ABSENT = '''
+import importlib, json, sys
+import pkgutil
+import broker, feeder, launch, sparkbus, worker
+
+failed = {}
+for package in (broker, feeder, launch, sparkbus, worker):
+    for module in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+        if module.name.endswith("__main__"):            # python -m broker: it would run the daemon
+            continue
+        try:
+            importlib.import_module(module.name)
+        except ImportError as exc:
+            failed[module.name] = str(exc)
+try:
+    from launch.spark import local_session
+    local_session()
+except ImportError as exc:
+    failed["local_session()"] = str(exc)
+refused = sys.meta_path[0].refused
+print(json.dumps({"failed": failed, "loaded": sorted(m for m in sys.modules if m.partition(".")[0] in refused)}))
+'''
+
+
+def _name(requirement: str) -> str:
+    return canonicalize_name(Requirement(requirement).name)
+
+
+def core_distributions() -> set[str]:
+    """The distributions sparkbus's core needs: its dependencies without extras, theirs, and so on."""
+    needed, todo = set(), ["sparkbus"]
+    while todo:
+        name = todo.pop()
+        if name in needed:
+            continue
+        needed.add(name)
+        for line in metadata.requires(name) or []:
+            requirement = Requirement(line)
+            if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+                todo.append(canonicalize_name(requirement.name))
+    return needed
+
+
+def refused_modules() -> list[str]:
+    """Every top-level module of an installed distribution outside the core (this project's own excepted)."""
+    core = core_distributions()
+    ours = {"sparkbus", "feeder", "broker", "worker", "launch"}
+    installed = metadata.packages_distributions()
+    refused = {module for module, dists in installed.items() if module not in ours and not module.startswith("_")
+               and not core & {canonicalize_name(d) for d in dists}}
+    missing = [p for p in EXTRAS_PACKAGES if p in installed and p not in refused]
+    assert not missing, f"{missing} would not be refused: the core's closure is wrong ({sorted(core)})"
+    return sorted(refused)
+
+
+@pytest.fixture
+def core_only(tmp_path):
+    """``(run, env)``: run a Python snippet in a child that can import only the core; ``env`` for other children."""
+    site = tmp_path / "core-only"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(REFUSER)
+    env = {"PYTHONPATH": str(site), "SPARKBUS_TEST_REFUSE": json.dumps(refused_modules())}
+
+    def run(code: str, *args: str, timeout: float = 60) -> dict:
+        result = run_child([sys.executable, "-c", textwrap.dedent(code), *args], timeout, env=env, cwd=tmp_path)
+        assert result.returncode == 0, f"the core-only child failed:\n{result.stderr[-3000:]}"
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    return run, env
+
+
+def test_the_refuser_refuses_what_an_absent_extra_would(core_only):
+    run, _ = core_only
+    seen = run('''
+        import importlib, json
+        def absent(name):
+            try:
+                importlib.import_module(name)
+            except ModuleNotFoundError:
+                return True
+            return False
+        print(json.dumps({name: absent(name) for name in ("pyspark", "mpi4py", "torch", "pandas", "zmq", "pyarrow")}))
+    ''')
+    assert seen == {"pyspark": True, "mpi4py": True, "torch": True, "pandas": True, "zmq": False, "pyarrow": False}
+
+
+def test_the_rank_side_consumes_every_row_with_only_the_core(core_only, children, tmp_path):
+    """A broker (``python -m broker``), a Spark-free feed and an independent rank, all three with only the core's
+    distributions importable: each epoch's ids arrive exactly once."""
+    run, env = core_only
+    epochs, partitions, rows = 2, 3, 500
+    broker = BrokerProcess(tmp_path / "broker.log", "--heartbeat", "500ms", env=env, cwd=tmp_path)
+    broker.start(timeout=20)
+    try:
+        rank = children.spawn([sys.executable, "-c", RANK, broker.ranks, str(epochs)], env=env, cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        fed = run_child([sys.executable, "-c", FEEDER, broker.feed, broker.control, str(epochs), str(partitions),
+                         str(rows)], 60, env=env, cwd=tmp_path)
+        assert fed.returncode == 0, f"the feed failed:\n{fed.stderr[-3000:]}"
+        out, err = children.finish(rank, 60, "the core-only rank")
+        assert rank.returncode == 0, f"the core-only rank failed:\n{err[-3000:]}"
+    finally:
+        broker.stop()
+    assert not broker.killed, "the broker did not stop on SIGTERM"
+    got = json.loads(out.strip().splitlines()[-1])
+    per_epoch = partitions * rows
+    assert got["ids"] == [list(range(e * per_epoch, (e + 1) * per_epoch)) for e in range(epochs)]
+    assert got["loaded"] == []
+    assert "broker stopped" in broker.log.read_text()
+
+
+def test_every_module_imports_with_only_the_core_except_where_an_extra_is_named(core_only):
+    run, _ = core_only
+    seen = run(ABSENT)
+    assert seen["loaded"] == []
+    # broker.metrics is prometheus-client's module (only --metrics-port loads it); local_session needs pyspark
+    assert set(seen["failed"]) == {"broker.metrics", "local_session()"}, seen["failed"]
+    assert "pip install 'sparkbus[broker]'" in seen["failed"]["broker.metrics"]
+    assert "pip install 'sparkbus[spark]'" in seen["failed"]["local_session()"]
+
+
+@pytest.mark.parametrize("command, extra", [
+    (["-m", "broker", "--feed", "tcp://127.0.0.1:*", "--ranks", "tcp://127.0.0.1:*", "--metrics-port", "0"],
+     "sparkbus[broker]"),
+    (["-m", "broker.cli", "status", "--watch", "tcp://127.0.0.1:1"], "sparkbus[broker]"),
+])
+def test_a_missing_extra_is_a_usage_error_that_names_it(core_only, command, extra):
+    _, env = core_only
+    result = run_child([sys.executable, *command], 30, env=env)
+    assert result.returncode == 2, result.stderr
+    assert f"pip install '{extra}'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_the_core_is_small_and_all_holds_every_users_extra():
+    try:
+        import tomllib
+    except ImportError:                 # Python 3.10
+        import tomli as tomllib
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert sorted(_name(r) for r in project["dependencies"]) == ["msgpack", "numpy", "pyarrow", "pyzmq", "tomli",
+                                                                 "xxhash"]
+    extras = project["optional-dependencies"]
+    assert set(extras) == USER_EXTRAS | DEVELOPER_EXTRAS | {"all"}
+    (everything,) = extras["all"]
+    named = re.fullmatch(r"sparkbus\[([a-z,]+)\]", everything)
+    assert named and set(named.group(1).split(",")) == USER_EXTRAS
