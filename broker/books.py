@@ -101,13 +101,16 @@ class Books:
             return
         self.buffered -= rank.consumed(batches, held)
         epochs = stream.epochs
+        settled = []               # whole messages consumed (a pack cut in pieces: once its last piece is)
         for batch in batches:
             ep = epochs.get(batch.id[0])
             if ep is not None:
                 ep.count_acked(batch)
+            if batch.settle():
+                settled.append(batch)
         if self._observed:
             by_epoch: dict[int, list[list[int]]] = {}
-            for batch in batches:
+            for batch in settled:
                 by_epoch.setdefault(batch.id[0], []).append(list(batch.id))
             for number, acked in by_epoch.items():
                 self._emit(BatchesAcked(stream.name, number, acked))

@@ -317,6 +317,12 @@ class Broker:
             self._reject("ranks", "unknown_ack", f"{unknown} ids not in flight to rank {rank.rank}")
         self.ledger.report(rank, h)
 
+    def _return(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
+        rank = self.ledger.rank(identity)
+        unknown = self.ledger.give_back(rank, h)
+        if unknown:
+            self._reject("ranks", "unknown_return", f"{unknown} ids not in flight to rank {rank.rank}")
+
     def _heartbeat_in(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
         self.ledger.report(self.ledger.rank(identity), h)
 
@@ -346,7 +352,7 @@ class Broker:
         Kind.EPOCH_CLOSE: _epoch_close, Kind.PARTITION_CLAIM: _partition_claim, Kind.STATS_REQUEST: _stats}
     _rank_handlers: dict[Kind, Callable] = {
         Kind.HELLO: _hello, Kind.CREDIT: _credit, Kind.ACK: _ack, Kind.HEARTBEAT: _heartbeat_in,
-        Kind.BYE: _bye, Kind.STATS_REQUEST: _stats}
+        Kind.BYE: _bye, Kind.RETURN: _return, Kind.STATS_REQUEST: _stats}
 
     # ---- to the ranks -----------------------------------------------------------------------------------
 

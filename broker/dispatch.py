@@ -14,8 +14,8 @@ from typing import Any
 from . import protocol
 from .books import Outcome, Transmit
 from .errors import ProtocolError
+from .grants import Grants, cut
 from .protocol import ErrorCode, Kind
-from .rejoin import Rejoin
 from .state import MAX_WINDOW, EpochState, RankState, StreamState
 
 log = logging.getLogger("sparkbus.broker")
@@ -23,7 +23,7 @@ log = logging.getLogger("sparkbus.broker")
 MAX_WINDOW_BYTES = 1 << 40
 
 
-class Dispatch(Rejoin):
+class Dispatch(Grants):
     """Windows stated by ranks, batches sent within them, acknowledgements, and the end of each epoch."""
 
     def rank(self, identity: bytes) -> RankState:
@@ -86,9 +86,19 @@ class Dispatch(Rejoin):
                 for identity in gone:
                     self.rank_gone(identity, "disconnected")
                 continue
+            granted = stream.granted()
+            if granted:
+                self.grant(stream, ep, transmit)
             if not ep.delivered(stream.even()):
                 return
-            end = protocol.pack_header(Kind.EPOCH_END, stream=stream.name, epoch=ep.epoch, batches=ep.batches_out)
+            if granted:
+                if not self.evened(stream, ep, transmit):
+                    return                # RELEASE sent, or waiting for a RETURN or for a rank to come back
+                end = protocol.pack_header(Kind.EPOCH_END, stream=stream.name, epoch=ep.epoch,
+                                           batches=ep.batches_out, steps=ep.share)
+            else:
+                end = protocol.pack_header(Kind.EPOCH_END, stream=stream.name, epoch=ep.epoch,
+                                           batches=ep.batches_out)
             gone = [r.identity for r in stream.ranks.values() if transmit(r.identity, [end]) is Outcome.GONE]
             ep.end_sent = True
             log.info("stream %r epoch %d delivered to %d ranks", stream.name, ep.epoch, len(stream.ranks) - len(gone))
@@ -113,6 +123,14 @@ class Dispatch(Rejoin):
                 batch = queue[0]
                 if not rank.has_room(batch.nbytes, by_bytes) or (gone and rank.identity in gone):
                     continue
+                if ep.share is not None:          # being evened out: only to ranks short of the share
+                    wanted = self.may_take(ep, rank, batch)
+                    if not wanted:
+                        continue
+                    if wanted < batch.count:
+                        head, queue[0] = cut(batch, batch.first + wanted)
+                        queue.appendleft(head)
+                        batch = head
                 outcome = transmit(rank.identity, batch.frames)
                 if outcome is sent:           # it takes room in the rank's window until acknowledged
                     queue.popleft()

@@ -34,6 +34,9 @@ class EpochFigures(TypedDict):
     redelivered: int         # sends of a batch that had gone out before
     given_twice: int         # batches a rank came back with after --rejoin-grace, given to another meanwhile
     diverged: list[int]      # partitions whose attempts sent different data
+    steps: int               # granted streams: steps granted to every rank so far (0 otherwise)
+    dropped: int             # ... batches dropped at the epoch's end to keep the ranks even (< ranks)
+    moved: int               # ... batches returned by one rank and given to another at the epoch's end
 
 
 class _RankFiguresBase(TypedDict):

@@ -24,7 +24,7 @@ import msgpack
 
 from .errors import ProtocolError, VersionMismatch
 
-VERSION = 4
+VERSION = 5
 MAX_HEADER_BYTES = 64 * 1024
 MAX_SPLITS = 4096         # small batches in one pack at most
 
@@ -49,6 +49,9 @@ class Kind(IntEnum):
     STATS_REPLY = 15          # broker -> requester: `stats` map (see docs/PROTOCOL.md)
     BYE = 16                  # rank -> broker: leaving the stream
     PARTITION_CLAIM = 17      # feeder -> the partition's home broker (control): which broker streams it (OK)
+    STEPS = 18                # broker -> rank (granted streams): `steps` batches of `epoch` from me may be used
+    RELEASE = 19              # broker -> rank (granted streams), at an epoch's end: keep `keep`, drop `drop`, return
+    RETURN = 20               # rank -> broker: these held, unused batches (or a pack's tail) go back for others
 
 
 class ErrorCode(IntEnum):
@@ -87,11 +90,17 @@ SCHEMAS: dict[Kind, dict[str, type | tuple[type, ...]]] = {
     Kind.STATS_REPLY: {"req": int, "stats": dict},
     Kind.BYE: {},
     Kind.PARTITION_CLAIM: {"req": int, "stream": str, "epoch": int, "part": int, "broker": int},
+    Kind.STEPS: {"stream": str, "epoch": int, "steps": int},
+    Kind.RELEASE: {"stream": str, "epoch": int, "keep": int, "drop": int},
+    Kind.RETURN: {"stream": str, "epoch": int, "ids": list, "kept": int},
 }
 
 # Fields a header may carry, checked for type when present (additions that older senders leave out).
 OPTIONAL: dict[Kind, dict[str, type]] = {
-    Kind.BATCH: {"splits": list},          # a pack of small batches: the rows of each, in order
+    Kind.BATCH: {"splits": list,           # a pack of small batches: the rows of each, in order
+                 "take": list},            # [first, stop]: only these of the pack's batches are for this rank
+    Kind.HELLO: {"grants": bool},          # even steps granted by the broker (STEPS), not agreed among the ranks
+    Kind.EPOCH_END: {"steps": int},        # granted streams: the epoch's steps from this broker, the same for all
     Kind.EPOCH_CLOSE: {"expected": int},   # partitions committed at this broker (default: all of them)
     # a rank's own figures, on the messages it sends anyway: for `sparkbus status` and the metrics
     Kind.ACK: {"wait_s": float, "first_batch_s": float, "consumed": int},
@@ -195,6 +204,26 @@ def check_batch_frames(header: Mapping[str, Any], frame_sizes: Sequence[int]) ->
     if splits is not None and (not splits or len(splits) > MAX_SPLITS or sum(splits) != rows
                                or not all(type(n) is int and n >= 0 for n in splits)):
         raise ProtocolError(f"a pack's splits must be 1 to {MAX_SPLITS} row counts that add up to its {rows} rows")
+    if "take" in header:
+        taken_range(header)
+
+
+def taken_range(header: Mapping[str, Any]) -> tuple[int, int]:
+    """The batches of a pack meant for the receiving rank: ``(first, stop)``, all of them unless the broker sent a
+    slice (``take``, at an epoch's end, see docs/PROTOCOL.md "Granted steps").
+
+    Raises:
+        ProtocolError: a ``take`` that is not ``[first, stop]`` within the pack's splits.
+    """
+    splits = header.get("splits")
+    whole = len(splits) if splits is not None else 1
+    take = header.get("take")
+    if take is None:
+        return 0, whole
+    if (splits is None or len(take) != 2 or not all(type(i) is int for i in take)
+            or not 0 <= take[0] < take[1] <= whole):
+        raise ProtocolError(f"a BATCH's take must be [first, stop] within its {whole} batches, got {take!r:.40}")
+    return take[0], take[1]
 
 
 def column_frame_sizes(spec: Any, rows: int) -> list[int]:

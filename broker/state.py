@@ -28,6 +28,17 @@ class HeldBatch:
     rows: int
     sends: int = 0          # times sent to a rank: above 1, it was redelivered
     count: int = 1          # the batches it carries: a pack of small batches (header "splits") counts each
+    first: int = 0          # a piece of a pack cut at an epoch's end (granted steps): its batches first..stop-1
+    whole: HeldBatch | None = None     # ... and the pack it was cut from, which counts the pieces out
+    pieces: int = 1         # on a pack that was cut: its pieces not yet consumed
+
+    def settle(self) -> bool:
+        """This batch, or piece, was consumed. Whether its whole message now is (the last piece of a cut pack)."""
+        whole = self.whole
+        if whole is None:
+            return True
+        whole.pieces -= 1
+        return whole.pieces == 0
 
 
 @dataclass
@@ -80,6 +91,11 @@ class EpochState:
     duplicates: int = 0
     redelivered: int = 0       # sends of a batch that had gone out before (its rank died or left)
     given_twice: int = 0       # batches a rank came back with after --rejoin-grace, given to another meanwhile
+    steps: int = 0             # granted streams: the steps granted so far (the last STEPS)
+    share: int | None = None   # ... each rank's steps, once the epoch is being evened out at its end
+    dropped: dict[int, int] = field(default_factory=dict)   # ... rank number -> batches it drops to even out
+    returns_due: set[int] = field(default_factory=set)      # ... rank numbers told to RELEASE, not yet returned
+    moved: int = 0             # ... batches returned by one rank and given to another to even out
 
     @property
     def all_acked(self) -> bool:
@@ -154,7 +170,8 @@ class EpochState:
                 "batches_in": self.batches_in, "bytes_in": self.bytes_in, "rows_in": self.rows_in,
                 "batches_out": self.batches_out, "bytes_out": self.bytes_out, "rows_out": self.rows_out,
                 "acked": self.acked, "duplicates": self.duplicates, "redelivered": self.redelivered,
-                "given_twice": self.given_twice, "diverged": self.diverged}
+                "given_twice": self.given_twice, "diverged": self.diverged, "steps": self.steps,
+                "dropped": sum(self.dropped.values()), "moved": self.moved}
 
 
 MAX_WINDOW = 4096     # batches in flight to one rank at most, however small they are
@@ -174,6 +191,7 @@ class RankState:
     rank: int
     size: int
     even: bool = False
+    grants: bool = False       # its steps are granted by the broker (STEPS), not agreed among the ranks
     session: str = ""          # the rank's BatchStream: the same across its reconnections, new in a new process
     window: int = 0
     window_bytes: int = 0
@@ -184,6 +202,8 @@ class RankState:
     bytes: int = 0
     acked: int = 0
     reported: dict[str, Any] = field(default_factory=dict)     # the rank's own figures (wait_s, ...), as last said
+    given: dict[int, int] = field(default_factory=dict)        # epoch -> its batches this rank has (had) in hand
+    told: dict[int, int] = field(default_factory=dict)         # epoch -> the steps last granted to it (STEPS)
     last_seen: float = field(default_factory=time.monotonic)
 
     def has_room(self, nbytes: int, by_bytes: bool = True) -> bool:
@@ -201,6 +221,7 @@ class RankState:
         """The batch is in flight to this rank (sent, or held by it when it rejoined)."""
         self.inflight[batch.id] = batch
         self.inflight_bytes += batch.nbytes
+        self.given[batch.id[0]] = self.given.get(batch.id[0], 0) + batch.count
 
     def sent(self, batch: HeldBatch) -> None:
         """The batch went out to this connection: held (:meth:`hold`), and counted."""
@@ -208,6 +229,14 @@ class RankState:
         self.inflight_bytes += batch.nbytes
         self.batches += batch.count
         self.bytes += batch.nbytes
+        epoch = batch.id[0]
+        self.given[epoch] = self.given.get(epoch, 0) + batch.count
+
+    def take_back(self, batch: HeldBatch) -> None:
+        """A batch (or piece) this rank returned: no longer in flight to it, nor counted as given."""
+        del self.inflight[batch.id]
+        self.inflight_bytes -= batch.nbytes
+        self.given[batch.id[0]] -= batch.count
 
     def consumed(self, batches: Iterable[HeldBatch], held: bool = True) -> int:
         """Batches this rank consumed, taken out of :attr:`inflight` already (``held``), or never in it (found
@@ -216,6 +245,8 @@ class RankState:
         for batch in batches:
             freed += batch.nbytes
             self.acked += batch.count
+            if not held:
+                self.given[batch.id[0]] = self.given.get(batch.id[0], 0) + batch.count
         if held:
             self.inflight_bytes -= freed
         return freed
@@ -248,6 +279,7 @@ class StreamState:
     epochs: dict[int, EpochState] = field(default_factory=dict)
     ranks: dict[bytes, RankState] = field(default_factory=dict)
     expected_ranks: int = 0    # the communicator size the first rank announced
+    group_size: int = 0        # the size of the group that consumed it last (kept when the ranks leave)
     complete: bool = False     # all expected ranks have joined since the stream last had none
     finished: dict[int, EpochFigures] = field(default_factory=dict)     # figures of epochs done and acked
     orphans: dict[str, Orphan] = field(default_factory=dict)           # by session
@@ -271,6 +303,19 @@ class StreamState:
     def even(self) -> bool:
         """Whether the ranks keep equal steps (then an epoch ends once sent, not once acknowledged)."""
         return any(r.even for r in self.ranks.values())
+
+    def granted(self) -> bool:
+        """Whether the broker grants the ranks' steps (``broker.grants``)."""
+        return any(r.grants for r in self.ranks.values())
+
+    def counts(self, epoch: int) -> list[int]:
+        """Per rank number, the batches of ``epoch`` in its hands (held, consumed, dropped to even out), over the
+        ranks connected and those whose lost connection waits for them. A number nobody holds counts 0."""
+        counts = [0] * self.expected_ranks
+        for rank in [*self.ranks.values(), *(o.rank for o in self.orphans.values())]:
+            if rank.rank < len(counts):
+                counts[rank.rank] = rank.given.get(epoch, 0)
+        return counts
 
     def rotation(self) -> list[RankState]:
         """The ranks, starting one further each call, so that equal windows mean equal shares."""

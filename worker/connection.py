@@ -52,15 +52,16 @@ class BrokerConnection:
 
     def __init__(self, address: str, context: zmq.Context, *, stream: str, rank: int, size: int, even: bool,
                  prefetch: int, prefetch_bytes: int, timeout: float, heartbeat: float, key: str | None = None,
-                 broker_key: str | None = None):
+                 broker_key: str | None = None, grants: bool = False):
         self.address, self.stream, self.rank, self.size, self.even = address, stream, rank, size, even
+        self.grants = grants
         self.prefetch, self.prefetch_bytes, self.timeout, self.heartbeat = prefetch, prefetch_bytes, timeout, heartbeat
         self._figures: dict[str, float | int] = {}   # the rank's own figures, sent with ACKs and heartbeats
         self._unsent: list[int] = []                 # acknowledged ids not yet sent: epoch, part, seq, ...
         self._inbox: deque[tuple[dict, list[zmq.Frame]]] = deque()   # kept by service() while the rank waited
         self.session = secrets.token_hex(8)           # the same across reconnections of this rank
-        self._received: set[BatchId] = set()          # batch ids of the current epoch that arrived
-        self._acked: set[BatchId] = set()             # ... and of those, the ones acknowledged
+        self._received: set[tuple[int, ...]] = set()  # batch ids of the current epoch that arrived (a piece
+        self._acked: set[BatchId] = set()             # of a pack: its id and first batch); acknowledged ids
         self.ended = -1                               # the last epoch whose EPOCH_END arrived
         self.rejoins = 0
         self._req = 0
@@ -87,10 +88,10 @@ class BrokerConnection:
         self._req += 1
         header = pack_header(Kind.HELLO, req=self._req, role="rank", stream=self.stream, rank=self.rank,
                              size=self.size, even=self.even, session=self.session, resume=resume,
-                             ended=self.ended)
+                             ended=self.ended, **({"grants": True} if self.grants else {}))
         if resume:
             self._unsent = []                            # the HELLO names every batch consumed
-            held = self._received - self._acked
+            held = {(key[0], key[1], key[2]) for key in self._received} - self._acked
             self._sock.send_multipart([header, protocol.pack_ids(held), protocol.pack_ids(self._acked)])
         else:
             self._sock.send(header)
@@ -100,16 +101,29 @@ class BrokerConnection:
         # Absolute: batches this rank still holds stay in flight to it, and the broker counts them in the window.
         self._say(Kind.CREDIT, window=self.prefetch, window_bytes=self.prefetch_bytes)
 
-    def arrived(self, batch_id: BatchId) -> bool:
-        """Note that a BATCH of the current epoch arrived. False if this rank had it already (a redelivery after
-        a rejoin, or of a restarted broker): drop it; a copy this rank holds unacknowledged then counts as
-        consumed, acknowledged with the next flush."""
-        if batch_id not in self._received:
-            self._received.add(batch_id)
+    def arrived(self, batch_id: BatchId, first: int = 0) -> bool:
+        """Note that a BATCH of the current epoch arrived (``first``: the first batch of a piece of a pack). False
+        if this rank had it already (a redelivery after a rejoin, or of a restarted broker): drop it; a copy this
+        rank holds unacknowledged then counts as consumed, acknowledged with the next flush."""
+        key = (*batch_id, first) if first else batch_id
+        if key not in self._received:
+            self._received.add(key)
             return True
         if batch_id not in self._acked:
             self.ack(batch_id, send=False)
         return False
+
+    def give_back(self, epoch: int, returned: list[tuple[BatchId, int, bool]], kept: int) -> None:
+        """RETURN: batches this rank got and has not used, to even the epoch out (granted steps): per message its
+        id, the first of its batches given back, and whether that is all this rank had of it. ``kept``: the
+        batches of the epoch this rank keeps. Acknowledgements that wait leave first."""
+        self.flush()
+        ids: list[int] = []
+        for batch_id, first, whole in returned:
+            ids.extend((*batch_id, first))
+            if whole:               # no longer this rank's: a rejoin must not name it as held
+                self._received.discard(batch_id if not first else (*batch_id, first))
+        self._say(Kind.RETURN, stream=self.stream, epoch=epoch, ids=ids, kept=kept)
 
     def ack(self, batch_id: BatchId, send: bool = True) -> None:
         """Acknowledge one batch (or pack): the loop is done with it. ``send=False`` keeps the id for the next
@@ -206,7 +220,8 @@ class BrokerConnection:
     # ---- receiving --------------------------------------------------------------------------------------------
 
     def receive(self, block: bool = True) -> tuple[dict, list[zmq.Frame]] | None:
-        """The next BATCH or EPOCH_END from the broker; heartbeats both ways while waiting, never spinning.
+        """The next BATCH, EPOCH_END (or, granted steps, STEPS and RELEASE) from the broker; heartbeats both ways
+        while waiting, never spinning.
 
         Returns None only with ``block=False``, when nothing is waiting.
         Raises:
@@ -243,7 +258,7 @@ class BrokerConnection:
                 self._refusal = header["reason"]        # refusals while rejoining do not count as "heard"
                 continue
             self._last_heard = time.monotonic()
-            if kind == Kind.BATCH:
+            if kind == Kind.BATCH or kind == Kind.STEPS or kind == Kind.RELEASE:
                 return header, frames[1:]
             if kind == Kind.EPOCH_END:
                 self.ended = header["epoch"]

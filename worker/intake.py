@@ -61,6 +61,8 @@ class Intake:
         self._source: dict[BatchId, BrokerConnection] = {}     # batch id -> where to acknowledge it
         self._unpacked: deque[Item] = deque()                  # the rest of a pack, or batches put back
         self._pack_left: dict[BatchId, int] = {}               # a pack's batches not yet acknowledged
+        self._pack_first: dict[BatchId, int] = {}              # ... and its first (a piece of a pack: > 0)
+        self._got: dict[BrokerConnection, int] = {}            # batches of the epoch received, per broker
 
     @property
     def unfinished(self) -> bool:
@@ -69,6 +71,7 @@ class Intake:
 
     def begin_epoch(self) -> None:
         self.end_seen = False
+        self._got.clear()
 
     def put_back(self, items: deque[Item]) -> None:
         """Batches taken but not yielded, to be read again first (the next epoch skips and acknowledges them)."""
@@ -76,8 +79,9 @@ class Intake:
 
     # ---- receiving ------------------------------------------------------------------------------------------
 
-    def _receive(self, block: bool) -> tuple[BrokerConnection, dict, list[zmq.Frame]] | None:
-        """The next BATCH or EPOCH_END from a broker still in the current epoch, taking turns among them."""
+    def receive(self, block: bool) -> tuple[BrokerConnection, dict, list[zmq.Frame]] | None:
+        """The next message (BATCH, EPOCH_END; STEPS, RELEASE) from a broker still in the current epoch, taking
+        turns among them."""
         if len(self._waiting) == 1:
             broker = self._waiting[0]
             message = broker.receive(block)
@@ -110,24 +114,55 @@ class Intake:
             return self._unpacked.popleft()
         started = time.monotonic()
         while True:
-            message = self._receive(block)
+            message = self.receive(block)
             if message is None:
                 return None
             broker, header, frames = message
-            if header["kind"] == Kind.EPOCH_END:
-                self._waiting.remove(broker)         # its later batches wait until every broker ended this epoch
-                if self._waiting:
+            kind = header["kind"]
+            if kind == Kind.EPOCH_END:
+                if not self.ended(broker, header, ep):
                     continue
-                self._waiting = list(self.connections)
-                if ep.epoch < 0:                     # a rank that got no batch of the epoch (others had them all)
-                    ep.epoch = header["epoch"]
                 ep.wait_seconds += time.monotonic() - started
-                self.end_seen = True
                 return None
-            batch_id = protocol.batch_id(header)
-            if broker.arrived(batch_id):
+            if kind == Kind.RELEASE:        # granted steps, while this rank skips what is left of an epoch
+                broker.give_back(header["epoch"], [], kept=self._got.get(broker, 0))
+                continue
+            if kind != Kind.BATCH:          # STEPS: nothing to wait for when every batch is taken as it comes
+                continue
+            items = self.unpack(broker, header, frames, ep)
+            if items:
                 break
         ep.wait_seconds += time.monotonic() - started
+        self._unpacked.extend(items)
+        return self._unpacked.popleft()
+
+    def ended(self, broker: BrokerConnection, header: dict, ep: EpochStats) -> bool:
+        """``broker``'s EPOCH_END: whether every broker has now ended the epoch (:attr:`end_seen`)."""
+        self._waiting.remove(broker)         # its later batches wait until every broker ended this epoch
+        if self._waiting:
+            return False
+        self._waiting = list(self.connections)
+        if ep.epoch < 0:                     # a rank that got no batch of the epoch (others had them all)
+            ep.epoch = header["epoch"]
+        self.end_seen = True
+        return True
+
+    def source(self, header: dict) -> BrokerConnection:
+        """The broker a batch this rank holds came from."""
+        return self._source[protocol.batch_id(header)]
+
+    def unpack(self, broker: BrokerConnection, header: dict, frames: list[zmq.Frame],
+               ep: EpochStats) -> list[Item]:
+        """A BATCH's batches, decoded: one, or the batches of a pack (views of its frames, no copy); none if
+        this rank had it already (:meth:`BrokerConnection.arrived`).
+
+        Raises:
+            ProtocolError: a malformed batch (checksum or shape mismatch, a bad ``take``).
+        """
+        batch_id = protocol.batch_id(header)
+        first, stop = protocol.taken_range(header)
+        if not broker.arrived(batch_id, first):
+            return []
         if ep.epoch < 0:
             ep.epoch = header["epoch"]
             if self._stats.first_batch_seconds < 0:
@@ -136,18 +171,50 @@ class Intake:
         columns = decode_batch(header, frames, verify=self._verify)
         nbytes = header["nbytes"] = sum(len(f) for f in frames)
         self._source[batch_id] = broker
+        self._got[broker] = self._got.get(broker, 0) + stop - first
         splits = header.get("splits")
         if splits is None:
-            return header, columns
+            return [(header, columns)]
         # A pack of small batches: each is a slice (a view) of the pack's columns, acknowledged with the last.
-        self._pack_left[batch_id] = len(splits)
-        start = 0
-        for rows in splits:
+        # A piece of a pack (``take``, an epoch evened out) holds some of them only.
+        self._pack_left[batch_id] = stop - first
+        self._pack_first[batch_id] = first
+        items = []
+        start = sum(splits[:first])
+        for index in range(first, stop):
+            rows = splits[index]
             share = nbytes * rows // header["rows"] if header["rows"] else 0
-            self._unpacked.append((dict(header, rows=rows, nbytes=share),
-                                   {k: _rows_of(v, start, start + rows) for k, v in columns.items()}))
+            items.append((dict(header, rows=rows, nbytes=share, index=index),
+                          {k: _rows_of(v, start, start + rows) for k, v in columns.items()}))
             start += rows
-        return self._unpacked.popleft()
+        return items
+
+    def give_back(self, broker: BrokerConnection, epoch: int, items: list[Item], kept: int) -> None:
+        """Return ``items`` (batches of ``broker`` this rank got and has not used) to even the epoch out: see
+        :meth:`BrokerConnection.give_back`. ``kept``: the batches of the epoch from it that this rank keeps."""
+        firsts: dict[BatchId, int] = {}
+        counts: dict[BatchId, int] = {}
+        for header, _ in items:
+            batch_id = protocol.batch_id(header)
+            index = header.get("index", 0)
+            firsts[batch_id] = min(firsts.get(batch_id, index), index)
+            counts[batch_id] = counts.get(batch_id, 0) + 1
+        returned = [(i, first, first == self._pack_first.get(i, 0)) for i, first in firsts.items()]
+        broker.give_back(epoch, returned, kept)
+        self._got[broker] = self._got.get(broker, 0) - len(items)
+        for batch_id, _, whole in returned:
+            left = self._pack_left.pop(batch_id, None)
+            if left is None or whole:
+                self._pack_first.pop(batch_id, None)
+                self._source.pop(batch_id)
+                continue
+            left -= counts[batch_id]
+            if left:
+                self._pack_left[batch_id] = left
+            else:                           # what this rank kept of the pack is used: acknowledge it now
+                self._pack_first.pop(batch_id, None)
+                self._source.pop(batch_id).ack(batch_id, send=False)
+        broker.flush()
 
     # ---- acknowledging --------------------------------------------------------------------------------------
 
@@ -161,6 +228,7 @@ class Intake:
                 self._pack_left[batch_id] = left - 1
                 return
             del self._pack_left[batch_id]
+            self._pack_first.pop(batch_id, None)
         broker = self._source.pop(batch_id)
         if send:
             self._report()

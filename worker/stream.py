@@ -19,7 +19,9 @@ import zmq
 from broker.address import broker_addresses
 
 from .connection import BrokerConnection
+from .grants import GrantedSteps
 from .intake import Batch, Intake
+from .launcher import launcher_rank
 from .steps import EvenRounds, IndependentSteps, StepPlan
 
 log = logging.getLogger("sparkbus.worker")
@@ -74,13 +76,21 @@ class BatchStream:
         address: the broker's ranks address, e.g. ``tcp://broker-host:5556``; or several brokers' (a list, or a
             comma-separated string): the rank consumes from all of them, and an epoch ends when every broker has
             ended it. None: the variable ``SPARKBUS_RANKS_ADDRESS``.
-        comm: an mpi4py communicator whose ranks consume the stream together, or None for one process.
+        comm: an mpi4py communicator whose ranks consume the stream together, or None.
+        rank, size: this rank's number and its group's size, for ranks started by anything (torchrun, srun,
+            mpirun, Ray Train, plain processes): they consume the stream together without MPI (mpi4py is not
+            imported), their equal steps granted by the broker. ``rank="auto"`` takes both from the launcher
+            (:func:`worker.launcher.launcher_rank`: an initialised ``torch.distributed`` first, then ``RANK``/
+            ``WORLD_SIZE``, ``OMPI_COMM_WORLD_*``, ``PMI_*``, ``SLURM_PROCID``/``SLURM_NTASKS``). Not with ``comm``.
+            With neither ``comm`` nor ``rank``, this process consumes on its own (an independent consumer).
         stream: the stream name the feeder used.
         prefetch, prefetch_bytes: the window granted to each broker: up to ``prefetch`` batches in flight to this
             rank (the one in use included), or as many as fit in ``prefetch_bytes`` (8 MiB), whichever admits
             more: many small batches, a few large ones. The defaults suit batches from 1 KiB to 16 MiB.
-        even: yield the same number of batches on every rank of ``comm`` each epoch (default: when
-            ``comm.size > 1``); at most ``size - 1`` batches per epoch are dropped, counted in ``stats``.
+        even: yield the same number of batches on every rank of the group each epoch (default: when its size is
+            above 1); at most ``size - 1`` batches per epoch and broker are dropped, counted in ``stats``.
+        steps: how even steps are kept: ``"broker"`` (granted by the broker, the default, with ``comm`` too) or
+            ``"mpi"`` (agreed among the ranks of ``comm`` in MPI collectives). See docs/GUARANTEES.md.
         timeout: seconds the broker may stay silent (it heartbeats while idle) before this rank gives up.
         verify: check each batch's XXH3-64 checksum.
         heartbeat: seconds between this rank's heartbeats while it waits.
@@ -93,6 +103,8 @@ class BatchStream:
             ``SPARKBUS_BROKER_KEY`` (``mpiexec -genv`` passes them to every rank).
     Raises:
         BrokerError: the broker does not answer within ``timeout``, refuses this rank, or goes silent.
+        ValueError: ``comm`` with ``rank``/``size``, ``rank`` without ``size`` (or the other way round), a rank
+            outside the group, ``rank="auto"`` without a launcher, ``steps="mpi"`` without ``comm``.
 
     The columns of a batch are read-only views of the received frames; copy one to modify it.
     """
@@ -101,15 +113,16 @@ class BatchStream:
                  prefetch: int = 4, prefetch_bytes: int = DEFAULT_PREFETCH_BYTES, even: bool | None = None,
                  timeout: float = 60.0, verify: bool = True, heartbeat: float = 1.0,
                  on_drop: Callable[[Batch], None] | None = None, abort_on_error: bool = True,
-                 context: zmq.Context | None = None, key: str | None = None, broker_key: str | None = None):
+                 context: zmq.Context | None = None, key: str | None = None, broker_key: str | None = None,
+                 rank: int | str | None = None, size: int | None = None, steps: str = "broker"):
         if prefetch < 1 or prefetch_bytes < 0:
             raise ValueError("prefetch must be at least 1 and prefetch_bytes not negative")
         self.address, self.comm, self.stream = address, comm, stream
-        self.rank = comm.Get_rank() if comm is not None else 0
-        self.size = comm.Get_size() if comm is not None else 1
-        self.even = (self.size > 1) if even is None else even
-        if self.even and comm is None:
-            self.even = False
+        self.rank, self.size = _group(comm, rank, size)
+        self.even = (self.size > 1) if even is None else even and self.size > 1
+        if steps not in ("broker", "mpi") or (steps == "mpi" and comm is None and self.even):
+            raise ValueError(f"steps must be 'broker' or 'mpi' (which needs comm=), not {steps!r}")
+        self.granted = self.even and steps == "broker"
         self.timeout, self.verify, self.heartbeat, self.on_drop = timeout, verify, heartbeat, on_drop
         self.prefetch, self.prefetch_bytes, self.abort_on_error = prefetch, prefetch_bytes, abort_on_error
         self.stats = StreamStats()
@@ -121,7 +134,8 @@ class BatchStream:
                 self._brokers.append(BrokerConnection(broker, self._context, stream=stream, rank=self.rank,
                                                       size=self.size, even=self.even, prefetch=prefetch,
                                                       prefetch_bytes=prefetch_bytes, timeout=timeout,
-                                                      heartbeat=heartbeat, key=key, broker_key=broker_key))
+                                                      heartbeat=heartbeat, key=key, broker_key=broker_key,
+                                                      grants=self.granted))
         except BaseException:
             self._close_connections()
             raise
@@ -141,7 +155,7 @@ class BatchStream:
     def epoch(self) -> Iterator[Batch]:
         """Yield the next epoch's batches, each a dict of columns (see the class), until every broker has ended it.
 
-        A batch is acknowledged when the loop asks for the next one. With ``even``, every rank of ``comm``
+        A batch is acknowledged when the loop asks for the next one. With ``even``, every rank of the group
         yields the same number of batches (ranks must all iterate the epoch, and if they stop early, all at
         the same step). Leaving an epoch early (``break``) acknowledges the batch in hand; the next call first
         skips what is left of that epoch on this rank, counted in ``stats.skipped_batches``.
@@ -156,7 +170,9 @@ class BatchStream:
         started = time.monotonic()
         self._intake.begin_epoch()
         plan: StepPlan
-        if self.even:
+        if self.granted:
+            plan = GrantedSteps(self._intake, ep, self.on_drop)
+        elif self.even:
             plan = EvenRounds(self._intake, self.comm, ep, prefetch=self.prefetch,
                               prefetch_bytes=self.prefetch_bytes, on_drop=self.on_drop)
         else:
@@ -224,3 +240,28 @@ class BatchStream:
                          self.rank, exc, exc_info=(exc_type, exc, tb))
             self.comm.Abort(1)
         self.close()
+
+
+def _group(comm: Any, rank: int | str | None, size: int | None) -> tuple[int, int]:
+    """This rank's number and its group's size, from ``comm`` or ``rank``/``size`` (see ``BatchStream``)."""
+    if comm is not None:
+        if rank is not None or size is not None:
+            raise ValueError("pass comm= or rank= and size=, not both: with comm, the rank and size are comm's")
+        return comm.Get_rank(), comm.Get_size()
+    if rank is None:
+        if size is not None:
+            raise ValueError("size= needs rank= (this process's number in the group), or rank='auto'")
+        return 0, 1
+    if rank == "auto":
+        found, found_size, source = launcher_rank()
+        if size is not None and size != found_size:
+            raise ValueError(f"size={size}, but {source} says the group has {found_size} ranks")
+        log.info("rank %d of %d, from %s", found, found_size, source)
+        rank, size = found, found_size
+    if isinstance(rank, str) or isinstance(rank, bool) or not isinstance(rank, int):
+        raise ValueError(f"rank must be a number or 'auto', not {rank!r}")
+    if size is None:
+        raise ValueError("rank= needs size= (the number of ranks in the group), or use rank='auto'")
+    if not 0 <= rank < size:
+        raise ValueError(f"rank {rank} is outside a group of size {size}")
+    return rank, size

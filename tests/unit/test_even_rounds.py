@@ -75,7 +75,7 @@ def twenty_batches(context):
     broker = FakeBroker(context, "inproc://even-broker")
 
     def start(peer, **options):
-        stream = joined(broker, "inproc://even-broker", context, comm=peer, even=True, abort_on_error=False,
+        stream = joined(broker, "inproc://even-broker", context, comm=peer, even=True, steps="mpi", abort_on_error=False,
                         **options)
         for seq in range(20):
             broker.send(codec.encode_batch("s", 0, 0, seq, batch(seq)))
@@ -134,7 +134,7 @@ def test_a_rank_short_of_data_holds_on_for_a_round_or_the_epochs_end_before_it_a
     monkeypatch.setattr(steps, "ROUND_LINGER", 30.0)      # only a round's worth or the end frees it
     broker = FakeBroker(context, "inproc://even-short")
     peer = ScriptedPeer(mins=[4, 0], gathers=[0])
-    stream = joined(broker, "inproc://even-short", context, comm=peer, even=True, abort_on_error=False)
+    stream = joined(broker, "inproc://even-short", context, comm=peer, even=True, steps="mpi", abort_on_error=False)
     with stream:
         broker.send(codec.encode_batch("s", 0, 0, 0, batch(0)))
 

@@ -1,0 +1,247 @@
+"""The ledger's rules for equal steps granted by the broker: STEPS as batches go out, and the epoch's end evened out.
+
+A stream whose ranks join with ``grants`` (HELLO) keeps its ranks' steps equal without any collective among them:
+
+- **Grants.** The broker counts, per rank number, the batches of the delivering epoch that rank has in hand
+  (``RankState.given``: sent to it, or named by it when it rejoined; a pack counts each of its batches). The
+  smallest count is a number of steps every rank can take, since each has that many batches: received, or on
+  their way ahead of the ``STEPS`` on the same connection. ``STEPS`` (cumulative per epoch) goes out whenever it
+  grows. Counting each batch where it is, the counts add up to at most the epoch's batches, so a grant never
+  exceeds the final share.
+- **The epoch's end.** Once the epoch is closed, nothing is queued and no lost rank holds its batches, the share
+  is ``total // size``. A rank with more is told (``RELEASE``) to keep the share, drop what is left over (at most
+  ``size - 1`` batches in all, counted) and return the rest, which it has not used: a grant never exceeded the
+  share. Its ``RETURN`` puts them back at the front of the queue, a pack's unused tail as a piece of it (the
+  same frames, with ``take`` in its header); they go only to ranks short of the share, cut to what each needs.
+  When every rank has the share, ``EPOCH_END`` says ``steps``: the share.
+
+A rank that joins, leaves or comes back while an epoch is evened out starts the evening over, from the counts as
+they are then. See docs/PROTOCOL.md, "Granted steps", and docs/GUARANTEES.md.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import msgpack
+
+from . import protocol
+from .books import Outcome, Transmit
+from .errors import ProtocolError
+from .protocol import Kind
+from .rejoin import MissedEnd, Rejoin
+from .state import BatchId, EpochState, HeldBatch, RankState, StreamState
+
+log = logging.getLogger("sparkbus.broker")
+
+
+class Grants(Rejoin):
+    """STEPS, RELEASE and RETURN: equal steps for a stream's ranks, granted by the broker."""
+
+    # ---- joining and leaving: a group that changes starts an evening over ----------------------------------
+
+    def join_rank(self, identity: bytes, h: dict, held: Iterable[BatchId] = (),
+                  consumed: Iterable[BatchId] = ()) -> list[MissedEnd]:
+        """As :meth:`Rejoin.join_rank`; a rank with ``grants`` may also start a group of another size, at an epoch
+        boundary only (nothing of the delivering epoch consumed yet): the ranks of the old group are let go.
+
+        Raises:
+            ProtocolError: as :meth:`Rejoin.join_rank`; a group that mixes granted and agreed steps; another size
+                mid-epoch.
+        """
+        grants = bool(h.get("grants", False))
+        stream = self.stream(h["stream"])
+        others = [r for r in stream.ranks.values() if r.identity != identity]
+        if any(r.grants != grants for r in others):
+            raise ProtocolError(f"the ranks of stream {stream.name!r} take "
+                                f"{'granted' if not grants else 'agreed'} steps; a rank cannot join them with "
+                                f"{'granted' if grants else 'agreed'} steps")
+        if grants and h["size"] != stream.group_size and stream.group_size:
+            ep = stream.delivering()
+            if ep is not None and ep.acked and not ep.all_acked:
+                raise ProtocolError(
+                    f"stream {stream.name!r} is in the middle of epoch {ep.epoch} ({ep.acked} batches consumed by "
+                    f"a group of {stream.group_size} ranks): a group of {h['size']} ranks can join it only at an "
+                    f"epoch boundary. Restart with {stream.group_size} ranks, or feed a new stream")
+            for old in others:
+                log.info("rank %d/%d of stream %r gives way to a group of %d ranks", old.rank, old.size,
+                         stream.name, h["size"])
+                self.rank_gone(old.identity, "was replaced by a group of another size", keep=False)
+            for session in list(stream.orphans):
+                self._requeue(stream, stream.orphans.pop(session).rank)
+        missed = super().join_rank(identity, h, held, consumed)
+        rank = self.ranks[identity]
+        rank.grants = grants
+        stream.group_size = rank.size
+        self._start_evening_over(stream)
+        return missed
+
+    def rank_gone(self, identity: bytes, why: str, keep: bool = True) -> None:
+        rank = self.ranks.get(identity)
+        super().rank_gone(identity, why, keep)
+        if rank is not None and rank.grants:
+            self._start_evening_over(self.streams[rank.stream])
+
+    def _start_evening_over(self, stream: StreamState) -> None:
+        for ep in stream.epochs.values():
+            if ep.share is not None and not ep.end_sent:
+                ep.share = None
+                ep.returns_due.clear()
+
+    # ---- grants -------------------------------------------------------------------------------------------
+
+    def counts(self, stream: StreamState, ep: EpochState) -> list[int]:
+        """Per rank number, the batches of ``ep`` it has in hand for steps (those it drops to even out left out)."""
+        counts = stream.counts(ep.epoch)
+        for number, dropped in ep.dropped.items():
+            if number < len(counts):
+                counts[number] -= dropped
+        return counts
+
+    def grant(self, stream: StreamState, ep: EpochState, transmit: Transmit) -> None:
+        """Tell every rank the steps it may take in ``ep`` when that grew: the smallest count (the share, at most)."""
+        counts = self.counts(stream, ep)
+        if counts:
+            steps = min(counts) if ep.share is None else min(min(counts), ep.share)
+            ep.steps = max(ep.steps, steps)
+        if not ep.steps:
+            return
+        header: bytes | None = None
+        gone = []
+        for rank in stream.ranks.values():
+            if rank.told.get(ep.epoch, 0) >= ep.steps:
+                continue
+            header = header or protocol.pack_header(Kind.STEPS, stream=stream.name, epoch=ep.epoch, steps=ep.steps)
+            outcome = transmit(rank.identity, [header])
+            if outcome is Outcome.SENT:
+                rank.told[ep.epoch] = ep.steps
+            elif outcome is Outcome.GONE:
+                gone.append(rank.identity)
+        for identity in gone:
+            self.rank_gone(identity, "disconnected")
+
+    def may_take(self, ep: EpochState, rank: RankState, batch: HeldBatch) -> int:
+        """How many of ``batch``'s batches may go to ``rank`` now: all of them, unless ``ep`` is being evened out;
+        then what the rank is short of the share (0: none; and none of a piece of a pack it holds a piece of)."""
+        if ep.share is None:
+            return batch.count
+        if batch.id in rank.inflight:
+            return 0
+        have = rank.given.get(ep.epoch, 0) - ep.dropped.get(rank.rank, 0)
+        return max(ep.share - have, 0)
+
+    # ---- the epoch's end ----------------------------------------------------------------------------------
+
+    def evened(self, stream: StreamState, ep: EpochState, transmit: Transmit) -> bool:
+        """Whether the closed, fully sent epoch ``ep`` may end: every rank has the share. Until then, start the
+        evening out (RELEASE to the ranks with more) or wait for it (their RETURN, the pieces to the ranks short).
+        An epoch waits while a lost rank holds its batches, or a rank number of the group is not connected."""
+        if ep.returns_due or len(stream.ranks) < stream.expected_ranks:
+            return False
+        if any(b.id[0] == ep.epoch for o in stream.orphans.values() for b in o.rank.inflight.values()):
+            return False
+        counts = self.counts(stream, ep)
+        share = sum(counts) // len(counts)
+        if ep.share is not None and ep.share == share and all(c == share for c in counts):
+            return True
+        if ep.share is not None and any(c < ep.share for c in counts) and ep.queue:
+            return False                  # pieces returned are on their way to the ranks short of the share
+        ep.share = share
+        left_over = sum(counts) - share * len(counts)
+        by_number = {r.rank: r for r in stream.ranks.values()}
+        for number, count in enumerate(counts):
+            if count <= share:
+                continue
+            drop = min(count - share, left_over)
+            left_over -= drop
+            ep.dropped[number] = ep.dropped.get(number, 0) + drop
+            rank = by_number[number]
+            header = protocol.pack_header(Kind.RELEASE, stream=stream.name, epoch=ep.epoch, keep=share, drop=drop)
+            outcome = transmit(rank.identity, [header])
+            if outcome is Outcome.SENT:
+                if count - share > drop:
+                    ep.returns_due.add(number)
+            else:                         # it could not hear it: try again on the next pass
+                ep.dropped[number] -= drop
+                ep.share = None
+                if outcome is Outcome.GONE:
+                    self.rank_gone(rank.identity, "disconnected")
+                return False
+        if ep.returns_due:
+            log.info("stream %r epoch %d: evening out to %d steps a rank; %d ranks return batches", stream.name,
+                     ep.epoch, share, len(ep.returns_due))
+            return False
+        return all(c == share for c in self.counts(stream, ep))
+
+    def give_back(self, rank: RankState, h: dict) -> int:
+        """RETURN: batches (or the unused tail of a pack, from its batch ``first`` on) that ``rank`` gives back to
+        even the epoch out. They go to the front of the queue. Returns how many named were not in flight to it.
+
+        Raises:
+            ProtocolError: ids that are not whole ``(epoch, part, seq, first)`` quadruples of integers.
+        """
+        ids = h["ids"]
+        if len(ids) % 4 or not all(type(i) is int for i in ids):
+            raise ProtocolError(f"RETURN ids must be (epoch, part, seq, first) quadruples of integers, got "
+                                f"{len(ids)} values")
+        stream = self.streams[rank.stream]
+        unknown = 0
+        back: list[HeldBatch] = []
+        values = iter(ids)
+        for epoch, part, seq, first in zip(values, values, values, values):
+            piece = rank.inflight.get((epoch, part, seq))
+            if piece is None or first >= piece.first + piece.count or epoch not in stream.epochs:
+                unknown += 1
+                continue
+            if first <= piece.first:
+                rank.take_back(piece)
+                back.append(piece)
+                continue
+            kept, tail = cut(piece, first)
+            rank.take_back(piece)
+            rank.hold(kept)
+            back.append(tail)
+        for piece in sorted(back, key=lambda b: (b.id, b.first), reverse=True):
+            into = stream.epochs[piece.id[0]]
+            piece.sends = 0                           # given to another rank to even out: not a redelivery
+            into.requeue(piece)
+            into.moved += piece.count
+        ep = stream.epochs.get(h["epoch"])
+        if ep is not None:
+            ep.returns_due.discard(rank.rank)
+            extra = (rank.given.get(ep.epoch, 0) - ep.dropped.get(rank.rank, 0) - ep.share
+                     if ep.share is not None else 0)
+            if extra > 0:
+                # It kept more than the share: it had used more (its group changed in the middle of the epoch), or
+                # it was leaving the epoch. What it keeps beyond the share counts as dropped, so the evening ends.
+                ep.dropped[rank.rank] = ep.dropped.get(rank.rank, 0) + extra
+                log.warning("rank %d of stream %r kept %d batches of epoch %d, %d above the share of %d: its steps "
+                            "are not the others' (its group changed in the middle of the epoch, or it left the "
+                            "epoch early)", rank.rank, stream.name, h["kept"], ep.epoch, extra, ep.share)
+        return unknown
+
+
+def cut(piece: HeldBatch, first: int) -> tuple[HeldBatch, HeldBatch]:
+    """A pack (or a piece of one) cut before its batch ``first``: the two pieces, each the same frames behind a
+    header whose ``take`` names its batches. Rows and bytes are shared out by the pack's ``splits``."""
+    header = msgpack.unpackb(_bytes(piece.frames[0]), raw=False)
+    splits = header["splits"]
+    stop = piece.first + piece.count
+    whole = piece.whole or piece
+    whole.pieces += 1
+    head_rows = sum(splits[piece.first:first])
+    head_bytes = piece.nbytes * head_rows // piece.rows if piece.rows else 0
+    head = HeldBatch(piece.id, _taking(header, piece.first, first, piece.frames), head_bytes, head_rows,
+                     sends=piece.sends, count=first - piece.first, first=piece.first, whole=whole)
+    tail = HeldBatch(piece.id, _taking(header, first, stop, piece.frames), piece.nbytes - head_bytes,
+                     piece.rows - head_rows, sends=piece.sends, count=stop - first, first=first, whole=whole)
+    return head, tail
+
+
+def _taking(header: dict, first: int, stop: int, frames: list) -> list:
+    return [msgpack.packb(dict(header, take=[first, stop]), use_bin_type=True), *frames[1:]]
+
+
+def _bytes(frame: object) -> bytes:
+    return frame.bytes if hasattr(frame, "bytes") else bytes(frame)  # type: ignore[call-overload]

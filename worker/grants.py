@@ -1,0 +1,155 @@
+"""Equal steps granted by the broker: the plan a ``BatchStream`` epoch follows with ``rank=``/``size=`` (any
+launcher), and the default with an MPI communicator too.
+
+The rank needs no collective: each broker says how many of its batches every rank of the group may use
+(``STEPS``, cumulative per epoch, the smallest count it has given any rank), and at the epoch's end tells the
+ranks with more than the share to keep the share, drop what is left over and return the rest (``RELEASE``), which
+it gives to the ranks short of it. ``EPOCH_END`` then says the epoch's steps from that broker, the same on every
+rank. See ``broker.grants`` for the broker's side, docs/PROTOCOL.md "Granted steps" and docs/GUARANTEES.md.
+
+A rank takes a batch of a broker only while it has used fewer than that broker's grant, so at the end it can keep
+the share and give back what the others need: what it gives back it has never yielded.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING
+
+from broker.errors import ProtocolError
+from broker.protocol import Kind
+
+from .connection import BrokerConnection
+from .intake import Batch, Intake, Item
+from .steps import Step
+
+if TYPE_CHECKING:                     # pragma: no cover
+    from .stream import EpochStats
+
+log = logging.getLogger("sparkbus.worker")
+
+
+class GrantedSteps:
+    """The steps the brokers grant this rank in one epoch, taking turns among brokers with a grant to use.
+
+    Args:
+        intake: this rank's batches.
+        ep: the epoch's figures (data-wait, dropped batches).
+        on_drop: called with each batch dropped at the epoch's end to keep the ranks even.
+    """
+
+    def __init__(self, intake: Intake, ep: EpochStats, on_drop: Callable[[Batch], None] | None):
+        self._intake, self._ep, self._on_drop = intake, ep, on_drop
+        brokers = intake.connections
+        self._held: dict[BrokerConnection, deque[Item]] = {b: deque() for b in brokers}   # received, not used
+        self._granted = dict.fromkeys(brokers, 0)      # the broker's last STEPS
+        self._taken = dict.fromkeys(brokers, 0)        # used (yielded)
+        self._final: dict[BrokerConnection, int] = {}  # the epoch's steps, from its EPOCH_END
+        self._turn = 0
+
+    def steps(self) -> Generator[Step, None, None]:
+        """The epoch's steps. Closing it early (the loop left) puts back what this rank holds (the next epoch skips
+        and acknowledges it)."""
+        ep = self._ep
+        try:
+            while True:
+                item = self._next()
+                if item is not None:
+                    yield Step(*item)
+                    continue
+                if self._over():
+                    break
+                started = time.monotonic()
+                self._pump()
+                ep.wait_seconds += time.monotonic() - started
+        except BaseException:
+            self._intake.put_back(deque(item for held in self._held.values() for item in held))
+            raise
+        self._drop_left_over()
+
+    # ---- taking -----------------------------------------------------------------------------------------------
+
+    def _next(self) -> Item | None:
+        """A batch of a broker whose grant this rank has not used up, taking turns among brokers."""
+        brokers = self._intake.connections
+        for _ in range(len(brokers)):
+            self._turn = (self._turn + 1) % len(brokers)
+            broker = brokers[self._turn]
+            held = self._held[broker]
+            if held and self._taken[broker] < self._final.get(broker, self._granted[broker]):
+                self._taken[broker] += 1
+                return held.popleft()
+        return None
+
+    def _over(self) -> bool:
+        """Every broker ended the epoch and this rank took the steps each said.
+
+        Raises:
+            ProtocolError: a broker ended the epoch with more steps than it gave this rank batches for.
+        """
+        if len(self._final) < len(self._taken):
+            return False
+        for broker, steps in self._final.items():
+            if self._taken[broker] < steps:
+                if not self._held[broker]:
+                    raise ProtocolError(f"the broker at {broker.address} ended epoch {self._ep.epoch} with {steps} "
+                                        f"steps, but this rank has had only {self._taken[broker]} of its batches")
+                return False
+        return True
+
+    def _pump(self) -> None:
+        """Wait for the next message from a broker still in the epoch, and take it in."""
+        message = self._intake.receive(block=True)
+        if message is None:
+            return
+        broker, header, frames = message
+        kind = header["kind"]
+        if kind == Kind.BATCH:
+            self._held[broker].extend(self._intake.unpack(broker, header, frames, self._ep))
+        elif kind == Kind.STEPS:
+            self._granted[broker] = max(self._granted[broker], header["steps"])
+        elif kind == Kind.RELEASE:
+            self._release(broker, header["epoch"], header["keep"], header["drop"])
+        elif kind == Kind.EPOCH_END:
+            steps = header.get("steps")
+            if steps is None:
+                raise ProtocolError(f"the broker at {broker.address} ended epoch {header['epoch']} without granted "
+                                    f"steps (is another group of ranks consuming stream {broker.stream!r}?)")
+            self._final[broker] = steps
+            self._intake.ended(broker, header, self._ep)
+
+    # ---- the epoch's end ----------------------------------------------------------------------------------
+
+    def _release(self, broker: BrokerConnection, epoch: int, keep: int, drop: int) -> None:
+        """RELEASE: keep ``keep`` of this broker's batches (those used included), drop the next ``drop``, return the
+        rest, which this rank has not used, for the ranks short of the share."""
+        held = list(self._held[broker])
+        keep_more = max(keep - self._taken[broker], 0)
+        if keep < self._taken[broker]:
+            log.warning("rank %d had used %d batches of the broker at %s in epoch %d, more than the share of %d: "
+                        "its group changed in the middle of the epoch", broker.rank, self._taken[broker],
+                        broker.address, epoch, keep)
+        dropped = held[keep_more:keep_more + drop]
+        self._held[broker] = deque(held[:keep_more])
+        for header, batch in dropped:
+            self._intake.ack(header, send=False)
+            self._count_drop(header, batch)
+        self._intake.give_back(broker, epoch, held[keep_more + drop:], kept=self._taken[broker] + keep_more)
+
+    def _drop_left_over(self) -> None:
+        # The broker gives no rank more than its steps after RELEASE; should one, the batch counts as dropped.
+        for held in self._held.values():
+            while held:
+                header, batch = held.popleft()
+                log.warning("a batch beyond the epoch's granted steps: dropped")
+                self._intake.ack(header, send=False)
+                self._count_drop(header, batch)
+
+    def _count_drop(self, header: dict, batch: Batch) -> None:
+        self._ep.dropped_batches += 1
+        self._ep.dropped_rows += header["rows"]
+        if self._on_drop is not None:
+            self._on_drop(batch)
