@@ -86,6 +86,7 @@ class Ledger(Partitions, Dispatch):
                 self.buffered -= batch.nbytes
                 ep.count_out(batch)
                 ep.count_acked(batch)
+                ep.acked_before[batch.id] = batch.count    # a rank that rejoins may name it as consumed
             else:
                 kept.append(batch)
         ep.queue = kept

@@ -148,6 +148,12 @@ class Rejoin(Books):
                         rest.append(batch)
                 ep.queue = rest
         late = missing - found.keys()
+        for batch_id in late & consumed:
+            before = stream.epochs.get(batch_id[0])
+            if before is not None and batch_id in before.acked_before:     # consumed before the broker restarted
+                count = before.acked_before.pop(batch_id)
+                rank.given[batch_id[0]] = rank.given.get(batch_id[0], 0) + count
+                late.discard(batch_id)
         if late:
             # Batches it had that are nowhere to take back from: its grace ran out and they went to another rank
             # (or were consumed there). Both ranks have them; say so, loudly, and count them.

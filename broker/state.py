@@ -96,6 +96,7 @@ class EpochState:
     dropped: dict[int, int] = field(default_factory=dict)   # ... rank number -> batches it drops to even out
     returns_due: set[int] = field(default_factory=set)      # ... rank numbers told to RELEASE, not yet returned
     moved: int = 0             # ... batches returned by one rank and given to another to even out
+    acked_before: dict[BatchId, int] = field(default_factory=dict)   # replay: acknowledged before a restart
 
     @property
     def all_acked(self) -> bool:

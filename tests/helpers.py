@@ -78,13 +78,18 @@ def send(sock, kind, **fields):
     sock.send(pack_header(kind, **fields))
 
 
-def hello(rank=0, size=1, *, even=False, stream="s", session="", resume=False, ended=-1, req=1) -> dict:
-    """A rank's HELLO (every field of ``protocol.SCHEMAS[Kind.HELLO]``), as the ledger's ``join_rank`` takes it.
+def hello(rank=0, size=1, *, even=False, stream="s", session="", resume=False, ended=-1, req=1,
+          grants=None) -> dict:
+    """A rank's HELLO (every field of ``protocol.SCHEMAS[Kind.HELLO]``), as the ledger's ``join_rank`` takes it;
+    ``grants``: the optional field (a rank whose steps the broker grants).
 
     The default ``session`` is empty: a rank that cannot rejoin, so what it held is requeued as soon as it goes.
     """
-    return {"req": req, "role": "rank", "stream": stream, "rank": rank, "size": size, "even": even,
-            "session": session, "resume": resume, "ended": ended}
+    h = {"req": req, "role": "rank", "stream": stream, "rank": rank, "size": size, "even": even,
+         "session": session, "resume": resume, "ended": ended}
+    if grants is not None:
+        h["grants"] = grants
+    return h
 
 
 def send_hello(sock, rank=0, size=1, **fields):
@@ -104,6 +109,7 @@ class Wire:
         self.ledger = ledger
         self.sent: list[tuple[bytes, tuple]] = []      # (rank identity, batch id) as they arrived
         self.ends: list[tuple[bytes, int]] = []        # (rank identity, epoch)
+        self.headers: list[tuple[bytes, dict]] = []    # (rank identity, header) of everything that arrived
         self.refuse: set[bytes] = set()
         self.gone: set[bytes] = set()
         self.cut: set[bytes] = set()
@@ -116,9 +122,10 @@ class Wire:
             return Outcome.FULL
         if identity not in self.cut:
             header = protocol.unpack_header(frames[0])
+            self.headers.append((identity, header))
             if header["kind"] == Kind.EPOCH_END:
                 self.ends.append((identity, header["epoch"]))
-            else:
+            elif header["kind"] == Kind.BATCH:
                 self.sent.append((identity, protocol.batch_id(header)))
         return Outcome.SENT
 
@@ -132,6 +139,10 @@ class Wire:
     def ended(self, identity):
         """The epochs whose end arrived at ``identity``, in order."""
         return [epoch for who, epoch in self.ends if who == identity]
+
+    def of_kind(self, identity, kind):
+        """The headers of ``kind`` that arrived at ``identity``, in order."""
+        return [h for who, h in self.headers if who == identity and h["kind"] == kind]
 
 
 class FakeBroker:
