@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from slurm_cluster import OneNodeSlurm, SlurmUnavailable, unavailable
+from slurm_cluster import OneNodeSlurm, SlurmUnavailable, free_ports, unavailable
 
 from helpers import free_port_triple, wait_for
 
@@ -31,6 +31,18 @@ HERE = Path(__file__).resolve().parent
 VENV = Path(sys.executable).parent.parent
 EPOCHS, PARTITIONS, ROWS, BATCH = 2, 3, 1000, 50
 JOB_SECONDS = 60
+# sitecustomize for the torch ranks: mpi4py cannot be imported there (as on a node with no MPI installed)
+NO_MPI = """
+import sys
+
+class NoMPI:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in ("mpi4py", "mpich"):
+            raise ModuleNotFoundError(f"No module named {name!r} (refused: a torch rank needs no MPI)", name=name)
+        return None
+
+sys.meta_path.insert(0, NoMPI())
+"""
 
 
 @pytest.fixture(scope="module")
@@ -94,14 +106,26 @@ def assert_clean_run(fields: dict) -> str:
     return log
 
 
-def assert_every_row_once(epochs: list[list[np.ndarray]], steps: list[list[int]]) -> None:
-    """Per epoch: the ranks' ids together are that epoch's ids exactly once, and every rank took as many steps."""
-    per_epoch = PARTITIONS * ROWS
-    for epoch, (ranks_ids, ranks_steps) in enumerate(zip(epochs, steps)):
-        ids = np.sort(np.concatenate(ranks_ids))
-        np.testing.assert_array_equal(ids, np.arange(epoch * per_epoch, (epoch + 1) * per_epoch))
-        assert len(set(ranks_steps)) == 1, f"epoch {epoch}: unequal steps {ranks_steps}"
-        assert ranks_steps[0] == per_epoch // BATCH // 2
+def rank_ids(out: Path, ranks: int, epochs: int) -> list[list[np.ndarray]]:
+    """Per epoch, per rank: the ids the rank trained on (``rank<r>-epoch<e>.npz``, none dropped)."""
+    found = []
+    for e in range(epochs):
+        ids = []
+        for r in range(ranks):
+            with np.load(out / f"rank{r}-epoch{e}.npz") as data:
+                assert data["dropped_id"].size == 0, f"rank {r} dropped {data['dropped_id'].size} rows in epoch {e}"
+                ids.append(data["id"])
+        found.append(ids)
+    return found
+
+
+def assert_every_row_once(epochs: list[list[np.ndarray]], expected: list[np.ndarray],
+                          steps: list[list[int]]) -> None:
+    """Per epoch: the ranks' ids together are that epoch's ids exactly once, and every rank took as many steps
+    (``PARTITIONS * ROWS / BATCH`` batches shared by two ranks)."""
+    for epoch, (ranks_ids, ids, ranks_steps) in enumerate(zip(epochs, expected, steps)):
+        np.testing.assert_array_equal(np.sort(np.concatenate(ranks_ids)), ids, err_msg=f"epoch {epoch}")
+        assert ranks_steps == [PARTITIONS * ROWS // BATCH // 2] * 2, f"epoch {epoch}: steps {ranks_steps}"
 
 
 def test_the_mpi_recipe_trains_under_srun_pmi2_and_stops_its_broker_cleanly(slurm, tmp_path):
@@ -112,14 +136,31 @@ def test_the_mpi_recipe_trains_under_srun_pmi2_and_stops_its_broker_cleanly(slur
     assert_clean_run(fields)
     summaries = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     assert [s["size"] for s in summaries] == [2, 2]
-    epochs, steps = [], []
-    for e in range(EPOCHS):
-        ids = []
-        for r in range(2):
-            with np.load(out / f"rank{r}-epoch{e}.npz") as data:
-                ids.append(data["id"])
-                assert data["dropped_id"].size == 0
-        epochs.append(ids)
-        steps.append([s["epochs"][e]["batches"] for s in summaries])
-    assert_every_row_once(epochs, steps)
+    per_epoch = PARTITIONS * ROWS             # slurm_feed.py: epoch e has the ids e * per_epoch ... + per_epoch - 1
+    assert_every_row_once(rank_ids(out, 2, EPOCHS), [np.arange(e * per_epoch, (e + 1) * per_epoch)
+                                                     for e in range(EPOCHS)],
+                          [[s["epochs"][e]["batches"] for s in summaries] for e in range(EPOCHS)])
+
+
+def test_the_torch_recipe_trains_ddp_under_plain_srun_without_mpi(slurm, tmp_path):
+    """examples/train_ddp.py (the recipe's default) under srun: gloo over loopback, BatchStream(rank="auto"), fed by
+    its own Spark-free feed; no rank imports mpi4py (the ranks would fail: it is refused in their environment)."""
+    out = tmp_path / "ranks"
+    refuse = tmp_path / "no-mpi"
+    refuse.mkdir()
+    (refuse / "sitecustomize.py").write_text(NO_MPI)
+    feed = (f"python {ROOT / 'examples' / 'train_ddp.py'} --feed \"$SPARKBUS_FEED_ADDRESS\" --no-spark "
+            f"--epochs {EPOCHS} --rows {PARTITIONS * ROWS} --partitions {PARTITIONS} --batch-size {BATCH}")
+    (master_port,) = free_ports(1)
+    fields = sbatch(slurm, "sparkbus-train-torch.sbatch", tmp_path,
+                    {"FEED_CMD": feed, "MASTER_PORT": str(master_port), "GLOO_SOCKET_IFNAME": "lo",
+                     "PYTHONPATH": str(refuse)},
+                    "--epochs", str(EPOCHS), "--out", str(out), "--record-ids", "--timeout", "60")
+    assert_clean_run(fields)
+    assert f"MASTER_PORT={master_port}" in fields["output"]
+    summaries = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [(s["rank"], s["size"]) for s in summaries] == [(0, 2), (1, 2)]
+    assert summaries[0]["weights_sha256"] == summaries[1]["weights_sha256"]     # DDP kept them in step
+    assert_every_row_once(rank_ids(out, 2, EPOCHS), [np.arange(PARTITIONS * ROWS)] * EPOCHS,
+                          [[s["epochs"][e]["steps"] for s in summaries] for e in range(EPOCHS)])
 
