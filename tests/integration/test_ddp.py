@@ -1,0 +1,181 @@
+"""torch DistributedDataParallel ranks started by torchrun (gloo on CPU, no MPI) on one stream of a broker started
+through its CLI: examples/train_ddp.py, with ``BatchStream(address, rank="auto")``, fed by its Spark-free feed.
+
+Every run is bounded: torchrun and the feed are children of the test, killed with all they started when their
+time runs out (a DDP rank left alone in an allreduce is a failure of the test, not a stuck suite), and the
+example's gloo collectives time out too (``--timeout``).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from harness import Children, run_child
+
+pytestmark = pytest.mark.timeout(120)
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "train_ddp.py"
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+DEPLOY = ROOT / "deploy" / "run-ranks-torchrun.sh"
+SIZE = 2
+RUN_SECONDS = 75.0        # a torchrun job of these sizes takes 5-10 s on 2 idle cores
+COLLECTIVE_TIMEOUT = 30   # the example's gloo and BatchStream timeout: a hang fails the job before the test's bound
+
+pytest.importorskip("torch")
+if not TORCHRUN.exists():
+    pytest.skip(f"no torchrun beside {sys.executable}", allow_module_level=True)
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 for torchrun's rendezvous store (rank 0 binds it)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@dataclass
+class TorchrunJob:
+    """``torchrun --nproc-per-node 2 examples/train_ddp.py``: its process and the directory its ranks write to."""
+
+    proc: subprocess.Popen
+    out: Path
+
+    def wait(self, timeout: float = RUN_SECONDS) -> list[dict]:
+        """Every rank's figures (``rank<r>.json``) once torchrun exited 0 within ``timeout``."""
+        stdout, stderr = Children.finish(self.proc, timeout, "torchrun")
+        assert self.proc.returncode == 0, f"torchrun failed ({self.proc.returncode}):\n{stdout[-2000:]}\n" \
+                                          f"{stderr[-8000:]}"
+        assert "weights identical on every rank" in stdout, stdout[-2000:]
+        return [json.loads((self.out / f"rank{r}.json").read_text()) for r in range(SIZE)]
+
+    def ids(self, rank: int, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """The ids rank ``rank`` trained on in ``epoch``, and those dropped on it to keep the ranks even."""
+        with np.load(self.out / f"rank{rank}-epoch{epoch}.npz") as data:
+            return data["id"], data["dropped_id"]
+
+
+@pytest.fixture
+def start_torchrun(children, tmp_path):
+    """``start_torchrun(ranks_address, *flags, deploy=False)``: examples/train_ddp.py under ``torchrun
+    --nproc-per-node 2`` on loopback (``deploy``: through deploy/run-ranks-torchrun.sh), writing to a directory of
+    its own; killed with its ranks at the end of the test if still running."""
+    count = 0
+
+    def start(address: str, *flags: str, deploy: bool = False) -> TorchrunJob:
+        nonlocal count
+        out = tmp_path / f"ddp-{count}"
+        count += 1
+        ours = ["--out", out, "--timeout", str(COLLECTIVE_TIMEOUT), *flags]
+        if deploy:       # as an operator starts them: the broker's host and ranks port, torchrun's port
+            host, port = address.removeprefix("tcp://").rsplit(":", 1)
+            command, env = [DEPLOY, *ours], {"SPARKBUS_BROKER": host, "SPARKBUS_RANKS_PORT": port,
+                                             "NPROC": str(SIZE), "MASTER_PORT": str(free_port())}
+        else:
+            command, env = [TORCHRUN, "--nproc-per-node", str(SIZE), "--master-addr", "127.0.0.1",
+                            "--master-port", str(free_port()), EXAMPLE, "--ranks", address, *ours], {}
+        proc = children.spawn(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return TorchrunJob(proc, out)
+
+    return start
+
+
+def feed(broker, stream: str, epochs: int, rows: int, *flags: str) -> None:
+    """The example's Spark-free feed of ``epochs`` reshuffled epochs of ``rows`` rows (ids 0 .. rows - 1)."""
+    run_child([sys.executable, EXAMPLE, "--feed", broker.feed, "--control", broker.control, "--no-spark",
+               "--stream", stream, "--epochs", str(epochs), "--rows", str(rows), *flags], 60, check=True)
+
+
+def check_equal_steps(figures: list[dict], epochs: int) -> None:
+    """Every rank took as many steps as every other in each epoch, one per batch its stream yielded."""
+    for epoch in range(epochs):
+        steps = [f["epochs"][epoch]["steps"] for f in figures]
+        assert steps[0] > 0 and steps == [steps[0]] * SIZE, (epoch, steps)
+        assert [f["epochs"][epoch]["batches"] for f in figures] == steps
+        assert [f["epochs"][epoch]["broker_epoch"] for f in figures] == [epoch] * SIZE
+        assert all(f["epochs"][epoch]["steps_per_rank"] == steps for f in figures)
+
+
+def check_every_row_once(job: TorchrunJob, figures: list[dict], epochs: int, rows: int) -> None:
+    """Per epoch, the ids trained on by all ranks and those dropped are ``0 .. rows - 1``, each exactly once, and at
+    most ``size - 1`` batches were dropped (counted as the ids show)."""
+    for epoch in range(epochs):
+        kept, dropped = zip(*(job.ids(r, epoch) for r in range(SIZE)))
+        every = np.sort(np.concatenate(kept + dropped))
+        np.testing.assert_array_equal(every, np.arange(rows))
+        assert sum(len(d) for d in dropped) == sum(f["epochs"][epoch]["dropped_rows"] for f in figures)
+        assert sum(f["epochs"][epoch]["dropped_batches"] for f in figures) <= SIZE - 1
+        assert [f["epochs"][epoch]["rows"] for f in figures] == [len(k) for k in kept]
+        assert figures[0]["epochs"][epoch]["all_rows"] == sum(len(k) for k in kept)
+
+
+def test_ddp_ranks_take_equal_steps_and_end_with_identical_weights_and_a_falling_loss(start_broker_process,
+                                                                                       start_torchrun):
+    epochs, rows = 4, 4_000
+    broker = start_broker_process()
+    job = start_torchrun(broker.ranks, "--stream", "ddp", "--epochs", str(epochs), "--record-ids")
+    feed(broker, "ddp", epochs, rows, "--batch-size", "100")     # 40 batches an epoch, packed as the feeder does
+    figures = job.wait()
+    check_equal_steps(figures, epochs)
+    check_every_row_once(job, figures, epochs, rows)
+    digests = {f["weights_sha256"] for f in figures}
+    assert len(digests) == 1                                     # bit-identical weights on every rank
+    losses = [e["loss"] for e in figures[0]["epochs"]]
+    assert [[e["loss"] for e in f["epochs"]] for f in figures] == [losses] * SIZE   # the loss of all ranks' rows
+    assert all(later < earlier for earlier, later in zip(losses, losses[1:])), losses
+    assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_a_slow_rank_still_takes_as_many_steps_and_every_row_arrives_once(start_broker_process, start_torchrun):
+    epochs, rows = 2, 3_000
+    broker = start_broker_process()
+    # rank 1 sleeps 15 ms a step; one batch per message (no packs), and a shuffle buffer on the ranks
+    job = start_torchrun(broker.ranks, "--stream", "slow", "--epochs", str(epochs), "--record-ids",
+                         "--slow-rank", "1", "--slow-seconds", "0.015", "--shuffle-buffer", "3")
+    feed(broker, "slow", epochs, rows, "--batch-size", "50", "--partitions", "3", "--pack-bytes", "0")
+    figures = job.wait()
+    check_equal_steps(figures, epochs)
+    check_every_row_once(job, figures, epochs, rows)
+    assert len({f["weights_sha256"] for f in figures}) == 1
+
+
+def test_torchrun_and_mpiexec_ranks_train_with_equal_steps_from_the_same_broker(start_broker_process, start_torchrun,
+                                                                               start_ranks, children):
+    epochs, rows = 2, 3_000
+    broker = start_broker_process()
+    job = start_torchrun(broker.ranks, "--stream", "ddp", "--epochs", str(epochs), "--record-ids", deploy=True)
+    mpi = start_ranks(SIZE, broker.ranks, "--stream", "mpi", "--epochs", str(epochs), "--slow-rank", "1",
+                      "--slow-seconds", "0.005")
+    feeding = [children.spawn([sys.executable, EXAMPLE, "--feed", broker.feed, "--control", broker.control,
+                               "--no-spark", "--stream", stream, "--epochs", str(epochs), "--rows", str(rows),
+                               "--batch-size", "100"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for stream in ("ddp", "mpi")]                      # both streams fed at once
+    for proc in feeding:
+        _, err = Children.finish(proc, 60, "the feed")
+        assert proc.returncode == 0, err[-3000:]
+    figures = job.wait()
+    check_equal_steps(figures, epochs)
+    check_every_row_once(job, figures, epochs, rows)
+    assert len({f["weights_sha256"] for f in figures}) == 1
+    summaries = mpi.wait(RUN_SECONDS)
+    for epoch in range(epochs):
+        batches = [s["epochs"][epoch]["batches"] for s in summaries]
+        assert batches[0] > 0 and batches == [batches[0]] * SIZE, (epoch, batches)
+        kept = [mpi.epoch(r, epoch)["id"] for r in range(SIZE)]
+        dropped = [mpi.epoch(r, epoch)["dropped_id"] for r in range(SIZE)]
+        np.testing.assert_array_equal(np.sort(np.concatenate(kept + dropped)), np.arange(rows))
+        assert sum(s["epochs"][epoch]["dropped_batches"] for s in summaries) <= SIZE - 1
+    # One broker served both jobs, every epoch whole, and granted the steps each job took.
+    streams = broker.stats()["streams"]
+    for name, steps in (("ddp", [e["steps"] for e in figures[0]["epochs"]]),
+                        ("mpi", [e["batches"] for e in summaries[0]["epochs"]])):
+        fed = [streams[name]["epochs"][str(e)] for e in range(epochs)]
+        assert [(e["ended"], e["rows_in"], e["steps"]) for e in fed] == [(True, rows, n) for n in steps]
