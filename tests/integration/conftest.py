@@ -83,6 +83,59 @@ def start_ranks(tmp_path, children):
     return start
 
 
+@dataclass
+class Group:
+    """``n`` plain processes of rank_main.py, ranks ``0 .. n-1`` of a group started without MPI."""
+
+    procs: list[subprocess.Popen]
+    out: Path
+    n: int
+
+    def kill(self, rank: int) -> None:
+        Children.kill(self.procs[rank])
+
+    def wait(self, timeout: float = 90.0, ranks: list[int] | None = None) -> list[dict]:
+        numbers = range(self.n) if ranks is None else ranks
+        for rank in numbers:
+            _, err = Children.finish(self.procs[rank], timeout, f"rank {rank}")
+            assert self.procs[rank].returncode == 0, f"rank {rank} failed:\n{err[-3000:]}"
+        return [json.loads((self.out / f"rank{rank}.json").read_text()) for rank in numbers]
+
+    def epoch(self, rank: int, epoch: int) -> dict[str, np.ndarray]:
+        with np.load(self.out / f"rank{rank}-epoch{epoch}.npz") as data:
+            return dict(data)
+
+    def stopped(self, rank: int) -> bool:
+        return (self.out / f"rank{rank}.stopped").exists()
+
+
+@pytest.fixture
+def start_group(tmp_path, children):
+    """``start_group(n, ranks_address, *flags)``: ``n`` processes of tests/integration/rank_main.py with
+    ``--group r/n`` (no MPI: equal steps granted by the broker). ``group.restart(r, *flags)`` starts rank ``r``
+    again (a new process: a new session). Killed at the end of the test if still running."""
+    made = []
+
+    def start(n: int, address: str, *flags: str, out: Path | None = None, only: list[int] | None = None) -> Group:
+        if out is None:
+            out = tmp_path / f"group-{len(made)}"
+            out.mkdir()
+        procs = []
+        for rank in range(n):
+            if only is not None and rank not in only:
+                procs.append(None)
+                continue
+            command = [sys.executable, str(HERE / "rank_main.py"), "--ranks", address, "--out", str(out),
+                       "--group", f"{rank}/{n}", *flags]
+            procs.append(children.spawn(command, env=loopback_env(), stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.PIPE, text=True))
+        group = Group(procs, out, n)
+        made.append(group)
+        return group
+
+    return start
+
+
 @pytest.fixture
 def killed_inside_a_pack(start_ranks):
     """``killed_inside_a_pack(broker, stream, make_frame, *flags)``: two independent consumers of ``stream`` (rank_main

@@ -5,13 +5,15 @@ Writes ``OUT/rank{r}.json`` (per epoch: batches, rows, dropped, column dtypes an
 With ``--values``, also ``OUT/rank{r}-epoch{e}-values.json``: every column's values (``to_pylist()`` of a
 RaggedColumn, ``tolist()`` of an array) in arrival order, bytes as ``{"hex": ...}`` and dates as ISO strings,
 beside each batch's form (``forms``: per batch, per column, the type's name).
-With ``--no-mpi`` it is an independent consumer (``comm=None``) named by ``--name``.
+With ``--no-mpi`` it is an independent consumer (``comm=None``) named by ``--name``; with ``--group R/N`` rank R of
+a group of N started without MPI (``BatchStream(rank=R, size=N)``, steps granted by the broker).
 With ``--stop-after K`` it records its first K batches, writes ``OUT/{name}.stopped``, and hangs until killed.
 """
 
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -35,12 +37,18 @@ parser.add_argument("--leave-after", type=int, default=0, help="leave epoch 0 (b
 parser.add_argument("--raise-rank", type=int, default=-1, help="this rank raises after --raise-after batches")
 parser.add_argument("--raise-after", type=int, default=0)
 parser.add_argument("--no-mpi", action="store_true")
+parser.add_argument("--group", help="R/N: rank R of a group of N started without MPI (BatchStream(rank=, size=))")
+parser.add_argument("--steps", choices=["broker", "mpi"], default="broker", help="how even ranks keep equal steps")
 parser.add_argument("--name", help="file name prefix (default rank{r})")
 parser.add_argument("--timeout", type=float, default=60.0)
 parser.add_argument("--values", action="store_true", help="record every column's values as JSON too")
 args = parser.parse_args()
 
-if args.no_mpi:
+group = {}
+if args.group:
+    rank, size = (int(n) for n in args.group.split("/"))
+    comm, group = None, {"rank": rank, "size": size}
+elif args.no_mpi:
     comm, rank = None, 0
 else:
     from mpi4py import MPI
@@ -73,11 +81,12 @@ def save(epoch, columns, dropped, objects=None, forms=None):
 
 def main():
     dropped = []
-    summary = {"rank": rank, "size": comm.Get_size() if comm else 1, "epochs": []}
+    summary = {"rank": rank, "size": comm.Get_size() if comm else group.get("size", 1), "epochs": []}
     consumed = 0
     window = {} if args.prefetch_bytes is None else {"prefetch_bytes": args.prefetch_bytes}
     with BatchStream(args.ranks, comm=comm, stream=args.stream, prefetch=args.prefetch, **window, even=even,
-                     timeout=args.timeout, on_drop=lambda b: dropped.append(b["id"].copy())) as stream:
+                     timeout=args.timeout, on_drop=lambda b: dropped.append(b["id"].copy()), steps=args.steps,
+                     **group) as stream:
         if args.stall_file:
             deadline = time.monotonic() + args.timeout
             while not os.path.exists(args.stall_file):
@@ -116,6 +125,7 @@ def main():
                 "dtypes": {k: str(v.dtype) for k, v in joined.items() if k != "dropped_id"},
                 "shapes": {k: list(v.shape) for k, v in joined.items() if k != "dropped_id"}})
     summary["skipped_batches"] = stream.stats.skipped_batches
+    summary["imported_mpi4py"] = "mpi4py" in sys.modules
     (out / f"{name}.json").write_text(json.dumps(summary))
 
 
