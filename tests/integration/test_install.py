@@ -51,19 +51,23 @@ class RefuseExtras:
 sys.meta_path.insert(0, RefuseExtras())
 '''
 
-# The rank: consume `epochs` epochs and print the ids of each, and the refused modules that got loaded (none).
+# The rank: consume `epochs` epochs and print the ids and steps of each, and the refused modules that got loaded
+# (none). With a rank and a size, one of a group (steps granted by the broker); without, an independent consumer.
 RANK = '''
 import json, sys
 import sparkbus, worker
 from sparkbus import BatchStream
 
-address, epochs = sys.argv[1], int(sys.argv[2])
-ids = []
-with BatchStream(address, stream="core", timeout=30) as s:
+address, epochs, *group = sys.argv[1], int(sys.argv[2]), *map(int, sys.argv[3:])
+ids, steps = [], []
+with BatchStream(address, stream="core", timeout=30, **dict(zip(("rank", "size"), group))) as s:
     for _ in range(epochs):
-        ids.append(sorted(int(i) for batch in s.epoch() for i in batch["id"]))
+        batches = list(s.epoch())
+        ids.append(sorted(int(i) for batch in batches for i in batch["id"]))
+        steps.append(len(batches))
 refused = sys.meta_path[0].refused
-print(json.dumps({"ids": ids, "loaded": sorted(m for m in sys.modules if m.partition(".")[0] in refused)}))
+print(json.dumps({"ids": ids, "steps": steps,
+                  "loaded": sorted(m for m in sys.modules if m.partition(".")[0] in refused)}))
 '''
 
 # The feed, as a Spark task would do it but without Spark: the driver's epoch open and close through the control
@@ -174,28 +178,36 @@ def test_the_refuser_refuses_what_an_absent_extra_would(core_only):
     assert seen == {"pyspark": True, "mpi4py": True, "torch": True, "pandas": True, "zmq": False, "pyarrow": False}
 
 
-def test_the_rank_side_consumes_every_row_with_only_the_core(core_only, children, tmp_path):
-    """A broker (``python -m broker``), a Spark-free feed and an independent rank, all three with only the core's
-    distributions importable: each epoch's ids arrive exactly once."""
-    run, env = core_only
-    epochs, partitions, rows = 2, 3, 500
+@pytest.mark.parametrize("group", [[], [0, 2]], ids=["independent", "rank-and-size"])
+def test_the_rank_side_consumes_every_row_with_only_the_core(core_only, children, tmp_path, group):
+    """A broker (``python -m broker``), a Spark-free feed and the ranks, all with only the core's distributions
+    importable: each epoch's ids arrive exactly once. ``BatchStream(address, rank=r, size=n)``: two ranks, equal
+    steps granted by the broker, no mpi4py."""
+    _, env = core_only
+    epochs, partitions, rows = 2, 3, 512            # 24 batches of 64 an epoch: 12 steps a rank
     broker = BrokerProcess(tmp_path / "broker.log", "--heartbeat", "500ms", env=env, cwd=tmp_path)
     broker.start(timeout=20)
     try:
-        rank = children.spawn([sys.executable, "-c", RANK, broker.ranks, str(epochs)], env=env, cwd=tmp_path,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        ranks = [children.spawn([sys.executable, "-c", RANK, broker.ranks, str(epochs),
+                                 *([str(r), str(group[1])] if group else [])],
+                                env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for r in range(group[1] if group else 1)]
         fed = run_child([sys.executable, "-c", FEEDER, broker.feed, broker.control, str(epochs), str(partitions),
                          str(rows)], 60, env=env, cwd=tmp_path)
         assert fed.returncode == 0, f"the feed failed:\n{fed.stderr[-3000:]}"
-        out, err = children.finish(rank, 60, "the core-only rank")
-        assert rank.returncode == 0, f"the core-only rank failed:\n{err[-3000:]}"
+        got = []
+        for r, rank in enumerate(ranks):
+            out, err = children.finish(rank, 60, f"core-only rank {r}")
+            assert rank.returncode == 0, f"core-only rank {r} failed:\n{err[-3000:]}"
+            got.append(json.loads(out.strip().splitlines()[-1]))
     finally:
         broker.stop()
     assert not broker.killed, "the broker did not stop on SIGTERM"
-    got = json.loads(out.strip().splitlines()[-1])
     per_epoch = partitions * rows
-    assert got["ids"] == [list(range(e * per_epoch, (e + 1) * per_epoch)) for e in range(epochs)]
-    assert got["loaded"] == []
+    for e in range(epochs):
+        assert sorted(i for one in got for i in one["ids"][e]) == list(range(e * per_epoch, (e + 1) * per_epoch))
+        assert [one["steps"][e] for one in got] == [per_epoch // 64 // len(got)] * len(got)
+    assert [one["loaded"] for one in got] == [[]] * len(got)
     assert "broker stopped" in broker.log.read_text()
 
 
