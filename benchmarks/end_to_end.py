@@ -93,10 +93,12 @@ class Series:
 
 
 def run_sparkbus(children: Children, broker: BrokerProcess | Sequence[BrokerProcess], df: Any, rows: int,
-                 ranks: int, work: Path, timeout: float) -> dict:
+                 ranks: int, work: Path, timeout: float, steps: str = "broker") -> dict:
     """Feed ``df`` as one epoch to ``ranks`` ranks; figures relative to the call of ``feed``.
 
     With several brokers, the feed spreads the partitions over them and every rank consumes from all of them.
+    ``steps``: how the ranks keep equal steps (``BatchStream(steps=...)``: granted by the broker, or agreed over
+    MPI).
     """
     from feeder import feed
 
@@ -110,14 +112,14 @@ def run_sparkbus(children: Children, broker: BrokerProcess | Sequence[BrokerProc
 
     stream = f"bench-{next(_runs)}"
     meter = CpuMeter(brokers)
-    result = run_fed_ranks(children, brokers, stream, start, rows, ranks, work, timeout)
+    result = run_fed_ranks(children, brokers, stream, start, rows, ranks, work, timeout, steps=steps)
     result["cpu"] = {**meter.stop(), "ranks": result["ranks_cpu"]}
     return result
 
 
 def run_fed_ranks(children: Children, brokers: Sequence[BrokerProcess], stream: str, start: Callable[[], tuple],
                   rows: int, ranks: int, work: Path, timeout: float, *, prefix: Sequence[str] = (),
-                  touch: bool = False) -> dict:
+                  touch: bool = False, steps: str = "broker") -> dict:
     """Start ``ranks`` ranks on ``stream`` of ``brokers``; once they are ready, ``start()`` feeds the epoch and
     returns ``(t0, t_fed, report)`` (wall-clock seconds, a ``FeedReport`` or its dict); figures relative to t0.
 
@@ -126,7 +128,7 @@ def run_fed_ranks(children: Children, brokers: Sequence[BrokerProcess], stream: 
     """
     out = work / f"ranks-{stream}"
     args = ["--ranks", ",".join(b.ranks for b in brokers), "--stream", stream, "--timeout", str(timeout),
-            *(["--touch"] if touch else [])]
+            "--steps", steps, *(["--touch"] if touch else [])]
     result, (t0, t_fed, report) = run_ranks(children, f"ranks-{stream}", ranks, "rank_consumer.py", out, args,
                                             start, timeout, prefix=prefix)
     shutil.rmtree(out, ignore_errors=True)

@@ -1,7 +1,7 @@
 """A benchmark rank: iterate one epoch of a stream through BatchStream and record when batches arrived.
 
     mpiexec -n N python benchmarks/rank_consumer.py --ranks tcp://127.0.0.1:P --stream S --out DIR
-            [--compute SECONDS] [--go FILE] [--prefetch 4] [--touch]
+            [--compute SECONDS] [--go FILE] [--prefetch 4] [--touch] [--steps broker|mpi]
 
 Writes ``DIR/ready-<rank>`` once joined to the broker (the parent starts the clock after every rank is ready),
 waits for ``--go`` if given, then consumes one epoch, sleeping ``--compute`` seconds per batch (a stand-in for a
@@ -33,6 +33,8 @@ parser.add_argument("--go", help="wait for this file to exist before consuming")
 parser.add_argument("--prefetch", type=int, default=4)
 parser.add_argument("--even", choices=["auto", "no"], default="auto",
                     help="no: each rank consumes on its own (a diagnostic: no per-step agreement over MPI)")
+parser.add_argument("--steps", choices=["broker", "mpi"], default="broker",
+                    help="how even ranks keep equal steps: granted by the broker, or agreed over MPI")
 parser.add_argument("--no-verify", action="store_true", help="skip the checksum check (a diagnostic)")
 parser.add_argument("--touch", action="store_true",
                     help="add up the bytes of every column of every batch (numpy nbytes; a variable-length "
@@ -55,7 +57,7 @@ def column_bytes(column) -> int:
 def main() -> None:
     with BatchStream(args.ranks, comm=comm, stream=args.stream, prefetch=args.prefetch,
                      even=None if args.even == "auto" else False, verify=not args.no_verify,
-                     timeout=args.timeout) as stream:
+                     timeout=args.timeout, steps=args.steps) as stream:
         ready_path(out, rank).touch()
         if args.go:
             wait_for_go(args.go, args.timeout)

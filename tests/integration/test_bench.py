@@ -24,6 +24,7 @@ def test_the_quick_benchmark_runs_and_writes_its_report(tmp_path):
                    "end to end from the cached DataFrame", "end to end vs Parquet staging",
                    "data-wait (even=True)", "4 ranks vs 1 rank on one broker", "broker peak RSS"):
         assert target in report
+    assert report.count("steps agreed over MPI (beside the broker's grants)") == 2     # data-wait, 4 ranks vs 1
     assert "not run" not in report                  # every section produced its figure
     for section in ("### What CURVE costs (`--auth`)", "## 5. Several brokers", "## 6. Spark configurations"):
         assert section in report
