@@ -33,11 +33,12 @@ def all_sections() -> list[Any]:
     from benchmarks.images import ImagesSection
     from benchmarks.scaling import RssSection, ScalingSection
     from benchmarks.spark_configs import SparkSection
+    from benchmarks.torchrun import TorchrunSection
     from benchmarks.varlen import VarlenSection
 
     # hop and rss first: in a quick run Spark starts in the background meanwhile
     return [HopSection(), RssSection(), EndToEndSection(), ClusterSection(), ScalingSection(), DataWaitSection(),
-            BrokersSection(), VarlenSection(), SparkSection(), ImagesSection()]
+            BrokersSection(), VarlenSection(), SparkSection(), ImagesSection(), TorchrunSection()]
 
 
 def parse_args(argv: list[str] | None = None, sections: list[Any] | None = None) -> argparse.Namespace:

@@ -1,0 +1,274 @@
+"""Figure 9: time to the first batch for torchrun ranks, beside mpiexec ranks, from the same broker.
+
+One epoch is fed into a broker before any rank starts (numpy batches pushed by ``feeder.task.stream_partition``,
+no Spark), so that what is timed is the ranks' own start-up and the broker's first delivery, not a Spark job.
+Then 2 ranks are launched, one way after the other (the order alternates between repetitions), each consuming
+that epoch to its end:
+
+- ``torchrun``: ``torchrun --nproc-per-node 2 --master-addr 127.0.0.1 --master-port P -m benchmarks.torchrun
+  --rank-side torch``: ``import torch``, ``dist.init_process_group("gloo")``, ``BatchStream(address, rank="auto")``
+  (rank and size from the initialised group; the broker grants the steps);
+- ``mpiexec`` (the anchor): ``mpiexec -n 2 python -m benchmarks.torchrun --rank-side mpi``:
+  ``from mpi4py import MPI``, ``BatchStream(address, comm=MPI.COMM_WORLD)``, as the other figures' ranks;
+- ``mpiexec, rank="auto"`` (a diagnostic): the same launcher without mpi4py, rank and size from ``PMI_RANK`` and
+  ``PMI_SIZE``: what the launcher costs apart from the library that agrees on the steps.
+
+Each rank records wall-clock times (``time.time()``): its process's creation (``/proc/self/stat``), the moment its
+launcher's runtime is ready (torch imported and the gloo group initialised; mpi4py imported, MPI initialised;
+nothing), ``import worker`` done, and its first batch; the benchmark records when it started the launcher.
+Reported per way, for the rank whose first batch came last: launch -> process start, process start -> runtime
+ready, ``import worker``, ``BatchStream()`` -> first batch, and their sum, launch -> first batch, with its ratio
+to the mpiexec ranks' (medians of the same run). No target: a start-up cost to compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .common import ROOT, BenchError, Children, KiB, median, open_epoch
+from .report import num, table
+from .sections import Context, Run, Section
+
+RANKS = 2
+BATCH_ROWS = 1024
+FEATURES = 16                       # 1024 rows x (8 + 64) bytes: 72 KiB a batch, one batch per message
+BATCHES = 32                        # the epoch: 16 batches per rank
+WAYS = ("torchrun", "mpiexec", "mpiexec-auto")
+LABELS = {"torchrun": 'torchrun, gloo, `rank="auto"`', "mpiexec": "mpiexec, mpi4py, `comm=COMM_WORLD` (anchor)",
+          "mpiexec-auto": 'mpiexec, no mpi4py, `rank="auto"` (diagnostic)'}
+PHASES = (("launch_to_process", "launch -> process start"), ("process_to_ready", "process start -> runtime ready"),
+          ("ready_to_stream", "import worker"), ("stream_to_first", "BatchStream() -> first batch"),
+          ("launch_to_first", "launch -> first batch"))
+_runs = itertools.count()
+
+
+@dataclass
+class FirstBatch:
+    """Figure 9: per way, the runs (each the slowest rank's phases, plus every rank's own)."""
+
+    ranks: int
+    batches: int
+    batch_bytes: int
+    runs: dict[str, list[dict]] = field(default_factory=dict)
+    missing: dict[str, str] = field(default_factory=dict)        # a way that could not run here, and why
+
+    def med(self, way: str, key: str) -> float:
+        return median([r[key] for r in self.runs.get(way, []) if r.get(key) is not None])
+
+
+# ---- the benchmark's side ------------------------------------------------------------------------------------
+
+def run(children: Children, reps: int, work: Path, timeout: float, log=print) -> FirstBatch:
+    result = FirstBatch(RANKS, BATCHES, BATCH_ROWS * (8 + 4 * FEATURES))
+    torchrun = Path(sys.executable).parent / "torchrun"
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    ways = list(WAYS)
+    for way, program, extra in (("torchrun", torchrun, "torch"), ("mpiexec", mpiexec, "mpi4py"),
+                                ("mpiexec-auto", mpiexec, None)):
+        if not program.exists():
+            result.missing[way] = f"no {program.name} beside {sys.executable}"
+        elif extra and not _importable(extra):
+            result.missing[way] = f"{extra} is not installed"
+        if way in result.missing:
+            ways.remove(way)
+    broker = children.broker("256MiB")
+    try:
+        for rep in range(reps):
+            for way in (ways if rep % 2 == 0 else ways[::-1]):
+                one = _one(children, broker, way, work, timeout)
+                result.runs.setdefault(way, []).append(one)
+                log(f"  first batch, {way} rep {rep + 1}/{reps}: launch -> process {one['launch_to_process']:.2f} s, "
+                    f"-> ready {one['process_to_ready']:.2f} s, BatchStream() -> first batch "
+                    f"{one['stream_to_first']:.3f} s; launch -> first batch {one['launch_to_first']:.2f} s")
+    finally:
+        children.discard(broker)
+    return result
+
+
+def _importable(module: str) -> bool:
+    from importlib.util import find_spec
+
+    return find_spec(module) is not None
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _feed(broker: Any, stream: str, timeout: float) -> None:
+    """The epoch the ranks will read, held by the broker before they start (1 partition, 32 batches)."""
+    import numpy as np
+
+    from broker.client import ControlClient
+    from broker.protocol import Kind
+    from feeder.task import stream_partition
+
+    features = np.ones((BATCH_ROWS, FEATURES), np.float32)
+    batches = ({"id": np.arange(i * BATCH_ROWS, (i + 1) * BATCH_ROWS, dtype=np.int64), "x": features}
+               for i in range(BATCHES))
+    with ControlClient(broker.control, timeout) as client:
+        open_epoch(client, stream, 0, 1)
+        stream_partition(batches, broker.feed, broker.control, stream, 0, 0, 0, timeout, pack_bytes=0)
+        client.request(Kind.EPOCH_CLOSE, stream=stream, epoch=0, partitions=1)
+
+
+def _one(children: Children, broker: Any, way: str, work: Path, timeout: float) -> dict:
+    from launch.mpi import loopback_env
+    from launch.processes import ChildProcess
+
+    n = next(_runs)
+    stream, out = f"first-{n}", work / f"first-{n}"
+    out.mkdir(parents=True, exist_ok=True)
+    _feed(broker, stream, timeout)
+    rank_args = ["--rank-side", "torch" if way == "torchrun" else "mpi" if way == "mpiexec" else "auto",
+                 "--ranks", broker.ranks, "--stream", stream, "--out", str(out), "--timeout", str(timeout)]
+    if way == "torchrun":
+        launcher = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", str(RANKS),
+                    "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "benchmarks.torchrun"]
+    else:
+        launcher = [str(Path(sys.executable).parent / "mpiexec"), "-n", str(RANKS), sys.executable, "-u", "-m",
+                    "benchmarks.torchrun"]
+    env = {**loopback_env(), "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    launched = time.time()
+    child = children.add(ChildProcess(f"first-{way}-{n}", [*launcher, *rank_args], children.log(f"first-{way}"),
+                                      env=env, cwd=ROOT))
+    try:
+        code = child.wait(timeout)
+        if code != 0:
+            raise BenchError(f"the {way} ranks failed with exit status {code}:\n{child.tail()}")
+        ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(RANKS)]
+    finally:
+        children.discard(child)
+    for r in ranks:
+        r.update(launch_to_process=r["t_process"] - launched, process_to_ready=r["t_ready"] - r["t_process"],
+                 ready_to_stream=r["t_stream"] - r["t_ready"], stream_to_first=r["t_first"] - r["t_stream"],
+                 launch_to_first=r["t_first"] - launched)
+        r["import_torch"] = r["t_imported"] - r["t_process"] if r.get("t_imported") else None
+    last = max(ranks, key=lambda r: r["t_first"])
+    return {**{key: last[key] for key, _ in PHASES}, "import_torch": last["import_torch"], "ranks": ranks}
+
+
+# ---- a rank's side (run under a launcher: python -m benchmarks.torchrun --rank-side ...) ----------------------
+
+def process_start() -> float:
+    """This process's creation as ``time.time()``, to a clock tick: ``/proc/self/stat``'s start time (ticks since
+    boot) against ``CLOCK_BOOTTIME`` (psutil's creation time rests on the boot time in whole seconds)."""
+    ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+    return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
+
+
+def rank_main(argv: list[str] | None = None) -> int:
+    """Consume one epoch, recording when the runtime was ready, the stream made and the first batch arrived."""
+    parser = argparse.ArgumentParser(prog="benchmarks.torchrun")
+    parser.add_argument("--rank-side", choices=("torch", "mpi", "auto"), required=True)
+    parser.add_argument("--ranks", required=True)
+    parser.add_argument("--stream", required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--timeout", type=float, default=60.0)
+    args = parser.parse_args(argv)
+    t_process = process_start()
+    comm: Any = None
+    t_imported = None                   # torchrun: torch imported, before init_process_group
+    if args.rank_side == "torch":
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        t_imported = time.time()
+        dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
+        how: dict[str, Any] = {"rank": "auto"}
+    elif args.rank_side == "mpi":
+        from mpi4py import MPI
+
+        comm = MPI.COMM_WORLD
+        how = {"comm": comm}
+    else:
+        how = {"rank": "auto"}
+    t_ready = time.time()
+    from worker import BatchStream
+
+    t_stream = time.time()
+    with BatchStream(args.ranks, stream=args.stream, timeout=args.timeout, **how) as stream:
+        batches = stream.epoch()
+        first = next(batches, None)
+        t_first = time.time()
+        count = sum(1 for _ in batches) + (first is not None)
+        rank, size = stream.rank, stream.size
+    figures = {"rank": rank, "size": size, "t_process": t_process, "t_imported": t_imported, "t_ready": t_ready,
+               "t_stream": t_stream, "t_first": t_first, "batches": count, "first_batch_seconds":
+               stream.stats.first_batch_seconds, "way": args.rank_side}
+    tmp = args.out / f"rank{rank}.json.tmp"
+    tmp.write_text(json.dumps(figures))
+    os.replace(tmp, args.out / f"rank{rank}.json")
+    if args.rank_side == "torch":
+        dist.destroy_process_group()
+    return 0
+
+
+# ---- the section ------------------------------------------------------------------------------------------
+
+class TorchrunSection(Section[FirstBatch]):
+    """Figure 9: time to the first batch for torchrun ranks, beside mpiexec ranks (no target)."""
+
+    name, title, figure = "torchrun", "9. first batch, torchrun ranks", "9"
+
+    def measure(self, ctx: Context) -> FirstBatch:
+        return run(ctx.children, ctx.sizes.reps, ctx.work, min(ctx.sizes.timeout, 120.0), ctx.log)
+
+    def markdown(self, run: Run, result: FirstBatch) -> list[str]:
+        parts = ["", "## 9. Time to the first batch for torchrun ranks", "",
+                 f"{result.ranks} ranks on loopback read one epoch of {result.batches} batches of "
+                 f"{result.batch_bytes // KiB} KiB that the broker already holds (fed before the launch, no Spark), "
+                 "so the figure is the ranks' start-up and the broker's first delivery. Times are the slowest rank's "
+                 "(the one whose first batch came last), from `time.time()` in the benchmark and the ranks; "
+                 "`process start` is the rank process's creation (`/proc/self/stat`), `runtime ready` the end of "
+                 "the launcher's own set-up in the rank (below), `import worker` the import of sparkbus's rank side. "
+                 "`vs mpiexec`: launch -> first batch over the mpiexec ranks' of the same run.", ""]
+        anchor = result.med("mpiexec", "launch_to_first")
+        rows = []
+        for way in WAYS:
+            if way in result.missing:
+                rows.append([LABELS[way]] + ["-"] * (len(PHASES) + 1) + [f"not measured: {result.missing[way]}"])
+                continue
+            if not result.runs.get(way):
+                continue
+            total = result.med(way, "launch_to_first")
+            rows.append([LABELS[way]] + [num(result.med(way, key), ".3f") for key, _ in PHASES]
+                        + [num(total / anchor, ".2f") + " x" if anchor == anchor and anchor > 0 else "-", ""])
+        parts.append(table(["ranks", *[label + " (s)" for _, label in PHASES], "vs mpiexec", "note"], rows))
+        torch = result.med("torchrun", "import_torch")
+        split = f" ({torch:.2f} s of it the interpreter's start and `import torch`)" if torch == torch else ""
+        parts += ["", f"`runtime ready`: for torchrun, `import torch` and `init_process_group(\"gloo\")`{split}; "
+                  "`launch -> process start` is there torchrun's own start (its agent imports torch too) and its "
+                  "rendezvous store. For mpiexec, "
+                  "`from mpi4py import MPI` (MPI_Init); without mpi4py, nothing. `BatchStream() -> first batch` "
+                  "includes the rank's HELLO to the broker and, with even steps, waiting for the other rank to "
+                  "join."]
+        return parts
+
+    def console(self, run: Run, result: FirstBatch) -> list[str]:
+        anchor = result.med("mpiexec", "launch_to_first")
+        torch = result.med("torchrun", "launch_to_first")
+        if not (anchor == anchor and torch == torch and anchor > 0):
+            return []
+        return [f"Diagnostic (no target): torchrun ranks had their first batch {torch:.2f} s after launch, "
+                f"{torch / anchor:.2f} x the mpiexec ranks' {anchor:.2f} s"]
+
+    def json(self, run: Run, result: FirstBatch) -> dict:
+        return {"torchrun": {"ranks": result.ranks, "batches": result.batches, "batch_bytes": result.batch_bytes,
+                             "runs": result.runs, "missing": result.missing}}
+
+
+if __name__ == "__main__":
+    sys.exit(rank_main())
