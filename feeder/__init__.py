@@ -1,13 +1,15 @@
-"""sparkbus feeder: the Spark side. ``feed(df_or_rdd, address, ...)`` streams every partition to the broker.
+"""sparkbus feeder: the Spark side. ``feed(df_or_rdd, address, ...)`` streams every partition to the broker, from a
+classic SparkSession or a Spark Connect one (DataFrames only: Connect has no RDDs).
 
 Importing this package starts nothing; it imports pyspark only when ``feed`` is called.
 """
 
 from broker.errors import BrokerError, FeedError, FeedTimeout, SparkbusError
 
-from .driver import DivergedPartitionsWarning, FeedReport, feed, prepare_dataframe
-from .epochs import epoch_order, feed_epochs
+from .driver import DivergedPartitionsWarning, FeedReport, feed, is_connect_dataframe, prepare_dataframe
+from .epochs import default_partitions, epoch_order, feed_epochs
 from .task import PartitionReport, stream_partition
 
 __all__ = ["feed", "feed_epochs", "epoch_order", "FeedReport", "FeedError", "FeedTimeout", "BrokerError",
-           "SparkbusError", "DivergedPartitionsWarning", "PartitionReport", "prepare_dataframe", "stream_partition"]
+           "SparkbusError", "DivergedPartitionsWarning", "PartitionReport", "prepare_dataframe", "stream_partition",
+           "is_connect_dataframe", "default_partitions"]

@@ -5,15 +5,17 @@ from __future__ import annotations
 import logging
 import re
 import secrets
+import sys
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any, NamedTuple
 
 from broker.address import feed_and_control_addresses
 from broker.client import ControlClient
 from broker.errors import BrokerError, FeedError
+from broker.partitions import MAX_PARTITIONS
 from broker.protocol import Kind
 
 from .columns import partition_messages, record_batches_from_rows
@@ -22,6 +24,9 @@ from .task import DEFAULT_PACK_BYTES, PartitionReport, attempt_id, stream_messag
 log = logging.getLogger("sparkbus.feeder")
 DEFAULT_MAX_BATCH_BYTES = 16 << 20
 REPORT_SCHEMA = "partition long, batches long, rows long, bytes long, seconds double, broker long"
+# EPOCH_OPEN's partitions when the count is known only once the job has run (Spark Connect): the broker's limit,
+# an upper bound that EPOCH_CLOSE lowers to the count of the job's reports (docs/PROTOCOL.md)
+UNKNOWN_PARTITIONS = MAX_PARTITIONS
 
 
 class DivergedPartitionsWarning(UserWarning):
@@ -54,8 +59,14 @@ def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "t
     (each task returns once the broker has confirmed every batch of its partition), and closes the epoch when
     the job has succeeded. Ranks see the epoch end only after that.
 
+    A DataFrame of a Spark Connect session (no RDD, no SparkContext) is fed by the same job, run with
+    ``collect()``: the Spark executors reach the broker, the client only talks to it. Its partition count is known
+    only from the job's reports (one per task, empty partitions too), so the epoch is opened with an upper bound
+    and closed with the count; the job itself is the only pass over the data, as on a classic session.
+
     Args:
-        data: a DataFrame or an RDD of dicts or tuples. Columns may be numbers, booleans, binary, strings,
+        data: a DataFrame (of a classic or a Spark Connect session) or an RDD of dicts or tuples (classic sessions
+            only: Spark Connect has no RDDs). Columns may be numbers, booleans, binary, strings,
             dates, timestamps, arrays of those of any length (nested to any depth), structs (they arrive as
             ``parent.child`` columns) and ML vectors, with nulls anywhere. RDD values may be the Python
             equivalents (``bytes``, ``str``, lists, None, dicts, numpy arrays). Decimals and maps are refused
@@ -98,9 +109,11 @@ def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "t
     Raises:
         BrokerError: the broker is unreachable within ``timeout``, refused the epoch, or restarted without a
             journal while the epoch was being fed (its batches are lost: feed the epoch again).
-        FeedError: the Spark job failed (a task could not reach the broker, an RDD value is unsupported, ...).
+        FeedError: the Spark job failed (a task could not reach the broker, an RDD value is unsupported, ...),
+            with the cause from the executors' traceback, on a classic and a Spark Connect session alike.
         TypeError: a DataFrame column of a type sparkbus cannot carry (named, with what to do), or a
             ``ragged``/``bucket_by`` name that is not such a column: found from the schema, before any job runs.
+            Or ``data`` is neither a DataFrame nor an RDD.
         ValueError: ``bucket_window`` below 1.
     """
     started = time.monotonic()
@@ -118,20 +131,22 @@ def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "t
             rows = arrow_rows_for(batch_size) if arrow_batch_rows is None else arrow_batch_rows
             if rows:      # Spark reads it when it plans the job: set before, restored after the job
                 stack.enter_context(_spark_conf(data.sparkSession, ARROW_BATCH_CONF, str(rows)))
-            job = _dataframe_job(data, columns, cutting, run, settings)
+            job = _spark_job(_dataframe_job(data, columns, cutting, run, settings))
         else:
             job = _rdd_job(data, cutting, run, settings)
         clients = [stack.enter_context(ControlClient(c, timeout, key=key, broker_key=broker_key)) for c in controls]
-        brokers = [c.hello("feeder", stream) for c in clients]   # fail fast on an absent broker, before Spark plans
-        partitions = job.getNumPartitions()
+        brokers = [c.hello("feeder", stream) for c in clients]   # fail fast on an absent broker
+        opened = UNKNOWN_PARTITIONS if job.partitions is None else job.partitions
         for client in clients:
-            client.request(Kind.EPOCH_OPEN, stream=stream, epoch=epoch, partitions=partitions, delivery=delivery)
+            client.request(Kind.EPOCH_OPEN, stream=stream, epoch=epoch, partitions=opened, delivery=delivery)
         try:
             reports = [PartitionReport(*r) for r in job.collect()]
         except Exception as exc:
             _raise_if_a_broker_restarted(clients, brokers, stream, epoch, exc)
             raise FeedError(_explain_job_failure(exc, stream, epoch)) from exc
+        partitions = len(reports) if job.partitions is None else job.partitions     # a report per task
         shares = [sum(1 for r in reports if r.broker == i) for i in range(len(clients))]
+        held = sum(_rows_held(client, stream, epoch) for client in clients)
         for client, share in zip(clients, shares):
             try:
                 closed = client.request(Kind.EPOCH_CLOSE, stream=stream, epoch=epoch, partitions=partitions,
@@ -140,6 +155,14 @@ def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "t
                 _raise_if_a_broker_restarted(clients, brokers, stream, epoch, exc)
                 raise
             diverged.update(closed.get("diverged", ()))
+    produced = sum(r.rows for r in reports)
+    if held != produced:
+        # Closed all the same: the ranks finish the epoch with what the broker has, instead of waiting for ever
+        raise FeedError(f"stream {stream!r} epoch {epoch}: Spark's successful tasks produced {produced} rows, the "
+                        f"broker took {held}. A task attempt whose input was cut short committed first: a failure "
+                        f"upstream of the feed in the same task (a Python UDF, a file or shuffle read) ends the "
+                        f"feeding task's input as if it were complete. {_cut_short_partitions(diverged)}The "
+                        f"epoch is closed as it is; feed the data again as a new epoch (see docs/GUARANTEES.md)")
     differed = tuple(sorted(diverged))
     if differed:
         message = (f"stream {stream!r} epoch {epoch}: Spark task attempts of partitions {list(differed)} produced "
@@ -175,6 +198,17 @@ def _spark_conf(session: Any, key: str, value: str) -> Iterator[None]:
             session.conf.set(key, before)
 
 
+def _rows_held(client: ControlClient, stream: str, epoch: int) -> int:
+    """Rows of the epoch the broker has taken (first copies; in atomic delivery, committed attempts')."""
+    figures = client.request(Kind.STATS_REQUEST)["stats"]["streams"].get(stream, {}).get("epochs", {})
+    return figures.get(str(epoch), {}).get("rows_in", 0)
+
+
+def _cut_short_partitions(diverged: set[int]) -> str:
+    # The retry of a partition cut short sends seqs its committed attempt never sent: the broker calls it diverged
+    return f"Partitions {sorted(diverged)[:10]} had such attempts. " if diverged else ""
+
+
 def _raise_if_a_broker_restarted(clients: list[ControlClient], before: list[dict], stream: str, epoch: int,
                                  cause: Exception) -> None:
     for client, hello in zip(clients, before):
@@ -193,6 +227,41 @@ def _is_dataframe(data: Any) -> bool:
     return hasattr(data, "mapInArrow") and hasattr(data, "schema")
 
 
+def is_connect_dataframe(data: Any) -> bool:
+    """Whether ``data`` is a DataFrame of a Spark Connect session, which has no RDD and no SparkContext.
+
+    Decided by its type, ``pyspark.sql.connect.dataframe.DataFrame``, without importing that module: if it is not
+    imported, no Connect DataFrame exists, and importing it needs Connect's client (grpcio), which a classic
+    installation may lack.
+    """
+    connect = sys.modules.get("pyspark.sql.connect.dataframe")
+    return connect is not None and isinstance(data, connect.DataFrame)
+
+
+class _Job(NamedTuple):
+    """A feed's Spark job: its partition count if Spark can say it before the job runs, and how to run it (the
+    tasks' :class:`PartitionReport` rows)."""
+
+    partitions: int | None
+    collect: Callable[[], list]
+
+
+def _spark_job(job: Any) -> _Job:
+    """The feed's DataFrame, run by ``collect()``; on a classic session through its RDD, whose partition count
+    Spark knows before the job runs.
+
+    On a classic session the count comes from the very RDD that is then collected: with adaptive query
+    execution, planning that RDD runs the shuffle stages below it (once), and a DataFrame ``collect()`` after it
+    would plan and run them again. Spark Connect has no RDD: the count is the number of the job's reports.
+    (Counting first, e.g. ``spark_partition_id()`` over the DataFrame, would be a second pass over all of its
+    lineage: as costly as the feed itself for a DataFrame that is not cached.)
+    """
+    if is_connect_dataframe(job):
+        return _Job(None, job.collect)
+    rdd = job.rdd
+    return _Job(rdd.getNumPartitions(), rdd.collect)
+
+
 def _dataframe_job(df: Any, columns: Sequence[str] | None, cutting: dict, run: int, settings: dict):
     import pyarrow as pa
 
@@ -209,12 +278,14 @@ def _dataframe_job(df: Any, columns: Sequence[str] | None, cutting: dict, run: i
                                  **settings)
         yield pa.RecordBatch.from_pylist([report._asdict()], schema=report_schema)
 
-    return prepared.mapInArrow(stream_arrow_partition, REPORT_SCHEMA).rdd
+    return prepared.mapInArrow(stream_arrow_partition, REPORT_SCHEMA)
 
 
-def _rdd_job(rdd: Any, cutting: dict, run: int, settings: dict):
+def _rdd_job(rdd: Any, cutting: dict, run: int, settings: dict) -> _Job:
     if not hasattr(rdd, "mapPartitionsWithIndex"):
-        raise TypeError(f"feed() takes a Spark DataFrame or RDD, not {type(rdd).__name__}")
+        raise TypeError(f"feed() takes a Spark DataFrame (of a classic or a Spark Connect session) or an RDD "
+                        f"(of a classic session only: Spark Connect has no RDDs; make a DataFrame of the rows, "
+                        f"e.g. spark.createDataFrame), not {type(rdd).__name__}")
     epoch = settings["epoch"]
 
     def stream_rows(index: int, rows: Iterator[Any]) -> list[tuple]:
@@ -223,7 +294,8 @@ def _rdd_job(rdd: Any, cutting: dict, run: int, settings: dict):
         messages = partition_messages(record_batches, seed=(epoch, index), **cutting)
         return [tuple(stream_messages(messages, partition=index, attempt=attempt, **settings))]
 
-    return rdd.mapPartitionsWithIndex(stream_rows)
+    job = rdd.mapPartitionsWithIndex(stream_rows)
+    return _Job(job.getNumPartitions(), job.collect)
 
 
 def _task_context() -> Any:
@@ -327,7 +399,10 @@ def flat_spark_fields(names: Sequence[str], fields: dict[str, Any]) -> dict[str,
 
 
 def _explain_job_failure(exc: Exception, stream: str, epoch: int) -> str:
-    text = str(exc)
+    # A classic session raises Py4JJavaError or PythonException, Spark Connect its own PythonException or
+    # SparkConnectGrpcException (pyspark.errors.exceptions.connect): all carry the executors' Python traceback in
+    # their message, which is read, never their type. A JVM stack trace, when Spark is set to append one, is not.
+    text = str(exc).split("\nJVM stacktrace:", 1)[0]
     hint = ""
     if "No module named" in text:
         hint = (" Hint: the executors' Python cannot import sparkbus or its dependencies; set PYSPARK_PYTHON "
@@ -339,4 +414,5 @@ def _explain_job_failure(exc: Exception, stream: str, epoch: int) -> str:
     return f"the Spark job feeding stream {stream!r} epoch {epoch} failed: {first.strip()[:500]}{hint}"
 
 
-__all__ = ["feed", "FeedReport", "DivergedPartitionsWarning", "check_spark_type", "prepare_dataframe"]
+__all__ = ["feed", "FeedReport", "DivergedPartitionsWarning", "check_spark_type", "prepare_dataframe",
+           "is_connect_dataframe"]

@@ -34,7 +34,7 @@ import secrets
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .driver import FeedReport, feed
+from .driver import FeedReport, feed, is_connect_dataframe
 
 log = logging.getLogger("sparkbus.feeder")
 
@@ -51,12 +51,13 @@ def epoch_order(df: Any, epoch: int, seed: int, key: Sequence[str] | None = None
         seed: the shuffle seed.
         key: columns whose values identify a row (e.g. ``["id"]``); default: every column. A key must not
             change when the DataFrame is recomputed.
-        partitions: partitions of the result (tasks of the feed job); default: those of ``df``.
+        partitions: partitions of the result (tasks of the feed job); default: :func:`default_partitions`.
     Returns:
         A DataFrame with the same columns and rows as ``df``, ``partitions`` partitions, in the epoch's order.
     Raises:
         TypeError: a key column that is not in ``df``.
-        ValueError: ``partitions`` below 1.
+        ValueError: ``partitions`` below 1, or no default on a Spark Connect session (see
+            :func:`default_partitions`).
     """
     from pyspark.sql import functions as F
 
@@ -65,7 +66,7 @@ def epoch_order(df: Any, epoch: int, seed: int, key: Sequence[str] | None = None
     if missing or not names:
         raise TypeError(f"shuffle key {missing or names!r} is not a set of columns of the DataFrame "
                         f"(columns: {', '.join(df.columns)})")
-    count = partitions if partitions is not None else df.rdd.getNumPartitions()
+    count = partitions if partitions is not None else default_partitions(df)
     if count < 1:
         raise ValueError(f"partitions must be at least 1, not {count}")
     order = F.xxhash64(F.lit(int(seed)), F.lit(int(epoch)), *[df[name] for name in names])
@@ -76,6 +77,28 @@ def epoch_order(df: Any, epoch: int, seed: int, key: Sequence[str] | None = None
             .repartition(count, ORDER_COLUMN)
             .sortWithinPartitions(ORDER_COLUMN, *tie_break)
             .drop(ORDER_COLUMN))
+
+
+def default_partitions(df: Any) -> int:
+    """The partitions of a reshuffled epoch when none are asked for.
+
+    On a classic session: those of ``df`` (its RDD's). A Spark Connect session has no RDD to ask, and a
+    DataFrame does not tell its partition count; there it is ``spark.sql.shuffle.partitions``, the count that
+    Spark gives a shuffle itself (``df.repartition(column)``). Counting ``df``'s partitions instead (a job over
+    ``spark_partition_id()``) would read all of its lineage once more before every epoch.
+
+    Raises:
+        ValueError: on Spark Connect, ``spark.sql.shuffle.partitions`` is not a number (Databricks' ``auto``):
+            pass ``partitions``.
+    """
+    if not is_connect_dataframe(df):
+        return df.rdd.getNumPartitions()
+    setting = df.sparkSession.conf.get("spark.sql.shuffle.partitions")
+    try:
+        return int(setting)
+    except (TypeError, ValueError):
+        raise ValueError(f"a Spark Connect DataFrame does not tell its partitions, and spark.sql.shuffle.partitions "
+                         f"is {setting!r}: pass partitions= (the tasks of each epoch's feed)") from None
 
 
 def feed_epochs(df: Any, address: str | Sequence[str] | None, epochs: int, stream: str = "train",
@@ -101,7 +124,8 @@ def feed_epochs(df: Any, address: str | Sequence[str] | None, epochs: int, strea
             depends on its number, not on where the run started.
         shuffle: false to feed ``df`` in its own order every epoch (e.g. a validation set).
         key: the columns identifying a row for the reshuffle (default: every column).
-        partitions: tasks per reshuffled epoch (default: the partitions of ``df``).
+        partitions: tasks per reshuffled epoch (default: the partitions of ``df``; on Spark Connect, where a
+            DataFrame does not tell them, ``spark.sql.shuffle.partitions``: see :func:`default_partitions`).
         on_epoch: called with ``(epoch, report)`` after each epoch is fed, e.g. to log progress.
         **feed_kwargs: passed to :func:`feeder.feed` (``batch_size``, ``columns``, ``timeout``, ``control``,
             ``max_batch_bytes``). ``timeout`` also bounds a task blocked by backpressure: make it longer than
@@ -110,7 +134,7 @@ def feed_epochs(df: Any, address: str | Sequence[str] | None, epochs: int, strea
         One :class:`FeedReport` per epoch, in order.
     Raises:
         BrokerError, FeedError, TypeError: as :func:`feeder.feed`; the epochs fed before the failure stay fed.
-        ValueError: a negative ``epochs`` or ``first_epoch``.
+        ValueError: a negative ``epochs`` or ``first_epoch``; no default ``partitions`` (see above).
     """
     if epochs < 0 or first_epoch < 0:
         raise ValueError(f"epochs ({epochs}) and first_epoch ({first_epoch}) must not be negative")
@@ -130,4 +154,4 @@ def feed_epochs(df: Any, address: str | Sequence[str] | None, epochs: int, strea
     return reports
 
 
-__all__ = ["epoch_order", "feed_epochs", "ORDER_COLUMN"]
+__all__ = ["epoch_order", "feed_epochs", "default_partitions", "ORDER_COLUMN"]
