@@ -108,3 +108,40 @@ class Collector:
         if self.error:
             raise self.error
         return self.ids
+
+
+def failing_frame(spark, rows, partitions, *, fail, fail_after, control, stream, wait_rows, epoch=0, pad=1024):
+    """ids ``0..rows-1`` as ``id long, x float, pad binary`` (``pad`` bytes of padding), made by a Python stage
+    (``mapInArrow``) in Arrow batches of 100 rows: a DataFrame whose task attempts fail part-way, for sessions
+    without RDDs (Spark Connect).
+
+    On its first attempt, partition ``fail`` raises after ``fail_after`` rows, once the broker at ``control`` holds
+    ``wait_rows`` rows of ``stream`` epoch ``epoch`` (or after 30 s), so that part of the partition has certainly
+    been streamed and its retry's batches are duplicates there. The stage runs in a Python worker of its own, and
+    rows pass from it to the JVM, and from there to the feeding task's worker, in writes of 64 KiB: the padding
+    (feed it too, with ``arrow_batch_rows`` 100) makes each batch of 100 rows reach the feeder before the failure.
+    """
+    def produce(batches):
+        import pyarrow as pa
+        from pyspark import TaskContext
+
+        from broker.client import fetch_stats
+
+        def held() -> int:
+            epochs = fetch_stats(control, 5.0)["streams"].get(stream, {}).get("epochs", {})
+            return epochs.get(str(epoch), {}).get("rows_in", 0)
+
+        task = TaskContext.get()
+        part, attempt = task.partitionId(), task.attemptNumber()
+        ids = np.concatenate([b.column("id").to_numpy() for b in batches] or [np.zeros(0, np.int64)])
+        for start in range(0, len(ids), 100):
+            if part == fail and attempt == 0 and start >= fail_after:
+                deadline = time.monotonic() + 30
+                while held() < wait_rows and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                raise RuntimeError(f"injected failure in partition {part} after {start} rows")
+            chunk = ids[start:start + 100]
+            yield pa.RecordBatch.from_pydict({"id": chunk, "x": pa.array(chunk.astype(np.float32)),
+                                              "pad": pa.array([b"\0" * pad] * len(chunk), pa.binary())})
+
+    return spark.range(rows, numPartitions=partitions).mapInArrow(produce, "id long, x float, pad binary")
