@@ -25,7 +25,7 @@ from feeder import feed
 from launch.processes import ChildProcess, LaunchError, wait_for
 
 from helpers import free_port_triple
-from sources import Collector, check_values, labelled_frame
+from sources import Collector, check_values, failing_frame, labelled_frame
 
 HERE = Path(__file__).parent
 START_SECONDS = 120          # the Connect session's start: ~6-20 s here, more on a loaded machine
@@ -174,6 +174,18 @@ def test_a_failure_upstream_of_the_feed_in_the_same_task_is_a_feed_error_not_sil
     [ids] = consumer.result()
     assert 3_500 <= len(ids) == int(took[1]) < 6_000
     np.testing.assert_array_equal(np.sort(ids), np.arange(len(ids)))     # partition 0, and the start of 1
+
+
+def test_on_a_classic_session_too_a_failure_upstream_of_the_feed_is_a_feed_error(spark, start_broker_process):
+    broker = start_broker_process()
+    consumer = Collector(broker.ranks, "cut", timeout=60)
+    data = failing_frame(spark, 6_000, 2, fail=1, fail_after=1_500, control=broker.control, stream="cut",
+                         wait_rows=3_500)
+    with pytest.raises(FeedError, match=r"Spark's successful tasks produced 6000 rows, the broker took (\d+)") as cut:
+        feed(data, broker.feed, stream="cut", batch_size=100, arrow_batch_rows=100, pack_bytes=0, timeout=60)
+    [ids] = consumer.result()
+    assert 3_500 <= len(ids) == int(re.search(r"took (\d+)", str(cut.value))[1]) < 6_000
+    np.testing.assert_array_equal(np.sort(ids), np.arange(len(ids)))
 
 
 def test_an_executor_side_error_is_explained_as_on_a_classic_session(connect, spark, start_broker_process):
