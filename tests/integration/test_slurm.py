@@ -20,9 +20,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from slurm_cluster import OneNodeSlurm, SlurmUnavailable, free_ports, unavailable
+
+from launch.processes import WaitTimeout
 
 from helpers import free_port_triple, wait_for
+from slurm_cluster import OneNodeSlurm, SlurmUnavailable, free_ports, unavailable
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(90)]
 
@@ -79,12 +81,15 @@ def sbatch(slurm: OneNodeSlurm, recipe: str, work: Path, settings: dict[str, str
         return fields if fields.get("JobState") in {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
                                                     "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL", "DEADLINE"} else None
 
+    output = work / f"sparkbus-train-{job}.out"
     try:
         fields = wait_for(ended, JOB_SECONDS, f"job {job} to end", interval=0.2)
+    except WaitTimeout as exc:
+        text = output.read_text(errors="replace") if output.exists() else "(no output file)"
+        raise AssertionError(f"{exc}; its output so far:\n{text[-3000:]}\n{slurm.tails()}") from None
     finally:
         if slurm.jobs():
             slurm.run(["scancel", "--full", job], timeout=10)
-    output = work / f"sparkbus-train-{job}.out"
     fields["output"] = output.read_text(errors="replace") if output.exists() else "(no output file)"
     fields["broker_log"] = work / f"sparkbus-broker-{job}.log"
     return fields
