@@ -142,6 +142,8 @@ def feed_epochs(df: Any, address: str | Sequence[str] | None, epochs: int, strea
     if shuffle and shuffle_seed is None:
         log.info("stream %r: shuffle seed %d (pass shuffle_seed=%d to feed the same orders again)",
                  stream, seed, seed)
+    if shuffle and partitions is None and epochs:
+        partitions = default_partitions(df)     # once: every epoch gets the same count
     reports = []
     for epoch in range(first_epoch, first_epoch + epochs):
         data = epoch_order(df, epoch, seed, key, partitions) if shuffle else df
