@@ -110,7 +110,10 @@ def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "t
         BrokerError: the broker is unreachable within ``timeout``, refused the epoch, or restarted without a
             journal while the epoch was being fed (its batches are lost: feed the epoch again).
         FeedError: the Spark job failed (a task could not reach the broker, an RDD value is unsupported, ...),
-            with the cause from the executors' traceback, on a classic and a Spark Connect session alike.
+            with the cause from the executors' traceback, on a classic and a Spark Connect session alike. Or the
+            job succeeded but the broker took fewer (or more) rows than Spark's successful tasks produced: a
+            failure upstream of the feed in the same task cut an attempt's input short, and that attempt
+            committed first. The epoch is then closed with what the broker holds (the ranks are not left waiting).
         TypeError: a DataFrame column of a type sparkbus cannot carry (named, with what to do), or a
             ``ragged``/``bucket_by`` name that is not such a column: found from the schema, before any job runs.
             Or ``data`` is neither a DataFrame nor an RDD.
