@@ -75,8 +75,8 @@ def twenty_batches(context):
     broker = FakeBroker(context, "inproc://even-broker")
 
     def start(peer, **options):
-        stream = joined(broker, "inproc://even-broker", context, comm=peer, even=True, steps="mpi", abort_on_error=False,
-                        **options)
+        stream = joined(broker, "inproc://even-broker", context, comm=peer, even=True, steps="mpi",
+                        abort_on_error=False, **options)
         for seq in range(20):
             broker.send(codec.encode_batch("s", 0, 0, seq, batch(seq)))
         broker.end(0, 20)
