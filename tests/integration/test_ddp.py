@@ -20,7 +20,7 @@ import pytest
 
 from harness import Children, run_child
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(150)
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "train_ddp.py"
@@ -104,10 +104,17 @@ def check_equal_steps(figures: list[dict], epochs: int) -> None:
         assert all(f["epochs"][epoch]["steps_per_rank"] == steps for f in figures)
 
 
-def check_every_row_once(job: TorchrunJob, figures: list[dict], epochs: int, rows: int) -> None:
-    """Per epoch, the ids trained on by all ranks and those dropped are ``0 .. rows - 1``, each exactly once, and at
-    most ``size - 1`` batches were dropped (counted as the ids show)."""
+def fed_batches(rows: int, partitions: int, batch_size: int) -> int:
+    """The batches of an epoch of the example's feed: each partition cut into ``batch_size`` rows, the last shorter."""
+    return sum(-(-len(part) // batch_size) for part in np.array_split(np.arange(rows), partitions))
+
+
+def check_every_row_once(job: TorchrunJob, figures: list[dict], epochs: int, rows: int, batches: int) -> None:
+    """Per epoch, the ids trained on by all ranks and those dropped are ``0 .. rows - 1``, each exactly once, every
+    one of the epoch's ``batches`` was either a step or dropped, and at most ``size - 1`` were dropped."""
     for epoch in range(epochs):
+        counts = [(f["epochs"][epoch]["batches"], f["epochs"][epoch]["dropped_batches"]) for f in figures]
+        assert sum(kept + lost for kept, lost in counts) == batches, (epoch, counts)
         kept, dropped = zip(*(job.ids(r, epoch) for r in range(SIZE)))
         every = np.sort(np.concatenate(kept + dropped))
         np.testing.assert_array_equal(every, np.arange(rows))
@@ -119,13 +126,14 @@ def check_every_row_once(job: TorchrunJob, figures: list[dict], epochs: int, row
 
 def test_ddp_ranks_take_equal_steps_and_end_with_identical_weights_and_a_falling_loss(start_broker_process,
                                                                                        start_torchrun):
-    epochs, rows = 4, 4_000
+    epochs, rows = 4, 3_300
     broker = start_broker_process()
     job = start_torchrun(broker.ranks, "--stream", "ddp", "--epochs", str(epochs), "--record-ids")
-    feed(broker, "ddp", epochs, rows, "--batch-size", "100")     # 40 batches an epoch, packed as the feeder does
+    # 3 partitions of 11 batches an epoch, each partition one pack (the feeder's default): 33 batches, one too many
+    feed(broker, "ddp", epochs, rows, "--batch-size", "100", "--partitions", "3")
     figures = job.wait()
     check_equal_steps(figures, epochs)
-    check_every_row_once(job, figures, epochs, rows)
+    check_every_row_once(job, figures, epochs, rows, fed_batches(rows, 3, 100))
     digests = {f["weights_sha256"] for f in figures}
     assert len(digests) == 1                                     # bit-identical weights on every rank
     losses = [e["loss"] for e in figures[0]["epochs"]]
@@ -135,15 +143,15 @@ def test_ddp_ranks_take_equal_steps_and_end_with_identical_weights_and_a_falling
 
 
 def test_a_slow_rank_still_takes_as_many_steps_and_every_row_arrives_once(start_broker_process, start_torchrun):
-    epochs, rows = 2, 3_000
+    epochs, rows = 2, 3_050
     broker = start_broker_process()
-    # rank 1 sleeps 15 ms a step; one batch per message (no packs), and a shuffle buffer on the ranks
+    # rank 1 sleeps 15 ms a step; one batch per message (no packs), 63 an epoch; a shuffle buffer on the ranks
     job = start_torchrun(broker.ranks, "--stream", "slow", "--epochs", str(epochs), "--record-ids",
                          "--slow-rank", "1", "--slow-seconds", "0.015", "--shuffle-buffer", "3")
     feed(broker, "slow", epochs, rows, "--batch-size", "50", "--partitions", "3", "--pack-bytes", "0")
     figures = job.wait()
     check_equal_steps(figures, epochs)
-    check_every_row_once(job, figures, epochs, rows)
+    check_every_row_once(job, figures, epochs, rows, fed_batches(rows, 3, 50))
     assert len({f["weights_sha256"] for f in figures}) == 1
 
 
@@ -163,7 +171,7 @@ def test_torchrun_and_mpiexec_ranks_train_with_equal_steps_from_the_same_broker(
         assert proc.returncode == 0, err[-3000:]
     figures = job.wait()
     check_equal_steps(figures, epochs)
-    check_every_row_once(job, figures, epochs, rows)
+    check_every_row_once(job, figures, epochs, rows, fed_batches(rows, 4, 100))
     assert len({f["weights_sha256"] for f in figures}) == 1
     summaries = mpi.wait(RUN_SECONDS)
     for epoch in range(epochs):
