@@ -312,7 +312,7 @@ class Broker:
 
     def _ack(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
         rank = self.ledger.rank(identity)
-        unknown = self.ledger.acknowledge(rank, h["ids"])
+        unknown = self.ledger.acknowledge(rank, h["ids"], h.get("upto", ()))
         if unknown:
             self._reject("ranks", "unknown_ack", f"{unknown} ids not in flight to rank {rank.rank}")
         self.ledger.report(rank, h)

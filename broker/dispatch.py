@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from . import protocol
@@ -50,25 +51,42 @@ class Dispatch(Grants):
         """Keep the figures a rank reports about itself (data-wait, time to first batch, batches consumed)."""
         rank.report(h)
 
-    def acknowledge(self, rank: RankState, ids: list[Any]) -> int:
-        """Forget acknowledged batches (``ids``: epoch, part, seq, epoch, part, seq, ...).
+    def acknowledge(self, rank: RankState, ids: Sequence[Any], upto: Sequence[Any] = ()) -> int:
+        """Forget acknowledged batches (``ids``: epoch, part, seq, epoch, part, seq, ...), and the used batches of
+        packs still in use (``upto``: epoch, part, seq, stop, ...: the pack's batches before ``stop``), which are
+        cut off the pack: should the rank die, only the rest of it goes to another rank.
 
         Returns how many ids were not in flight to that rank.
         Raises:
-            ProtocolError: ids that are not whole triples of integers.
+            ProtocolError: ids that are not whole triples of integers, or ``upto`` not whole quadruples.
         """
-        if len(ids) % 3:
-            raise ProtocolError(f"ACK ids must be (epoch, part, seq) triples, got {len(ids)} numbers")
-        if not all(type(i) is int for i in ids):      # checked whole first: a refused ACK changes nothing
-            raise ProtocolError("ACK ids must be integers")
+        if len(ids) % 3 or len(upto) % 4:
+            raise ProtocolError(f"ACK ids must be (epoch, part, seq) triples and upto (epoch, part, seq, stop) "
+                                f"quadruples, got {len(ids)} and {len(upto)} numbers")
+        if not all(type(i) is int for i in ids) or not all(type(i) is int for i in upto):
+            raise ProtocolError("ACK ids must be integers")      # checked whole first: a refused ACK changes nothing
         pop, consumed = rank.inflight.pop, []
+        unknown = 0
+        if upto:
+            values = iter(upto)
+            for epoch, part, seq, stop in zip(values, values, values, values):
+                piece = rank.inflight.get((epoch, part, seq))
+                if piece is None or not piece.first < stop <= piece.first + piece.count:
+                    unknown += piece is None
+                    continue
+                if stop == piece.first + piece.count:
+                    consumed.append(pop((epoch, part, seq)))
+                    continue
+                used, rank.inflight[piece.id] = cut(piece, stop)
+                consumed.append(used)
+        cut_off = len(consumed)
         triples = iter(ids)
         for key in zip(triples, triples, triples):
             batch = pop(key, None)
             if batch is not None:
                 consumed.append(batch)
         self._consumed(self.streams[rank.stream], rank, consumed)
-        return len(ids) // 3 - len(consumed)
+        return unknown + len(ids) // 3 - (len(consumed) - cut_off)
 
     def dispatch(self, stream: StreamState, transmit: Transmit) -> None:
         """Hand queued batches of the delivering epoch to ranks with room; end the epoch once delivered.

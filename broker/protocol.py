@@ -103,7 +103,8 @@ OPTIONAL: dict[Kind, dict[str, type]] = {
     Kind.EPOCH_END: {"steps": int},        # granted streams: the epoch's steps from this broker, the same for all
     Kind.EPOCH_CLOSE: {"expected": int},   # partitions committed at this broker (default: all of them)
     # a rank's own figures, on the messages it sends anyway: for `sparkbus status` and the metrics
-    Kind.ACK: {"wait_s": float, "first_batch_s": float, "consumed": int},
+    Kind.ACK: {"wait_s": float, "first_batch_s": float, "consumed": int,
+               "upto": list},                  # progress in packs: [e, p, s, stop, ...], batches before stop used
     Kind.HEARTBEAT: {"wait_s": float, "first_batch_s": float, "consumed": int},
 }
 

@@ -58,6 +58,7 @@ class BrokerConnection:
         self.prefetch, self.prefetch_bytes, self.timeout, self.heartbeat = prefetch, prefetch_bytes, timeout, heartbeat
         self._figures: dict[str, float | int] = {}   # the rank's own figures, sent with ACKs and heartbeats
         self._unsent: list[int] = []                 # acknowledged ids not yet sent: epoch, part, seq, ...
+        self._upto: list[int] = []                   # progress in packs not yet sent: epoch, part, seq, stop, ...
         self._inbox: deque[tuple[dict, list[zmq.Frame]]] = deque()   # kept by service() while the rank waited
         self.session = secrets.token_hex(8)           # the same across reconnections of this rank
         self._received: set[tuple[int, ...]] = set()  # batch ids of the current epoch that arrived (a piece
@@ -90,7 +91,7 @@ class BrokerConnection:
                              size=self.size, even=self.even, session=self.session, resume=resume,
                              ended=self.ended, **({"grants": True} if self.grants else {}))
         if resume:
-            self._unsent = []                            # the HELLO names every batch consumed
+            self._unsent, self._upto = [], []            # the HELLO names every batch consumed
             held = {(key[0], key[1], key[2]) for key in self._received} - self._acked
             self._sock.send_multipart([header, protocol.pack_ids(held), protocol.pack_ids(self._acked)])
         else:
@@ -133,6 +134,13 @@ class BrokerConnection:
         if send or len(self._unsent) >= 3 * ACK_MAX:
             self.flush()
 
+    def progress(self, batch_id: BatchId, stop: int, send: bool = True) -> None:
+        """The loop is done with a pack's batches before ``stop`` (the pack itself is acknowledged with its last
+        batch): the broker cuts them off it, so that only the rest goes to another rank should this one die."""
+        self._upto.extend((*batch_id, stop))
+        if send or len(self._upto) >= 4 * ACK_MAX:
+            self.flush()
+
     def report(self, **figures: float | int) -> None:
         """Set this rank's own figures (``consumed``, ``wait_s``, ``first_batch_s``: see ``ACK`` in
         docs/PROTOCOL.md); they go with its next ACK or heartbeat."""
@@ -140,7 +148,10 @@ class BrokerConnection:
 
     def flush(self) -> None:
         """Send the acknowledgements that wait, if any."""
-        if self._unsent:
+        if self._upto:
+            self._say(Kind.ACK, ids=self._unsent, upto=self._upto, **self._figures)
+            self._unsent, self._upto = [], []
+        elif self._unsent:
             self._say(Kind.ACK, ids=self._unsent, **self._figures)
             self._unsent = []
 
@@ -245,7 +256,7 @@ class BrokerConnection:
             try:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)    # no poll when one is waiting
             except zmq.Again:
-                if self._unsent and self._rejoin_since is None:
+                if (self._unsent or self._upto) and self._rejoin_since is None:
                     self.flush()                         # before waiting: the broker may be waiting for them
                 if not block:
                     return None

@@ -51,8 +51,10 @@ class Intake:
     """
 
     def __init__(self, connections: list[BrokerConnection], stats: StreamStats,
-                 figures: Callable[[], tuple[int, float]], *, verify: bool, heartbeat: float):
+                 figures: Callable[[], tuple[int, float]], *, verify: bool, heartbeat: float,
+                 progress_every: int = 4):
         self.connections = connections
+        self._progress_every = max(progress_every, 1)
         self._stats, self._figures, self._verify, self._heartbeat = stats, figures, verify, heartbeat
         self._started = time.monotonic()
         self.end_seen = True                  # the current epoch's EPOCH_END arrived (or no epoch begun)
@@ -62,6 +64,7 @@ class Intake:
         self._unpacked: deque[Item] = deque()                  # the rest of a pack, or batches put back
         self._pack_left: dict[BatchId, int] = {}               # a pack's batches not yet acknowledged
         self._pack_first: dict[BatchId, int] = {}              # ... and its first (a piece of a pack: > 0)
+        self._pack_done: dict[BatchId, _PackProgress] = {}     # ... and how far its batches have been used
         self._got: dict[BrokerConnection, int] = {}            # batches of the epoch received, per broker
 
     @property
@@ -204,6 +207,7 @@ class Intake:
         self._got[broker] = self._got.get(broker, 0) - len(items)
         for batch_id, _, whole in returned:
             left = self._pack_left.pop(batch_id, None)
+            self._pack_done.pop(batch_id, None)
             if left is None or whole:
                 self._pack_first.pop(batch_id, None)
                 self._source.pop(batch_id)
@@ -226,13 +230,27 @@ class Intake:
         if left is not None:
             if left > 1:
                 self._pack_left[batch_id] = left - 1
+                self._progress(batch_id, header["index"], send)
                 return
             del self._pack_left[batch_id]
             self._pack_first.pop(batch_id, None)
+            self._pack_done.pop(batch_id, None)
         broker = self._source.pop(batch_id)
         if send:
             self._report()
         broker.ack(batch_id, send)
+
+    def _progress(self, batch_id: BatchId, index: int, send: bool) -> None:
+        """A batch of a pack was used: every ``progress_every`` batches used from the pack's start on, say how far
+        (the pack is acknowledged with its last batch), so that a rank that dies costs at most that many batches
+        trained again, as a batch window did before packs."""
+        done = self._pack_done.get(batch_id)
+        if done is None:
+            first = self._pack_first.get(batch_id, 0)
+            done = self._pack_done[batch_id] = _PackProgress(first, first)
+        if done.used(index) - done.said >= self._progress_every:
+            done.said = done.upto
+            self._source[batch_id].progress(batch_id, done.upto, send)
 
     def _report(self) -> None:
         # What this rank tells its brokers about itself (for monitoring): once per message, and with each flush.
@@ -250,3 +268,24 @@ class Intake:
         """Keep every broker connection alive while the rank waits for its peers (heartbeats, a rejoin)."""
         for broker in self.connections:
             broker.service()
+
+
+class _PackProgress:
+    """How far a pack's batches have been used: ``upto``, the first not yet used of those from its start; ``said``:
+    as last told the broker. Batches used out of order (a shuffle buffer) wait in ``ahead``."""
+
+    __slots__ = ("upto", "said", "ahead")
+
+    def __init__(self, upto: int, said: int):
+        self.upto, self.said = upto, said
+        self.ahead: set[int] = set()
+
+    def used(self, index: int) -> int:
+        if index != self.upto:
+            self.ahead.add(index)
+            return self.upto
+        self.upto += 1
+        while self.upto in self.ahead:
+            self.ahead.remove(self.upto)
+            self.upto += 1
+        return self.upto

@@ -139,7 +139,8 @@ class BatchStream:
         except BaseException:
             self._close_connections()
             raise
-        self._intake = Intake(self._brokers, self.stats, self._figures, verify=verify, heartbeat=heartbeat)
+        self._intake = Intake(self._brokers, self.stats, self._figures, verify=verify, heartbeat=heartbeat,
+                              progress_every=prefetch)
         self._ep = EpochStats(epoch=-1)           # the epoch whose figures the brokers are told
 
     def _figures(self) -> tuple[int, float]:

@@ -140,8 +140,8 @@ def start_group(tmp_path, children):
 def killed_inside_a_pack(start_ranks):
     """``killed_inside_a_pack(broker, stream, make_frame, *flags)``: two independent consumers of ``stream`` (rank_main
     ``flags`` each); once both have joined, ``make_frame()`` is fed in batches of 100 (packs of 64) and the victim,
-    which stops after five batches, is SIGKILLed; the survivor (5 ms a batch) trains on to the end. Returns
-    ``(victim, survivor)``, both finished."""
+    which stops after five batches (its progress in the pack, four batches, told the broker), is SIGKILLed; the
+    survivor (5 ms a batch) trains on to the end. Returns ``(victim, survivor)``, both finished."""
 
     def run(broker, stream: str, make_frame, *flags: str) -> tuple[Ranks, Ranks]:
         from feeder import feed
@@ -157,6 +157,9 @@ def killed_inside_a_pack(start_ranks):
                                    kwargs=dict(stream=stream, batch_size=100, timeout=60))
         feeding.start()
         wait_for(lambda: victim.stopped(victim.name), 60, "the victim to stop after five batches")
+        # its progress in the pack (the first four batches, a batch window) has reached the broker
+        wait_for(lambda: any(r["acked"] >= 4 for r in broker.stats()["streams"][stream]["ranks"]), 10,
+                 "the victim's progress in its pack")
         victim.kill()
         feeding.join(90)
         survivor.wait()
