@@ -2,23 +2,28 @@
 
 :class:`Books` is the base of the ledger's parts (``partitions``, ``rejoin``, ``dispatch``; assembled in
 ``broker.ledger``). It owns the state every rule reads and the transitions every part ends with: batches consumed
-(their bytes freed, the acknowledgement observed), epochs retired, and whether the feed may be read.
+(their bytes freed, the acknowledgement observed), epochs retired, streams retired, and whether the feed may be
+read.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from enum import Enum
 from typing import Any
 
 from .errors import ProtocolError
 from .events import BatchesAcked, EpochRetired, Event, Observer
+from .journal import RETIRED_KEEP_STATS, DeliveredEpochs, EpochRanges
 from .state import EpochState, HeldBatch, RankState, StreamState
 
 log = logging.getLogger("sparkbus.broker")
 
 MAX_STREAMS = 4096            # a peer cannot make the broker track streams without bound
+MAX_RETIRED = 16384           # retired streams whose delivered epochs are remembered (a range or a few: ~300 bytes)
+KEEP_EPOCHS = RETIRED_KEEP_STATS     # delivered epochs per stream whose figures are kept, by default
 MAX_STREAM_NAME = 256
 STALL_WARN_EVERY = 10.0       # seconds between warnings that atomic partitions fill the buffer
 
@@ -53,6 +58,9 @@ class Books:
         self._observers: list[Observer] = []
         self._muted = False        # replaying: what is applied is already in the journal
         self._stall_warned = float("-inf")
+        self.keep_epochs = KEEP_EPOCHS     # delivered epochs per stream whose figures are kept (StreamState.finished)
+        self.retired: OrderedDict[str, EpochRanges] = OrderedDict()   # streams retired: the epochs they delivered
+        self.retired_count = 0             # streams retired since the start
 
     # ---- observers --------------------------------------------------------------------------------------
 
@@ -79,9 +87,45 @@ class Books:
             if len(name) > MAX_STREAM_NAME or not name:
                 raise ProtocolError(f"a stream name must have 1 to {MAX_STREAM_NAME} characters")
             if len(self.streams) >= MAX_STREAMS:
-                raise ProtocolError(f"the broker already tracks {MAX_STREAMS} streams")
-            stream = self.streams[name] = StreamState(name)
+                raise ProtocolError(f"the broker already tracks {MAX_STREAMS} streams (unused ones are retired "
+                                    f"after --retire-streams-after)")
+            # a retired stream comes back knowing which epochs it delivered: they are still not fed again
+            stream = self.streams[name] = StreamState(name, finished=DeliveredEpochs(
+                self.retired.pop(name, EpochRanges()).ranges(), keep=self.keep_epochs))
         return stream
+
+    def touch(self, name: str, now: float) -> None:
+        """A message named the stream: it is in use now (``--retire-streams-after`` counts from here)."""
+        stream = self.streams.get(name)
+        if stream is not None:
+            stream.last_used = now
+
+    def retire_streams(self, now: float, after: float) -> list[str]:
+        """Drop the streams unused for ``after`` seconds (0: never): no ranks, no lost ranks waiting, no epoch
+        in progress, and no message naming them. What each delivered is kept (ranges of epoch numbers, for at most
+        :data:`MAX_RETIRED` streams), so a delivered epoch is still refused if the stream comes back."""
+        retired: list[str] = []
+        if after <= 0:
+            return retired
+        for name, stream in list(self.streams.items()):
+            if stream.in_use():
+                stream.last_used = now
+            elif now - stream.last_used >= after:
+                del self.streams[name]
+                ranges = stream.finished.ranges if isinstance(stream.finished, DeliveredEpochs) else EpochRanges()
+                for number in stream.finished:
+                    ranges.add(number)
+                if len(ranges.ranges()):
+                    self.retired[name] = ranges
+                    self.retired.move_to_end(name)
+                    while len(self.retired) > MAX_RETIRED:
+                        self.retired.popitem(last=False)
+                retired.append(name)
+        if retired:
+            self.retired_count += len(retired)
+            log.info("retired %d streams unused for %g s: %s", len(retired), after,
+                     ", ".join(repr(n) for n in retired[:5]) + (", ..." if len(retired) > 5 else ""))
+        return retired
 
     def epoch(self, name: str, number: int) -> tuple[StreamState, EpochState]:
         """An open epoch (not closed yet). Raises :class:`ProtocolError` if there is none."""

@@ -64,6 +64,22 @@ def parse_duration(text: str | float) -> float:
     return float(match.group(1)) * _DURATION_UNITS[match.group(2).lower()]
 
 
+def parse_count(text: str | int) -> int:
+    """A whole number of at least 1 (``64``)."""
+    if isinstance(text, str) and text.strip().isdigit():
+        text = int(text.strip())
+    if isinstance(text, bool) or not isinstance(text, int) or text < 1:
+        raise ValueError(f"not a count: {text!r} (a whole number, 1 or more)")
+    return text
+
+
+def parse_optional_duration(text: str | float) -> float:
+    """A duration (:func:`parse_duration`); ``never`` and ``off`` are 0 (what turns the setting off)."""
+    if isinstance(text, str) and text.strip().lower() in ("never", "off"):
+        return 0.0
+    return parse_duration(text)
+
+
 def parse_log_level(text: str) -> str:
     """``DEBUG``, ``INFO``, ``WARNING``, ``ERROR`` or ``CRITICAL``, in any case."""
     if not isinstance(text, str) or text.strip().upper() not in LOG_LEVELS:
@@ -147,6 +163,8 @@ class BrokerConfig:
     insecure: bool = False             # allow binding a non-loopback address without auth
     metrics_port: int | None = None    # Prometheus GET /metrics on this port (0: the system picks); None: off
     metrics_host: str = "127.0.0.1"    # the address the metrics server listens on
+    keep_epochs: int = 64              # delivered epochs per stream whose figures are kept; older ones are summed
+    retire_streams_after: float = 3600.0   # drop a stream unused this long (0: never)
 
 
 @dataclass(frozen=True)
@@ -200,6 +218,12 @@ BROKER_SETTINGS: list[Setting] = [
     Setting("metrics_port", parse_port, None, "serve Prometheus metrics on this port (GET /metrics)", "PORT",
             "off"),
     Setting("metrics_host", parse_text, "127.0.0.1", "address the metrics server listens on", "HOST"),
+    Setting("keep_epochs", parse_count, 64,
+            "delivered epochs per stream whose figures `sparkbus status` and the metrics keep; older ones are "
+            "summed into the stream's totals", "N"),
+    Setting("retire_streams_after", parse_optional_duration, 3600.0,
+            "drop a stream nobody has used this long (no ranks, no epoch in progress, no message), remembering "
+            "which epochs it delivered; 0 or never: keep every stream", "DURATION", "1h"),
     Setting("log_level", parse_log_level, "INFO", "logging level of the sparkbus.* loggers", "LEVEL"),
 ]
 SETTINGS_BY_NAME = {s.name: s for s in BROKER_SETTINGS}

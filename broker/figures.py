@@ -6,12 +6,14 @@ on the wire and on disk, typed in the code. A unit test holds docs/PROTOCOL.md's
 and docs/OPERATIONS.md's list of metrics to :data:`EPOCH_METRICS`, :data:`RANK_METRICS` and the exporter.
 
 Figures of epochs retired by an older broker may lack fields added since (``rows_out``): readers use ``.get``.
+History is bounded: a stream lists the figures of its last ``--keep-epochs`` delivered epochs (and those in
+progress); older ones are summed in its ``earlier`` record (:func:`fold`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import NamedTuple, TypedDict
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, TypedDict
 
 
 class EpochFigures(TypedDict):
@@ -73,10 +75,50 @@ class OrphanFigures(TypedDict):
     expires_in_s: float
 
 
+class EarlierFigures(TypedDict):
+    """A stream's delivered epochs whose figures are no longer kept one by one (all but the last ``--keep-epochs``),
+    summed: with those in ``epochs``, a stream's totals since the broker started (:func:`fold`)."""
+
+    epochs: int              # how many
+    batches_in: int
+    bytes_in: int
+    rows_in: int
+    batches_out: int
+    bytes_out: int
+    rows_out: int
+    acked: int
+    duplicates: int
+    redelivered: int
+    given_twice: int
+    diverged: int            # partitions (EpochFigures lists them)
+    dropped: int
+    moved: int
+
+
+SUMMED = tuple(k for k in EarlierFigures.__annotations__ if k != "epochs")   # the EpochFigures that add up
+
+
+def no_earlier() -> EarlierFigures:
+    return {"epochs": 0, **dict.fromkeys(SUMMED, 0)}    # type: ignore[typeddict-item]
+
+
+def fold(into: EarlierFigures, epoch: Mapping[str, Any]) -> None:
+    """Add one epoch's figures to ``into`` (figures retired by an older broker may lack some: they count 0)."""
+    totals: dict[str, Any] = into        # type: ignore[assignment]
+    totals["epochs"] += 1
+    for name in SUMMED:
+        value = epoch.get(name, 0)
+        totals[name] += len(value) if isinstance(value, list) else int(value)
+
+
 class StreamFigures(TypedDict):
     expected_ranks: int      # the communicator size its ranks announced
     rejoins: int             # ranks that came back and were reconciled
-    epochs: dict[str, EpochFigures]      # by epoch number, as a string (msgpack and JSON map keys)
+    delivered: int           # epochs delivered and acknowledged, all of them (those of ``epochs`` and ``earlier``)
+    idle_s: float            # since the stream was last in use (0 while it is: see --retire-streams-after)
+    earlier: EarlierFigures  # the delivered epochs not in ``epochs``, summed
+    epochs: dict[str, EpochFigures]      # the last --keep-epochs delivered and those in progress, by number as a
+                                         # string (msgpack and JSON map keys)
     ranks: list[RankFigures]
     orphans: list[OrphanFigures]
 
@@ -92,13 +134,24 @@ class BrokerFigures(TypedDict):
     endpoints: dict[str, str]
     journal: str | None      # the journal directory
     rejected: dict[str, dict[str, int]]   # socket -> reason -> count
+    versions: list[int]      # the protocol versions it serves (docs/PROTOCOL.md "Versions")
+    older_peers: dict[str, int]           # connections speaking an older version, by version (as a string)
+    retired_streams: int     # streams dropped since the start after --retire-streams-after unused
 
 
-class Figures(TypedDict):
-    """``Broker.stats()``: what ``STATS_REPLY`` carries and ``sparkbus status --json`` prints."""
-
+class _FiguresBase(TypedDict):
     broker: BrokerFigures
     streams: dict[str, StreamFigures]
+
+
+class Figures(_FiguresBase, total=False):
+    """``Broker.stats()``: what ``STATS_REPLY`` carries and ``sparkbus status --json`` prints.
+
+    A reply too large for one message comes in pages (``STATS_REPLY`` after ``STATS_REPLY``, the same ``req``), each
+    with ``page``: ``[index, count]``; ``broker.client`` puts them together (``broker.status.merge_pages``).
+    """
+
+    page: list[int]
 
 
 # ---- the metrics drawn from them (broker/metrics.py renders these; docs/OPERATIONS.md lists them) ----------------
@@ -124,7 +177,7 @@ class Metric(NamedTuple):
         return f"{self.name}_total" if self.kind == "counter" else self.name
 
 
-_EPOCH = ("stream", "epoch")
+_STREAM = ("stream",)
 _RANK = ("stream", "rank")
 
 BROKER_METRICS: list[Metric] = [
@@ -140,45 +193,60 @@ BROKER_METRICS: list[Metric] = [
            "feed_paused"),
     Metric("sparkbus_stats_published_timestamp_seconds", "gauge", (),
            "Unix time of the snapshot these figures come from (the broker publishes one per heartbeat)."),
+    Metric("sparkbus_streams", "gauge", (), "Streams the broker tracks (at most 4,096)."),
+    Metric("sparkbus_retired_streams", "counter", (),
+           "Streams dropped after --retire-streams-after unused.", "retired_streams"),
+    Metric("sparkbus_older_peers", "gauge", ("version",),
+           "Connections speaking an older protocol version than the broker's, by version."),
     Metric("sparkbus_refused_messages", "counter", ("socket", "reason"),
            "Messages and connections refused, by socket and reason."),
 ]
 
 STREAM_METRICS: list[Metric] = [
-    Metric("sparkbus_ranks_joined", "gauge", ("stream",), "Ranks connected to the stream."),
-    Metric("sparkbus_ranks_expected", "gauge", ("stream",), "The communicator size the stream's ranks announced.",
+    Metric("sparkbus_ranks_joined", "gauge", _STREAM, "Ranks connected to the stream."),
+    Metric("sparkbus_ranks_expected", "gauge", _STREAM, "The communicator size the stream's ranks announced.",
            "expected_ranks"),
-    Metric("sparkbus_batches_in_flight", "gauge", ("stream",),
+    Metric("sparkbus_batches_in_flight", "gauge", _STREAM,
            "Batches sent and not acknowledged, including those held for a lost rank."),
-    Metric("sparkbus_orphaned_ranks", "gauge", ("stream",), "Lost ranks whose batches wait --rejoin-grace for them."),
-    Metric("sparkbus_rejoins", "counter", ("stream",), "Ranks that came back and were reconciled.", "rejoins"),
+    Metric("sparkbus_orphaned_ranks", "gauge", _STREAM, "Lost ranks whose batches wait --rejoin-grace for them."),
+    Metric("sparkbus_rejoins", "counter", _STREAM, "Ranks that came back and were reconciled.", "rejoins"),
+    Metric("sparkbus_epoch", "gauge", _STREAM,
+           "The stream's current epoch: the lowest not ended, else the last one."),
+    Metric("sparkbus_epochs_delivered", "counter", _STREAM, "Epochs delivered and acknowledged.", "delivered"),
+    Metric("sparkbus_stream_idle_seconds", "gauge", _STREAM, "Seconds since the stream was last in use.",
+           "idle_s"),
 ]
 
+# Drawn from the epochs' figures (EpochFigures), one series per stream: a counter is the sum over the stream's epochs
+# (the earlier ones' sums included), a gauge the current epoch's figure (see sparkbus_epoch), but for OVER_EPOCHS.
 EPOCH_METRICS: list[Metric] = [
-    Metric("sparkbus_batches_in", "counter", _EPOCH, "Batches taken from the feed socket (first copies).",
+    Metric("sparkbus_batches_in", "counter", _STREAM, "Batches taken from the feed socket (first copies).",
            "batches_in"),
-    Metric("sparkbus_rows_in", "counter", _EPOCH, "Rows in the batches taken from the feed socket.", "rows_in"),
-    Metric("sparkbus_bytes_in", "counter", _EPOCH, "Payload bytes taken from the feed socket.", "bytes_in"),
-    Metric("sparkbus_batches_out", "counter", _EPOCH, "Batches handed to ranks (a requeued batch counts once).",
+    Metric("sparkbus_rows_in", "counter", _STREAM, "Rows in the batches taken from the feed socket.", "rows_in"),
+    Metric("sparkbus_bytes_in", "counter", _STREAM, "Payload bytes taken from the feed socket.", "bytes_in"),
+    Metric("sparkbus_batches_out", "counter", _STREAM, "Batches handed to ranks (a requeued batch counts once).",
            "batches_out"),
-    Metric("sparkbus_rows_out", "counter", _EPOCH, "Rows in the batches handed to ranks.", "rows_out"),
-    Metric("sparkbus_bytes_out", "counter", _EPOCH,
+    Metric("sparkbus_rows_out", "counter", _STREAM, "Rows in the batches handed to ranks.", "rows_out"),
+    Metric("sparkbus_bytes_out", "counter", _STREAM,
            "Payload bytes handed to ranks (a requeued batch counts once).", "bytes_out"),
-    Metric("sparkbus_batches_acked", "counter", _EPOCH, "Batches the ranks acknowledged.", "acked"),
-    Metric("sparkbus_duplicate_batches", "counter", _EPOCH,
+    Metric("sparkbus_batches_acked", "counter", _STREAM, "Batches the ranks acknowledged.", "acked"),
+    Metric("sparkbus_duplicate_batches", "counter", _STREAM,
            "Copies of batches already held, dropped (Spark task retries and speculative copies).", "duplicates"),
-    Metric("sparkbus_redelivered_batches", "counter", _EPOCH,
+    Metric("sparkbus_redelivered_batches", "counter", _STREAM,
            "Sends of a batch that had gone out before (its rank died or left).", "redelivered"),
-    Metric("sparkbus_batches_queued", "gauge", _EPOCH, "Batches waiting in the broker for a rank.", "queued"),
-    Metric("sparkbus_partitions", "gauge", _EPOCH, "Partitions of the epoch.", "partitions"),
-    Metric("sparkbus_partitions_committed", "gauge", _EPOCH, "Partitions whose Spark task committed.",
-           "committed"),
-    Metric("sparkbus_diverged_partitions", "gauge", _EPOCH,
+    Metric("sparkbus_diverged_partitions", "counter", _STREAM,
            "Partitions whose attempts sent different data (Spark recomputed them differently).", "diverged"),
-    Metric("sparkbus_epoch_closed", "gauge", _EPOCH, "1 once the driver closed the epoch (every partition in).",
-           "closed"),
-    Metric("sparkbus_epoch_ended", "gauge", _EPOCH, "1 once the ranks were told the epoch ended.", "ended"),
+    Metric("sparkbus_batches_queued", "gauge", _STREAM, "Batches waiting in the broker for a rank (every epoch).",
+           "queued"),
+    Metric("sparkbus_partitions", "gauge", _STREAM, "Partitions of the current epoch.", "partitions"),
+    Metric("sparkbus_partitions_committed", "gauge", _STREAM,
+           "Partitions of the current epoch whose Spark task committed.", "committed"),
+    Metric("sparkbus_epoch_closed", "gauge", _STREAM,
+           "1 once the driver closed the current epoch (every partition in).", "closed"),
+    Metric("sparkbus_epoch_ended", "gauge", _STREAM, "1 once the ranks were told the current epoch ended.",
+           "ended"),
 ]
+OVER_EPOCHS = frozenset({"queued"})      # gauges summed over the stream's epochs, not the current one's
 
 RANK_METRICS: list[Metric] = [
     Metric("sparkbus_rank_batches_sent", "counter", _RANK, "Batches sent to the rank's connection.", "batches", sum),
@@ -200,5 +268,5 @@ METRICS: list[Metric] = BROKER_METRICS + STREAM_METRICS + EPOCH_METRICS + RANK_M
 METRIC = {m.name: m for m in METRICS}
 
 # Counters the ledger lowers when it requeues a batch (it undoes the send): the exporter renders them as their
-# high-water mark within one broker process, so that Prometheus does not mistake the undo for a counter reset.
+# high-water mark per stream within one broker process, so that Prometheus does not mistake the undo for a reset.
 HIGH_WATER = frozenset({"batches_out", "bytes_out", "rows_out"})

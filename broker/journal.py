@@ -43,6 +43,8 @@ from typing import Any
 
 import msgpack
 
+from .figures import fold, no_earlier
+
 log = logging.getLogger("sparkbus.journal")
 _PREFIX = struct.Struct("<II")      # body length, CRC-32 of the body
 ACK_SYNC_SECONDS = 1.0
@@ -109,8 +111,9 @@ class EpochRanges:
 
 class DeliveredEpochs(dict):
     """A stream's delivered epochs: a dict ``{epoch: figures}`` of the recent ones, plus :attr:`ranges` of those
-    whose figures were dropped. ``epoch in delivered`` is True for both, so a drop-in for ``StreamState.finished``;
-    ``items()``, ``len()`` and iteration see only the epochs with figures.
+    whose figures were dropped, and :attr:`earlier`, those figures summed. ``epoch in delivered`` is True for both,
+    so this is ``StreamState.finished``, live and replayed; ``items()``, ``len()`` and iteration see only the epochs
+    with figures. A stream that delivers epoch after epoch costs one range and ``keep`` records, however long it runs.
 
     Args:
         ranges: epochs delivered without figures, as ``[[first, last], ...]``.
@@ -124,8 +127,14 @@ class DeliveredEpochs(dict):
         super().__init__()
         self.ranges = EpochRanges(ranges)
         self.keep = keep
+        self.earlier = no_earlier()     # figures of the epochs in ranges, summed (those this process had)
         for epoch, stats in sorted((figures or {}).items()):
             self[epoch] = stats
+
+    @property
+    def delivered(self) -> int:
+        """How many epochs were delivered: those with figures and those without."""
+        return len(self.ranges) + len(self)
 
     def __contains__(self, epoch: object) -> bool:
         return dict.__contains__(self, epoch) or epoch in self.ranges
@@ -134,7 +143,7 @@ class DeliveredEpochs(dict):
         super().__setitem__(epoch, stats)
         if self.keep is not None and len(self) > self.keep:
             for old in sorted(self)[:len(self) - self.keep]:
-                del self[old]
+                fold(self.earlier, self.pop(old))
                 self.ranges.add(old)
 
     def __repr__(self) -> str:

@@ -7,8 +7,10 @@ so the loop never waits for a scraper and a scraper never sees a half-updated fi
 The metrics are declared once, in :mod:`broker.figures` (:data:`~broker.figures.METRICS`: name, type, labels, help,
 the field of the figures each renders); this module renders them, and docs/OPERATIONS.md ("Monitoring") lists
 them, which a unit test holds to the declaration. Names follow Prometheus conventions: counters end in
-``_total``, sizes in ``_bytes``, times in ``_seconds``. Labels: ``stream``, ``epoch`` (a stream's epoch number),
-``rank``, ``socket`` and ``reason``.
+``_total``, sizes in ``_bytes``, times in ``_seconds``. Labels: ``stream``, ``rank``, ``socket``, ``reason`` and
+``version``. No label takes a value per epoch: a stream's counters add up its epochs (those the figures list and the
+``earlier`` ones, summed), its gauges are the current epoch's (``sparkbus_epoch``), so the series stay as many as
+streams and ranks however long a broker runs.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from .figures import (
     EPOCH_METRICS,
     HIGH_WATER,
     METRIC,
+    OVER_EPOCHS,
     RANK_METRICS,
     STREAM_METRICS,
     BrokerFigures,
@@ -65,7 +68,7 @@ class StatsCollector(Collector):
         self._stats: Figures | None = None
         self._published = 0.0
         self._lock = threading.Lock()              # scrapes may run side by side; they share the high-water marks
-        self._high: dict[tuple[str, str, str, str], float] = {}
+        self._high: dict[tuple[str, str], float] = {}       # (field, stream) -> the most it rendered
 
     def publish(self, stats: Figures) -> None:
         """Make ``stats`` the snapshot scrapes render. The dict must not be changed afterwards (Broker.stats()
@@ -89,13 +92,18 @@ class StatsCollector(Collector):
         yield info
         buffered, limit = _number(broker.get("buffered_bytes")), _number(broker.get("max_buffer"))
         derived = {"sparkbus_stats_published_timestamp_seconds": published,
-                   "sparkbus_buffer_use_ratio": buffered / limit if buffered is not None and limit else None}
+                   "sparkbus_buffer_use_ratio": buffered / limit if buffered is not None and limit else None,
+                   "sparkbus_streams": len(self._stats["streams"]) if self._stats else None}
         for metric in BROKER_METRICS:
             if metric.labels:
                 continue
             value = _number(broker.get(metric.field) if metric.field else derived[metric.name])
             if value is not None:
                 yield _family(metric, value)
+        older = _family(METRIC["sparkbus_older_peers"])
+        for version, count in sorted(broker.get("older_peers", {}).items()):
+            older.add_metric([version], count)
+        yield older
         refused = _family(METRIC["sparkbus_refused_messages"])
         for sock, reasons in sorted(broker.get("rejected", {}).items()):
             for reason, count in sorted(reasons.items()):
@@ -103,35 +111,45 @@ class StatsCollector(Collector):
         yield refused
 
     def _streams(self, streams: dict[str, StreamFigures]) -> Iterator[Family]:
-        derived: dict[str, Callable[[StreamFigures], float]] = {
+        derived: dict[str, Callable[[StreamFigures], float | None]] = {
             "sparkbus_ranks_joined": lambda s: len(s.get("ranks", [])),
             "sparkbus_batches_in_flight": lambda s: sum(r.get("inflight", 0) for r in s.get("ranks", [])) +
             sum(o.get("inflight", 0) for o in s.get("orphans", [])),
             "sparkbus_orphaned_ranks": lambda s: len(s.get("orphans", [])),
+            "sparkbus_epoch": lambda s: _current(s)[0],
         }
         for metric in STREAM_METRICS:
             family = _family(metric)
             for name, stream in sorted(streams.items()):
                 value = _number(stream.get(metric.field, 0)) if metric.field else derived[metric.name](stream)
-                family.add_metric([name], value or 0)
+                if value is not None:
+                    family.add_metric([name], value)
             yield family
 
     def _epochs(self, streams: dict[str, StreamFigures]) -> Iterator[Family]:
         for metric in EPOCH_METRICS:
-            family, field = _family(metric), metric.field
+            family, field = _family(metric), metric.field or ""
             for stream_name, stream in sorted(streams.items()):
-                for epoch, figures in sorted(stream.get("epochs", {}).items(), key=lambda e: int(e[0])):
-                    value = _number(figures.get(field or ""))   # figures retired by an older broker may lack it
+                epochs = stream.get("epochs", {})
+                value: float | None
+                if metric.kind == "counter" or field in OVER_EPOCHS:
+                    figures = [*epochs.values(), stream.get("earlier", {})]
+                    values = [v for f in figures if (v := _number(f.get(field))) is not None]
+                    if not values:
+                        continue               # figures retired by an older broker may lack it
+                    value = float(sum(values))
+                else:
+                    current = _current(stream)[1]
+                    value = _number(current.get(field)) if current is not None else None
                     if value is None:
                         continue
-                    if field in HIGH_WATER:
-                        key = (field, stream_name, epoch, "")
-                        value = self._high[key] = max(value, self._high.get(key, value))
-                    family.add_metric([stream_name, str(epoch)], value)
+                if field in HIGH_WATER:
+                    key = (field, stream_name)
+                    value = self._high[key] = max(value, self._high.get(key, value))
+                family.add_metric([stream_name], value)
             yield family
-        live = {(s, e) for s, stream in streams.items() for e in stream.get("epochs", {})}
-        for key in [k for k in self._high if (k[1], k[2]) not in live]:
-            del self._high[key]                  # epochs no longer in the figures: forget their marks
+        for key in [k for k in self._high if k[1] not in streams]:
+            del self._high[key]                  # streams no longer in the figures (retired): forget their marks
 
     def _ranks(self, streams: dict[str, StreamFigures]) -> Iterator[Family]:
         for metric in RANK_METRICS:
@@ -146,6 +164,17 @@ class StatsCollector(Collector):
                 for number in sorted(values):
                     family.add_metric([stream_name, str(number)], combine(values[number]))
             yield family
+
+
+def _current(stream: StreamFigures) -> tuple[int | None, dict[str, Any] | None]:
+    """A stream's current epoch and its figures: the lowest not ended, else the last one (None: no epoch listed)."""
+    epochs = stream.get("epochs", {})
+    if not epochs:
+        return None, None
+    numbers = sorted(int(n) for n in epochs)
+    live = [n for n in numbers if not epochs[str(n)].get("ended")]
+    number = live[0] if live else numbers[-1]
+    return number, dict(epochs[str(number)])
 
 
 def _family(metric: Metric, value: float | None = None) -> CounterMetricFamily | GaugeMetricFamily:

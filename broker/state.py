@@ -13,7 +13,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .figures import REPORTED, EpochFigures, OrphanFigures, RankFigures, StreamFigures
+from .figures import REPORTED, EpochFigures, OrphanFigures, RankFigures, StreamFigures, no_earlier
+from .journal import DeliveredEpochs
 
 BatchId = tuple[int, int, int]   # (epoch, partition, seq)
 
@@ -31,6 +32,7 @@ class HeldBatch:
     first: int = 0          # a piece of a pack cut at an epoch's end (granted steps): its batches first..stop-1
     whole: HeldBatch | None = None     # ... and the pack it was cut from, which counts the pieces out
     pieces: int = 1         # on a pack that was cut: its pieces not yet consumed
+    used: int = 0           # a pack in flight: its batches before this one were used (the rank's ACK upto)
 
     def settle(self) -> bool:
         """This batch, or piece, was consumed. Whether its whole message now is (the last piece of a cut pack)."""
@@ -282,10 +284,15 @@ class StreamState:
     expected_ranks: int = 0    # the communicator size the first rank announced
     group_size: int = 0        # the size of the group that consumed it last (kept when the ranks leave)
     complete: bool = False     # all expected ranks have joined since the stream last had none
-    finished: dict[int, EpochFigures] = field(default_factory=dict)     # figures of epochs done and acked
+    finished: DeliveredEpochs = field(default_factory=DeliveredEpochs)  # epochs done and acked: the last K's figures
     orphans: dict[str, Orphan] = field(default_factory=dict)           # by session
     rejoins: int = 0           # ranks that came back (new connection or restarted broker) and were reconciled
+    last_used: float = field(default_factory=time.monotonic)   # when last in use or named by a message
     _turn: int = 0
+
+    def in_use(self) -> bool:
+        """Whether anything of the stream is live: ranks, lost ranks waiting, epochs not yet delivered."""
+        return bool(self.ranks or self.epochs or self.orphans)
 
     def delivering(self) -> EpochState | None:
         """The epoch whose batches go to the ranks now: the lowest one not yet ended."""
@@ -327,9 +334,16 @@ class StreamState:
         return ranks
 
     def stats(self) -> StreamFigures:
-        epochs = {str(n): s for n, s in self.finished.items()}
+        """The stream's figures: bounded, whatever it has delivered (the last K epochs', the rest summed)."""
+        finished = self.finished
+        epochs = {str(n): s for n, s in finished.items()}
         epochs.update({str(n): e.stats() for n, e in self.epochs.items()})
         now = time.monotonic()
-        return {"expected_ranks": self.expected_ranks, "epochs": epochs, "rejoins": self.rejoins,
+        earlier = getattr(finished, "earlier", None)
+        return {"expected_ranks": self.expected_ranks, "rejoins": self.rejoins,
+                "delivered": getattr(finished, "delivered", len(finished)),
+                "idle_s": 0.0 if self.in_use() else round(now - self.last_used, 3),
+                "earlier": dict(earlier) if earlier is not None else no_earlier(),    # type: ignore[typeddict-item]
+                "epochs": epochs,
                 "ranks": [r.stats() for r in self.ranks.values()],
                 "orphans": [o.stats(now) for o in self.orphans.values()]}

@@ -1,12 +1,18 @@
-"""Human-readable rendering of the broker's figures (``broker.figures``) for ``sparkbus status``."""
+"""The broker's figures (``broker.figures``) for ``sparkbus status``: rendered for a human, and cut into pages that
+each fit a header (:func:`paginate`, :func:`merge_pages`)."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypedDict
 
-from .figures import EpochFigures, Figures
+import msgpack
+
+from .figures import Figures
+from .protocol import MAX_HEADER_BYTES
+
+PAGE_BYTES = MAX_HEADER_BYTES - 1024     # of figures per STATS_REPLY: room for the rest of the header
 
 # Summed over brokers per stream by totals(); "ranks" is the most any one broker has.
 TOTALLED = ("batches_in", "rows_in", "batches_out", "rows_out", "acked", "queued")
@@ -42,7 +48,14 @@ def render_stats(stats: Figures) -> str:
     for socket, reasons in sorted(b["rejected"].items()):
         lines.append(f"  rejected on {socket}: " + ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())))
     for name, s in sorted(stats["streams"].items()):
-        lines.append(f"stream {name!r}: {len(s['ranks'])} of {s['expected_ranks']} ranks")
+        lines.append(f"stream {name!r}: {len(s['ranks'])} of {s['expected_ranks']} ranks"
+                     f"{f', idle {idle:.0f} s' if (idle := s.get('idle_s', 0)) else ''}")
+        earlier = s.get("earlier") or {}
+        if earlier.get("epochs"):
+            lines.append(f"  {earlier['epochs']} earlier epochs: in {earlier['batches_in']} batches "
+                         f"{_mib(earlier['bytes_in'])} {earlier['rows_in']} rows, out {earlier['batches_out']} "
+                         f"batches, acked {earlier['acked']}, duplicates {earlier['duplicates']}, "
+                         f"redelivered {earlier['redelivered']}, diverged partitions {earlier['diverged']}")
         for number, e in sorted(s["epochs"].items(), key=lambda kv: int(kv[0])):
             state = "ended" if e["ended"] else "closed" if e["closed"] else "open"
             lines.append(f"  epoch {number} ({state}): partitions {e['committed']}/{e['partitions']}, "
@@ -69,16 +82,94 @@ def totals(stats: dict[str, Figures]) -> Totals:
             t = total["streams"].setdefault(name, {"batches_in": 0, "rows_in": 0, "batches_out": 0, "rows_out": 0,
                                                    "acked": 0, "queued": 0, "ranks": 0})
             t["ranks"] = max(t["ranks"], len(s["ranks"]))
-            for e in s["epochs"].values():
+            for e in [*s["epochs"].values(), *([s["earlier"]] if s.get("earlier") else [])]:
                 for key in TOTALLED:
                     t[key] += _figure(e, key)      # type: ignore[literal-required]
     return total
 
 
-def _figure(epoch: EpochFigures, key: str) -> int:
+def _figure(epoch: Mapping[str, Any], key: str) -> int:
     """One figure of an epoch; 0 for one that figures retired by an older broker lack (``rows_out``)."""
     figures: Mapping[str, Any] = epoch
     return figures.get(key, 0)
+
+
+# ---- pages ---------------------------------------------------------------------------------------------------
+
+
+def paginate(stats: Figures, limit: int = PAGE_BYTES) -> list[Figures]:
+    """The figures as one or more pages, each ``limit`` bytes or fewer of msgpack: the figures themselves when they
+    fit, else pages with ``page = [index, count]`` that :func:`merge_pages` puts back together. Each page has the
+    broker's record and part of the streams; a stream too large for one page is cut between its epochs, ranks and
+    lost ranks (every page's part of it a dict with some of its keys)."""
+    if len(msgpack.packb(stats, use_bin_type=True)) <= limit:
+        return [stats]
+    room = limit - len(msgpack.packb({"broker": stats["broker"], "streams": {}, "page": [2**31, 2**31]},
+                                     use_bin_type=True))
+    pages: list[dict[str, Any]] = []
+    used = room + 1
+    for name, piece, size in _pieces(stats, room):
+        streams = pages[-1] if pages else {}
+        if used + size > room or name in streams:
+            pages.append({})
+            used = 0
+        pages[-1][name] = piece
+        used += size
+    count = len(pages) or 1
+    return [{"broker": stats["broker"], "streams": streams, "page": [i, count]}
+            for i, streams in enumerate(pages or [{}])]
+
+
+def _size(value: Any) -> int:
+    return len(msgpack.packb(value, use_bin_type=True))
+
+
+def _pieces(stats: Figures, room: int) -> Iterator[tuple[str, dict[str, Any], int]]:
+    """Per stream, its figures in parts of at most ``room`` bytes each (their size with the name's): the scalars and
+    as many epochs, ranks and lost ranks as fit first, then the rest of those, in order."""
+    for name, stream in stats["streams"].items():
+        whole: Mapping[str, Any] = stream
+        overhead = _size(name) + 8
+        size = _size(whole) + overhead
+        if size <= room:
+            yield name, dict(whole), size
+            continue
+        piece: dict[str, Any] = {k: v for k, v in whole.items() if k not in ("epochs", "ranks", "orphans")}
+        used = _size(piece) + overhead
+        for key in ("epochs", "ranks", "orphans"):
+            items = list(whole[key].items()) if key == "epochs" else list(whole[key])
+            piece.setdefault(key, {} if key == "epochs" else [])
+            for item in items:
+                cost = _size(item) + len(key) + 2
+                if used + cost > room and used > overhead:
+                    yield name, piece, used
+                    piece, used = {key: {} if key == "epochs" else []}, overhead + len(key) + 2
+                if key == "epochs":
+                    piece[key][item[0]] = item[1]
+                else:
+                    piece[key].append(item)
+                used += cost
+        yield name, piece, used
+
+
+def merge_pages(pages: list[dict[str, Any]]) -> Figures:
+    """The figures from the pages of one reply (:func:`paginate`), in any order; a page with no ``page`` is whole."""
+    merged: dict[str, Any] = {"broker": pages[0]["broker"], "streams": {}}
+    for page in sorted(pages, key=lambda p: p.get("page", [0])[0]):
+        for name, piece in page["streams"].items():
+            stream = merged["streams"].get(name)
+            if stream is None:
+                merged["streams"][name] = {**piece, **{k: type(v)(v) for k, v in piece.items()
+                                                       if isinstance(v, (list, dict)) and k != "earlier"}}
+                continue
+            for key, value in piece.items():
+                if isinstance(value, list):
+                    stream.setdefault(key, []).extend(value)
+                elif isinstance(value, dict) and key == "epochs":
+                    stream.setdefault(key, {}).update(value)
+                else:
+                    stream[key] = value
+    return merged       # type: ignore[return-value]
 
 
 def render_totals(total: Totals) -> str:

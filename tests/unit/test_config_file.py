@@ -96,6 +96,8 @@ auth = "keys"
 insecure = false
 metrics_port = 9105
 metrics_host = "::1"
+keep_epochs = 16
+retire-streams-after = "2h"
 log_level = "debug"
 """)
     settings = read_config_file(path)
@@ -106,6 +108,7 @@ log_level = "debug"
     assert settings["journal"] == str(tmp_path / "journal") and settings["auth"] == str(tmp_path / "keys")
     assert settings["ready_file"] == "/run/sparkbus/ready.json"
     assert (settings["metrics_port"], settings["metrics_host"], settings["log_level"]) == (9105, "::1", "DEBUG")
+    assert (settings["keep_epochs"], settings["retire_streams_after"]) == (16, 7200.0)
 
 
 @pytest.mark.parametrize("text, message", [

@@ -22,6 +22,7 @@ from broker.figures import (
     RANK_METRICS,
     STREAM_METRICS,
     BrokerFigures,
+    EarlierFigures,
     EpochFigures,
     OrphanFigures,
     RankFigures,
@@ -53,6 +54,7 @@ def figures():
     window(ledger, b"b", 2)
     ledger.rank_gone(b"b", "disconnected")          # a lost rank holding batches: an orphan
     broker.rejected["feed"]["malformed"] += 1
+    broker.peers.heard("ranks", b"old", 4, 0.0)      # a connection of the version before
     return broker.stats()
 
 
@@ -61,6 +63,7 @@ def test_the_ledger_fills_in_exactly_the_declared_records(figures):
     stream = figures["streams"][STREAM]
     assert set(stream) == keys(StreamFigures)
     assert set(stream["epochs"]["0"]) == keys(EpochFigures)
+    assert set(stream["earlier"]) == keys(EarlierFigures)
     assert [set(r) for r in stream["ranks"]] == [keys(RankFigures)]      # rank a, which reported its figures
     assert [set(o) for o in stream["orphans"]] == [keys(OrphanFigures)]  # rank b, lost
 
@@ -71,6 +74,9 @@ def test_each_metric_reads_a_declared_field():
         for metric in metrics:
             assert metric.field is None or metric.field in keys(record), metric.name
     assert all(m.field is not None for m in EPOCH_METRICS + RANK_METRICS)
+    # bounded series: no label takes a value per epoch, and each counter of the epochs adds up in ``earlier``
+    assert not [m.name for m in METRICS if "epoch" in m.labels]
+    assert {m.field for m in EPOCH_METRICS if m.kind == "counter"} <= keys(EarlierFigures)
     assert len({m.name for m in METRICS}) == len(METRICS)
 
 
@@ -116,7 +122,8 @@ def protocol_statistics() -> dict[str, set[str]]:
     stream = re.search(r"\{name: \{([a-z_, ]+),\s*\n", block).group(1)
     return {
         "broker": names(block[block.index("broker:") + 7:block.index("streams:")]),
-        "stream": names(stream) | {"epochs", "ranks", "orphans"},
+        "stream": names(stream) | {"earlier", "epochs", "ranks", "orphans"},
+        "earlier": names(re.search(r"earlier: \{([^}]*)\}", block).group(1)),
         "epoch": names(re.search(r'"<epoch>": \{([^}]*)\}', block).group(1)),
         "rank": names(re.search(r"ranks: \[\{([^}]*)\}\]", block).group(1)),
         "orphan": names(re.search(r"orphans: \[\{([^}]*)\}\]", block).group(1)),
@@ -125,6 +132,7 @@ def protocol_statistics() -> dict[str, set[str]]:
 
 def test_the_protocol_page_lists_the_fields_of_every_record():
     assert protocol_statistics() == {"broker": keys(BrokerFigures), "stream": keys(StreamFigures),
+                                     "earlier": keys(EarlierFigures),
                                      "epoch": keys(EpochFigures), "rank": keys(RankFigures),
                                      "orphan": keys(OrphanFigures)}
 

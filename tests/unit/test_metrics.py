@@ -13,6 +13,7 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from broker.figures import no_earlier
 from broker.metrics import MetricsExporter
 
 
@@ -33,9 +34,15 @@ STATS = {
                "max_buffer": 1 << 30, "feed_paused": True, "journal": None,
                "endpoints": {"feed": "tcp://127.0.0.1:5555", "ranks": "tcp://127.0.0.1:5556",
                              "control": "tcp://127.0.0.1:5557"},
-               "rejected": {"feed": {"malformed": 3, "unknown_key": 2}, "ranks": {"wrong_role": 1}}},
+               "rejected": {"feed": {"malformed": 3, "unknown_key": 2}, "ranks": {"wrong_role": 1}},
+               "versions": [4, 5], "older_peers": {"4": 3}, "retired_streams": 5},
     "streams": {
-        "train": {"expected_ranks": 2, "rejoins": 1,
+        "train": {"expected_ranks": 2, "rejoins": 1, "delivered": 4, "idle_s": 0.0,
+                  # three epochs before 0 whose figures are no longer listed, summed
+                  "earlier": {"epochs": 3, "batches_in": 300, "bytes_in": 307200, "rows_in": 30000,
+                              "batches_out": 300, "bytes_out": 307200, "rows_out": 30000, "acked": 300,
+                              "duplicates": 7, "redelivered": 1, "given_twice": 0, "diverged": 1, "dropped": 0,
+                              "moved": 0},
                   "epochs": {"0": epoch(committed=4, closed=True, ended=True, batches_in=40, bytes_in=40960,
                                         rows_in=4000, batches_out=40, bytes_out=40960, acked=40, duplicates=5,
                                         redelivered=2, diverged=[1, 3]),
@@ -45,7 +52,8 @@ STATS = {
                                  first_batch_s=0.75, consumed=21),
                             rank(1, inflight=1, batches=21, bytes=21504, acked=20)],
                   "orphans": [{"rank": 3, "inflight": 4, "expires_in_s": 2.0}]},
-        "val": {"expected_ranks": 1, "rejoins": 0, "epochs": {},
+        "val": {"expected_ranks": 1, "rejoins": 0, "epochs": {}, "delivered": 0, "idle_s": 0.0,
+                "earlier": no_earlier(),
                 # independent consumers all say rank 0
                 "ranks": [rank(0, size=1, even=False, inflight=1, batches=5, wait_s=2.0, first_batch_s=0.5,
                                consumed=4, idle_s=3.0),
@@ -88,18 +96,27 @@ def test_the_published_figures_are_served_with_exact_values(exporter):
     assert value(got, "sparkbus_refused_messages_total", socket="feed", reason="malformed") == 3
     assert value(got, "sparkbus_refused_messages_total", socket="feed", reason="unknown_key") == 2
     assert value(got, "sparkbus_refused_messages_total", socket="ranks", reason="wrong_role") == 1
+    assert value(got, "sparkbus_streams") == 2 and value(got, "sparkbus_retired_streams_total") == 5
+    assert value(got, "sparkbus_older_peers", version="4") == 3
 
-    train0, train1 = {"stream": "train", "epoch": "0"}, {"stream": "train", "epoch": "1"}
-    for name, first, second in [("sparkbus_batches_in_total", 40, 10), ("sparkbus_rows_in_total", 4000, 1000),
-                                ("sparkbus_bytes_in_total", 40960, 10240), ("sparkbus_batches_out_total", 40, 4),
-                                ("sparkbus_bytes_out_total", 40960, 4096), ("sparkbus_batches_acked_total", 40, 1),
-                                ("sparkbus_duplicate_batches_total", 5, 0),
-                                ("sparkbus_redelivered_batches_total", 2, 0), ("sparkbus_batches_queued", 0, 6),
-                                ("sparkbus_partitions", 4, 4), ("sparkbus_partitions_committed", 4, 1),
-                                ("sparkbus_diverged_partitions", 2, 0), ("sparkbus_epoch_closed", 1, 0),
-                                ("sparkbus_epoch_ended", 1, 0)]:
-        assert (value(got, name, **train0), value(got, name, **train1)) == (first, second), name
-    assert not any(name == "sparkbus_rows_out_total" for name, _ in got)      # not in these figures
+    # counters: the stream's epochs added up (the earlier ones' sums, epoch 0 and epoch 1); no epoch label
+    train = {"stream": "train"}
+    for name, total in [("sparkbus_batches_in_total", 300 + 40 + 10), ("sparkbus_rows_in_total", 30000 + 4000 + 1000),
+                        ("sparkbus_bytes_in_total", 307200 + 40960 + 10240),
+                        ("sparkbus_batches_out_total", 300 + 40 + 4),
+                        ("sparkbus_bytes_out_total", 307200 + 40960 + 4096),
+                        ("sparkbus_batches_acked_total", 300 + 40 + 1), ("sparkbus_duplicate_batches_total", 7 + 5),
+                        ("sparkbus_redelivered_batches_total", 1 + 2), ("sparkbus_diverged_partitions_total", 1 + 2),
+                        ("sparkbus_rows_out_total", 30000),       # only the earlier sums have it in these figures
+                        ("sparkbus_epochs_delivered_total", 4),
+                        # gauges: the current epoch's (1, the lowest not ended); queued over every epoch
+                        ("sparkbus_epoch", 1), ("sparkbus_batches_queued", 6), ("sparkbus_partitions", 4),
+                        ("sparkbus_partitions_committed", 1), ("sparkbus_epoch_closed", 0),
+                        ("sparkbus_epoch_ended", 0)]:
+        assert value(got, name, **train) == total, name
+    assert not [labels for name, labels in got if "epoch" in dict(labels)]
+    assert ("sparkbus_epoch", (("stream", "val"),)) not in got               # no epoch listed: no current epoch
+    assert value(got, "sparkbus_batches_in_total", stream="val") == 0          # the earlier sums are 0 there
 
     assert value(got, "sparkbus_ranks_joined", stream="train") == 2
     assert value(got, "sparkbus_ranks_joined", stream="val") == 2
@@ -140,7 +157,7 @@ def test_each_scrape_renders_the_last_published_snapshot(exporter):
     exporter.publish(later)
     got = scrape(exporter)
     assert value(got, "sparkbus_buffered_bytes") == 0 and value(got, "sparkbus_feed_paused") == 0
-    assert value(got, "sparkbus_batches_in_total", stream="train", epoch="1") == 30
+    assert value(got, "sparkbus_batches_in_total", stream="train") == 300 + 40 + 30
     stamp = value(got, "sparkbus_stats_published_timestamp_seconds")
     assert stamp == value(scrape(exporter), "sparkbus_stats_published_timestamp_seconds")
 
@@ -149,28 +166,45 @@ def test_a_requeued_batch_does_not_make_the_out_counters_go_back(exporter):
     """The ledger lowers batches_out when it requeues a batch; Prometheus would read a drop as a reset."""
     figures = copy.deepcopy(STATS)
     exporter.publish(figures)
-    assert value(scrape(exporter), "sparkbus_batches_out_total", stream="train", epoch="1") == 4
+    assert value(scrape(exporter), "sparkbus_batches_out_total", stream="train") == 344
     figures = copy.deepcopy(figures)
     figures["streams"]["train"]["epochs"]["1"].update(batches_out=3, bytes_out=3072)
     exporter.publish(figures)
     got = scrape(exporter)
-    assert value(got, "sparkbus_batches_out_total", stream="train", epoch="1") == 4
-    assert value(got, "sparkbus_bytes_out_total", stream="train", epoch="1") == 4096
+    assert value(got, "sparkbus_batches_out_total", stream="train") == 344
+    assert value(got, "sparkbus_bytes_out_total", stream="train") == 307200 + 40960 + 4096
     figures = copy.deepcopy(figures)
     figures["streams"]["train"]["epochs"]["1"].update(batches_out=6)
     exporter.publish(figures)
-    assert value(scrape(exporter), "sparkbus_batches_out_total", stream="train", epoch="1") == 6
+    assert value(scrape(exporter), "sparkbus_batches_out_total", stream="train") == 346
 
 
-def test_epochs_that_left_the_figures_leave_the_metrics(exporter):
+def test_an_epoch_folded_into_the_earlier_sums_leaves_the_counters_where_they_were(exporter):
+    """Bounded history: when an epoch's figures leave the list for the stream's ``earlier`` sums, no counter moves,
+    and the series stay one per stream."""
+    from broker.figures import fold
+
     exporter.publish(STATS)
-    assert ("sparkbus_batches_in_total", (("epoch", "0"), ("stream", "train"))) in scrape(exporter)
+    before = scrape(exporter)
+    folded = copy.deepcopy(STATS)
+    fold(folded["streams"]["train"]["earlier"], folded["streams"]["train"]["epochs"].pop("0"))
+    exporter.publish(folded)
+    after = scrape(exporter)
+    sparkbus = {k: v for k, v in before.items() if k[0].startswith("sparkbus_") and k[0].endswith("_total")}
+    assert {k: after[k] for k in sparkbus} == sparkbus
+    assert len([k for k in after if k[0].startswith("sparkbus_")]) == len([k for k in before
+                                                                           if k[0].startswith("sparkbus_")])
+
+
+def test_streams_that_left_the_figures_leave_the_metrics(exporter):
+    exporter.publish(STATS)
+    assert ("sparkbus_batches_in_total", (("stream", "val"),)) in scrape(exporter)
     fewer = copy.deepcopy(STATS)
-    del fewer["streams"]["train"]["epochs"]["0"]
+    del fewer["streams"]["val"]                   # retired
     exporter.publish(fewer)
     got = scrape(exporter)
-    assert ("sparkbus_batches_in_total", (("epoch", "0"), ("stream", "train"))) not in got
-    assert value(got, "sparkbus_batches_in_total", stream="train", epoch="1") == 10
+    assert not [labels for name, labels in got if dict(labels).get("stream") == "val"]
+    assert value(got, "sparkbus_batches_in_total", stream="train") == 350
 
 
 def test_stop_closes_the_port_and_the_exporter_listens_on_loopback_by_default():
@@ -204,4 +238,5 @@ def test_the_grafana_dashboard_parses_and_plots_only_metrics_the_exporter_serves
     assert plotted <= served, plotted - served
     assert {"sparkbus_bytes_in_total", "sparkbus_bytes_out_total", "sparkbus_buffer_use_ratio",
             "sparkbus_feed_paused", "sparkbus_ranks_joined", "sparkbus_redelivered_batches_total",
-            "sparkbus_refused_messages_total", "sparkbus_rank_data_wait_seconds_total"} <= plotted
+            "sparkbus_refused_messages_total", "sparkbus_rank_data_wait_seconds_total", "sparkbus_epoch"} <= plotted
+    assert not [e for e in expressions if re.search(r"\bepoch\b[^_]", e.replace("sparkbus_epoch", ""))]  # no label
