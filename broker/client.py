@@ -2,6 +2,10 @@
 
 A DEALER (not REQ, whose state machine wedges after a lost reply) with one request in flight at a time; every
 reply carries the request's ``req`` number, and stale replies from an earlier timed-out request are skipped.
+
+A client speaks this release's protocol version; one that meets an older broker it can speak to (its ``ERROR``
+says ``VERSION`` in a version of ``protocol.SUPPORTED``) asks again in that version, except a feeder, whose batches
+would be refused (docs/PROTOCOL.md "Versions"). A ``STATS_REPLY`` that comes in pages is put back together.
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ import zmq
 
 from .auth import client_socket
 from .errors import BrokerError, ProtocolError
-from .protocol import ErrorCode, Kind, pack_header, unpack_header
+from .protocol import VERSION, ErrorCode, Kind, negotiated, pack_header, unpack_header
+from .status import merge_pages
 
 
 class ControlClient:
@@ -35,6 +40,7 @@ class ControlClient:
         self.address = address
         self.timeout = timeout
         self._req = itertools.count(1)
+        self.version = VERSION         # the broker's, once it said it speaks an older one
         self._sock = client_socket(context or zmq.Context.instance(), zmq.DEALER, key, broker_key)
         self._sock.connect(address)
 
@@ -49,8 +55,9 @@ class ControlClient:
             ProtocolError: the reply is not a valid header (wrong version included).
         """
         req = next(self._req)
-        self._sock.send(pack_header(kind, req=req, **fields))
+        self._sock.send(pack_header(kind, v=self.version, req=req, **fields))
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        pages: list[dict[str, Any]] = []
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not self._sock.poll(int(remaining * 1000)):     # pyzmq truncates to ms too
@@ -60,15 +67,32 @@ class ControlClient:
             reply = unpack_header(self._sock.recv())
             if reply.get("req") != req:
                 continue          # the answer to an earlier request that timed out
+            if reply["kind"] == Kind.ERROR and reply["code"] == ErrorCode.VERSION and \
+                    negotiated(reply["v"]) not in (None, self.version):
+                self.version = reply["v"]                 # an older broker: ask again in its version
+                req = next(self._req)
+                self._sock.send(pack_header(kind, v=self.version, req=req, **fields))
+                continue
             if reply["kind"] == Kind.ERROR:
                 raise BrokerError(f"the broker at {self.address} refused {kind.name}: {reply['reason']}",
                                   code=_error_code(reply["code"]))
+            if reply["kind"] == Kind.STATS_REPLY and "page" in reply["stats"]:
+                pages.append(reply["stats"])          # one of several: the rest follow, with the same req
+                if len(pages) < reply["stats"]["page"][1]:
+                    continue
+                reply["stats"] = merge_pages(pages)
             return reply
 
     def hello(self, role: str, stream: str = "", timeout: float | None = None) -> dict[str, Any]:
-        """Version handshake; proves the broker is there. Raises like :meth:`request`."""
-        return self.request(Kind.HELLO, timeout=timeout, role=role, stream=stream, rank=0, size=1, even=False,
-                            session="", resume=False, ended=-1)
+        """Version handshake; proves the broker is there. Raises like :meth:`request`, and :class:`BrokerError`
+        (code ``VERSION``) for a feeder that meets an older broker: its tasks write batches in this version."""
+        welcome = self.request(Kind.HELLO, timeout=timeout, role=role, stream=stream, rank=0, size=1, even=False,
+                               session="", resume=False, ended=-1)
+        if role == "feeder" and self.version != VERSION:
+            raise BrokerError(f"the broker at {self.address} speaks protocol version {self.version}, older than "
+                              f"this feeder's {VERSION}: upgrade the broker first (a broker serves clients of its "
+                              f"version and of the one before), then the jobs", code=ErrorCode.VERSION)
+        return welcome
 
     def close(self) -> None:
         self._sock.close(linger=0)

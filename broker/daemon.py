@@ -38,6 +38,8 @@ from .journal import Journal
 from .ledger import Ledger, MissedEnd, Rejected, Reply
 from .protocol import ErrorCode, Kind, pack_header, unpack_header
 from .state import StreamState
+from .status import paginate
+from .versions import PeerVersions
 
 log = logging.getLogger("sparkbus.broker")
 
@@ -73,8 +75,10 @@ class Broker:
         self._stop = threading.Event()
         self._reload = threading.Event()
         self.guard = Guard(config.auth, self._refused_peer)
-        self.ledger = Ledger(Journal(config.journal) if config.journal else None, config.rejoin_grace,
-                             config.max_buffer)
+        self.ledger = Ledger(Journal(config.journal, keep_stats=config.keep_epochs) if config.journal else None,
+                             config.rejoin_grace, config.max_buffer)
+        self.ledger.keep_epochs = config.keep_epochs
+        self.peers = PeerVersions()      # connections of an older protocol version (docs/PROTOCOL.md "Versions")
         self.rejected: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self.endpoints: dict[str, str] = {}
         self.incarnation = secrets.token_hex(8)
@@ -193,6 +197,8 @@ class Broker:
             if now >= next_heartbeat:
                 self._heartbeat()
                 self.ledger.expire_orphans(now)
+                self.ledger.retire_streams(now, self.config.retire_streams_after)
+                self.peers.prune(now)
                 self.ledger.warn_if_atomic_stall(now)
                 if self.ledger.journal:
                     self.ledger.journal.sync_if_due()
@@ -259,6 +265,10 @@ class Broker:
         except ProtocolError as exc:
             code = ErrorCode.VERSION if isinstance(exc, VersionMismatch) else ErrorCode.MALFORMED
             return self._refuse(sock, socket, identity, 0, code, exc.reason)
+        if header["v"] != protocol.VERSION:
+            self.peers.heard(socket, identity, header["v"], time.monotonic())   # answered, and sent to, in it
+        if type(header.get("stream")) is str:
+            self.ledger.touch(header["stream"], time.monotonic())
         handlers = self._control_handlers if socket == "control" else self._rank_handlers
         handler = handlers.get(header["kind"])
         if socket == "ranks":
@@ -284,8 +294,9 @@ class Broker:
         self._send(sock, identity, Kind.ERROR, req=req, code=code, reason=reason)
 
     def _send(self, sock: zmq.Socket, identity: bytes, kind: Kind, **fields: Any) -> bool:
+        version = self.peers.version("ranks" if sock is self._ranks else "control", identity)
         try:
-            sock.send_multipart([identity, pack_header(kind, **fields)], zmq.NOBLOCK)
+            sock.send_multipart([identity, pack_header(kind, v=version, **fields)], zmq.NOBLOCK)
             return True
         except zmq.Again:
             return False
@@ -331,7 +342,9 @@ class Broker:
         self.ledger.rank_gone(identity, "said goodbye", keep=False)
 
     def _stats(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
-        self._send(sock, identity, Kind.STATS_REPLY, req=h["req"], stats=self.stats())
+        """STATS_REPLY, in pages when the figures do not fit one header (each page ``[index, count]``)."""
+        for page in paginate(self.stats()):
+            self._send(sock, identity, Kind.STATS_REPLY, req=h["req"], stats=page)
 
     def _epoch_open(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
         self.ledger.open_epoch(h["stream"], h["epoch"], h["partitions"], h["delivery"])
@@ -357,7 +370,14 @@ class Broker:
     # ---- to the ranks -----------------------------------------------------------------------------------
 
     def _transmit(self, identity: bytes, frames: list[Any]) -> Outcome:
-        """The ledger's sends to a rank (batches, epoch ends): I/O only, the ledger acts on the outcome."""
+        """The ledger's sends to a rank (batches, epoch ends): I/O only, the ledger acts on the outcome. A rank of an
+        older version gets the header frame in its version (the payload frames as they are)."""
+        if self.peers:
+            version = self.peers.version("ranks", identity)
+            if version != protocol.VERSION:
+                head = frames[0]
+                frames = [protocol.reencode(head.bytes if isinstance(head, zmq.Frame) else head, version),
+                          *frames[1:]]
         try:
             self._ranks.send_multipart([identity, *frames], zmq.NOBLOCK, copy=False)
             return Outcome.SENT
@@ -383,6 +403,8 @@ class Broker:
                        "buffered_bytes": self.ledger.buffered, "max_buffer": self.config.max_buffer,
                        "feed_paused": self.ledger.feed_paused, "endpoints": self.endpoints,
                        "journal": self.config.journal,
-                       "rejected": {s: dict(r) for s, r in self.rejected.items()}},
+                       "rejected": {s: dict(r) for s, r in self.rejected.items()},
+                       "versions": list(protocol.SUPPORTED), "older_peers": self.peers.counts(),
+                       "retired_streams": self.ledger.retired_count},
             "streams": {name: s.stats() for name, s in self.streams.items()},
         }

@@ -25,6 +25,7 @@ import msgpack
 from .errors import ProtocolError, VersionMismatch
 
 VERSION = 5
+SUPPORTED = (VERSION - 1, VERSION)   # what this side reads and speaks: its own version and the one before
 MAX_HEADER_BYTES = 64 * 1024
 MAX_SPLITS = 4096         # small batches in one pack at most
 
@@ -108,6 +109,13 @@ OPTIONAL: dict[Kind, dict[str, type]] = {
     Kind.HEARTBEAT: {"wait_s": float, "first_batch_s": float, "consumed": int},
 }
 
+# What each version added to the one before. A header of an older version is read as that version defined it: a
+# kind added since is a protocol error, an optional field added since is dropped (its sender cannot have meant it).
+ADDED: dict[int, tuple[frozenset[Kind], dict[Kind, tuple[str, ...]]]] = {
+    5: (frozenset({Kind.STEPS, Kind.RELEASE, Kind.RETURN}),
+        {Kind.BATCH: ("take",), Kind.HELLO: ("grants",), Kind.EPOCH_END: ("steps",)}),
+}
+
 _KINDS = {int(k): k for k in Kind}
 ROLES = ("feeder", "rank", "client")
 DELIVERY_MODES = ("stream", "atomic")
@@ -124,19 +132,42 @@ OFFSET_WIDTHS = (4, 8)                         # int32 or int64 offsets, as Arro
 
 
 def pack_header(kind: Kind, **fields: Any) -> bytes:
-    """Encode a header of ``kind``. Fields are taken as given; receivers validate them."""
-    fields["v"] = VERSION
+    """Encode a header of ``kind``, in :data:`VERSION` or in the version ``v=`` says (a connection's, see
+    :func:`negotiated`). Fields are taken as given; receivers validate them."""
+    fields.setdefault("v", VERSION)
     fields["kind"] = int(kind)
     return msgpack.packb(fields, use_bin_type=True)
+
+
+def negotiated(theirs: Any) -> int | None:
+    """The version a connection speaks when its peer says ``theirs`` (its HELLO's, or the broker's ERROR's ``v``):
+    that version if this side speaks it too (:data:`SUPPORTED`), else None."""
+    return theirs if type(theirs) is int and theirs in SUPPORTED else None
+
+
+def reencode(frame: bytes | memoryview, version: int) -> bytes:
+    """A header frame (as received, already validated) in another version this side speaks: its ``v`` changed, the
+    fields that version does not know dropped. What a broker does to a frame it forwards to an older peer."""
+    header = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    if header.get("v") == version:
+        return bytes(frame)
+    header["v"] = version
+    for added in range(version + 1, VERSION + 1):
+        for name in ADDED.get(added, (frozenset(), {}))[1].get(Kind(header["kind"]), ()):
+            header.pop(name, None)
+    return msgpack.packb(header, use_bin_type=True)
 
 
 def unpack_header(buf: bytes | memoryview) -> dict[str, Any]:
     """Decode and validate a header frame.
 
+    A header of any version in :data:`SUPPORTED` is read; one of an older version as that version defined it
+    (:data:`ADDED`). ``header["v"]`` says which it was.
+
     Returns:
         The header as a dict; ``header["kind"]`` is a :class:`Kind`.
     Raises:
-        VersionMismatch: the version field differs from :data:`VERSION`.
+        VersionMismatch: the version field is not one of :data:`SUPPORTED`.
         ProtocolError: oversized, not msgpack, not a map, unknown kind, missing or mistyped fields.
     """
     if len(buf) > MAX_HEADER_BYTES:
@@ -148,10 +179,13 @@ def unpack_header(buf: bytes | memoryview) -> dict[str, Any]:
     if not isinstance(header, dict):
         raise ProtocolError(f"header must be a msgpack map, got {type(header).__name__}")
     version = header.get("v")
-    if version != VERSION:
-        raise VersionMismatch(version, VERSION)
     raw_kind = header.get("kind")
     kind = _KINDS.get(raw_kind) if type(raw_kind) is int else None
+    if version != VERSION:
+        if type(version) is not int or version not in SUPPORTED:
+            raise VersionMismatch(version, VERSION)
+        if kind is not None:
+            kind = _older(header, kind, version)
     if kind is None:
         raise ProtocolError(f"unknown message kind {raw_kind!r}")
     header["kind"] = kind
@@ -163,6 +197,17 @@ def unpack_header(buf: bytes | memoryview) -> dict[str, Any]:
         if name in header and type(header[name]) is not expected:
             raise _field_error(kind, name, header[name], expected)
     return header
+
+
+def _older(header: dict[str, Any], kind: Kind, version: int) -> Kind:
+    """Read a header of an older ``version`` as it defined it (see :data:`ADDED`)."""
+    for added in range(version + 1, VERSION + 1):
+        kinds, fields = ADDED.get(added, (frozenset(), {}))
+        if kind in kinds:
+            raise ProtocolError(f"{kind.name} is not a message of protocol version {version}")
+        for name in fields.get(kind, ()):
+            header.pop(name, None)
+    return kind
 
 
 # The checks above, flattened once per kind: on the broker's hot path a header costs a few dict lookups.

@@ -302,7 +302,7 @@ def test_each_error_reply_carries_the_code_clients_act_on(bus):
     assert bus.request(Kind.CREDIT, window=1, window_bytes=0)["code"] == ErrorCode.UNEXPECTED_KIND
     bus.control.send(b"\xc1")
     assert recv_header(bus.control)[0]["code"] == ErrorCode.MALFORMED
-    bus.control.send(msgpack.packb({"v": protocol.VERSION - 1, "kind": int(Kind.STATS_REQUEST), "req": 1}))
+    bus.control.send(msgpack.packb({"v": protocol.SUPPORTED[0] - 1, "kind": int(Kind.STATS_REQUEST), "req": 1}))
     assert recv_header(bus.control)[0]["code"] == ErrorCode.VERSION
 
 
