@@ -61,6 +61,7 @@ class BrokerConnection:
         self._upto: list[int] = []                   # progress in packs not yet sent: epoch, part, seq, stop, ...
         self._inbox: deque[tuple[dict, list[zmq.Frame]]] = deque()   # kept by service() while the rank waited
         self.session = secrets.token_hex(8)           # the same across reconnections of this rank
+        self.version = protocol.VERSION               # the connection's: an older broker's, once it said so
         self._received: set[tuple[int, ...]] = set()  # batch ids of the current epoch that arrived (a piece
         self._acked: set[BatchId] = set()             # of a pack: its id and first batch); acknowledged ids
         self.ended = -1                               # the last epoch whose EPOCH_END arrived
@@ -82,12 +83,12 @@ class BrokerConnection:
     # ---- saying things --------------------------------------------------------------------------------------
 
     def _say(self, kind: Kind, **fields: Any) -> None:
-        self._sock.send(pack_header(kind, **fields))
+        self._sock.send(pack_header(kind, v=self.version, **fields))
         self._last_said = time.monotonic()
 
     def _hello(self, resume: bool) -> None:
         self._req += 1
-        header = pack_header(Kind.HELLO, req=self._req, role="rank", stream=self.stream, rank=self.rank,
+        header = pack_header(Kind.HELLO, v=self.version, req=self._req, role="rank", stream=self.stream, rank=self.rank,
                              size=self.size, even=self.even, session=self.session, resume=resume,
                              ended=self.ended, **({"grants": True} if self.grants else {}))
         if resume:
@@ -204,6 +205,9 @@ class BrokerConnection:
                 self._refusal = header["reason"]
                 time.sleep(min(self.heartbeat, max(deadline - time.monotonic(), 0)))
                 self._hello(resume=False)
+            elif header["kind"] == Kind.ERROR and header["code"] == ErrorCode.VERSION and \
+                    protocol.negotiated(header["v"]) not in (None, self.version):
+                self._fall_back(header["v"])      # an older broker: speak its version (docs/PROTOCOL.md "Versions")
             elif header["kind"] == Kind.ERROR:
                 raise BrokerError(f"the broker at {self.address} refused rank {self.rank}: {header['reason']}",
                                   code=header["code"])
@@ -212,6 +216,16 @@ class BrokerConnection:
         self._refusal = ""
         self._last_heard = time.monotonic()
         self._grant_window()
+
+    def _fall_back(self, version: int) -> None:
+        """HELLO again in the older ``version`` the broker speaks, if this rank needs nothing that version lacks."""
+        if self.grants and version < 5:
+            raise BrokerError(f"the broker at {self.address} speaks protocol version {version}, which has no granted "
+                              f"steps: upgrade the broker, or pass comm= and steps='mpi'", code=ErrorCode.VERSION)
+        log.warning("the broker at %s speaks protocol version %d; rank %d speaks it too", self.address, version,
+                    self.rank)
+        self.version = version
+        self._hello(resume=False)
 
     def _rejoin(self, reason: str) -> None:
         """The broker does not know this rank (a new connection, or a restarted broker): HELLO with ``resume``,
