@@ -15,7 +15,8 @@ from typing import Any
 from . import protocol
 from .books import Outcome, Transmit
 from .errors import ProtocolError
-from .grants import Grants, cut
+from .grants import Grants
+from .pieces import cut
 from .protocol import ErrorCode, Kind
 from .state import MAX_WINDOW, EpochState, RankState, StreamState
 
@@ -53,8 +54,8 @@ class Dispatch(Grants):
 
     def acknowledge(self, rank: RankState, ids: Sequence[Any], upto: Sequence[Any] = ()) -> int:
         """Forget acknowledged batches (``ids``: epoch, part, seq, epoch, part, seq, ...), and the used batches of
-        packs still in use (``upto``: epoch, part, seq, stop, ...: the pack's batches before ``stop``), which are
-        cut off the pack: should the rank die, only the rest of it goes to another rank.
+        packs still in use (``upto``: epoch, part, seq, stop, ...: the pack's batches before ``stop``): should the
+        rank die, they are cut off the pack, and only the rest of it goes to another rank.
 
         Returns how many ids were not in flight to that rank.
         Raises:
@@ -76,9 +77,8 @@ class Dispatch(Grants):
                     continue
                 if stop == piece.first + piece.count:
                     consumed.append(pop((epoch, part, seq)))
-                    continue
-                used, rank.inflight[piece.id] = cut(piece, stop)
-                consumed.append(used)
+                elif stop > piece.used:
+                    piece.used = stop          # cut off only if the pack goes to another rank (_requeue_batches)
         cut_off = len(consumed)
         triples = iter(ids)
         for key in zip(triples, triples, triples):

@@ -24,11 +24,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-import msgpack
-
 from . import protocol
 from .books import Outcome, Transmit
 from .errors import ProtocolError
+from .pieces import cut
 from .protocol import Kind
 from .rejoin import MissedEnd, Rejoin
 from .state import BatchId, EpochState, HeldBatch, RankState, StreamState
@@ -220,28 +219,3 @@ class Grants(Rejoin):
                             "are not the others' (its group changed in the middle of the epoch, or it left the "
                             "epoch early)", rank.rank, stream.name, h["kept"], ep.epoch, extra, ep.share)
         return unknown
-
-
-def cut(piece: HeldBatch, first: int) -> tuple[HeldBatch, HeldBatch]:
-    """A pack (or a piece of one) cut before its batch ``first``: the two pieces, each the same frames behind a
-    header whose ``take`` names its batches. Rows and bytes are shared out by the pack's ``splits``."""
-    header = msgpack.unpackb(_bytes(piece.frames[0]), raw=False)
-    splits = header["splits"]
-    stop = piece.first + piece.count
-    whole = piece.whole or piece
-    whole.pieces += 1
-    head_rows = sum(splits[piece.first:first])
-    head_bytes = piece.nbytes * head_rows // piece.rows if piece.rows else 0
-    head = HeldBatch(piece.id, _taking(header, piece.first, first, piece.frames), head_bytes, head_rows,
-                     sends=piece.sends, count=first - piece.first, first=piece.first, whole=whole)
-    tail = HeldBatch(piece.id, _taking(header, first, stop, piece.frames), piece.nbytes - head_bytes,
-                     piece.rows - head_rows, sends=piece.sends, count=stop - first, first=first, whole=whole)
-    return head, tail
-
-
-def _taking(header: dict, first: int, stop: int, frames: list) -> list:
-    return [msgpack.packb(dict(header, take=[first, stop]), use_bin_type=True), *frames[1:]]
-
-
-def _bytes(frame: object) -> bytes:
-    return frame.bytes if hasattr(frame, "bytes") else bytes(frame)  # type: ignore[call-overload]

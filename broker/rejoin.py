@@ -16,6 +16,7 @@ from typing import NamedTuple
 from . import protocol
 from .books import Books, Outcome, Transmit
 from .errors import ProtocolError
+from .pieces import cut
 from .protocol import ErrorCode, Kind
 from .state import BatchId, HeldBatch, Orphan, RankState, StreamState
 
@@ -228,9 +229,16 @@ class Rejoin(Books):
         self._reopen_if_abandoned(stream)
 
     def _requeue_batches(self, stream: StreamState, batches: Iterable[HeldBatch]) -> None:
-        """Batches in flight that will not be acknowledged go back to the front of their queues, in order."""
+        """Batches in flight that will not be acknowledged go back to the front of their queues, in order. Of a pack
+        the rank had used in part (ACK ``upto``), only the rest goes back: the used batches count as consumed."""
         for batch in sorted(batches, key=lambda b: b.id, reverse=True):
-            stream.epochs[batch.id[0]].requeue(batch)
+            ep = stream.epochs[batch.id[0]]
+            if batch.used > batch.first:
+                used, batch = cut(batch, batch.used)
+                used.settle()                    # the pack's last piece is the one going back: nothing to journal
+                ep.count_acked(used)
+                self.buffered -= used.nbytes
+            ep.requeue(batch)
 
     def _reopen_if_abandoned(self, stream: StreamState) -> None:
         # The consumers are all gone (a job died): epochs they had been told were over, but that still hold
