@@ -49,7 +49,7 @@ def to_tensors(batch: Batch, writable: bool = False) -> dict[str, Any]:
     Raises:
         ImportError: PyTorch is not installed.
     """
-    import torch
+    torch = _torch()
 
     tensors: dict[str, Any] = {}
     for name, array in batch.items():
@@ -77,7 +77,7 @@ def pad_collate(pad_values: dict[str, Any], max_length: int | dict[str, int] | N
 
     Example: ``StreamDataset(stream, transform=pad_collate({"tokens": 0}, max_length=512))``.
     """
-    import torch
+    torch = _torch()
 
     def collate(batch: dict) -> dict:
         out = dict(batch)
@@ -98,7 +98,18 @@ def pad_collate(pad_values: dict[str, Any], max_length: int | dict[str, int] | N
     return collate
 
 
+def _torch() -> Any:
+    """torch, or an ImportError that says how to get it."""
+    try:
+        import torch
+    except ImportError as exc:
+        raise ImportError("worker.torch_data needs PyTorch: pip install 'sparkbus[torch]' (or any torch build)") \
+            from exc
+    return torch
+
+
 def _define_stream_dataset() -> type:
+    _torch()
     import torch.utils.data
     from torch.utils.data import IterableDataset
 
