@@ -168,12 +168,17 @@ class Books:
                 self.held_bytes -= batch.nbytes
 
     def retire(self, stream: StreamState) -> None:
-        """Drop epochs that ended and were fully acknowledged, keeping their figures."""
+        """Drop epochs that ended and were fully acknowledged, keeping their figures (the last
+        :attr:`keep_epochs`', the older ones summed: ``StreamState.finished``). What the ranks counted of such an
+        epoch goes too: a rank that reads epoch after epoch holds nothing per epoch it is done with."""
         for number, ep in list(stream.epochs.items()):
             if ep.end_sent and not ep.queue and ep.all_acked:
                 stats = ep.stats()
                 stream.finished[number] = stats
                 del stream.epochs[number]
+                for rank in [*stream.ranks.values(), *(o.rank for o in stream.orphans.values())]:
+                    rank.given.pop(number, None)
+                    rank.told.pop(number, None)
                 self._emit(EpochRetired(stream.name, number, stats))
 
     # ---- the feed gate ----------------------------------------------------------------------------------

@@ -265,7 +265,7 @@ class Broker:
         except ProtocolError as exc:
             code = ErrorCode.VERSION if isinstance(exc, VersionMismatch) else ErrorCode.MALFORMED
             return self._refuse(sock, socket, identity, 0, code, exc.reason)
-        if header["v"] != protocol.VERSION:
+        if header["v"] != protocol.VERSION or self.peers:
             self.peers.heard(socket, identity, header["v"], time.monotonic())   # answered, and sent to, in it
         if type(header.get("stream")) is str:
             self.ledger.touch(header["stream"], time.monotonic())

@@ -25,8 +25,13 @@ class PeerVersions:
         self._older: OrderedDict[tuple[str, bytes], tuple[int, float]] = OrderedDict()
 
     def heard(self, socket: str, identity: bytes, version: int, now: float) -> None:
-        """A request of ``version`` (an older one, already checked to be supported) came from ``identity``."""
+        """A request of ``version`` (already checked to be supported) came from ``identity``: from now on it is
+        answered in that version. Called for requests of the broker's own version only while older peers are
+        remembered (one might have changed its version)."""
         key = (socket, identity)
+        if version == VERSION:
+            self._older.pop(key, None)
+            return
         self._older[key] = (version, now)
         self._older.move_to_end(key)
         while len(self._older) > self.limit:
