@@ -65,10 +65,11 @@ class ControlClient:
                                   f"{self.timeout if timeout is None else timeout:g} s: is it running, and is "
                                   f"this the broker's control address?")
             reply = unpack_header(self._sock.recv())
-            if reply.get("req") != req:
+            older = reply["kind"] == Kind.ERROR and reply["code"] == ErrorCode.VERSION and \
+                negotiated(reply["v"]) not in (None, self.version)
+            if reply.get("req") != req and not (older and reply.get("req") == 0):
                 continue          # the answer to an earlier request that timed out
-            if reply["kind"] == Kind.ERROR and reply["code"] == ErrorCode.VERSION and \
-                    negotiated(reply["v"]) not in (None, self.version):
+            if older:                 # (a broker that cannot read a request's version answers it with req 0)
                 self.version = reply["v"]                 # an older broker: ask again in its version
                 req = next(self._req)
                 self._sock.send(pack_header(kind, v=self.version, req=req, **fields))
