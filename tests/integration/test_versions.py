@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 from broker import protocol
-
 from launch.broker import BrokerProcess
 
 pytestmark = [pytest.mark.timeout(120)]
