@@ -74,6 +74,13 @@ class Grants(Rejoin):
         rank.grants = grants
         stream.group_size = rank.size
         self._start_evening_over(stream)
+        if not h["resume"]:
+            # A new process (a restarted rank, or a new job): what was granted and dropped was the old group's.
+            # Steps start again from the counts of the ranks there are now.
+            for ep in stream.epochs.values():
+                if not ep.end_sent:
+                    ep.steps = 0
+                    ep.dropped.clear()
         return missed
 
     def rank_gone(self, identity: bytes, why: str, keep: bool = True) -> None:
