@@ -36,7 +36,7 @@ class Kind(IntEnum):
     BATCH = 1                 # feeder -> broker (feed PULL); broker -> rank (ranks ROUTER), frames unchanged
     PARTITION_END = 2         # feeder -> broker (control): "I sent `batches` batches of this partition"
     PARTITION_COMMITTED = 3   # broker -> feeder (control): every batch of the partition arrived
-    EPOCH_OPEN = 4            # driver -> broker (control): an epoch of `partitions` partitions begins
+    EPOCH_OPEN = 4            # driver -> broker (control): an epoch of (at most) `partitions` partitions begins
     EPOCH_CLOSE = 5           # driver -> broker (control): the Spark job succeeded, no more partitions
     OK = 6                    # broker -> driver/feeder (control): request done
     HELLO = 7                 # feeder or rank -> broker: version check, and a rank joins a stream
