@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_ledger import STREAM, end, feed, join, push
 
 from broker import codec, protocol
 from broker.errors import ProtocolError
@@ -16,6 +15,7 @@ from broker.ledger import Ledger
 from broker.protocol import Kind
 
 from helpers import FakeBroker, Wire, hello, joined
+from test_ledger import STREAM, end, feed, join, push
 
 pytestmark = pytest.mark.timeout(30)
 
