@@ -86,9 +86,8 @@ class Books:
         if stream is None:
             if len(name) > MAX_STREAM_NAME or not name:
                 raise ProtocolError(f"a stream name must have 1 to {MAX_STREAM_NAME} characters")
-            if len(self.streams) >= MAX_STREAMS:
-                raise ProtocolError(f"the broker already tracks {MAX_STREAMS} streams (unused ones are retired "
-                                    f"after --retire-streams-after)")
+            if len(self.streams) >= MAX_STREAMS and not self._retire_least_recent():
+                raise ProtocolError(f"the broker already tracks {MAX_STREAMS} streams, all in use")
             # a retired stream comes back knowing which epochs it delivered: they are still not fed again
             stream = self.streams[name] = StreamState(name, finished=DeliveredEpochs(
                 self.retired.pop(name, EpochRanges()).ranges(), keep=self.keep_epochs))
@@ -99,6 +98,30 @@ class Books:
         stream = self.streams.get(name)
         if stream is not None:
             stream.last_used = now
+
+    def _retire_least_recent(self) -> bool:
+        """At :data:`MAX_STREAMS`, a new stream retires the one unused for longest, before its time: better than
+        refusing a job (a journal replaying more streams than that needs it too). False if every stream is in use."""
+        unused = [s for s in self.streams.values() if not s.in_use()]
+        if not unused:
+            return False
+        oldest = min(unused, key=lambda s: s.last_used)
+        self._retire(oldest)
+        self.retired_count += 1
+        log.info("retired stream %r early: the broker tracks %d streams", oldest.name, MAX_STREAMS)
+        return True
+
+    def _retire(self, stream: StreamState) -> None:
+        """Drop ``stream``, keeping the epochs it delivered (:attr:`retired`, bounded by :data:`MAX_RETIRED`)."""
+        del self.streams[stream.name]
+        ranges = stream.finished.ranges if isinstance(stream.finished, DeliveredEpochs) else EpochRanges()
+        for number in stream.finished:
+            ranges.add(number)
+        if len(ranges.ranges()):
+            self.retired[stream.name] = ranges
+            self.retired.move_to_end(stream.name)
+            while len(self.retired) > MAX_RETIRED:
+                self.retired.popitem(last=False)
 
     def retire_streams(self, now: float, after: float) -> list[str]:
         """Drop the streams unused for ``after`` seconds (0: never): no ranks, no lost ranks waiting, no epoch
@@ -111,15 +134,7 @@ class Books:
             if stream.in_use():
                 stream.last_used = now
             elif now - stream.last_used >= after:
-                del self.streams[name]
-                ranges = stream.finished.ranges if isinstance(stream.finished, DeliveredEpochs) else EpochRanges()
-                for number in stream.finished:
-                    ranges.add(number)
-                if len(ranges.ranges()):
-                    self.retired[name] = ranges
-                    self.retired.move_to_end(name)
-                    while len(self.retired) > MAX_RETIRED:
-                        self.retired.popitem(last=False)
+                self._retire(stream)
                 retired.append(name)
         if retired:
             self.retired_count += len(retired)

@@ -12,7 +12,6 @@ import tracemalloc
 import msgpack
 import pytest
 import zmq
-from test_ledger import push
 
 from broker import protocol
 from broker.books import Outcome
@@ -25,6 +24,7 @@ from broker.status import PAGE_BYTES, merge_pages, paginate
 from broker.versions import PeerVersions
 
 from helpers import hello, recv_header, send
+from test_ledger import push
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -158,6 +158,23 @@ def test_a_stream_in_use_or_named_by_a_message_is_not_retired_and_a_retired_one_
             ledger.open_epoch("a", epoch, 1, "stream")               # the stream is back, its epochs known
     ledger.open_epoch("a", 3, 1, "stream")
     assert "a" not in ledger.retired and sorted(ledger.streams["a"].epochs) == [3]
+
+
+def test_at_the_stream_limit_a_new_stream_retires_the_one_unused_longest_and_is_refused_only_if_all_are_used():
+    from broker.books import MAX_STREAMS
+
+    ledger = Ledger()
+    for i in range(MAX_STREAMS):
+        ledger.open_epoch(f"s{i}", 0, 1, "stream")             # in use: an epoch in progress
+    with pytest.raises(protocol.ProtocolError, match="already tracks 4096 streams, all in use"):
+        ledger.open_epoch("one-more", 0, 1, "stream")
+    for i in (7, 3):                                            # two become unused, s3 the later
+        ledger.streams[f"s{i}"].epochs.clear()
+        ledger.streams[f"s{i}"].finished[0] = {}
+        ledger.touch(f"s{i}", time.monotonic())
+    ledger.open_epoch("one-more", 0, 1, "stream")
+    assert "s7" not in ledger.streams and "s3" in ledger.streams and ledger.retired_count == 1
+    assert ledger.retired["s7"].ranges() == [[0, 0]] and len(ledger.streams) == MAX_STREAMS
 
 
 def test_retirement_is_off_with_zero():
