@@ -1,0 +1,206 @@
+"""Figure 10, soak: several hundred epochs through a broker started by its CLI, a Spark-free feeder and a rank, with
+the broker's RSS, the size of its ``sparkbus status`` reply and the number of its Prometheus series recorded along
+the way (issue 18 §2, "runs that last"). A report, not an assertion: the figures should be flat.
+
+The feeder is this process, as a Spark job would feed (the driver's ``EPOCH_OPEN``/``EPOCH_CLOSE``, each partition
+through ``feeder.task.stream_partition``); the rank is ``python -m benchmarks.soak --rank-side``, one
+``BatchStream`` reading every epoch. Each epoch is :data:`PARTITIONS` partitions of :data:`ROWS` rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .common import ROOT, BenchError, Children, KiB, MiB, open_epoch
+from .report import num, table
+from .sections import Context, Run, Section
+
+EPOCHS, QUICK_EPOCHS = 1000, 100
+PARTITIONS, ROWS, BATCH_ROWS = 2, 2048, 256
+KEEP_EPOCHS = 64               # the broker's default --keep-epochs (the checkpoint where its list is full)
+STREAM = "soak"
+
+
+@dataclass
+class Soak:
+    epochs: int
+    rows_per_epoch: int
+    samples: list[dict] = field(default_factory=list)    # per checkpoint: epoch, rss_bytes, status_bytes, series
+    seconds: float = 0.0
+    rows_consumed: int = 0
+
+    @property
+    def first(self) -> dict:
+        return self.samples[0]
+
+    @property
+    def last(self) -> dict:
+        return self.samples[-1]
+
+
+def _rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * KiB
+    raise BenchError(f"no VmRSS for pid {pid}")
+
+
+def _sample(broker: Any, epoch: int) -> dict:
+    import msgpack
+
+    from broker.client import fetch_stats
+
+    figures = fetch_stats(broker.control, 10.0)
+    with urllib.request.urlopen(figures["broker"]["endpoints"]["metrics"], timeout=10) as response:
+        lines = response.read().decode().splitlines()
+    series = [line for line in lines if line.startswith("sparkbus_")]
+    stream = figures["streams"].get(STREAM, {})
+    return {"epoch": epoch, "rss_bytes": _rss(broker.pid), "status_bytes": len(msgpack.packb(figures)),
+            "series": len(series), "epochs_listed": len(stream.get("epochs", {})),
+            "delivered": stream.get("delivered", 0)}
+
+
+def _feed_epoch(broker: Any, client: Any, epoch: int, timeout: float) -> None:
+    import numpy as np
+
+    from broker.protocol import Kind
+    from feeder.task import stream_partition
+
+    open_epoch(client, STREAM, epoch, PARTITIONS)
+    for part in range(PARTITIONS):
+        first = (epoch * PARTITIONS + part) * ROWS
+        ids = np.arange(first, first + ROWS, dtype=np.int64)
+        batches = ({"id": ids[i:i + BATCH_ROWS], "x": np.ones((len(ids[i:i + BATCH_ROWS]), 8), np.float32)}
+                   for i in range(0, ROWS, BATCH_ROWS))
+        stream_partition(batches, broker.feed, broker.control, STREAM, epoch, part, 0, timeout)
+    client.request(Kind.EPOCH_CLOSE, stream=STREAM, epoch=epoch, partitions=PARTITIONS)
+
+
+def run(children: Children, epochs: int, work: Path, timeout: float, log=print) -> Soak:
+    from broker.client import ControlClient
+    from launch.processes import ChildProcess
+
+    result = Soak(epochs, PARTITIONS * ROWS)
+    # the start (10 epochs), the figures' list just full (--keep-epochs), then every quarter to the end
+    checkpoints = sorted({9, KEEP_EPOCHS, *range(epochs // 4 - 1, epochs, max(epochs // 4, 1)), epochs - 1})
+    checkpoints = [c for c in checkpoints if c < epochs]
+    broker = children.broker("64MiB", 20.0, "--metrics-port", "0", "--heartbeat", "0.2")
+    out, release = work / "soak-rank.json", work / "soak-rank.release"
+    rank = children.add(ChildProcess("soak-rank", [sys.executable, "-m", "benchmarks.soak", "--rank-side",
+                                                   "--ranks", broker.ranks, "--epochs", str(epochs), "--out",
+                                                   str(out), "--release", str(release), "--timeout", str(timeout)],
+                                     children.log("soak-rank"), cwd=ROOT))
+    started = time.monotonic()
+    try:
+        with ControlClient(broker.control, timeout) as client:
+            for epoch in range(epochs):
+                _feed_epoch(broker, client, epoch, timeout)
+                if epoch in checkpoints:
+                    _wait_delivered(broker, epoch + 1, timeout)
+                    time.sleep(0.5)         # the exporter's snapshot is a heartbeat (0.2 s) old at most
+                    result.samples.append(_sample(broker, epoch + 1))
+                    s = result.last
+                    log(f"  soak: {s['epoch']} epochs, broker RSS {s['rss_bytes'] / MiB:.1f} MiB, status "
+                        f"{s['status_bytes']:,} bytes, {s['series']} series")
+        release.write_text("")                  # sampled with the rank still connected: it may leave
+        code = rank.wait(timeout)
+        if code != 0:
+            raise BenchError(f"the soak rank failed with exit status {code}:\n{rank.tail()}")
+        result.rows_consumed = json.loads(out.read_text())["rows"]
+    finally:
+        children.discard(rank)
+        children.discard(broker)
+    result.seconds = time.monotonic() - started
+    return result
+
+
+def _wait_delivered(broker: Any, epochs: int, timeout: float) -> None:
+    from broker.client import fetch_stats
+
+    deadline = time.monotonic() + timeout
+    while fetch_stats(broker.control, 10.0)["streams"].get(STREAM, {}).get("delivered", 0) < epochs:
+        if time.monotonic() > deadline:
+            raise BenchError(f"the soak rank did not take {epochs} epochs within {timeout:g} s")
+        time.sleep(0.05)
+
+
+def rank_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rank-side", action="store_true")
+    parser.add_argument("--ranks", required=True)
+    parser.add_argument("--epochs", type=int, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--release", type=Path, required=True, help="leave once this file exists")
+    parser.add_argument("--timeout", type=float, default=60.0)
+    args = parser.parse_args(argv)
+    from worker import BatchStream
+
+    rows = 0
+    with BatchStream(args.ranks, stream=STREAM, timeout=args.timeout) as stream:
+        for _ in range(args.epochs):
+            rows += sum(len(batch["id"]) for batch in stream.epoch())
+        args.out.write_text(json.dumps({"rows": rows}))
+        deadline = time.monotonic() + args.timeout
+        while not args.release.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return 0
+
+
+class SoakSection(Section[Soak]):
+    """Figure 10: a broker's RSS, status size and series count over several hundred epochs (no target)."""
+
+    name, title, figure = "soak", "10. soak, hundreds of epochs", "10"
+    quick = False
+
+    def measure(self, ctx: Context) -> Soak:
+        epochs = QUICK_EPOCHS if ctx.sizes.name.startswith("quick") else EPOCHS
+        return run(ctx.children, epochs, ctx.work, min(ctx.sizes.timeout, 120.0), ctx.log)
+
+    def markdown(self, run: Run, result: Soak) -> list[str]:
+        rows = [[str(s["epoch"]), num(s["rss_bytes"] / MiB, ".1f"), num(s["status_bytes"]), str(s["series"]),
+                 str(s["epochs_listed"]), str(s["delivered"])] for s in result.samples]
+        first, last = result.first, self._full(result)
+        return ["", "## 10. Soak: hundreds of epochs through one broker", "",
+                f"One broker (`sparkbus broker`, `--max-buffer 64MiB`, `--metrics-port`, the default "
+                f"`--keep-epochs {KEEP_EPOCHS}`), a Spark-free feeder (the driver's requests and "
+                f"`feeder.task.stream_partition`) and one rank (`BatchStream`) on loopback: {result.epochs} epochs "
+                f"of {PARTITIONS} partitions x {ROWS:,} rows ({BATCH_ROWS}-row batches, packed), "
+                f"{result.rows_consumed:,} rows consumed in {result.seconds:.0f} s. After each checkpoint epoch "
+                "is delivered: the broker's RSS (`/proc/PID/status`), the size of its `sparkbus status` reply "
+                "(msgpack) and the `sparkbus_*` samples of one scrape. A report, not a target: they should be flat.",
+                "",
+                table(["epochs", "broker RSS (MiB)", "status (bytes)", "series", "epochs listed", "delivered"],
+                      rows),
+                "", f"Once the figures' list is full (epoch {last['epoch']}) to the end (epoch "
+                f"{result.last['epoch']}): RSS {(result.last['rss_bytes'] - last['rss_bytes']) / MiB:+.1f} MiB, "
+                f"status {result.last['status_bytes'] - last['status_bytes']:+,} bytes, series "
+                f"{result.last['series'] - last['series']:+d}. Before that (from epoch {first['epoch']}) the status "
+                f"grows by one epoch's figures an epoch, up to {KEEP_EPOCHS}."]
+
+    @staticmethod
+    def _full(result: Soak) -> dict:
+        """The first sample with the list of figures full (or the first)."""
+        return next((s for s in result.samples if s["epoch"] > KEEP_EPOCHS), result.first)
+
+    def console(self, run: Run, result: Soak) -> list[str]:
+        first, last = self._full(result), result.last
+        return [f"Diagnostic (no target): over {first['epoch']} -> {last['epoch']} epochs the broker's RSS went "
+                f"{first['rss_bytes'] / MiB:.1f} -> {last['rss_bytes'] / MiB:.1f} MiB, its status "
+                f"{first['status_bytes']:,} -> {last['status_bytes']:,} bytes, its series "
+                f"{first['series']} -> {last['series']}"]
+
+    def json(self, run: Run, result: Soak) -> dict:
+        return {"soak": {"epochs": result.epochs, "rows_per_epoch": result.rows_per_epoch,
+                         "rows_consumed": result.rows_consumed, "seconds": result.seconds,
+                         "samples": result.samples}}
+
+
+if __name__ == "__main__":
+    sys.exit(rank_main())
