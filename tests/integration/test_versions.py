@@ -140,3 +140,22 @@ def test_new_ranks_and_status_fall_back_on_an_old_broker_and_a_new_feeder_says_t
             BatchStream(broker.ranks, stream="g", rank=0, size=2, timeout=10)
     finally:
         assert broker.stop() == 0
+
+
+def test_a_broker_upgraded_on_its_journal_delivers_what_the_old_one_held_to_an_old_rank(old_tree, tmp_path):
+    """The upgrade path of docs/OPERATIONS.md: a v4 broker with --journal holds two fed epochs and stops; the v5
+    broker started on the same journal replays them (v4 batch headers) and a v4 rank reads every id once."""
+    journal = tmp_path / "journal"
+    old = BrokerProcess(tmp_path / "old.log", "--journal", str(journal), env={"PYTHONPATH": str(old_tree)},
+                        cwd=tmp_path).start(timeout=30)
+    try:
+        feed(old_tree, tmp_path, old, "kept")
+    finally:
+        assert old.stop() == 0
+    new = BrokerProcess(tmp_path / "new.log", "--journal", str(journal), env={"PYTHONPATH": str(ROOT)},
+                        cwd=tmp_path).start(timeout=30)
+    try:
+        got, _ = consume(old_tree, tmp_path, new, "kept")
+        assert got["version"] == 4 and got["ids"] == expected()
+    finally:
+        assert new.stop() == 0
