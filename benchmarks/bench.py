@@ -25,7 +25,7 @@ HERE = Path(__file__).resolve().parent
 
 def all_sections() -> list[Any]:
     """Every section, in the order they run (the report orders them by figure)."""
-    from benchmarks import soak
+    from benchmarks import faults, soak
     from benchmarks.brokers import BrokersSection
     from benchmarks.cluster import ClusterSection
     from benchmarks.datawait import DataWaitSection
@@ -39,7 +39,8 @@ def all_sections() -> list[Any]:
 
     # hop and rss first: in a quick run Spark starts in the background meanwhile
     return [HopSection(), RssSection(), EndToEndSection(), ClusterSection(), ScalingSection(), DataWaitSection(),
-            BrokersSection(), VarlenSection(), SparkSection(), ImagesSection(), TorchrunSection(), soak.SoakSection()]
+            BrokersSection(), VarlenSection(), SparkSection(), ImagesSection(), TorchrunSection(), soak.SoakSection(),
+            faults.FaultsSection()]
 
 
 def parse_args(argv: list[str] | None = None, sections: list[Any] | None = None) -> argparse.Namespace:

@@ -1,0 +1,508 @@
+"""Figure 11, a fault table (issue 18 §4): a long feed from Spark with faults injected at random, seeded times, and
+per fault kind the rows lost and the rows trained twice. A report, not an assertion, like the rest of the bench.
+
+Every run is one epoch of ``rows`` rows (ids 0..rows-1, ``{"id": int64, "x": float32}``) fed by ``feeder.feed``
+from a Spark driver of the section's own (``benchmarks/faults_feeder.py``, ``local[2,4]``: two task slots and a
+failed task retried, as a cluster would; not the bench's ``local[2]`` session, which retries nothing) whose tasks
+sleep ``pause`` s after each batch so the feed lasts, through one broker (``python -m broker``, ``launch``'s
+``BrokerProcess``), to independent consumers (``benchmarks/faults_consumer.py``, ``BatchStream(comm=None)``,
+windows of 4 batches, a short sleep per batch) that write down every id their loop yielded, right after it was
+yielded. One batch per message (``pack_bytes=0``), so that a fault lands between batches. A run's figures:
+
+* **rows lost** = ids fed that no consumer yielded (as a set);
+* **rows trained twice** = yielded ids beyond their first copy (the multiset minus the set).
+
+The kinds (``KINDS``), each with ``faults`` faults at times drawn from ``random.Random(seed)`` within the feed's
+expected length (at least ``GAP`` s apart; one planned after the feed ended is not injected, and counted so):
+
+* ``none``: the baseline, no fault.
+* ``broker_journal``: the broker SIGKILLed and restarted on the same ports with its ``--journal`` directory
+  (``BrokerProcess.restart``).
+* ``broker_no_journal``: the same without ``--journal``. Today the feed then fails loudly (``BrokerError`` "...
+  without --journal"); recovery from Spark's lineage is issue 18 §1. Each fault is a run of its own (the first
+  kill ends the feed): the rows yielded before it, the rest lost.
+* ``rank``: one consumer (of 2) SIGKILLed, and a new consumer started in its place (``--rejoin-grace 2s``).
+* ``executor``: the Python worker running a feeding task (Spark's ``pyspark.daemon`` forks one per task slot;
+  the task writes its pid) SIGKILLed mid-partition; Spark retries the task.
+* ``link``: where root allows network namespaces (``launch.netns.Network``), the broker and its feeder on one
+  host, the consumers on another; the consumers' link cut (their bridge port down) for 1-4 s and restored
+  (``--dead-after 2s``: the longer cuts outlive it). Skipped with the reason elsewhere.
+
+``SPARKBUS_BENCH_FAULTS_SEED``, ``..._ROWS``, ``..._FAULTS`` (per kind) and ``..._KINDS`` (a comma-separated
+subset) change the defaults; ``--quick`` runs a tiny version (a fault per kind, a feed of a few seconds).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import signal
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from launch.broker import BrokerProcess
+from launch.processes import ChildProcess, wait_for
+
+from .common import HERE, ROOT, BenchError, Children
+from .report import num, table
+from .sections import Context, Run, Section
+
+KINDS = ("none", "broker_journal", "broker_no_journal", "rank", "executor", "link")
+LABELS = {"none": "no fault (baseline)", "broker_journal": "broker SIGKILL, `--journal`, restart",
+          "broker_no_journal": "broker SIGKILL, no journal, restart", "rank": "consumer SIGKILL, a new one started",
+          "executor": "Spark Python worker SIGKILL mid-partition", "link": "consumers' link cut 1-4 s (namespaces)"}
+# What docs/GUARANTEES.md says of each (its failure table), for the reading of the table.
+PROMISES = {"none": "every row once", "broker_journal": "0 lost, 0 twice",
+            "broker_no_journal": "feed fails loudly (BrokerError)",
+            "rank": "0 lost; twice at most the batch in hand per kill",
+            "executor": "0 lost, 0 twice (task retried)", "link": "0 lost, 0 twice"}
+CONSUMERS = 2
+TRAIN_SECONDS = 0.005          # a consumer's step
+GAP = 2.5                      # seconds between two faults of a run, at least
+BATCH = 100
+
+
+@dataclass
+class Plan:
+    """The sizes of a fault table."""
+
+    seed: int
+    rows: int
+    partitions: int
+    pause: float               # a task's sleep after each batch's worth of rows
+    faults: int                # per kind
+    kinds: tuple[str, ...]
+    timeout: float             # bound on a run's feed and its consumers
+
+    @property
+    def feed_seconds(self) -> float:
+        """The feed's expected length: waves of 2 tasks, each ``rows / partitions / BATCH`` pauses."""
+        return math.ceil(self.partitions / 2) * self.rows / self.partitions / BATCH * self.pause
+
+
+FULL_PLAN = dict(rows=60_000, partitions=8, pause=0.04, faults=3)      # 600 batches, ~12 s a feed
+QUICK_PLAN = dict(rows=8_000, partitions=4, pause=0.08, faults=1)      # 80 batches, ~3 s a feed
+
+
+@dataclass
+class FaultRun:
+    """One feed of the table and what its consumers yielded."""
+
+    kind: str
+    rows_fed: int
+    yielded: int = 0
+    lost: int = 0
+    twice: int = 0
+    out_of_range: int = 0
+    outcome: str = ""              # "completed", or "failed: <exception type>"
+    error: str = ""
+    seconds: float = 0.0
+    planned: int = 0               # faults planned in this run
+    faults: list[dict] = field(default_factory=list)     # injected: at_s, what, seconds
+    broker: dict = field(default_factory=dict)           # the broker's figures of the epoch at the end, if reachable
+
+
+@dataclass
+class FaultTable:
+    """Figure 11: every run, per kind, and the kinds skipped with their reason."""
+
+    plan: Plan
+    runs: list[FaultRun] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def rows(self) -> list[dict]:
+        """Per kind (in ``KINDS`` order): its runs added up."""
+        out = []
+        for kind in self.plan.kinds:
+            runs = [r for r in self.runs if r.kind == kind]
+            if kind in self.skipped:
+                out.append({"kind": kind, "skipped": self.skipped[kind]})
+                continue
+            if not runs:
+                continue
+            outcomes: dict[str, int] = {}
+            for r in runs:
+                outcomes[r.outcome] = outcomes.get(r.outcome, 0) + 1
+            out.append({"kind": kind, "runs": len(runs), "planned": sum(r.planned for r in runs),
+                        "faults": sum(len(r.faults) for r in runs), "rows_fed": sum(r.rows_fed for r in runs),
+                        "yielded": sum(r.yielded for r in runs), "lost": sum(r.lost for r in runs),
+                        "twice": sum(r.twice for r in runs), "out_of_range": sum(r.out_of_range for r in runs),
+                        "outcomes": outcomes, "seconds": sum(r.seconds for r in runs)})
+        return out
+
+
+def plan_of(quick: bool, timeout: float) -> Plan:
+    base = dict(QUICK_PLAN if quick else FULL_PLAN)
+    env = os.environ.get
+    seed = int(env("SPARKBUS_BENCH_FAULTS_SEED") or time.time_ns() % 1_000_000)
+    rows = int(env("SPARKBUS_BENCH_FAULTS_ROWS") or base["rows"])
+    faults = int(env("SPARKBUS_BENCH_FAULTS_FAULTS") or base["faults"])
+    kinds = tuple(k.strip() for k in (env("SPARKBUS_BENCH_FAULTS_KINDS") or ",".join(KINDS)).split(",") if k.strip())
+    unknown = set(kinds) - set(KINDS)
+    if unknown:
+        raise BenchError(f"SPARKBUS_BENCH_FAULTS_KINDS: unknown kinds {sorted(unknown)}; choose from {KINDS}")
+    return Plan(seed, rows, base["partitions"], base["pause"], faults, kinds, timeout)
+
+
+def fault_times(rng: random.Random, n: int, length: float) -> list[float]:
+    """``n`` times within 10-85 % of ``length``, sorted, at least :data:`GAP` apart (later ones pushed back)."""
+    times = sorted(rng.uniform(0.10 * length, 0.85 * length) for _ in range(n))
+    for i in range(1, len(times)):
+        times[i] = max(times[i], times[i - 1] + GAP)
+    return times
+
+
+# ---- the processes of a run -------------------------------------------------------------------------------
+
+class Feeder:
+    """``faults_feeder.py`` (a Spark driver) as a child; requests and answers are files in ``dir``."""
+
+    def __init__(self, children: Children, dir: Path, prefix: list[str] = (), env: dict | None = None):
+        self.dir, self.children = dir, children
+        dir.mkdir(parents=True, exist_ok=True)
+        command = [*prefix, sys.executable, str(HERE / "faults_feeder.py"), "--dir", str(dir)]
+        self.child = children.add(ChildProcess("faults-feeder", command, children.log("faults-feeder"), env=env,
+                                               cwd=ROOT))
+        self._number = 0
+
+    def ready(self, timeout: float) -> None:
+        wait_for(lambda: (self.dir / "ready").exists() or self.child.poll() is not None, timeout,
+                 "the fault table's Spark driver to start")
+        if self.child.poll() is not None:
+            raise BenchError(f"the fault table's Spark driver exited ({self.child.poll()}):\n{self.child.tail()}")
+
+    def submit(self, **request: Any) -> Path:
+        self._number += 1
+        path = self.dir / f"req-{self._number}.json"
+        path.with_suffix(".tmp").write_text(json.dumps(request))
+        path.with_suffix(".tmp").rename(path)
+        return self.dir / f"res-{self._number}.json"
+
+    def answered(self, answer: Path) -> dict | None:
+        if answer.exists():
+            return json.loads(answer.read_text())
+        if self.child.poll() is not None:
+            raise BenchError(f"the fault table's Spark driver exited ({self.child.poll()}):\n{self.child.tail()}")
+        return None
+
+    def running_tasks(self, stream: str) -> list[int]:
+        """Pids of the Python workers running a task of ``stream`` now (started, rows not all produced)."""
+        pids = []
+        for mark in (self.dir / "pids").glob(f"{stream}-p*.pid"):
+            if not mark.with_suffix(".end").exists():
+                try:
+                    pid = int(mark.read_text())
+                    os.kill(pid, 0)
+                except (ValueError, OSError):
+                    continue
+                pids.append(pid)
+        return sorted(pids)
+
+    def stop(self) -> None:
+        (self.dir / "stop").touch()
+        try:
+            self.child.wait(20)
+        except Exception:
+            pass
+        self.children.discard(self.child)
+
+
+class Consumers:
+    """The consumers of one run (``faults_consumer.py``), each writing the ids it yielded into ``out``."""
+
+    def __init__(self, children: Children, out: Path, ranks: str, stream: str, prefix: list[str] = (),
+                 env: dict | None = None, timeout: float = 60.0):
+        self.children, self.out, self.ranks, self.stream = children, out, ranks, stream
+        self.prefix, self.env, self.timeout = list(prefix), env, timeout
+        self.running: dict[str, ChildProcess] = {}
+        self._count = 0
+        out.mkdir(parents=True, exist_ok=True)
+
+    def start(self) -> str:
+        name = f"consumer{self._count}"
+        self._count += 1
+        self.running[name] = self.children.add(ChildProcess(
+            name, [*self.prefix, sys.executable, str(HERE / "faults_consumer.py"), "--ranks", self.ranks,
+                   "--stream", self.stream, "--out", str(self.out), "--name", name, "--train", str(TRAIN_SECONDS),
+                   "--timeout", str(self.timeout)], self.children.log(f"faults-{name}"), env=self.env, cwd=ROOT))
+        return name
+
+    def ready(self, name: str, timeout: float = 60.0) -> None:
+        child = self.running[name]
+        wait_for(lambda: (self.out / f"{name}.ready").exists() or child.poll() is not None, timeout,
+                 f"{name} to join the broker")
+        if child.poll() is not None:
+            raise BenchError(f"{name} exited ({child.poll()}) before it joined:\n{child.tail()}")
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one consumer (its own pid: with ``ip netns exec`` as its prefix, exec'd into it)."""
+        child = self.running.pop(name)
+        child.proc.send_signal(signal.SIGKILL)
+        child.proc.wait(10)
+        self.children.discard(child)
+
+    def finish(self, timeout: float) -> list[str]:
+        """Wait until every running consumer has ended its epoch (``.done``) or ``timeout``; stop them all.
+
+        Returns the names that had not finished."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not all(
+                (self.out / f"{n}.done").exists() or c.poll() is not None for n, c in self.running.items()):
+            time.sleep(0.05)
+        unfinished = [n for n in self.running if not (self.out / f"{n}.done").exists()]
+        for child in self.running.values():
+            self.children.discard(child)
+        self.running.clear()
+        return unfinished
+
+    def ids(self) -> np.ndarray:
+        parts = [np.fromfile(p, dtype=np.int64) for p in sorted(self.out.glob("*.ids"))]
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+class NetworkChild:
+    """A :class:`launch.netns.Network` held by :class:`Children`: stopping it ends its processes and deletes it."""
+
+    name = "fault network"
+
+    def __init__(self, network: Any):
+        self.network = network
+
+    def stop(self) -> None:
+        self.network.close()
+
+
+# ---- one run ----------------------------------------------------------------------------------------------
+
+def count(run: FaultRun, ids: np.ndarray, rows: int) -> None:
+    inside = ids[(ids >= 0) & (ids < rows)]
+    unique = np.unique(inside)
+    run.yielded, run.out_of_range = len(ids), len(ids) - len(inside)
+    run.lost, run.twice = rows - len(unique), len(inside) - len(unique)
+
+
+def broker_flags(kind: str, journal: Path) -> list[str]:
+    flags = ["--heartbeat", "200ms"]
+    if kind == "broker_journal":
+        flags += ["--journal", str(journal)]
+    if kind == "rank":
+        flags += ["--rejoin-grace", "2s"]
+    if kind == "link":
+        flags = ["--heartbeat", "500ms", "--dead-after", "2s"]
+    return flags
+
+
+def one_run(ctx: Context, plan: Plan, kind: str, times: list[float], rng: random.Random, index: int,
+            feeder: Feeder, where: dict) -> FaultRun:
+    """One feed of ``kind`` with faults at ``times`` (s after the feed's start)."""
+    stream = f"{kind}-{index}"
+    work = ctx.work / "faults" / stream
+    work.mkdir(parents=True, exist_ok=True)
+    run = FaultRun(kind, plan.rows, planned=len(times))
+    broker = ctx.children.add(BrokerProcess(ctx.children.log(f"faults-broker-{stream}"), "--max-buffer", "64MiB",
+                                            "--log-level", "WARNING", *broker_flags(kind, work / "journal"),
+                                            host=where.get("host", "127.0.0.1"), prefix=where.get("broker", ()),
+                                            env=where.get("env"), cwd=ROOT, name=f"broker {stream}"))
+    broker.start(30)
+    consumers = Consumers(ctx.children, work / "ids", broker.ranks, stream, where.get("ranks", ()),
+                          where.get("env"), timeout=max(plan.timeout, 30.0))
+    try:
+        for _ in range(CONSUMERS):
+            consumers.ready(consumers.start())
+        feed_timeout = 4.0 if kind.startswith("broker") else 15.0
+        started = time.monotonic()
+        answer = feeder.submit(rows=plan.rows, partitions=plan.partitions, batch_size=BATCH, pause=plan.pause,
+                               address=broker.feed, stream=stream, timeout=feed_timeout, pack_bytes=0)
+        reply = None
+        for at in times:
+            while reply is None and time.monotonic() - started < at:
+                reply = feeder.answered(answer)
+                time.sleep(0.02)
+            if reply is not None:
+                break                       # the feed ended before this fault: not injected
+            fault = inject(kind, rng, broker, consumers, feeder, stream, where)
+            if fault:
+                fault["at_s"] = round(time.monotonic() - started, 2)
+                run.faults.append(fault)
+                ctx.log(f"  faults: {stream} at {fault['at_s']:.1f} s: {fault['what']}")
+        reply = reply or wait_for(lambda: feeder.answered(answer), plan.timeout, f"the feed of {stream}")
+        run.seconds = time.monotonic() - started
+        if reply["ok"]:
+            run.outcome = "completed"
+            unfinished = consumers.finish(plan.timeout)
+            if unfinished:
+                run.error = f"consumers {unfinished} did not end the epoch within {plan.timeout:g} s"
+        else:
+            run.outcome, run.error = f"failed: {reply['type']}", reply["error"].strip().splitlines()[0][:300]
+            consumers.finish(3.0)          # what the consumers had yielded by then is what they trained
+        try:
+            if not where.get("broker"):
+                run.broker = {k: v for k, v in broker.stats(5.0)["streams"].get(stream, {}).get("epochs", {})
+                              .get("0", {}).items() if k in ("batches_in", "duplicates", "redelivered",
+                                                              "given_twice", "acked")}
+        except Exception:
+            pass
+    finally:
+        consumers.finish(0)
+        ctx.children.discard(broker)
+    count(run, consumers.ids(), plan.rows)
+    ctx.log(f"  faults: {stream}: {run.outcome}, {len(run.faults)}/{run.planned} faults, {run.yielded:,} rows yielded "
+            f"of {run.rows_fed:,}: {run.lost:,} lost, {run.twice:,} twice ({run.seconds:.1f} s)")
+    return run
+
+
+def inject(kind: str, rng: random.Random, broker: BrokerProcess, consumers: Consumers, feeder: Feeder,
+           stream: str, where: dict) -> dict | None:
+    """Inject one fault of ``kind`` now; what was done (None if nothing could be)."""
+    began = time.monotonic()
+    if kind in ("broker_journal", "broker_no_journal"):
+        pid = broker.proc.pid
+        broker.proc.send_signal(signal.SIGKILL)
+        broker.proc.wait(10)
+        broker.restart(30)
+        return {"what": f"broker pid {pid} SIGKILLed, restarted in {time.monotonic() - began:.2f} s",
+                "seconds": round(time.monotonic() - began, 2)}
+    if kind == "rank":
+        victim = rng.choice(sorted(consumers.running))
+        consumers.kill(victim)
+        fresh = consumers.start()
+        return {"what": f"{victim} SIGKILLed, {fresh} started", "seconds": round(time.monotonic() - began, 2)}
+    if kind == "executor":
+        try:
+            pids = feeder.running_tasks(stream) or wait_for(lambda: feeder.running_tasks(stream), 5.0,
+                                                            "a running task", interval=0.05)
+        except TimeoutError:
+            return None
+        pid = rng.choice(pids)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return None
+        return {"what": f"Python worker pid {pid} (of {len(pids)} running tasks) SIGKILLed", "seconds": 0.0}
+    if kind == "link":
+        network, length = where["network"], rng.uniform(1.0, 4.0)
+        network.cut("ranks")
+        try:
+            time.sleep(length)
+        finally:
+            network.restore("ranks")
+        return {"what": f"consumers' link cut for {length:.1f} s", "seconds": round(length, 2)}
+    return None
+
+
+# ---- the section ------------------------------------------------------------------------------------------
+
+def run(ctx: Context, plan: Plan) -> FaultTable:
+    from launch import netns
+
+    result = FaultTable(plan)
+    rng = random.Random(plan.seed)
+    started = time.monotonic()
+    ctx.log(f"  faults: seed {plan.seed}, {plan.rows:,} rows in {plan.partitions} partitions a feed (~"
+            f"{plan.feed_seconds:.0f} s), {plan.faults} fault(s) per kind: {', '.join(plan.kinds)}")
+    network = None
+    linked: Feeder | None = None
+    if "link" in plan.kinds:
+        ok, why = netns.available()
+        if not ok:
+            result.skipped["link"] = why
+        else:
+            network = netns.Network(["broker", "ranks"]).start()
+            ctx.children.add(NetworkChild(network))
+            env = {"SPARKBUS_INSECURE": "1"}
+            # its Spark driver starts meanwhile: it runs on the broker's host (only the consumers' link is cut)
+            linked = Feeder(ctx.children, ctx.work / "faults" / "feeder-link",
+                            ["ip", "netns", "exec", network.namespace("broker")], env)
+    feeder = Feeder(ctx.children, ctx.work / "faults" / "feeder")
+    try:
+        feeder.ready(120)
+        for kind in plan.kinds:
+            if kind in result.skipped:
+                continue
+            if kind == "none":
+                result.runs.append(one_run(ctx, plan, kind, [], rng, 0, feeder, {}))
+            elif kind == "broker_no_journal":      # the first kill ends the feed: a run per fault
+                for i in range(plan.faults):
+                    times = fault_times(rng, 1, plan.feed_seconds)
+                    result.runs.append(one_run(ctx, plan, kind, times, rng, i, feeder, {}))
+            elif kind == "link":
+                assert network is not None and linked is not None
+                linked.ready(120)
+                where = {"network": network, "host": network.address("broker"), "env": {"SPARKBUS_INSECURE": "1"},
+                         "broker": ["ip", "netns", "exec", network.namespace("broker")],
+                         "ranks": ["ip", "netns", "exec", network.namespace("ranks")]}
+                times = fault_times(rng, plan.faults, plan.feed_seconds)
+                result.runs.append(one_run(ctx, plan, kind, times, rng, 0, linked, where))
+            else:
+                times = fault_times(rng, plan.faults, plan.feed_seconds)
+                result.runs.append(one_run(ctx, plan, kind, times, rng, 0, feeder, {}))
+    finally:
+        feeder.stop()
+        if linked is not None:
+            linked.stop()
+        if network is not None:
+            network.heal()
+    result.seconds = time.monotonic() - started
+    return result
+
+
+def cells(row: dict) -> list[str]:
+    kind = row["kind"]
+    if "skipped" in row:
+        return [LABELS[kind], "skipped", "", "", "", "", row["skipped"], PROMISES[kind]]
+    outcomes = ", ".join(f"{o} {n}/{row['runs']}" for o, n in row["outcomes"].items())
+    faults = f"{row['faults']}" + (f" of {row['planned']}" if row["planned"] != row["faults"] else "")
+    return [LABELS[kind], faults, num(row["rows_fed"]), num(row["yielded"]), f"**{row['lost']:,}**",
+            f"**{row['twice']:,}**", outcomes, PROMISES[kind]]
+
+
+HEADER = ["fault", "faults", "rows fed", "rows yielded", "rows lost", "rows trained twice", "feeds", "GUARANTEES.md"]
+
+
+class FaultsSection(Section[FaultTable]):
+    """Figure 11: rows lost and rows trained twice per fault kind (no target: a report)."""
+
+    name, title, figure = "faults", "11. a fault table", "11"
+    quick = False
+
+    def measure(self, ctx: Context) -> FaultTable:
+        plan = plan_of(ctx.sizes.name.startswith("quick"), min(ctx.sizes.timeout * 2, 120.0))
+        return run(ctx, plan)
+
+    def markdown(self, run: Run, result: FaultTable) -> list[str]:
+        p = result.plan
+        lines = ["", "## 11. A fault table: rows lost and trained twice per fault", "",
+                 f"Seed **{p.seed}**. Each run: one epoch of {p.rows:,} rows (ids 0..{p.rows - 1:,}) in "
+                 f"{p.partitions} partitions of {BATCH}-row batches (one a message), fed by `feeder.feed` from a "
+                 f"`local[2,4]` Spark driver whose tasks sleep {p.pause:g} s a batch (~{p.feed_seconds:.0f} s a "
+                 f"feed), through one broker, to {CONSUMERS} independent consumers (`BatchStream`, windows of 4 "
+                 f"batches, {TRAIN_SECONDS * 1000:g} ms a batch) that write down every id their loop yielded. "
+                 f"{p.faults} fault(s) per kind at random times (at least {GAP:g} s apart). Rows lost = fed - "
+                 "yielded (as sets); trained twice = yielded copies beyond the first. A report, not an assertion.",
+                 "", table(HEADER, [cells(r) for r in result.rows()]), ""]
+        lines.append("Faults injected (seconds after the feed's start):")
+        lines.append("")
+        for r in result.runs:
+            if r.faults or r.error:
+                what = "; ".join(f"{f['at_s']:.1f} s: {f['what']}" for f in r.faults) or "none"
+                lines.append(f"- {LABELS[r.kind]}: {what}. {r.outcome}" + (f" ({r.error})" if r.error else "")
+                             + (f"; the broker counted {r.broker}" if r.broker else ""))
+        lines.append(f"\nThe section took {result.seconds:.0f} s.")
+        return lines
+
+    def console(self, run: Run, result: FaultTable) -> list[str]:
+        return [f"Fault table (seed {result.plan.seed}, no target): " + "; ".join(
+            f"{r['kind']}: " + (f"skipped ({r['skipped']})" if "skipped" in r else
+                                f"{r['lost']:,} lost, {r['twice']:,} twice") for r in result.rows())]
+
+    def json(self, run: Run, result: FaultTable) -> dict:
+        return {"faults": {"plan": asdict(result.plan), "table": result.rows(), "skipped": result.skipped,
+                           "runs": [asdict(r) for r in result.runs], "seconds": result.seconds}}

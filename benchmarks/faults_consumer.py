@@ -1,0 +1,59 @@
+"""A consumer of the fault table (``benchmarks/faults.py``): one epoch through ``BatchStream``, every id written down.
+
+    python benchmarks/faults_consumer.py --ranks ADDRESS --stream S --out DIR --name NAME
+        [--train SECONDS] [--prefetch 4] [--prefetch-bytes 0] [--timeout 60]
+
+An independent consumer (``comm=None``). Once its ``BatchStream`` is made it touches ``DIR/NAME.ready``; then it
+iterates one epoch and, right after each batch is yielded, appends the batch's ``id`` column (int64, raw) to
+``DIR/NAME.ids`` in one ``write`` (an ``O_APPEND`` file: what the kernel has is what the loop trained, even if
+the process is SIGKILLed a moment later), sleeps ``--train`` seconds (the training step), and asks for the next
+batch (which acknowledges this one). At the epoch's end it writes ``DIR/NAME.done`` (its stats, JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from worker import BatchStream
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ranks", required=True)
+    parser.add_argument("--stream", required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--train", type=float, default=0.0, help="seconds of sleep per batch")
+    parser.add_argument("--prefetch", type=int, default=4)
+    parser.add_argument("--prefetch-bytes", type=int, default=0, help="the byte window (0: batches only)")
+    parser.add_argument("--timeout", type=float, default=60.0)
+    args = parser.parse_args()
+    ids = os.open(args.out / f"{args.name}.ids", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    batches = rows = 0
+    started = time.monotonic()
+    with BatchStream(args.ranks, stream=args.stream, prefetch=args.prefetch, prefetch_bytes=args.prefetch_bytes,
+                     timeout=args.timeout) as stream:
+        (args.out / f"{args.name}.ready").touch()
+        for batch in stream.epoch():
+            os.write(ids, np.ascontiguousarray(batch["id"], dtype=np.int64).tobytes())
+            batches += 1
+            rows += len(batch["id"])
+            if args.train:
+                time.sleep(args.train)
+        stats = stream.stats.epochs[-1]
+        done = {"batches": batches, "rows": rows, "seconds": time.monotonic() - started,
+                "wait_seconds": stats.wait_seconds, "rejoins": getattr(stream.stats, "rejoins", None)}
+    os.close(ids)
+    temporary = args.out / f"{args.name}.done.tmp"
+    temporary.write_text(json.dumps(done))
+    temporary.rename(args.out / f"{args.name}.done")
+
+
+if __name__ == "__main__":
+    main()
