@@ -45,6 +45,11 @@ def render_stats(stats: Figures) -> str:
     lines = [f"sparkbus broker v{b['version']} pid {b['pid']}, up {b['uptime_s']:.0f} s; "
              f"buffer {_mib(b['buffered_bytes'])} of {_mib(b['max_buffer'])}"
              f"{' (feed paused)' if b['feed_paused'] else ''}"]
+    if b.get("versions"):          # figures of an older broker lack these
+        older = ", ".join(f"{n} connections at v{v}" for v, n in sorted(b.get("older_peers", {}).items()))
+        lines.append(f"  serves protocol v{', v'.join(str(v) for v in b['versions'])}"
+                     f"{f' ({older})' if older else ''}; {len(stats['streams'])} streams, "
+                     f"{b.get('retired_streams', 0)} retired")
     for socket, reasons in sorted(b["rejected"].items()):
         lines.append(f"  rejected on {socket}: " + ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())))
     for name, s in sorted(stats["streams"].items()):
