@@ -113,7 +113,7 @@ OPTIONAL: dict[Kind, dict[str, type]] = {
 # kind added since is a protocol error, an optional field added since is dropped (its sender cannot have meant it).
 ADDED: dict[int, tuple[frozenset[Kind], dict[Kind, tuple[str, ...]]]] = {
     5: (frozenset({Kind.STEPS, Kind.RELEASE, Kind.RETURN}),
-        {Kind.BATCH: ("take",), Kind.HELLO: ("grants",), Kind.EPOCH_END: ("steps",)}),
+        {Kind.BATCH: ("take",), Kind.HELLO: ("grants",), Kind.EPOCH_END: ("steps",), Kind.ACK: ("upto",)}),
 }
 
 _KINDS = {int(k): k for k in Kind}
