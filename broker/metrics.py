@@ -80,20 +80,20 @@ class StatsCollector(Collector):
         if stats is None:
             return
         with self._lock:
-            yield from self._broker(stats.get("broker", {}), published)
+            yield from self._broker(stats.get("broker", {}), published, len(stats.get("streams", {})))
             streams = stats.get("streams", {})
             yield from self._streams(streams)
             yield from self._epochs(streams)
             yield from self._ranks(streams)
 
-    def _broker(self, broker: BrokerFigures, published: float) -> Iterator[Family]:
+    def _broker(self, broker: BrokerFigures, published: float, streams: int) -> Iterator[Family]:
         info = _family(METRIC["sparkbus_info"])
         info.add_metric([str(broker.get("version", "")), str(broker.get("incarnation", ""))], 1)
         yield info
         buffered, limit = _number(broker.get("buffered_bytes")), _number(broker.get("max_buffer"))
         derived = {"sparkbus_stats_published_timestamp_seconds": published,
                    "sparkbus_buffer_use_ratio": buffered / limit if buffered is not None and limit else None,
-                   "sparkbus_streams": len(self._stats["streams"]) if self._stats else None}
+                   "sparkbus_streams": streams}
         for metric in BROKER_METRICS:
             if metric.labels:
                 continue
