@@ -13,7 +13,8 @@ yielded. One batch per message (``pack_bytes=0``), so that a fault lands between
 * **rows trained twice** = yielded ids beyond their first copy (the multiset minus the set).
 
 The kinds (``KINDS``), each with ``faults`` faults at times drawn from ``random.Random(seed)`` within the feed's
-expected length (at least ``GAP`` s apart; one planned after the feed ended is not injected, and counted so):
+expected length, counted from the first row a consumer yielded (at least ``GAP`` s apart; one planned after the
+feed ended is not injected, and counted so):
 
 * ``none``: the baseline, no fault.
 * ``broker_journal``: the broker SIGKILLed and restarted on the same ports with its ``--journal`` directory
@@ -88,7 +89,7 @@ class Plan:
 
 
 FULL_PLAN = dict(rows=60_000, partitions=8, pause=0.04, faults=3)      # 600 batches, ~12 s a feed
-QUICK_PLAN = dict(rows=8_000, partitions=4, pause=0.08, faults=1)      # 80 batches, ~3 s a feed
+QUICK_PLAN = dict(rows=6_000, partitions=4, pause=0.08, faults=1)      # 60 batches, ~2.4 s a feed
 
 
 @dataclass
@@ -263,6 +264,9 @@ class Consumers:
         self.running.clear()
         return unfinished
 
+    def yielded_any(self) -> bool:
+        return any(p.stat().st_size > 0 for p in self.out.glob("*.ids"))
+
     def ids(self) -> np.ndarray:
         parts = [np.fromfile(p, dtype=np.int64) for p in sorted(self.out.glob("*.ids"))]
         return np.concatenate(parts) if parts else np.zeros(0, np.int64)
@@ -321,16 +325,21 @@ def one_run(ctx: Context, plan: Plan, kind: str, times: list[float], rng: random
         started = time.monotonic()
         answer = feeder.submit(rows=plan.rows, partitions=plan.partitions, batch_size=BATCH, pause=plan.pause,
                                address=broker.feed, stream=stream, timeout=feed_timeout, pack_bytes=0)
-        reply = None
+        # The faults' clock starts at the first row a consumer yielded (the Spark job's start is not the feed's).
+        reply = wait_for(lambda: feeder.answered(answer) or consumers.yielded_any(), plan.timeout,
+                         f"the first row of {stream} at a consumer")
+        reply = reply if isinstance(reply, dict) else None
+        first = time.monotonic()
         for at in times:
-            while reply is None and time.monotonic() - started < at:
+            while reply is None and time.monotonic() - first < at:
                 reply = feeder.answered(answer)
                 time.sleep(0.02)
             if reply is not None:
                 break                       # the feed ended before this fault: not injected
+            now = round(time.monotonic() - first, 2)
             fault = inject(kind, rng, broker, consumers, feeder, stream, where)
             if fault:
-                fault["at_s"] = round(time.monotonic() - started, 2)
+                fault.update(planned_s=round(at, 2), at_s=now)
                 run.faults.append(fault)
                 ctx.log(f"  faults: {stream} at {fault['at_s']:.1f} s: {fault['what']}")
         reply = reply or wait_for(lambda: feeder.answered(answer), plan.timeout, f"the feed of {stream}")
@@ -488,7 +497,7 @@ class FaultsSection(Section[FaultTable]):
                  f"{p.faults} fault(s) per kind at random times (at least {GAP:g} s apart). Rows lost = fed - "
                  "yielded (as sets); trained twice = yielded copies beyond the first. A report, not an assertion.",
                  "", table(HEADER, [cells(r) for r in result.rows()]), ""]
-        lines.append("Faults injected (seconds after the feed's start):")
+        lines.append("Faults injected (seconds after the first row a consumer yielded):")
         lines.append("")
         for r in result.runs:
             if r.faults or r.error:
