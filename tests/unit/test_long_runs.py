@@ -321,3 +321,32 @@ def test_a_rank_of_the_version_before_is_served_in_its_version(start_broker_thre
     refused = recv_header(control)[0]
     assert (refused["kind"], refused["code"], refused["v"]) == (Kind.ERROR, ErrorCode.VERSION, 5)
     assert "peer speaks 3" in refused["reason"]
+
+
+def test_a_journal_of_more_streams_than_the_limit_replays_and_still_refuses_their_delivered_epochs(tmp_path,
+                                                                                                monkeypatch):
+    """Retired streams stay in the journal's retired.log: a restart replays more streams than a broker tracks at
+    once (here the limit is made 8), retiring the least recent ones early; none of their epochs is fed again."""
+    import broker.books
+    from broker.journal import Journal
+
+    monkeypatch.setattr(broker.books, "MAX_STREAMS", 8)
+    journal = Journal(tmp_path)
+    ledger, sent = Ledger(journal), Sent()
+    for i in range(12):
+        name = f"job-{i}"
+        ledger.join_rank(name.encode(), hello(stream=name))
+        ledger.set_window(ledger.rank(name.encode()), 8, 0)
+        one_epoch(ledger, sent, name, 0)
+        ledger.rank_gone(name.encode(), "said goodbye", keep=False)
+    assert len(ledger.streams) == 8 and ledger.retired_count == 4
+    journal.close()
+    again = Ledger(Journal(tmp_path))
+    again.replay()
+    assert len(again.streams) == 8 and sorted(set(again.streams) | set(again.retired)) == \
+        sorted(f"job-{i}" for i in range(12))
+    for i in range(12):
+        with pytest.raises(protocol.ProtocolError, match="delivered"):
+            again.open_epoch(f"job-{i}", 0, 1, "stream")
+    assert again.journal is not None
+    again.journal.close()
