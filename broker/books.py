@@ -16,7 +16,7 @@ from typing import Any
 
 from .errors import ProtocolError
 from .events import BatchesAcked, EpochRetired, Event, Observer
-from .journal import RETIRED_KEEP_STATS, DeliveredEpochs, EpochRanges
+from .journal import RETIRED_KEEP_STATS, DeliveredEpochs, EpochRanges, Journal
 from .state import EpochState, HeldBatch, RankState, StreamState
 
 log = logging.getLogger("sparkbus.broker")
@@ -61,6 +61,7 @@ class Books:
         self.keep_epochs = KEEP_EPOCHS     # delivered epochs per stream whose figures are kept (StreamState.finished)
         self.retired: OrderedDict[str, EpochRanges] = OrderedDict()   # streams retired: the epochs they delivered
         self.retired_count = 0             # streams retired since the start
+        self.journal: Journal | None = None    # the ledger's, if it keeps one
 
     # ---- observers --------------------------------------------------------------------------------------
 
@@ -114,6 +115,8 @@ class Books:
     def _retire(self, stream: StreamState) -> None:
         """Drop ``stream``, keeping the epochs it delivered (:attr:`retired`, bounded by :data:`MAX_RETIRED`)."""
         del self.streams[stream.name]
+        if self.journal is not None:
+            self.journal.retire_stream(stream.name)
         ranges = stream.finished.ranges if isinstance(stream.finished, DeliveredEpochs) else EpochRanges()
         for number in stream.finished:
             ranges.add(number)

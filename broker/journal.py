@@ -19,8 +19,9 @@ its files are deleted and one record in ``retired.log`` remembers that it was de
 ``retired.log`` stays bounded (compaction): when it holds more than ``compact_at`` records (and twice what the
 last compaction kept), it is rewritten (a temporary file, fsynced, renamed over it) as, per stream, one
 ``delivered`` record listing every delivered epoch as ranges ``[[first, last], ...]``, followed by the records of
-its last ``keep_stats`` epochs with their figures. Every delivered epoch is still known after a restart, and a
-re-feed of one still refused; only the figures of old epochs are gone.
+its last ``keep_stats`` epochs with their figures (none for a stream the broker retired, :meth:`Journal.retire_stream`:
+so the file grows by one record per stream served, not by ``keep_stats``). Every delivered epoch is still known
+after a restart, and a re-feed of one still refused; only the figures of old epochs are gone.
 
 Replay stops at the first torn record (a write cut short by a crash; nothing after it was ever answered) or the
 first record whose CRC does not match (a damaged disk block: what follows cannot be trusted either).
@@ -180,6 +181,7 @@ class Journal:
         self.compact_at, self.keep_stats = compact_at, keep_stats
         self._retired_records: int | None = None     # records in retired.log; counted when first needed
         self._compacted_to = 0                        # records the last compaction kept
+        self._streams_retired: set[str] = set()       # streams the broker dropped: compaction keeps only their ranges
 
     # ---- writing ----------------------------------------------------------------------------------------
 
@@ -256,6 +258,16 @@ class Journal:
         if self._retired_records > max(self.compact_at, 2 * self._compacted_to):
             self.compact_retired()
 
+    def retire_stream(self, stream: str) -> None:
+        """The broker dropped ``stream`` (unused for ``--retire-streams-after``): the next compaction keeps only
+        which epochs it delivered, not their figures, so that a service broker's journal does not grow with the
+        streams it has served; its empty folder goes now."""
+        self._streams_retired.add(stream)
+        try:
+            self._epoch_dir(stream).rmdir()
+        except OSError:
+            pass                         # not there, or an epoch's files are (then it is not unused)
+
     def compact_retired(self) -> None:
         """Rewrite ``retired.log`` as one ``delivered`` record of ranges per stream and the records of each
         stream's last ``keep_stats`` epochs. Atomic: a crash leaves the old file or the new one, both whole."""
@@ -270,6 +282,10 @@ class Journal:
                 epochs[record["epoch"]] = record["stats"]
         records = []
         for stream, epochs in delivered.items():
+            if stream in self._streams_retired:
+                for number in list(epochs):
+                    epochs.ranges.add(number)
+                    del epochs[number]
             if epochs.ranges.ranges():
                 records.append({"stream": stream, "delivered": epochs.ranges.ranges()})
             records.extend({"stream": stream, "epoch": n, "stats": epochs[n]} for n in sorted(epochs))
@@ -286,6 +302,7 @@ class Journal:
         _sync_directory(self.directory)
         log.info("journal: retired.log compacted from %d to %d records", self._retired_records or 0, len(records))
         self._retired_records = self._compacted_to = len(records)
+        self._streams_retired.clear()
 
     def _sync(self, files: EpochFiles) -> None:
         os.fsync(files.data_fd)

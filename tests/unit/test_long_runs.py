@@ -340,6 +340,12 @@ def test_a_journal_of_more_streams_than_the_limit_replays_and_still_refuses_thei
         one_epoch(ledger, sent, name, 0)
         ledger.rank_gone(name.encode(), "said goodbye", keep=False)
     assert len(ledger.streams) == 8 and ledger.retired_count == 4
+    retired = sorted(set(f"job-{i}" for i in range(12)) - set(ledger.streams))
+    assert not [name for name in retired if (tmp_path / name.encode().hex()).exists()]     # their folders gone
+    journal.compact_retired()              # the retired streams keep their ranges, not their figures
+    records = list(journal.retired())
+    assert [r for r in records if r["stream"] in retired] == [{"stream": n, "delivered": [[0, 0]]} for n in retired]
+    assert sorted(r["stream"] for r in records if "stats" in r) == sorted(ledger.streams)
     journal.close()
     again = Ledger(Journal(tmp_path))
     again.replay()
