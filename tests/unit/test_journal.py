@@ -16,7 +16,6 @@ from pathlib import Path
 
 import msgpack
 import pytest
-from test_ledger import STREAM, ack, batch_frames, end, join, nbytes, window
 
 from broker import protocol
 from broker.errors import ProtocolError
@@ -25,6 +24,7 @@ from broker.ledger import Ledger, Rejected
 from broker.protocol import Kind
 
 from helpers import Wire, hello
+from test_ledger import STREAM, ack, batch_frames, end, join, nbytes, window
 
 PREFIX = struct.Struct("<II")      # a record: body length, CRC-32 of the body, then the msgpack body
 

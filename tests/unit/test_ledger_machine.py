@@ -37,7 +37,6 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from test_ledger import STREAM, batch_frames, hello
 
 from broker import codec, protocol
 from broker.books import Outcome
@@ -46,6 +45,8 @@ from broker.journal import Journal
 from broker.ledger import Ledger, Rejected
 from broker.protocol import Kind
 from broker.state import MAX_WINDOW
+
+from test_ledger import STREAM, batch_frames, hello
 
 MAX_EPOCHS = 3
 NEVER_OPENED = 99
