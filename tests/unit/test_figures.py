@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from test_ledger import STREAM, end, hello, join, push, window
 
 from broker.books import Outcome
 from broker.config import BrokerConfig
@@ -29,6 +28,8 @@ from broker.figures import (
     StreamFigures,
 )
 from broker.metrics import MetricsExporter
+
+from test_ledger import STREAM, end, hello, join, push, window
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
