@@ -14,6 +14,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -29,6 +30,10 @@ DEPLOY = ROOT / "deploy" / "run-ranks-torchrun.sh"
 SIZE = 2
 RUN_SECONDS = 75.0        # a torchrun job of these sizes takes 5-10 s on 2 idle cores
 COLLECTIVE_TIMEOUT = 30   # the example's gloo and BatchStream timeout: a hang fails the job before the test's bound
+
+# hydra, on a loaded machine, now and then fails a launch with this before any rank runs (as test_images.py meets
+# it); the broker then still holds every batch of the stream, so the ranks are started again, once.
+HYDRA_LAUNCH_FAILURE = "process reading stdin too slowly"
 
 pytest.importorskip("torch")
 if not TORCHRUN.exists():
@@ -94,13 +99,26 @@ def feed(broker, stream: str, epochs: int, rows: int, *flags: str) -> None:
                "--stream", stream, "--epochs", str(epochs), "--rows", str(rows), *flags], 60, check=True)
 
 
-def check_equal_steps(figures: list[dict], epochs: int) -> None:
-    """Every rank took as many steps as every other in each epoch, one per batch its stream yielded."""
+def finish_mpi_ranks(start_ranks, ranks, address: str, *flags: str) -> tuple[Any, list[dict]]:
+    """The mpiexec ranks' summaries once they exited 0 (started once more after a failed hydra launch)."""
+    for attempt in range(2):
+        _, err = Children.finish(ranks.proc, RUN_SECONDS, "the mpiexec ranks")
+        if ranks.proc.returncode == 0:
+            break
+        assert not attempt and HYDRA_LAUNCH_FAILURE in err and not any(ranks.out.iterdir()), \
+            f"the mpiexec ranks failed ({ranks.proc.returncode}):\n{err[-3000:]}"
+        ranks = start_ranks(SIZE, address, *flags)
+    return ranks, [json.loads((ranks.out / f"rank{r}.json").read_text()) for r in range(SIZE)]
+
+
+def check_equal_steps(figures: list[dict], epochs: int, first_epoch: int = 0) -> None:
+    """Every rank took as many steps as every other in each epoch (the broker's epochs ``first_epoch ..``), one per
+    batch its stream yielded."""
     for epoch in range(epochs):
         steps = [f["epochs"][epoch]["steps"] for f in figures]
         assert steps[0] > 0 and steps == [steps[0]] * SIZE, (epoch, steps)
         assert [f["epochs"][epoch]["batches"] for f in figures] == steps
-        assert [f["epochs"][epoch]["broker_epoch"] for f in figures] == [epoch] * SIZE
+        assert [f["epochs"][epoch]["broker_epoch"] for f in figures] == [first_epoch + epoch] * SIZE
         assert all(f["epochs"][epoch]["steps_per_rank"] == steps for f in figures)
 
 
@@ -160,8 +178,8 @@ def test_torchrun_and_mpiexec_ranks_train_with_equal_steps_from_the_same_broker(
     epochs, rows = 2, 3_000
     broker = start_broker_process()
     job = start_torchrun(broker.ranks, "--stream", "ddp", "--epochs", str(epochs), "--record-ids", deploy=True)
-    mpi = start_ranks(SIZE, broker.ranks, "--stream", "mpi", "--epochs", str(epochs), "--slow-rank", "1",
-                      "--slow-seconds", "0.005")
+    mpi_flags = ("--stream", "mpi", "--epochs", str(epochs), "--slow-rank", "1", "--slow-seconds", "0.005")
+    mpi = start_ranks(SIZE, broker.ranks, *mpi_flags)
     feeding = [children.spawn([sys.executable, EXAMPLE, "--feed", broker.feed, "--control", broker.control,
                                "--no-spark", "--stream", stream, "--epochs", str(epochs), "--rows", str(rows),
                                "--batch-size", "100"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -173,7 +191,7 @@ def test_torchrun_and_mpiexec_ranks_train_with_equal_steps_from_the_same_broker(
     check_equal_steps(figures, epochs)
     check_every_row_once(job, figures, epochs, rows, fed_batches(rows, 4, 100))
     assert len({f["weights_sha256"] for f in figures}) == 1
-    summaries = mpi.wait(RUN_SECONDS)
+    mpi, summaries = finish_mpi_ranks(start_ranks, mpi, broker.ranks, *mpi_flags)
     for epoch in range(epochs):
         batches = [s["epochs"][epoch]["batches"] for s in summaries]
         assert batches[0] > 0 and batches == [batches[0]] * SIZE, (epoch, batches)
@@ -187,3 +205,21 @@ def test_torchrun_and_mpiexec_ranks_train_with_equal_steps_from_the_same_broker(
                         ("mpi", [e["batches"] for e in summaries[0]["epochs"]])):
         fed = [streams[name]["epochs"][str(e)] for e in range(epochs)]
         assert [(e["ended"], e["rows_in"], e["steps"]) for e in fed] == [(True, rows, n) for n in steps]
+
+
+@pytest.mark.xfail(strict=False, reason="broker grants: a group that joins an epoch the group before it had started "
+                   "(its windows held batches of it when it said goodbye) gets its first batches only after "
+                   "--rejoin-grace and then stalls, so DDP's allreduce waits for a rank that waits for a grant "
+                   "(/work/notes/h3-needs.md)")
+def test_a_torchrun_job_started_again_trains_the_epochs_the_first_left(start_broker_process, start_torchrun):
+    epochs, rows = 4, 3_300
+    broker = start_broker_process()
+    feed(broker, "again", epochs, rows, "--batch-size", "100", "--partitions", "3")    # every epoch held before
+    first = start_torchrun(broker.ranks, "--stream", "again", "--epochs", "2")
+    figures = first.wait()
+    check_equal_steps(figures, 2)
+    # The same job started again (a resume, torchrun's restart): the broker's epochs 2 and 3, every row once.
+    again = start_torchrun(broker.ranks, "--stream", "again", "--epochs", "2", "--record-ids", "--timeout", "15")
+    figures = again.wait()
+    check_equal_steps(figures, 2, first_epoch=2)
+    check_every_row_once(again, figures, 2, rows, fed_batches(rows, 3, 100))
