@@ -254,7 +254,7 @@ class TorchrunSection(Section[FirstBatch]):
         torch = result.med("torchrun", "import_torch")
         split = f" ({torch:.2f} s of it the interpreter's start and `import torch`)" if torch == torch else ""
         parts += ["", f"`runtime ready`: for torchrun, `import torch` and `init_process_group(\"gloo\")`{split}; "
-                  "`launch -> process start` is there torchrun's own start (its agent imports torch too) and its "
+                  "its `launch -> process start` is torchrun's own start (its agent imports torch too) and its "
                   "rendezvous store. For mpiexec, "
                   "`from mpi4py import MPI` (MPI_Init); without mpi4py, nothing. `BatchStream() -> first batch` "
                   "includes the rank's HELLO to the broker and, with even steps, waiting for the other rank to "
