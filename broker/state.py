@@ -33,7 +33,6 @@ class HeldBatch:
     whole: HeldBatch | None = None     # ... and the pack it was cut from, which counts the pieces out
     pieces: int = 1         # on a pack that was cut: its pieces not yet consumed
     used: int = 0           # a pack in flight: its batches before this one were used (the rank's ACK upto)
-    used: int = 0           # a pack in flight: its batches before this one were used (the rank's ACK upto)
 
     def settle(self) -> bool:
         """This batch, or piece, was consumed. Whether its whole message now is (the last piece of a cut pack)."""
