@@ -19,6 +19,8 @@ feed ended is not injected, and counted so):
 * ``none``: the baseline, no fault.
 * ``broker_journal``: the broker SIGKILLed and restarted on the same ports with its ``--journal`` directory
   (``BrokerProcess.restart``).
+* ``broker_journal_group``: the same, the 2 consumers ranks 0 and 1 of a group (``BatchStream(rank=, size=2)``,
+  equal steps granted by the broker; the rows dropped to keep the steps equal are counted, not lost).
 * ``broker_no_journal``: the same without ``--journal``. Today the feed then fails loudly (``BrokerError`` "...
   without --journal"); recovery from Spark's lineage is issue 18 §1. Each fault is a run of its own (the first
   kill ends the feed): the rows yielded before it, the rest lost.
@@ -55,12 +57,13 @@ from .common import HERE, ROOT, BenchError, Children
 from .report import num, table
 from .sections import Context, Run, Section
 
-KINDS = ("none", "broker_journal", "broker_no_journal", "rank", "executor", "link")
+KINDS = ("none", "broker_journal", "broker_journal_group", "broker_no_journal", "rank", "executor", "link")
 LABELS = {"none": "no fault (baseline)", "broker_journal": "broker SIGKILL, `--journal`, restart",
+          "broker_journal_group": "the same, the consumers a group of 2 (granted steps)",
           "broker_no_journal": "broker SIGKILL, no journal, restart", "rank": "consumer SIGKILL, a new one started",
           "executor": "Spark Python worker SIGKILL mid-partition", "link": "consumers' link cut 1-4 s (namespaces)"}
 # What docs/GUARANTEES.md says of each (its failure table), for the reading of the table.
-PROMISES = {"none": "every row once", "broker_journal": "0 lost, 0 twice",
+PROMISES = {"none": "every row once", "broker_journal": "0 lost, 0 twice", "broker_journal_group": "0 lost, 0 twice",
             "broker_no_journal": "feed fails loudly (BrokerError)",
             "rank": "0 lost; twice at most the batch in hand per kill",
             "executor": "0 lost, 0 twice (task retried)", "link": "0 lost, 0 twice"}
@@ -102,12 +105,15 @@ class FaultRun:
     lost: int = 0
     twice: int = 0
     out_of_range: int = 0
+    dropped: int = 0               # rows a group dropped to keep its steps equal (counted, not lost)
     outcome: str = ""              # "completed", or "failed: <exception type>"
     error: str = ""
     seconds: float = 0.0
     planned: int = 0               # faults planned in this run
     faults: list[dict] = field(default_factory=list)     # injected: at_s, what, seconds
     broker: dict = field(default_factory=dict)           # the broker's figures of the epoch at the end, if reachable
+    twice_ids: list[str] = field(default_factory=list)   # the first runs of ids trained twice, and who had them
+    lost_ids: list[str] = field(default_factory=list)    # the first runs of ids lost
 
 
 @dataclass
@@ -220,20 +226,23 @@ class Consumers:
     """The consumers of one run (``faults_consumer.py``), each writing the ids it yielded into ``out``."""
 
     def __init__(self, children: Children, out: Path, ranks: str, stream: str, prefix: list[str] = (),
-                 env: dict | None = None, timeout: float = 60.0):
-        self.children, self.out, self.ranks, self.stream = children, out, ranks, stream
+                 env: dict | None = None, timeout: float = 60.0, group: int = 0):
+        self.children, self.out, self.ranks, self.stream, self.group = children, out, ranks, stream, group
         self.prefix, self.env, self.timeout = list(prefix), env, timeout
         self.running: dict[str, ChildProcess] = {}
         self._count = 0
         out.mkdir(parents=True, exist_ok=True)
 
     def start(self) -> str:
+        """Start a consumer (with a group: rank ``i`` of it, the ``i``-th started); its name."""
         name = f"consumer{self._count}"
+        group = [f"--group={self._count}/{self.group}"] if self.group else []
         self._count += 1
         self.running[name] = self.children.add(ChildProcess(
             name, [*self.prefix, sys.executable, str(HERE / "faults_consumer.py"), "--ranks", self.ranks,
                    "--stream", self.stream, "--out", str(self.out), "--name", name, "--train", str(TRAIN_SECONDS),
-                   "--timeout", str(self.timeout)], self.children.log(f"faults-{name}"), env=self.env, cwd=ROOT))
+                   "--timeout", str(self.timeout), *group], self.children.log(f"faults-{name}"), env=self.env,
+            cwd=ROOT))
         return name
 
     def ready(self, name: str, timeout: float = 60.0) -> None:
@@ -267,9 +276,9 @@ class Consumers:
     def yielded_any(self) -> bool:
         return any(p.stat().st_size > 0 for p in self.out.glob("*.ids"))
 
-    def ids(self) -> np.ndarray:
-        parts = [np.fromfile(p, dtype=np.int64) for p in sorted(self.out.glob("*.ids"))]
-        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    def ids(self, suffix: str = "ids") -> dict[str, np.ndarray]:
+        """Every consumer's yielded ids, in the order it yielded them (``suffix="dropped"``: those it dropped)."""
+        return {p.stem: np.fromfile(p, dtype=np.int64) for p in sorted(self.out.glob(f"*.{suffix}"))}
 
 
 class NetworkChild:
@@ -286,16 +295,42 @@ class NetworkChild:
 
 # ---- one run ----------------------------------------------------------------------------------------------
 
-def count(run: FaultRun, ids: np.ndarray, rows: int) -> None:
+def count(run: FaultRun, yielded: dict[str, np.ndarray], rows: int, dropped: dict[str, np.ndarray]) -> None:
+    """Lost and trained twice from every consumer's ids; where rows came twice, which ones and who had them.
+
+    ``dropped``: ids a group dropped to keep its steps equal, counted (``stats.dropped_batches``): not lost."""
+    ids = np.concatenate(list(yielded.values())) if yielded else np.zeros(0, np.int64)
     inside = ids[(ids >= 0) & (ids < rows)]
-    unique = np.unique(inside)
+    unique, copies = np.unique(inside, return_counts=True)
+    run.dropped = int(sum(len(d) for d in dropped.values()))
+    accounted = np.union1d(unique, np.concatenate(list(dropped.values()))) if dropped else unique
     run.yielded, run.out_of_range = len(ids), len(ids) - len(inside)
-    run.lost, run.twice = rows - len(unique), len(inside) - len(unique)
+    run.lost, run.twice = rows - len(accounted[(accounted >= 0) & (accounted < rows)]), len(inside) - len(unique)
+    run.twice_ids = [describe(span, yielded) for span in spans(unique[copies > 1])[:5]]
+    run.lost_ids = [f"{a:,}-{b:,}" for a, b in spans(np.setdiff1d(np.arange(rows), accounted))[:5]]
+
+
+def spans(ids: np.ndarray) -> list[tuple[int, int]]:
+    """Sorted ids as runs of consecutive ids ``(first, last)``."""
+    if not len(ids):
+        return []
+    breaks = np.flatnonzero(np.diff(ids) != 1)
+    starts, ends = np.r_[ids[0], ids[breaks + 1]], np.r_[ids[breaks], ids[-1]]
+    return [(int(a), int(b)) for a, b in zip(starts, ends)]
+
+
+def describe(span: tuple[int, int], yielded: dict[str, np.ndarray]) -> str:
+    """``ids A-B: consumer0 (at batch i), consumer1 (at batch j)``: who yielded the span, and when (its batch)."""
+    who = []
+    for name, ids in yielded.items():
+        for position in np.flatnonzero(ids == span[0]):
+            who.append(f"{name} (its batch {position // BATCH + 1} of {len(ids) // BATCH})")
+    return f"ids {span[0]:,}-{span[1]:,}: " + ", ".join(who)
 
 
 def broker_flags(kind: str, journal: Path) -> list[str]:
     flags = ["--heartbeat", "200ms"]
-    if kind == "broker_journal":
+    if kind.startswith("broker_journal"):
         flags += ["--journal", str(journal)]
     if kind == "rank":
         flags += ["--rejoin-grace", "2s"]
@@ -317,7 +352,8 @@ def one_run(ctx: Context, plan: Plan, kind: str, times: list[float], rng: random
                                             env=where.get("env"), cwd=ROOT, name=f"broker {stream}"))
     broker.start(30)
     consumers = Consumers(ctx.children, work / "ids", broker.ranks, stream, where.get("ranks", ()),
-                          where.get("env"), timeout=max(plan.timeout, 30.0))
+                          where.get("env"), timeout=max(plan.timeout, 30.0),
+                          group=CONSUMERS if kind.endswith("_group") else 0)
     try:
         for _ in range(CONSUMERS):
             consumers.ready(consumers.start())
@@ -362,7 +398,7 @@ def one_run(ctx: Context, plan: Plan, kind: str, times: list[float], rng: random
     finally:
         consumers.finish(0)
         ctx.children.discard(broker)
-    count(run, consumers.ids(), plan.rows)
+    count(run, consumers.ids(), plan.rows, consumers.ids("dropped"))
     ctx.log(f"  faults: {stream}: {run.outcome}, {len(run.faults)}/{run.planned} faults, {run.yielded:,} rows yielded "
             f"of {run.rows_fed:,}: {run.lost:,} lost, {run.twice:,} twice ({run.seconds:.1f} s)")
     return run
@@ -372,7 +408,7 @@ def inject(kind: str, rng: random.Random, broker: BrokerProcess, consumers: Cons
            stream: str, where: dict) -> dict | None:
     """Inject one fault of ``kind`` now; what was done (None if nothing could be)."""
     began = time.monotonic()
-    if kind in ("broker_journal", "broker_no_journal"):
+    if kind.startswith("broker"):
         pid = broker.proc.pid
         broker.proc.send_signal(signal.SIGKILL)
         broker.proc.wait(10)
@@ -409,10 +445,12 @@ def inject(kind: str, rng: random.Random, broker: BrokerProcess, consumers: Cons
 
 # ---- the section ------------------------------------------------------------------------------------------
 
-def run(ctx: Context, plan: Plan) -> FaultTable:
+def run(ctx: Context, plan: Plan, name: str = "faults") -> FaultTable:
+    """Every kind of ``plan``; the table is in ``ctx.results[name]`` from the start, so that a failure part-way
+    still reports the runs measured."""
     from launch import netns
 
-    result = FaultTable(plan)
+    result = ctx.results[name] = FaultTable(plan)
     rng = random.Random(plan.seed)
     started = time.monotonic()
     ctx.log(f"  faults: seed {plan.seed}, {plan.rows:,} rows in {plan.partitions} partitions a feed (~"
@@ -424,12 +462,15 @@ def run(ctx: Context, plan: Plan) -> FaultTable:
         if not ok:
             result.skipped["link"] = why
         else:
-            network = netns.Network(["broker", "ranks"]).start()
-            ctx.children.add(NetworkChild(network))
-            env = {"SPARKBUS_INSECURE": "1"}
-            # its Spark driver starts meanwhile: it runs on the broker's host (only the consumers' link is cut)
-            linked = Feeder(ctx.children, ctx.work / "faults" / "feeder-link",
-                            ["ip", "netns", "exec", network.namespace("broker")], env)
+            try:
+                network = netns.Network(["broker", "ranks"]).start()
+            except netns.NetworkError as exc:      # what it had made is deleted
+                result.skipped["link"] = f"the hosts could not be made: {exc}"
+    held = ctx.children.add(NetworkChild(network)) if network is not None else None
+    if network is not None:
+        # its Spark driver starts meanwhile: it runs on the broker's host (only the consumers' link is cut)
+        linked = Feeder(ctx.children, ctx.work / "faults" / "feeder-link",
+                        ["ip", "netns", "exec", network.namespace("broker")], {"SPARKBUS_INSECURE": "1"})
     feeder = Feeder(ctx.children, ctx.work / "faults" / "feeder")
     try:
         feeder.ready(120)
@@ -457,8 +498,8 @@ def run(ctx: Context, plan: Plan) -> FaultTable:
         feeder.stop()
         if linked is not None:
             linked.stop()
-        if network is not None:
-            network.heal()
+        if held is not None:
+            ctx.children.discard(held)      # its processes ended, the namespaces deleted
     result.seconds = time.monotonic() - started
     return result
 
@@ -484,7 +525,7 @@ class FaultsSection(Section[FaultTable]):
 
     def measure(self, ctx: Context) -> FaultTable:
         plan = plan_of(ctx.sizes.name.startswith("quick"), min(ctx.sizes.timeout * 2, 120.0))
-        return run(ctx, plan)
+        return run(ctx, plan, self.name)
 
     def markdown(self, run: Run, result: FaultTable) -> list[str]:
         p = result.plan
@@ -503,7 +544,9 @@ class FaultsSection(Section[FaultTable]):
             if r.faults or r.error:
                 what = "; ".join(f"{f['at_s']:.1f} s: {f['what']}" for f in r.faults) or "none"
                 lines.append(f"- {LABELS[r.kind]}: {what}. {r.outcome}" + (f" ({r.error})" if r.error else "")
-                             + (f"; the broker counted {r.broker}" if r.broker else ""))
+                             + (f"; the broker counted {r.broker}" if r.broker else "")
+                             + (f"; {r.dropped:,} rows dropped for equal steps (counted)" if r.dropped else "")
+                             + (f"; trained twice: {'; '.join(r.twice_ids)}" if r.twice_ids else ""))
         lines.append(f"\nThe section took {result.seconds:.0f} s.")
         return lines
 

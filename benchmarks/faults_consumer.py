@@ -1,13 +1,15 @@
 """A consumer of the fault table (``benchmarks/faults.py``): one epoch through ``BatchStream``, every id written down.
 
     python benchmarks/faults_consumer.py --ranks ADDRESS --stream S --out DIR --name NAME
-        [--train SECONDS] [--prefetch 4] [--prefetch-bytes 0] [--timeout 60]
+        [--train SECONDS] [--prefetch 4] [--prefetch-bytes 0] [--group R/N] [--timeout 60]
 
-An independent consumer (``comm=None``). Once its ``BatchStream`` is made it touches ``DIR/NAME.ready``; then it
-iterates one epoch and, right after each batch is yielded, appends the batch's ``id`` column (int64, raw) to
-``DIR/NAME.ids`` in one ``write`` (an ``O_APPEND`` file: what the kernel has is what the loop trained, even if
-the process is SIGKILLed a moment later), sleeps ``--train`` seconds (the training step), and asks for the next
-batch (which acknowledges this one). At the epoch's end it writes ``DIR/NAME.done`` (its stats, JSON).
+An independent consumer (``comm=None``), or with ``--group R/N`` rank R of a group of N (granted equal steps; the
+batches dropped to keep them equal are written to ``DIR/NAME.dropped``). Once its ``BatchStream`` is made it
+touches ``DIR/NAME.ready``; then it iterates one epoch and, right after each batch is yielded, appends the batch's
+``id`` column (int64, raw) to ``DIR/NAME.ids`` in one ``write`` (an ``O_APPEND`` file: what the kernel has is what
+the loop trained, even if the process is SIGKILLed a moment later), sleeps ``--train`` seconds (the training step),
+and asks for the next batch (which acknowledges this one). At the epoch's end it writes ``DIR/NAME.done`` (its
+stats, JSON).
 """
 
 from __future__ import annotations
@@ -32,13 +34,21 @@ def main() -> None:
     parser.add_argument("--train", type=float, default=0.0, help="seconds of sleep per batch")
     parser.add_argument("--prefetch", type=int, default=4)
     parser.add_argument("--prefetch-bytes", type=int, default=0, help="the byte window (0: batches only)")
+    parser.add_argument("--group", help="R/N: rank R of a group of N (BatchStream(rank=, size=), granted steps)")
     parser.add_argument("--timeout", type=float, default=60.0)
     args = parser.parse_args()
-    ids = os.open(args.out / f"{args.name}.ids", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+    ids = os.open(args.out / f"{args.name}.ids", flags, 0o644)
+    group = {}
+    if args.group:
+        rank, size = (int(n) for n in args.group.split("/"))
+        dropped = os.open(args.out / f"{args.name}.dropped", flags, 0o644)
+        group = {"rank": rank, "size": size, "on_drop": lambda batch: os.write(
+            dropped, np.ascontiguousarray(batch["id"], dtype=np.int64).tobytes())}
     batches = rows = 0
     started = time.monotonic()
     with BatchStream(args.ranks, stream=args.stream, prefetch=args.prefetch, prefetch_bytes=args.prefetch_bytes,
-                     timeout=args.timeout) as stream:
+                     timeout=args.timeout, **group) as stream:
         (args.out / f"{args.name}.ready").touch()
         for batch in stream.epoch():
             os.write(ids, np.ascontiguousarray(batch["id"], dtype=np.int64).tobytes())
