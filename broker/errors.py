@@ -22,9 +22,10 @@ class ProtocolError(SparkbusError, ValueError):
 class VersionMismatch(ProtocolError):
     """The peer speaks another protocol version; the message names both."""
 
-    def __init__(self, theirs: Any, ours: int):
+    def __init__(self, theirs: Any, ours: int, also: int | None = None):
+        speaks = f"{also} and {ours}" if also is not None else f"{ours}"
         super().__init__(
-            f"protocol version mismatch: peer speaks {theirs!r}, this side speaks {ours}; "
+            f"protocol version mismatch: peer speaks {theirs!r}, this side speaks {speaks}; "
             f"install the same sparkbus release on the Spark executors, the broker and the ranks")
         self.theirs = theirs
 

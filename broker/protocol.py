@@ -183,7 +183,7 @@ def unpack_header(buf: bytes | memoryview) -> dict[str, Any]:
     kind = _KINDS.get(raw_kind) if type(raw_kind) is int else None
     if version != VERSION:
         if type(version) is not int or version not in SUPPORTED:
-            raise VersionMismatch(version, VERSION)
+            raise VersionMismatch(version, VERSION, also=SUPPORTED[0] if SUPPORTED[0] != VERSION else None)
         if kind is not None:
             kind = _older(header, kind, version)
     if kind is None:

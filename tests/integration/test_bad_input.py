@@ -46,8 +46,8 @@ def test_request_sockets_answer_bad_messages_with_a_reason(start_broker_process,
     reasons = {name: reply_to(sock, frames) for name, frames in BAD_MESSAGES.items()}
     assert all(r["kind"] == Kind.ERROR for r in reasons.values())
     assert "not valid msgpack" in reasons["garbage"]["reason"]
-    assert (f"protocol version mismatch: peer speaks 99, this side speaks {protocol.VERSION}"
-            in reasons["version"]["reason"])
+    assert (f"protocol version mismatch: peer speaks 99, this side speaks {protocol.SUPPORTED[0]} and "
+            f"{protocol.VERSION}" in reasons["version"]["reason"])
     assert "exceeds the limit" in reasons["oversized"]["reason"]
     assert "unknown message kind 77" in reasons["unknown_kind"]["reason"]
     assert "expected one header frame, got 3 frames" in reasons["extra_frames"]["reason"]

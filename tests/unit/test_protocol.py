@@ -92,7 +92,7 @@ def test_wrong_version_names_both_versions():
     with pytest.raises(VersionMismatch) as info:
         protocol.unpack_header(header(v=protocol.VERSION + 6))
     assert f"peer speaks {protocol.VERSION + 6}" in info.value.reason
-    assert f"this side speaks {protocol.VERSION}" in info.value.reason
+    assert f"this side speaks {protocol.SUPPORTED[0]} and {protocol.VERSION}" in info.value.reason
 
 
 def batch_header(**changes):
