@@ -37,23 +37,21 @@ subset) change the defaults; ``--quick`` runs a tiny version (a fault per kind, 
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
 import signal
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from launch.broker import BrokerProcess
-from launch.processes import ChildProcess, wait_for
+from launch.processes import wait_for
 
-from .common import HERE, ROOT, BenchError, Children
+from .common import ROOT, BenchError
+from .faults_processes import TRAIN_SECONDS, Consumers, Feeder, NetworkChild
 from .report import num, table
 from .sections import Context, Run, Section
 
@@ -68,7 +66,6 @@ PROMISES = {"none": "every row once", "broker_journal": "0 lost, 0 twice", "brok
             "rank": "0 lost; twice at most the batch in hand per kill",
             "executor": "0 lost, 0 twice (task retried)", "link": "0 lost, 0 twice"}
 CONSUMERS = 2
-TRAIN_SECONDS = 0.005          # a consumer's step
 GAP = 2.5                      # seconds between two faults of a run, at least
 BATCH = 100
 
@@ -84,6 +81,7 @@ class Plan:
     faults: int                # per kind
     kinds: tuple[str, ...]
     timeout: float             # bound on a run's feed and its consumers
+    broker_timeout: float = 4.0   # feed(timeout=) where the broker is killed: a task waits that long for it
 
     @property
     def feed_seconds(self) -> float:
@@ -91,8 +89,8 @@ class Plan:
         return math.ceil(self.partitions / 2) * self.rows / self.partitions / BATCH * self.pause
 
 
-FULL_PLAN = dict(rows=60_000, partitions=8, pause=0.04, faults=3)      # 600 batches, ~12 s a feed
-QUICK_PLAN = dict(rows=6_000, partitions=4, pause=0.08, faults=1)      # 60 batches, ~2.4 s a feed
+FULL_PLAN = dict(rows=60_000, partitions=8, pause=0.04, faults=3, broker_timeout=4.0)    # 600 batches, ~12 s a feed
+QUICK_PLAN = dict(rows=4_000, partitions=4, pause=0.08, faults=1, broker_timeout=1.0)     # 40 batches, ~1.6 s
 
 
 @dataclass
@@ -106,6 +104,7 @@ class FaultRun:
     twice: int = 0
     out_of_range: int = 0
     dropped: int = 0               # rows a group dropped to keep its steps equal (counted, not lost)
+    answered_s: float = 0.0        # when feed() returned or raised, in seconds after the first row yielded
     outcome: str = ""              # "completed", or "failed: <exception type>"
     error: str = ""
     seconds: float = 0.0
@@ -156,7 +155,7 @@ def plan_of(quick: bool, timeout: float) -> Plan:
     unknown = set(kinds) - set(KINDS)
     if unknown:
         raise BenchError(f"SPARKBUS_BENCH_FAULTS_KINDS: unknown kinds {sorted(unknown)}; choose from {KINDS}")
-    return Plan(seed, rows, base["partitions"], base["pause"], faults, kinds, timeout)
+    return Plan(seed, rows, base["partitions"], base["pause"], faults, kinds, timeout, base["broker_timeout"])
 
 
 def fault_times(rng: random.Random, n: int, length: float) -> list[float]:
@@ -165,132 +164,6 @@ def fault_times(rng: random.Random, n: int, length: float) -> list[float]:
     for i in range(1, len(times)):
         times[i] = max(times[i], times[i - 1] + GAP)
     return times
-
-
-# ---- the processes of a run -------------------------------------------------------------------------------
-
-class Feeder:
-    """``faults_feeder.py`` (a Spark driver) as a child; requests and answers are files in ``dir``."""
-
-    def __init__(self, children: Children, dir: Path, prefix: list[str] = (), env: dict | None = None):
-        self.dir, self.children = dir, children
-        dir.mkdir(parents=True, exist_ok=True)
-        command = [*prefix, sys.executable, str(HERE / "faults_feeder.py"), "--dir", str(dir)]
-        self.child = children.add(ChildProcess("faults-feeder", command, children.log("faults-feeder"), env=env,
-                                               cwd=ROOT))
-        self._number = 0
-
-    def ready(self, timeout: float) -> None:
-        wait_for(lambda: (self.dir / "ready").exists() or self.child.poll() is not None, timeout,
-                 "the fault table's Spark driver to start")
-        if self.child.poll() is not None:
-            raise BenchError(f"the fault table's Spark driver exited ({self.child.poll()}):\n{self.child.tail()}")
-
-    def submit(self, **request: Any) -> Path:
-        self._number += 1
-        path = self.dir / f"req-{self._number}.json"
-        path.with_suffix(".tmp").write_text(json.dumps(request))
-        path.with_suffix(".tmp").rename(path)
-        return self.dir / f"res-{self._number}.json"
-
-    def answered(self, answer: Path) -> dict | None:
-        if answer.exists():
-            return json.loads(answer.read_text())
-        if self.child.poll() is not None:
-            raise BenchError(f"the fault table's Spark driver exited ({self.child.poll()}):\n{self.child.tail()}")
-        return None
-
-    def running_tasks(self, stream: str) -> list[int]:
-        """Pids of the Python workers running a task of ``stream`` now (started, rows not all produced)."""
-        pids = []
-        for mark in (self.dir / "pids").glob(f"{stream}-p*.pid"):
-            if not mark.with_suffix(".end").exists():
-                try:
-                    pid = int(mark.read_text())
-                    os.kill(pid, 0)
-                except (ValueError, OSError):
-                    continue
-                pids.append(pid)
-        return sorted(pids)
-
-    def stop(self) -> None:
-        (self.dir / "stop").touch()
-        try:
-            self.child.wait(20)
-        except Exception:
-            pass
-        self.children.discard(self.child)
-
-
-class Consumers:
-    """The consumers of one run (``faults_consumer.py``), each writing the ids it yielded into ``out``."""
-
-    def __init__(self, children: Children, out: Path, ranks: str, stream: str, prefix: list[str] = (),
-                 env: dict | None = None, timeout: float = 60.0, group: int = 0):
-        self.children, self.out, self.ranks, self.stream, self.group = children, out, ranks, stream, group
-        self.prefix, self.env, self.timeout = list(prefix), env, timeout
-        self.running: dict[str, ChildProcess] = {}
-        self._count = 0
-        out.mkdir(parents=True, exist_ok=True)
-
-    def start(self) -> str:
-        """Start a consumer (with a group: rank ``i`` of it, the ``i``-th started); its name."""
-        name = f"consumer{self._count}"
-        group = [f"--group={self._count}/{self.group}"] if self.group else []
-        self._count += 1
-        self.running[name] = self.children.add(ChildProcess(
-            name, [*self.prefix, sys.executable, str(HERE / "faults_consumer.py"), "--ranks", self.ranks,
-                   "--stream", self.stream, "--out", str(self.out), "--name", name, "--train", str(TRAIN_SECONDS),
-                   "--timeout", str(self.timeout), *group], self.children.log(f"faults-{name}"), env=self.env,
-            cwd=ROOT))
-        return name
-
-    def ready(self, name: str, timeout: float = 60.0) -> None:
-        child = self.running[name]
-        wait_for(lambda: (self.out / f"{name}.ready").exists() or child.poll() is not None, timeout,
-                 f"{name} to join the broker")
-        if child.poll() is not None:
-            raise BenchError(f"{name} exited ({child.poll()}) before it joined:\n{child.tail()}")
-
-    def kill(self, name: str) -> None:
-        """SIGKILL one consumer (its own pid: with ``ip netns exec`` as its prefix, exec'd into it)."""
-        child = self.running.pop(name)
-        child.proc.send_signal(signal.SIGKILL)
-        child.proc.wait(10)
-        self.children.discard(child)
-
-    def finish(self, timeout: float) -> list[str]:
-        """Wait until every running consumer has ended its epoch (``.done``) or ``timeout``; stop them all.
-
-        Returns the names that had not finished."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and not all(
-                (self.out / f"{n}.done").exists() or c.poll() is not None for n, c in self.running.items()):
-            time.sleep(0.05)
-        unfinished = [n for n in self.running if not (self.out / f"{n}.done").exists()]
-        for child in self.running.values():
-            self.children.discard(child)
-        self.running.clear()
-        return unfinished
-
-    def yielded_any(self) -> bool:
-        return any(p.stat().st_size > 0 for p in self.out.glob("*.ids"))
-
-    def ids(self, suffix: str = "ids") -> dict[str, np.ndarray]:
-        """Every consumer's yielded ids, in the order it yielded them (``suffix="dropped"``: those it dropped)."""
-        return {p.stem: np.fromfile(p, dtype=np.int64) for p in sorted(self.out.glob(f"*.{suffix}"))}
-
-
-class NetworkChild:
-    """A :class:`launch.netns.Network` held by :class:`Children`: stopping it ends its processes and deletes it."""
-
-    name = "fault network"
-
-    def __init__(self, network: Any):
-        self.network = network
-
-    def stop(self) -> None:
-        self.network.close()
 
 
 # ---- one run ----------------------------------------------------------------------------------------------
@@ -357,7 +230,7 @@ def one_run(ctx: Context, plan: Plan, kind: str, times: list[float], rng: random
     try:
         for _ in range(CONSUMERS):
             consumers.ready(consumers.start())
-        feed_timeout = 4.0 if kind.startswith("broker") else 15.0
+        feed_timeout = plan.broker_timeout if kind.startswith("broker") else 15.0
         started = time.monotonic()
         answer = feeder.submit(rows=plan.rows, partitions=plan.partitions, batch_size=BATCH, pause=plan.pause,
                                address=broker.feed, stream=stream, timeout=feed_timeout, pack_bytes=0)
@@ -379,7 +252,7 @@ def one_run(ctx: Context, plan: Plan, kind: str, times: list[float], rng: random
                 run.faults.append(fault)
                 ctx.log(f"  faults: {stream} at {fault['at_s']:.1f} s: {fault['what']}")
         reply = reply or wait_for(lambda: feeder.answered(answer), plan.timeout, f"the feed of {stream}")
-        run.seconds = time.monotonic() - started
+        run.seconds, run.answered_s = time.monotonic() - started, round(time.monotonic() - first, 1)
         if reply["ok"]:
             run.outcome = "completed"
             unfinished = consumers.finish(plan.timeout)
@@ -387,7 +260,7 @@ def one_run(ctx: Context, plan: Plan, kind: str, times: list[float], rng: random
                 run.error = f"consumers {unfinished} did not end the epoch within {plan.timeout:g} s"
         else:
             run.outcome, run.error = f"failed: {reply['type']}", reply["error"].strip().splitlines()[0][:300]
-            consumers.finish(3.0)          # what the consumers had yielded by then is what they trained
+            consumers.finish(2.0)          # what the consumers had yielded by then is what they trained
         try:
             if not where.get("broker"):
                 run.broker = {k: v for k, v in broker.stats(5.0)["streams"].get(stream, {}).get("epochs", {})
@@ -533,8 +406,9 @@ class FaultsSection(Section[FaultTable]):
                  f"Seed **{p.seed}**. Each run: one epoch of {p.rows:,} rows (ids 0..{p.rows - 1:,}) in "
                  f"{p.partitions} partitions of {BATCH}-row batches (one a message), fed by `feeder.feed` from a "
                  f"`local[2,4]` Spark driver whose tasks sleep {p.pause:g} s a batch (~{p.feed_seconds:.0f} s a "
-                 f"feed), through one broker, to {CONSUMERS} independent consumers (`BatchStream`, windows of 4 "
-                 f"batches, {TRAIN_SECONDS * 1000:g} ms a batch) that write down every id their loop yielded. "
+                 f"feed; `timeout={p.broker_timeout:g}` where the broker is killed, else 15), through one broker, "
+                 f"to {CONSUMERS} independent consumers (`BatchStream`, windows of 4 batches, "
+                 f"{TRAIN_SECONDS * 1000:g} ms a batch) that write down every id their loop yielded. "
                  f"{p.faults} fault(s) per kind at random times (at least {GAP:g} s apart). Rows lost = fed - "
                  "yielded (as sets); trained twice = yielded copies beyond the first. A report, not an assertion.",
                  "", table(HEADER, [cells(r) for r in result.rows()]), ""]
@@ -543,7 +417,8 @@ class FaultsSection(Section[FaultTable]):
         for r in result.runs:
             if r.faults or r.error:
                 what = "; ".join(f"{f['at_s']:.1f} s: {f['what']}" for f in r.faults) or "none"
-                lines.append(f"- {LABELS[r.kind]}: {what}. {r.outcome}" + (f" ({r.error})" if r.error else "")
+                lines.append(f"- {LABELS[r.kind]}: {what}. Feed {r.outcome} at {r.answered_s:.1f} s"
+                             + (f" ({r.error}); {r.yielded:,} rows yielded by then" if r.error else "")
                              + (f"; the broker counted {r.broker}" if r.broker else "")
                              + (f"; {r.dropped:,} rows dropped for equal steps (counted)" if r.dropped else "")
                              + (f"; trained twice: {'; '.join(r.twice_ids)}" if r.twice_ids else ""))
