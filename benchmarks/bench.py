@@ -1,7 +1,7 @@
 """sparkbus benchmark: every figure of benchmarks/README.md, each a section (``sections.Section``).
 
     .venv/bin/python benchmarks/bench.py [--quick] [--out docs/bench]
-        [--only hop,rss,e2e,cluster,scaling,wait,brokers,varlen,spark,images]
+        [--only hop,rss,e2e,cluster,scaling,wait,brokers,varlen,spark,images,torchrun,soak,faults]
 
 Runs the sections it is given in order, printing each figure as it is measured, then prints the tables and every
 target with its measured value and PASS/MISS, and writes ``OUT/RESULTS.md``, ``OUT/throughput.png`` and

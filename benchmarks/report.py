@@ -6,6 +6,7 @@ Markdown is printed and written to ``RESULTS.md``; ``results.json`` keeps every 
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -105,8 +106,12 @@ def _load(load: Any) -> str:
 
 
 def ordered(sections: Sequence[Section]) -> list[Section]:
-    """The sections in the report's order (figure 1, 2, 2b, 3, ...)."""
-    return sorted(sections, key=lambda s: s.figure)
+    """The sections in the report's order (figure 1, 2, 2b, 3, ..., 9, 10, 11): by number, then suffix."""
+    def key(section: Section) -> tuple[int, str]:
+        digits = "".join(itertools.takewhile(str.isdigit, section.figure))
+        return int(digits or 0), section.figure[len(digits):]
+
+    return sorted(sections, key=key)
 
 
 # ---- the run ------------------------------------------------------------------------------------------------

@@ -119,11 +119,12 @@ def _define_stream_dataset() -> type:
         Each iteration runs ``stream.epoch()`` to its end and yields every batch as a ``dict[str, Tensor]``
         (or what ``transform`` makes of it). Use it with ``DataLoader(ds, batch_size=None, num_workers=0)``:
         the batches are already batched (``batch_size=None`` turns off the loader's own batching), and
-        ``num_workers`` must be 0 because the stream's socket and its MPI agreement live in this process; a
-        loader worker is another process, which could neither use the socket nor take part in the ranks'
-        step agreement. Prefetching already happens in the stream (its ``prefetch`` credits).
+        ``num_workers`` must be 0 because the stream's socket and its step plan (the broker's grants, or the MPI
+        agreement) live in this process; a loader worker is another process, which could use neither.
+        Prefetching already happens in the stream (its ``prefetch`` credits).
 
-        With an even stream (the default under MPI) every rank yields the same number of batches per epoch,
+        With an even stream (the default for a group of more than one rank: ``comm=``, ``rank=``/``size=`` or
+        ``rank="auto"``) every rank yields the same number of batches per epoch,
         also through the shuffle buffer, so a synchronous allreduce per step never hangs. Every rank must
         iterate every epoch to its end.
 
@@ -159,7 +160,7 @@ def _define_stream_dataset() -> type:
             """Run the stream's next epoch. Raises RuntimeError inside a DataLoader worker process."""
             if torch.utils.data.get_worker_info() is not None:
                 raise RuntimeError("StreamDataset must be read with num_workers=0: the BatchStream's socket "
-                                   "and MPI agreement live in the process that created it")
+                                   "and step plan live in the process that created it")
             epoch, self.epoch = self.epoch, self.epoch + 1
             batches: Iterable[Batch] = self.stream.epoch()
             if self.shuffle_buffer:
