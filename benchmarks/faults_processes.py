@@ -84,13 +84,17 @@ class Consumers:
         self.children, self.out, self.ranks, self.stream, self.group = children, out, ranks, stream, group
         self.prefix, self.env, self.timeout = list(prefix), env, timeout
         self.running: dict[str, ChildProcess] = {}
+        self.rank_of: dict[str, int] = {}         # with a group: each consumer's rank number
         self._count = 0
         out.mkdir(parents=True, exist_ok=True)
 
-    def start(self) -> str:
-        """Start a consumer (with a group: rank ``i`` of it, the ``i``-th started); its name."""
+    def start(self, rank: int | None = None) -> str:
+        """Start a consumer; its name. With a group: rank ``rank`` of it (default: the ``i``-th started is rank
+        ``i``), e.g. a new process taking a dead rank's number."""
         name = f"consumer{self._count}"
-        group = [f"--group={self._count}/{self.group}"] if self.group else []
+        if self.group:
+            self.rank_of[name] = self._count if rank is None else rank
+        group = [f"--group={self.rank_of[name]}/{self.group}"] if self.group else []
         self._count += 1
         self.running[name] = self.children.add(ChildProcess(
             name, [*self.prefix, sys.executable, str(HERE / "faults_consumer.py"), "--ranks", self.ranks,
