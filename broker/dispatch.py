@@ -18,7 +18,7 @@ from .errors import ProtocolError
 from .grants import Grants
 from .pieces import cut
 from .protocol import ErrorCode, Kind
-from .state import MAX_WINDOW, EpochState, RankState, StreamState
+from .state import MAX_WINDOW, EpochState, HeldBatch, RankState, StreamState
 
 log = logging.getLogger("sparkbus.broker")
 
@@ -78,15 +78,28 @@ class Dispatch(Grants):
                 if stop == piece.first + piece.count:
                     consumed.append(pop((epoch, part, seq)))
                 elif stop > piece.used:
-                    piece.used = stop          # cut off only if the pack goes to another rank (_requeue_batches)
+                    # noted, and counted as acknowledged; cut off only if the pack goes to another rank
+                    self._count_used(rank, piece, stop - max(piece.used, piece.first))
+                    piece.used = stop
         cut_off = len(consumed)
         triples = iter(ids)
         for key in zip(triples, triples, triples):
             batch = pop(key, None)
             if batch is not None:
                 consumed.append(batch)
+        for batch in consumed:
+            if batch.used > batch.first:        # its used batches were counted already
+                self._count_used(rank, batch, batch.first - batch.used)
         self._consumed(self.streams[rank.stream], rank, consumed)
         return unknown + len(ids) // 3 - (len(consumed) - cut_off)
+
+    def _count_used(self, rank: RankState, batch: HeldBatch, n: int) -> None:
+        """Count ``n`` (or take back ``-n``) batches of a pack in flight to ``rank`` as acknowledged, in the rank's
+        and the epoch's figures."""
+        rank.acked += n
+        ep = self.streams[rank.stream].epochs.get(batch.id[0])
+        if ep is not None:
+            ep.acked += n
 
     def dispatch(self, stream: StreamState, transmit: Transmit) -> None:
         """Hand queued batches of the delivering epoch to ranks with room; end the epoch once delivered.

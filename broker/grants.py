@@ -72,6 +72,10 @@ class Grants(Rejoin):
         missed = super().join_rank(identity, h, held, consumed)
         rank = self.ranks[identity]
         rank.grants = grants
+        got = h.get("got")
+        current = stream.epochs.get(h["ended"] + 1)
+        if h["resume"] and got is not None and current is not None and not current.end_sent:
+            rank.given[current.epoch] = got           # its own count: what it had of the epoch, wherever it went
         stream.group_size = rank.size
         self._start_evening_over(stream)
         if not h["resume"]:

@@ -100,7 +100,8 @@ SCHEMAS: dict[Kind, dict[str, type | tuple[type, ...]]] = {
 OPTIONAL: dict[Kind, dict[str, type]] = {
     Kind.BATCH: {"splits": list,           # a pack of small batches: the rows of each, in order
                  "take": list},            # [first, stop]: only these of the pack's batches are for this rank
-    Kind.HELLO: {"grants": bool},          # even steps granted by the broker (STEPS), not agreed among the ranks
+    Kind.HELLO: {"grants": bool,           # even steps granted by the broker (STEPS), not agreed among the ranks
+                 "got": int},              # ... a rank that rejoins: the batches of its current epoch it has had
     Kind.EPOCH_END: {"steps": int},        # granted streams: the epoch's steps from this broker, the same for all
     Kind.EPOCH_CLOSE: {"expected": int},   # partitions committed at this broker (default: all of them)
     # a rank's own figures, on the messages it sends anyway: for `sparkbus status` and the metrics
@@ -113,7 +114,8 @@ OPTIONAL: dict[Kind, dict[str, type]] = {
 # kind added since is a protocol error, an optional field added since is dropped (its sender cannot have meant it).
 ADDED: dict[int, tuple[frozenset[Kind], dict[Kind, tuple[str, ...]]]] = {
     5: (frozenset({Kind.STEPS, Kind.RELEASE, Kind.RETURN}),
-        {Kind.BATCH: ("take",), Kind.HELLO: ("grants",), Kind.EPOCH_END: ("steps",), Kind.ACK: ("upto",)}),
+        {Kind.BATCH: ("take",), Kind.HELLO: ("grants", "got"), Kind.EPOCH_END: ("steps",),
+            Kind.ACK: ("upto",)}),
 }
 
 _KINDS = {int(k): k for k in Kind}

@@ -149,6 +149,8 @@ class Rejoin(Books):
                         rest.append(batch)
                 ep.queue = rest
         late = missing - found.keys()
+        if previous is not None:
+            late -= consumed             # acknowledged on the old connection, which is still known: consumed once
         for batch_id in late & consumed:
             before = stream.epochs.get(batch_id[0])
             if before is not None and batch_id in before.acked_before:     # consumed before the broker restarted
@@ -234,9 +236,8 @@ class Rejoin(Books):
         for batch in sorted(batches, key=lambda b: b.id, reverse=True):
             ep = stream.epochs[batch.id[0]]
             if batch.used > batch.first:
-                used, batch = cut(batch, batch.used)
+                used, batch = cut(batch, batch.used)     # its used batches were counted acknowledged already
                 used.settle()                    # the pack's last piece is the one going back: nothing to journal
-                ep.count_acked(used)
                 self.buffered -= used.nbytes
             ep.requeue(batch)
 

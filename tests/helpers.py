@@ -79,7 +79,7 @@ def send(sock, kind, **fields):
 
 
 def hello(rank=0, size=1, *, even=False, stream="s", session="", resume=False, ended=-1, req=1,
-          grants=None) -> dict:
+          grants=None, got=None) -> dict:
     """A rank's HELLO (every field of ``protocol.SCHEMAS[Kind.HELLO]``), as the ledger's ``join_rank`` takes it;
     ``grants``: the optional field (a rank whose steps the broker grants).
 
@@ -89,6 +89,8 @@ def hello(rank=0, size=1, *, even=False, stream="s", session="", resume=False, e
          "session": session, "resume": resume, "ended": ended}
     if grants is not None:
         h["grants"] = grants
+    if got is not None:
+        h["got"] = got
     return h
 
 

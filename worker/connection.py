@@ -65,6 +65,7 @@ class BrokerConnection:
         self._received: set[tuple[int, ...]] = set()  # batch ids of the current epoch that arrived (a piece
         self._acked: set[BatchId] = set()             # of a pack: its id and first batch); acknowledged ids
         self.ended = -1                               # the last epoch whose EPOCH_END arrived
+        self.got = 0                                  # batches of the current epoch received (a pack's each), kept
         self.rejoins = 0
         self._req = 0
         self._rejoin_since: float | None = None       # when the broker said it no longer knew this rank
@@ -90,7 +91,7 @@ class BrokerConnection:
         self._req += 1
         header = pack_header(Kind.HELLO, v=self.version, req=self._req, role="rank", stream=self.stream, rank=self.rank,
                              size=self.size, even=self.even, session=self.session, resume=resume,
-                             ended=self.ended, **({"grants": True} if self.grants else {}))
+                             ended=self.ended, **({"grants": True, "got": self.got} if self.grants else {}))
         if resume:
             self._unsent, self._upto = [], []            # the HELLO names every batch consumed
             held = {(key[0], key[1], key[2]) for key in self._received} - self._acked
@@ -289,6 +290,7 @@ class BrokerConnection:
                 self.ended = header["epoch"]
                 self._received.clear()
                 self._acked.clear()
+                self.got = 0
                 return header, frames[1:]
             if kind == Kind.ERROR and header["code"] == ErrorCode.UNKNOWN_RANK:
                 self._refusal = ""

@@ -65,7 +65,6 @@ class Intake:
         self._pack_left: dict[BatchId, int] = {}               # a pack's batches not yet acknowledged
         self._pack_first: dict[BatchId, int] = {}              # ... and its first (a piece of a pack: > 0)
         self._pack_done: dict[BatchId, _PackProgress] = {}     # ... and how far its batches have been used
-        self._got: dict[BrokerConnection, int] = {}            # batches of the epoch received, per broker
 
     @property
     def unfinished(self) -> bool:
@@ -74,7 +73,6 @@ class Intake:
 
     def begin_epoch(self) -> None:
         self.end_seen = False
-        self._got.clear()
 
     def put_back(self, items: deque[Item]) -> None:
         """Batches taken but not yielded, to be read again first (the next epoch skips and acknowledges them)."""
@@ -128,7 +126,7 @@ class Intake:
                 ep.wait_seconds += time.monotonic() - started
                 return None
             if kind == Kind.RELEASE:        # granted steps, while this rank skips what is left of an epoch
-                broker.give_back(header["epoch"], [], kept=self._got.get(broker, 0))
+                broker.give_back(header["epoch"], [], kept=broker.got)
                 continue
             if kind != Kind.BATCH:          # STEPS: nothing to wait for when every batch is taken as it comes
                 continue
@@ -174,7 +172,7 @@ class Intake:
         columns = decode_batch(header, frames, verify=self._verify)
         nbytes = header["nbytes"] = sum(len(f) for f in frames)
         self._source[batch_id] = broker
-        self._got[broker] = self._got.get(broker, 0) + stop - first
+        broker.got += stop - first
         splits = header.get("splits")
         if splits is None:
             return [(header, columns)]
@@ -204,7 +202,7 @@ class Intake:
             counts[batch_id] = counts.get(batch_id, 0) + 1
         returned = [(i, first, first == self._pack_first.get(i, 0)) for i, first in firsts.items()]
         broker.give_back(epoch, returned, kept)
-        self._got[broker] = self._got.get(broker, 0) - len(items)
+        broker.got -= len(items)
         for batch_id, _, whole in returned:
             left = self._pack_left.pop(batch_id, None)
             self._pack_done.pop(batch_id, None)

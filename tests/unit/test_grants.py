@@ -190,3 +190,24 @@ def test_a_rank_uses_batches_within_its_grant_and_gives_back_a_packs_tail(contex
     assert broker.next(Kind.ACK)["ids"] == [0, 0, 0]
     assert (stream.stats.batches, stream.stats.dropped_batches) == (1, 1)
     stream.close()
+
+
+def test_a_rank_that_rejoins_counts_what_it_says_it_had_and_its_acknowledged_batches_are_not_given_twice():
+    """A cut link: the old connection is still known, the rank comes back on a new one naming what it consumed
+    (acknowledged before the cut) and what it holds; its count is its own (``got``), nothing counts as given twice,
+    and the grants go on from there (no rank waits for a count the broker lost)."""
+    ledger = Ledger()
+    wire = Wire(ledger)
+    feed(ledger, 0, 1, 10, close=False)
+    join(ledger, b"a", granted(0, 2, session="sa"), prefetch=2)
+    join(ledger, b"b", granted(1, 2, session="sb"), prefetch=2)
+    wire.dispatch()
+    first = wire.to(b"b")
+    acked(ledger, b"b", first[0])
+    wire.dispatch()
+    had = wire.to(b"b")                               # three batches: one consumed, two held
+    assert len(had) == 3
+    ledger.join_rank(b"b2", granted(1, 2, session="sb", resume=True, got=3), held=had[1:], consumed=had[:1])
+    ep = ledger.streams[STREAM].epochs[0]
+    assert ep.given_twice == 0
+    assert ledger.rank(b"b2").given[0] == 3 and sorted(ledger.rank(b"b2").inflight) == sorted(had[1:])
