@@ -17,6 +17,7 @@ journal's records as the same events, through the same code, with the observers 
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -124,6 +125,13 @@ class Ledger(Partitions, Dispatch):
         restored = sum(len(e.queue) for s in self.streams.values() for e in s.epochs.values())
         log.info("journal replayed: %d epochs, %d unacknowledged batches to deliver",
                  sum(len(s.epochs) for s in self.streams.values()), restored)
+        # Independent consumers are each "rank 0 of 1": the first to come back would complete its stream and could
+        # be given a batch another one had in hand, or had consumed without the journal hearing of it. Their
+        # streams wait --rejoin-grace for every consumer to come back and name what it has.
+        until = time.monotonic() + self.rejoin_grace
+        for stream in self.streams.values():
+            if stream.epochs:
+                stream.held_until = until
 
 
 __all__ = ["Ledger", "MissedEnd", "Rejected", "Reply", "MAX_PARTITIONS", "MAX_WINDOW_BYTES"]

@@ -164,9 +164,10 @@ class Rejoin(Books):
                 twice = stream.epochs.get(epoch)
                 if twice is not None:
                     twice.count_given_twice()
-            log.warning("rank %d of stream %r came back after --rejoin-grace: %d batches it held or consumed had "
-                        "already gone to another rank and are trained twice (raise --rejoin-grace above the "
-                        "longest outage to ride out)", rank.rank, stream.name, len(late))
+            log.warning("rank %d of stream %r came back to find %d batches it held or consumed already gone to "
+                        "another rank: they are trained twice (it was away longer than --rejoin-grace, or the broker "
+                        "restarted and handed them out before it was back; raise --rejoin-grace above the longest "
+                        "outage to ride out)", rank.rank, stream.name, len(late))
         acked: list[HeldBatch] = []
         for batch_id, batch in found.items():
             if batch_id in held:

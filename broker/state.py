@@ -283,6 +283,7 @@ class StreamState:
     ranks: dict[bytes, RankState] = field(default_factory=dict)
     expected_ranks: int = 0    # the communicator size the first rank announced
     group_size: int = 0        # the size of the group that consumed it last (kept when the ranks leave)
+    held_until: float = 0.0    # restarted from the journal: independent consumers get batches from then on
     complete: bool = False     # all expected ranks have joined since the stream last had none
     finished: DeliveredEpochs = field(default_factory=DeliveredEpochs)  # epochs done and acked: the last K's figures
     orphans: dict[str, Orphan] = field(default_factory=dict)           # by session
@@ -300,8 +301,10 @@ class StreamState:
         return min(live, key=lambda e: e.epoch) if live else None
 
     def ready(self) -> bool:
-        """Whether batches may go out: every rank of the group has joined since the stream last had none."""
-        return self.complete
+        """Whether batches may go out: every rank of the group has joined since the stream last had none; after a
+        restart from the journal, independent consumers (each rank 0 of 1) also once ``held_until`` has passed."""
+        return self.complete and (self.expected_ranks > 1 or not self.held_until
+                                  or time.monotonic() >= self.held_until)
 
     def windows_known(self) -> bool:
         """Whether every rank has stated its window. Until then ranks get batches by their batch window only:

@@ -46,11 +46,15 @@ def journals():
 
 @pytest.fixture
 def restart(journals):
-    """``restart(directory)``: a new Ledger replayed from the journal in ``directory``, as a restarted broker's."""
+    """``restart(directory, hold=False)``: a new Ledger replayed from the journal in ``directory``, as a restarted
+    broker's; without ``hold``, as if every consumer were back (the hold for independent consumers is over)."""
 
-    def replayed(directory):
+    def replayed(directory, hold=False):
         ledger = Ledger(journals(directory))
         ledger.replay()
+        if not hold:                            # the consumers are all back: what a restart's hold waits for
+            for stream in ledger.streams.values():
+                stream.held_until = 0.0
         return ledger
 
     return replayed
@@ -505,3 +509,32 @@ def test_an_epoch_retired_after_a_torn_retired_log_is_remembered_at_the_next_res
 
     third = restart(tmp_path)
     assert sorted(third.streams[STREAM].finished) == [0, 1]
+
+
+def test_after_a_restart_independent_consumers_wait_for_each_other_before_batches_go_out(tmp_path, restart,
+                                                                                        journals):
+    """Independent consumers are each rank 0 of 1: the first back must not be given what another one holds. The
+    restarted broker holds their streams for --rejoin-grace, so that each can come back and name what it has."""
+    live = Ledger(journals(tmp_path))
+    live.open_epoch(STREAM, 0, 1, "stream")
+    for seq in range(4):
+        push(live, 0, 0, seq)
+    end(live, 0, 0, 0, 4)
+    live.close_epoch(STREAM, 0, 1)
+    wire = Wire(live)
+    join(live, b"a", hello(session="a"), prefetch=2)
+    join(live, b"b", hello(session="b"), prefetch=2)
+    wire.dispatch()
+    held_by_b = wire.to(b"b")
+    assert len(held_by_b) == 2
+
+    again = restart(tmp_path, hold=True)
+    wire = Wire(again)
+    join(again, b"a2", hello(session="a", resume=True), prefetch=4)
+    wire.dispatch()
+    assert wire.to(b"a2") == []                       # b is not back yet: nothing goes out
+    again.join_rank(b"b2", hello(session="b", resume=True), held=held_by_b)
+    again.streams[STREAM].held_until = 0.0            # --rejoin-grace is over
+    wire.dispatch()
+    assert not set(wire.to(b"a2")) & set(held_by_b)   # what b holds stays b's
+    assert again.streams[STREAM].epochs[0].given_twice == 0

@@ -453,6 +453,8 @@ class LedgerMachine(RuleBasedStateMachine):
         held comes again), and state their windows anew; or the job died too, and later ranks join."""
         self.ledger = Ledger(self._journal())
         self.ledger.replay()
+        for stream in self.ledger.streams.values():
+            stream.held_until = 0.0             # the consumers are all back: what a restart's hold waits for
         self.pending.clear()                    # those tasks time out; Spark retries them
         self.redelivered.clear()                # the figures of sends start again with the new broker
         self.ever_sent.clear()
