@@ -32,8 +32,9 @@ def spark():
 
 
 # hydra, on a loaded machine, now and then fails a launch with this before any rank runs; the broker then still
-# holds every batch, so the ranks are started again, once.
+# holds every batch, so the ranks are started again (up to LAUNCH_ATTEMPTS launches in all).
 HYDRA_LAUNCH_FAILURE = "process reading stdin too slowly"
+LAUNCH_ATTEMPTS = 3
 
 
 @dataclass
@@ -55,10 +56,12 @@ class Ranks:
 
     def wait(self, timeout: float = 90.0) -> list[dict]:
         _, err = Children.finish(self.proc, timeout, "ranks")
-        if (self.proc.returncode != 0 and HYDRA_LAUNCH_FAILURE in (err or "") and self.relaunch is not None
-                and not any(self.out.glob("*.json")) and not any(self.out.glob("*.npz"))):
-            self.proc, self.relaunch = self.relaunch(), None
-            _, err = Children.finish(self.proc, timeout, "ranks (launched again)")
+        for attempt in range(LAUNCH_ATTEMPTS - 1):
+            if (self.proc.returncode == 0 or HYDRA_LAUNCH_FAILURE not in (err or "") or self.relaunch is None
+                    or any(self.out.glob("*.json")) or any(self.out.glob("*.npz"))):
+                break
+            self.proc = self.relaunch()
+            _, err = Children.finish(self.proc, timeout, f"ranks (launch {attempt + 2})")
         assert self.proc.returncode == 0, f"ranks failed ({self.proc.returncode}):\n{err[-3000:]}"
         names = [self.name] if self.n == 0 else [f"rank{r}" for r in range(self.n)]
         return [json.loads((self.out / f"{name}.json").read_text()) for name in names]

@@ -968,7 +968,8 @@ def test_a_rank_rejoining_after_its_grace_with_batches_given_to_another_rank_is_
     with caplog.at_level(logging.WARNING, logger="sparkbus.broker"):
         assert ledger.join_rank(b"a2", dict(lost, resume=True), **ids) == []
     [warning] = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert "came back to find 1 batches" in warning.getMessage() and "longer than --rejoin-grace" in warning.getMessage()
+    message = warning.getMessage()
+    assert "came back to find 1 batches" in message and "longer than --rejoin-grace" in message
     assert ep.given_twice == 1
     assert {k: v for k, v in ep.stats().items() if k != "given_twice"} == before
     assert ledger.buffered == buffered and stream.rejoins == 1
