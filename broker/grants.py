@@ -98,6 +98,9 @@ class Grants(Rejoin):
             if ep.share is not None and not ep.end_sent:
                 ep.share = None
                 ep.returns_due.clear()
+                for number, (drop, _) in ep.owed.items():      # never told: those batches are not dropped
+                    ep.dropped[number] -= drop
+                ep.owed.clear()
 
     # ---- grants -------------------------------------------------------------------------------------------
 
@@ -147,42 +150,40 @@ class Grants(Rejoin):
         """Whether the closed, fully sent epoch ``ep`` may end: every rank has the share. Until then, start the
         evening out (RELEASE to the ranks with more) or wait for it (their RETURN, the pieces to the ranks short).
         An epoch waits while a lost rank holds its batches, or a rank number of the group is not connected."""
-        if ep.returns_due or len(stream.ranks) < stream.expected_ranks:
+        if len(stream.ranks) < stream.expected_ranks:
             return False
         if any(b.id[0] == ep.epoch for o in stream.orphans.values() for b in o.rank.inflight.values()):
             return False
-        counts = self.counts(stream, ep)
-        share = sum(counts) // len(counts)
-        if ep.share is not None and ep.share == share and all(c == share for c in counts):
-            return True
-        if ep.share is not None and any(c < ep.share for c in counts) and ep.queue:
-            return False                  # pieces returned are on their way to the ranks short of the share
-        ep.share = share
-        left_over = sum(counts) - share * len(counts)
-        by_number = {r.rank: r for r in stream.ranks.values()}
-        for number, count in enumerate(counts):
-            if count <= share:
-                continue
-            drop = min(count - share, left_over)
-            left_over -= drop
-            ep.dropped[number] = ep.dropped.get(number, 0) + drop
-            rank = by_number[number]
-            header = protocol.pack_header(Kind.RELEASE, stream=stream.name, epoch=ep.epoch, keep=share, drop=drop)
-            outcome = transmit(rank.identity, [header])
-            if outcome is Outcome.SENT:
-                if count - share > drop:
-                    ep.returns_due.add(number)
-            else:                         # it could not hear it: try again on the next pass
-                ep.dropped[number] -= drop
-                ep.share = None
-                if outcome is Outcome.GONE:
-                    self.rank_gone(rank.identity, "disconnected")
-                return False
-        if ep.returns_due:
+        if not ep.owed and not ep.returns_due:
+            counts = self.counts(stream, ep)
+            ep.share = share = sum(counts) // len(counts)
+            if all(c == share for c in counts):
+                return True
+            left_over = sum(counts) - share * len(counts)
+            for number, count in enumerate(counts):
+                if count > share:
+                    drop = min(count - share, left_over)
+                    left_over -= drop
+                    ep.dropped[number] = ep.dropped.get(number, 0) + drop
+                    ep.owed[number] = (drop, count - share - drop)
             log.info("stream %r epoch %d: evening out to %d steps a rank; %d ranks return batches", stream.name,
-                     ep.epoch, share, len(ep.returns_due))
+                     ep.epoch, share, sum(1 for _, back in ep.owed.values() if back))
+        by_number = {r.rank: r for r in stream.ranks.values()}
+        for number, (drop, back) in list(ep.owed.items()):
+            rank = by_number[number]
+            header = protocol.pack_header(Kind.RELEASE, stream=stream.name, epoch=ep.epoch, keep=ep.share, drop=drop)
+            outcome = transmit(rank.identity, [header])
+            if outcome is Outcome.GONE:
+                self.rank_gone(rank.identity, "disconnected")       # the evening starts over
+                return False
+            if outcome is not Outcome.SENT:
+                return False              # its queue is full: the rest of the RELEASEs go on a later pass
+            del ep.owed[number]
+            if back:
+                ep.returns_due.add(number)
+        if ep.returns_due:
             return False
-        return all(c == share for c in self.counts(stream, ep))
+        return all(c == ep.share for c in self.counts(stream, ep))
 
     def give_back(self, rank: RankState, h: dict) -> int:
         """RETURN: batches (or the unused tail of a pack, from its batch ``first`` on) that ``rank`` gives back to

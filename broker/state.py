@@ -97,6 +97,7 @@ class EpochState:
     share: int | None = None   # ... each rank's steps, once the epoch is being evened out at its end
     dropped: dict[int, int] = field(default_factory=dict)   # ... rank number -> batches it drops to even out
     returns_due: set[int] = field(default_factory=set)      # ... rank numbers told to RELEASE, not yet returned
+    owed: dict[int, tuple[int, int]] = field(default_factory=dict)   # ... RELEASEs not sent yet: (drop, return)
     moved: int = 0             # ... batches returned by one rank and given to another to even out
     acked_before: dict[BatchId, int] = field(default_factory=dict)   # replay: acknowledged before a restart
 

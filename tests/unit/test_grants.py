@@ -211,3 +211,28 @@ def test_a_rank_that_rejoins_counts_what_it_says_it_had_and_its_acknowledged_bat
     ep = ledger.streams[STREAM].epochs[0]
     assert ep.given_twice == 0
     assert ledger.rank(b"b2").given[0] == 3 and sorted(ledger.rank(b"b2").inflight) == sorted(had[1:])
+
+
+def test_a_release_that_cannot_go_out_now_goes_on_a_later_pass_and_the_others_are_not_told_twice():
+    ledger = Ledger()
+    wire = Wire(ledger)
+    join(ledger, b"a", granted(0, 3), prefetch=4)
+    join(ledger, b"b", granted(1, 3), prefetch=4)
+    join(ledger, b"c", granted(2, 3), prefetch=1)
+    feed(ledger, 0, 1, 9, close=False)
+    wire.dispatch()
+    assert [len(wire.to(r)) for r in (b"a", b"b", b"c")] == [4, 4, 1]
+    wire.refuse.add(b"b")                              # b's queue is full when the epoch is evened out
+    ledger.close_epoch(STREAM, 0, 1)
+    wire.dispatch()
+    assert len(wire.of_kind(b"a", Kind.RELEASE)) == 1 and not wire.of_kind(b"b", Kind.RELEASE)
+    wire.refuse.clear()
+    wire.dispatch()
+    assert [(h["keep"], h["drop"]) for r in (b"a", b"b") for h in wire.of_kind(r, Kind.RELEASE)] == [(3, 0), (3, 0)]
+    returned(ledger, b"a", 0, (wire.to(b"a")[-1], 0), kept=3)
+    returned(ledger, b"b", 0, (wire.to(b"b")[-1], 0), kept=3)
+    for _ in range(2):
+        acked(ledger, b"c", wire.to(b"c")[-1])         # c uses what it has: room for the next
+        wire.dispatch()
+    assert [h["steps"] for _, h in wire.headers if h["kind"] == Kind.EPOCH_END] == [3, 3, 3]
+    assert len(wire.of_kind(b"a", Kind.RELEASE)) == 1
