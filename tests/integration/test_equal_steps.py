@@ -117,15 +117,17 @@ def test_a_rank_that_dies_is_started_again_and_nothing_is_lost(spark, start_brok
     broker = start_broker_process("--heartbeat", "200ms", "--rejoin-grace", "1s")
     out = tmp_path / "dies"
     out.mkdir()
-    first = start_group(2, broker.ranks, "--stream", "dies", "--stop-after", "4", out=out, only=[1])
-    survivor = start_group(2, broker.ranks, "--stream", "dies", out=out, only=[0])
+    # windows of 4 batches (no byte window): the victim cannot hold its whole share, so it dies mid-epoch
+    window = ("--prefetch", "4", "--prefetch-bytes", "0")
+    first = start_group(2, broker.ranks, "--stream", "dies", "--stop-after", "4", *window, out=out, only=[1])
+    survivor = start_group(2, broker.ranks, "--stream", "dies", *window, out=out, only=[0])
     feeding = threading.Thread(target=feed, args=(frame(spark, 3_000, 3), broker.feed),
                                kwargs=dict(stream="dies", batch_size=100, timeout=60, pack_bytes=0))
     feeding.start()
     wait_for(lambda: first.stopped(1), 60, "rank 1 to stop after four batches")
     victim = np.load(out / "rank1-epoch0.npz")["id"].copy()
     first.kill(1)
-    again = start_group(2, broker.ranks, "--stream", "dies", out=out, only=[1])
+    again = start_group(2, broker.ranks, "--stream", "dies", *window, out=out, only=[1])
     feeding.join(90)
     [rank0] = survivor.wait(ranks=[0])
     [rank1] = again.wait(ranks=[1])

@@ -211,7 +211,7 @@ def test_a_task_failing_midway_through_ragged_packs_is_retried_and_each_row_arri
 
         attempt = TaskContext.get().attemptNumber()
         for n, i in enumerate(ids):
-            if part == 1 and attempt == 0 and n == 7_000:     # after its first pack of 64 batches
+            if part == 1 and attempt == 0 and n == 9_500:     # well after its first pack of 64 batches went out
                 raise RuntimeError("injected failure on the first attempt")
             yield {"id": i, "text": "ü" * (i % 9), "tokens": list(range(i % 6)) or None}
 
