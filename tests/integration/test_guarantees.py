@@ -48,7 +48,7 @@ def test_a_task_failing_midway_through_packs_is_retried_and_each_row_arrives_onc
     """Small batches travel in packs of 64; the failed attempt sent whole packs, the retry sends the same packs."""
     broker = start_broker_process()
     consumer = Collector(broker.ranks, "packs")
-    report = feed(staged_rdd(spark, 20_000, 2, fail=1, fail_after=8_000), broker.feed, stream="packs",
+    report = feed(staged_rdd(spark, 20_000, 2, fail=1, fail_after=9_500), broker.feed, stream="packs",
                   batch_size=100, timeout=30)
     (ids,) = consumer.result()
     np.testing.assert_array_equal(np.sort(ids), np.arange(20_000))
