@@ -24,7 +24,7 @@ import msgpack
 
 from .errors import ProtocolError, VersionMismatch
 
-VERSION = 5
+VERSION = 6
 SUPPORTED = (VERSION - 1, VERSION)   # what this side reads and speaks: its own version and the one before
 MAX_HEADER_BYTES = 64 * 1024
 MAX_SPLITS = 4096         # small batches in one pack at most
@@ -53,6 +53,10 @@ class Kind(IntEnum):
     STEPS = 18                # broker -> rank (granted streams): `steps` batches of `epoch` from me may be used
     RELEASE = 19              # broker -> rank (granted streams), at an epoch's end: keep `keep`, drop `drop`, return
     RETURN = 20               # rank -> broker: these held, unused batches (or a pack's tail) go back for others
+    RECLAIM = 21              # rank -> broker (ranks): the batches of `epoch` it used from a broker that lost them
+    LOST = 22                 # broker -> rank (ranks): the broker of incarnation `lost` lost `epoch`: send RECLAIM
+    EPOCH_RECOVER = 23        # driver -> broker (control): partitions of `epoch` Spark feeds again, a lost broker's
+    EPOCH_QUERY = 24          # driver -> broker (control): what the broker has of `epoch` (OK: see PROTOCOL.md)
 
 
 class ErrorCode(IntEnum):
@@ -94,6 +98,11 @@ SCHEMAS: dict[Kind, dict[str, type | tuple[type, ...]]] = {
     Kind.STEPS: {"stream": str, "epoch": int, "steps": int},
     Kind.RELEASE: {"stream": str, "epoch": int, "keep": int, "drop": int},
     Kind.RETURN: {"stream": str, "epoch": int, "ids": list, "kept": int},
+    Kind.RECLAIM: {"stream": str, "epoch": int, "lost": str, "entries": int},     # + one frame: pack_used()
+    Kind.LOST: {"stream": str, "epoch": int, "lost": str},
+    Kind.EPOCH_RECOVER: {"req": int, "stream": str, "epoch": int, "partitions": int, "delivery": str,
+                         "carries": list, "recovered": list, "lost": list, "reset": bool},
+    Kind.EPOCH_QUERY: {"req": int, "stream": str, "epoch": int},
 }
 
 # Fields a header may carry, checked for type when present (additions that older senders leave out).
@@ -101,7 +110,9 @@ OPTIONAL: dict[Kind, dict[str, type]] = {
     Kind.BATCH: {"splits": list,           # a pack of small batches: the rows of each, in order
                  "take": list},            # [first, stop]: only these of the pack's batches are for this rank
     Kind.HELLO: {"grants": bool,           # even steps granted by the broker (STEPS), not agreed among the ranks
-                 "got": int},              # ... a rank that rejoins: the batches of its current epoch it has had
+                 "got": int,               # ... a rank that rejoins: the batches of its current epoch it has had
+                 "incarnation": str},      # a rank that rejoins: the incarnation of the broker it knew
+    Kind.STEPS: {"adopted": int},          # of the rank's count, batches it used from lost brokers (RECLAIM)
     Kind.EPOCH_END: {"steps": int},        # granted streams: the epoch's steps from this broker, the same for all
     Kind.EPOCH_CLOSE: {"expected": int},   # partitions committed at this broker (default: all of them)
     # a rank's own figures, on the messages it sends anyway: for `sparkbus status` and the metrics
@@ -116,6 +127,8 @@ ADDED: dict[int, tuple[frozenset[Kind], dict[Kind, tuple[str, ...]]]] = {
     5: (frozenset({Kind.STEPS, Kind.RELEASE, Kind.RETURN}),
         {Kind.BATCH: ("take",), Kind.HELLO: ("grants", "got"), Kind.EPOCH_END: ("steps",),
             Kind.ACK: ("upto",)}),
+    6: (frozenset({Kind.RECLAIM, Kind.LOST, Kind.EPOCH_RECOVER, Kind.EPOCH_QUERY}),
+        {Kind.HELLO: ("incarnation",), Kind.STEPS: ("adopted",)}),
 }
 
 _KINDS = {int(k): k for k in Kind}
@@ -339,3 +352,62 @@ def unpack_ids(buf: bytes | memoryview) -> list[tuple[int, int, int]]:
     if len(buf) % _ID.size or len(buf) // _ID.size > MAX_IDS:
         raise ProtocolError(f"an id frame of {len(buf)} bytes is not a list of at most {MAX_IDS} batch ids")
     return list(_ID.iter_unpack(buf))
+
+
+# ---- used batches in a frame (RECLAIM), and sets of partitions as ranges --------------------------------------
+
+_USED = struct.Struct("<qqqqQ")
+MAX_USED = 1 << 22
+
+UsedEntry = tuple[int, int, int, int, int]   # (part, seq, first, stop, checksum)
+
+
+def pack_used(entries: Iterable[UsedEntry]) -> bytes:
+    """RECLAIM's frame: per message a rank used, ``(part, seq, first, stop, checksum)`` as little-endian int64
+    (the checksum uint64), back to back. ``first..stop-1`` are the batches of the message it used (``0, 1`` for a
+    batch that is not a pack); ``checksum`` is the message's ``checksum`` as it arrived."""
+    return b"".join(_USED.pack(*e) for e in entries)
+
+
+def unpack_used(buf: bytes | memoryview, count: int) -> list[UsedEntry]:
+    """The inverse of :func:`pack_used`, checked against the header's ``entries``.
+
+    Raises:
+        ProtocolError: a frame that is not ``count`` entries, or an entry whose range is empty or negative.
+    """
+    if len(buf) != count * _USED.size or not 0 <= count <= MAX_USED:
+        raise ProtocolError(f"a RECLAIM frame of {len(buf)} bytes is not {count} used-batch entries")
+    entries = list(_USED.iter_unpack(buf))
+    if any(p < 0 or s < 0 or not 0 <= f < t for p, s, f, t, _ in entries):
+        raise ProtocolError("a RECLAIM entry has a negative number or an empty range of batches")
+    return entries
+
+
+def pack_ranges(numbers: Iterable[int]) -> list[int]:
+    """A set of partition numbers as flat ranges ``[start, stop, start, stop, ...]``, sorted: what EPOCH_RECOVER
+    and EPOCH_QUERY's answer carry, so that a header stays small however many partitions there are."""
+    flat: list[int] = []
+    for n in sorted(set(numbers)):
+        if flat and flat[-1] == n:
+            flat[-1] = n + 1
+        else:
+            flat.extend((n, n + 1))
+    return flat
+
+
+def unpack_ranges(flat: Sequence[Any], limit: int | None = None) -> set[int]:
+    """The inverse of :func:`pack_ranges`.
+
+    Raises:
+        ProtocolError: not whole pairs of integers, a range that is empty or not ascending, or past ``limit``.
+    """
+    if len(flat) % 2 or not all(type(n) is int for n in flat):
+        raise ProtocolError("partition ranges must be pairs of integers [start, stop, ...]")
+    numbers: set[int] = set()
+    last = 0
+    for start, stop in zip(flat[::2], flat[1::2]):
+        if not last <= start < stop or (limit is not None and stop > limit):
+            raise ProtocolError(f"partition range [{start}, {stop}) is empty, out of order or out of range")
+        numbers.update(range(start, stop))
+        last = stop
+    return numbers
