@@ -194,9 +194,10 @@ class Books:
                 stats = ep.stats()
                 stream.finished[number] = stats
                 del stream.epochs[number]
+                stream.reclaims.pop(number, None)
                 for rank in [*stream.ranks.values(), *(o.rank for o in stream.orphans.values())]:
-                    rank.given.pop(number, None)
-                    rank.told.pop(number, None)
+                    for counts in (rank.given, rank.told, rank.adopted, rank.told_adopted):
+                        counts.pop(number, None)
                 self._emit(EpochRetired(stream.name, number, stats))
 
     # ---- the feed gate ----------------------------------------------------------------------------------

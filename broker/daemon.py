@@ -4,8 +4,9 @@
 socket      type       peers and traffic
 ==========  =========  ===========================================================================
 feed        PULL       Spark tasks' PUSH sockets: BATCH frames. Not read while the buffer is full.
-control     ROUTER     feeders' and drivers' DEALERs: HELLO, EPOCH_OPEN/CLOSE, PARTITION_END, STATS
-ranks       ROUTER     ranks' DEALERs: HELLO, CREDIT, ACK, HEARTBEAT, BYE, STATS; BATCH/EPOCH_END out
+control     ROUTER     feeders' and drivers' DEALERs: HELLO, EPOCH_OPEN/CLOSE/RECOVER/QUERY, PARTITION_END, STATS
+ranks       ROUTER     ranks' DEALERs: HELLO, CREDIT, ACK, HEARTBEAT, BYE, RETURN, RECLAIM, STATS;
+                       BATCH, EPOCH_END, STEPS, RELEASE, LOST out
 ==========  =========  ===========================================================================
 
 Batches are held as the frames they arrived in and forwarded as the same frames: only the header is decoded.
@@ -52,11 +53,20 @@ REJOIN_FRAMES = ("held", "consumed")   # a rank's HELLO may carry these id frame
 BIND_ATTEMPTS = 20       # system-chosen feed ports tried until feed + 2 is free for the control socket
 
 
-def _is_hello(frame: zmq.Frame) -> bool:
+def _kind_of(frame: zmq.Frame | bytes) -> Kind | None:
     try:
-        return unpack_header(frame.bytes)["kind"] == Kind.HELLO
+        kind: Kind = unpack_header(frame.bytes if isinstance(frame, zmq.Frame) else frame)["kind"]
+        return kind
     except ProtocolError:
-        return False
+        return None
+
+
+# Frames a request may carry after its header, beyond none: a rank's HELLO with resume, its id frames; RECLAIM, one.
+BODY_FRAMES: dict[Kind | None, int] = {Kind.HELLO: len(REJOIN_FRAMES), Kind.RECLAIM: 1}
+
+# Per older version, the kinds it does not know: never sent to a peer of that version.
+NEWER_KINDS = {version: frozenset().union(*(protocol.ADDED[v][0] for v in protocol.ADDED if v > version))
+               for version in protocol.SUPPORTED}
 
 
 class Broker:
@@ -256,10 +266,10 @@ class Broker:
 
     def _on_request(self, sock: zmq.Socket, frames: list[zmq.Frame], socket: str) -> None:
         identity = frames[0].bytes
-        if len(frames) != 2 and not (len(frames) == 2 + len(REJOIN_FRAMES) and _is_hello(frames[1])):
+        if len(frames) != 2 and not (len(frames) > 2 and BODY_FRAMES.get(_kind_of(frames[1])) == len(frames) - 2):
             return self._refuse(sock, socket, identity, 0, ErrorCode.MALFORMED,
                                 f"expected one header frame, got {len(frames) - 1} frames (a rank's HELLO with "
-                                f"resume takes {1 + len(REJOIN_FRAMES)})")
+                                f"resume takes {1 + len(REJOIN_FRAMES)}, a RECLAIM 2)")
         try:
             header = unpack_header(frames[1].bytes)
         except ProtocolError as exc:
@@ -310,13 +320,26 @@ class Broker:
         if h["role"] not in protocol.ROLES:
             raise ProtocolError(f"unknown role {h['role']!r}; expected one of {', '.join(protocol.ROLES)}")
         missed: list[MissedEnd] = []
-        if sock is self._ranks and h["role"] == "rank":
+        joined = sock is self._ranks and h["role"] == "rank"
+        if joined:
+            if h["v"] < protocol.VERSION and self.ledger.recovering(h["stream"]):
+                raise ProtocolError(f"stream {h['stream']!r} is recovering an epoch from Spark's lineage: a rank of "
+                                    f"protocol version {h['v']} cannot take part (upgrade it to version "
+                                    f"{protocol.VERSION})")
             held, consumed = (protocol.unpack_ids(f.buffer) for f in body) if body else ((), ())
+            if (h["resume"] and h.get("incarnation", self.incarnation) != self.incarnation
+                    and self.ledger.journal is None):
+                # It names batches of a broker that is gone (this one restarted without its journal): it says what
+                # it used with RECLAIM; here it joins as new, keeping its session.
+                held, consumed = (), ()
+                h.pop("got", None)
             missed = self.ledger.join_rank(identity, h, held, consumed)
         self._send(sock, identity, Kind.WELCOME, req=h["req"], broker=f"sparkbus/{protocol.VERSION}",
                    incarnation=self.incarnation, journal=self.ledger.journal is not None,
                    free=max(self.config.max_buffer - self.ledger.buffered, 0))
         self.ledger.send_missed(identity, missed, self._transmit)    # what it missed of epochs that ended
+        if joined and identity in self.ledger.ranks:
+            self.ledger.send_lost(self.streams[h["stream"]], self._transmit, only=identity)
 
     def _credit(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
         self.ledger.set_window(self.ledger.rank(identity), h["window"], h["window_bytes"])
@@ -333,6 +356,13 @@ class Broker:
         unknown = self.ledger.give_back(rank, h)
         if unknown:
             self._reject("ranks", "unknown_return", f"{unknown} ids not in flight to rank {rank.rank}")
+
+    def _reclaim(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
+        rank = self.ledger.rank(identity)
+        if len(body) != 1:
+            raise ProtocolError("a RECLAIM carries one frame of used batches (protocol.pack_used)",
+                                ErrorCode.MALFORMED)
+        self.ledger.reclaim(rank, h, protocol.unpack_used(body[0].buffer, h["entries"]))
 
     def _heartbeat_in(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
         self.ledger.report(self.ledger.rank(identity), h)
@@ -360,12 +390,30 @@ class Broker:
         diverged = self.ledger.close_epoch(h["stream"], h["epoch"], h["partitions"], h.get("expected"))
         self._send(sock, identity, Kind.OK, req=h["req"], diverged=diverged)
 
+    def _epoch_recover(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
+        stream = self.streams.get(h["stream"])
+        if stream is not None and self.peers:
+            older = sorted({r.rank for r in (*stream.ranks.values(), *(o.rank for o in stream.orphans.values()))
+                            if self.peers.version("ranks", r.identity) < protocol.VERSION})
+            if older:
+                raise ProtocolError(f"stream {h['stream']!r} is read by ranks {older} of an older protocol version: "
+                                    f"they cannot say what they used, so epoch {h['epoch']} cannot be recovered "
+                                    f"(upgrade them to version {protocol.VERSION}, or feed the epoch again)")
+        self.ledger.recover_epoch(h)
+        self._send(sock, identity, Kind.OK, req=h["req"])
+        self.ledger.send_lost(self.streams[h["stream"]], self._transmit)
+
+    def _epoch_query(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
+        self._send(sock, identity, Kind.OK, req=h["req"], **self.ledger.query_epoch(h["stream"], h["epoch"]),
+                   incarnation=self.incarnation, journal=self.ledger.journal is not None)
+
     _control_handlers: dict[Kind, Callable] = {
         Kind.HELLO: _hello, Kind.EPOCH_OPEN: _epoch_open, Kind.PARTITION_END: _partition_end,
-        Kind.EPOCH_CLOSE: _epoch_close, Kind.PARTITION_CLAIM: _partition_claim, Kind.STATS_REQUEST: _stats}
+        Kind.EPOCH_CLOSE: _epoch_close, Kind.PARTITION_CLAIM: _partition_claim, Kind.STATS_REQUEST: _stats,
+        Kind.EPOCH_RECOVER: _epoch_recover, Kind.EPOCH_QUERY: _epoch_query}
     _rank_handlers: dict[Kind, Callable] = {
         Kind.HELLO: _hello, Kind.CREDIT: _credit, Kind.ACK: _ack, Kind.HEARTBEAT: _heartbeat_in,
-        Kind.BYE: _bye, Kind.RETURN: _return, Kind.STATS_REQUEST: _stats}
+        Kind.BYE: _bye, Kind.RETURN: _return, Kind.RECLAIM: _reclaim, Kind.STATS_REQUEST: _stats}
 
     # ---- to the ranks -----------------------------------------------------------------------------------
 
@@ -376,8 +424,10 @@ class Broker:
             version = self.peers.version("ranks", identity)
             if version != protocol.VERSION:
                 head = frames[0]
-                frames = [protocol.reencode(head.bytes if isinstance(head, zmq.Frame) else head, version),
-                          *frames[1:]]
+                head = head.bytes if isinstance(head, zmq.Frame) else head
+                if _kind_of(head) in NEWER_KINDS[version]:
+                    return Outcome.SENT          # a kind it does not know (LOST): never sent to it
+                frames = [protocol.reencode(head, version), *frames[1:]]
         try:
             self._ranks.send_multipart([identity, *frames], zmq.NOBLOCK, copy=False)
             return Outcome.SENT

@@ -39,6 +39,9 @@ class EpochFigures(TypedDict):
     steps: int               # granted streams: steps granted to every rank so far (0 otherwise)
     dropped: int             # ... batches dropped at the epoch's end to keep the ranks even (< ranks)
     moved: int               # ... batches returned by one rank and given to another at the epoch's end
+    unassigned: int          # recovering: batches of partitions the broker no longer carries, dropped
+    adopted: int             # ... batches the ranks had used of a lost broker (RECLAIM): consumed, never sent
+    held: int                # ... messages held until every rank said what it used (not queued yet)
 
 
 class _RankFiguresBase(TypedDict):
@@ -93,6 +96,8 @@ class EarlierFigures(TypedDict):
     diverged: int            # partitions (EpochFigures lists them)
     dropped: int
     moved: int
+    unassigned: int
+    adopted: int
 
 
 SUMMED = tuple(k for k in EarlierFigures.__annotations__ if k != "epochs")   # the EpochFigures that add up
@@ -108,7 +113,8 @@ def fold(into: EarlierFigures, epoch: Mapping[str, Any]) -> None:
     totals["epochs"] += 1
     for name in SUMMED:
         value = epoch.get(name, 0)
-        totals[name] += len(value) if isinstance(value, list) else int(value)
+        # an ``earlier`` record of an older broker (retired.log) may lack a figure added since: it starts at 0
+        totals[name] = totals.get(name, 0) + (len(value) if isinstance(value, list) else int(value))
 
 
 class StreamFigures(TypedDict):

@@ -123,12 +123,19 @@ class Grants(Rejoin):
         header: bytes | None = None
         gone = []
         for rank in stream.ranks.values():
-            if rank.told.get(ep.epoch, 0) >= ep.steps:
+            adopted = rank.adopted.get(ep.epoch, 0)
+            if rank.told.get(ep.epoch, 0) >= ep.steps and rank.told_adopted.get(ep.epoch, 0) >= adopted:
                 continue
-            header = header or protocol.pack_header(Kind.STEPS, stream=stream.name, epoch=ep.epoch, steps=ep.steps)
-            outcome = transmit(rank.identity, [header])
+            if adopted:        # batches it used of a lost broker, matched here (broker.recovery): its own STEPS
+                message = protocol.pack_header(Kind.STEPS, stream=stream.name, epoch=ep.epoch, steps=ep.steps,
+                                               adopted=adopted)
+            else:
+                message = header = header or protocol.pack_header(Kind.STEPS, stream=stream.name, epoch=ep.epoch,
+                                                                  steps=ep.steps)
+            outcome = transmit(rank.identity, [message])
             if outcome is Outcome.SENT:
                 rank.told[ep.epoch] = ep.steps
+                rank.told_adopted[ep.epoch] = adopted
             elif outcome is Outcome.GONE:
                 gone.append(rank.identity)
         for identity in gone:

@@ -8,6 +8,7 @@ one role each:
 ``broker.partitions``         epochs opened and closed, batches kept or dropped, commits, claims
 ``broker.rejoin``             ranks joining, rejoining, lost and gone; what goes back to the queue
 ``broker.dispatch``           windows, batches to ranks, acknowledgements, epoch ends
+``broker.recovery``           epochs streamed again after a loss or for a resume: hold, match, reclaims
 ============================  ===========================================================================
 
 What the journal must keep, the ledger hands to its observers as events (``broker.events``); replay applies the
@@ -22,7 +23,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from .dispatch import MAX_WINDOW_BYTES, Dispatch
+from .dispatch import MAX_WINDOW_BYTES
 from .events import (
     Applied,
     BatchArrived,
@@ -35,14 +36,15 @@ from .events import (
     replayed_events,
 )
 from .journal import DeliveredEpochs, Journal
-from .partitions import MAX_PARTITIONS, Partitions, Rejected, Reply
+from .partitions import MAX_PARTITIONS, Rejected, Reply
+from .recovery import Recovery
 from .rejoin import MissedEnd
 from .state import HeldBatch
 
 log = logging.getLogger("sparkbus.broker")
 
 
-class Ledger(Partitions, Dispatch):
+class Ledger(Recovery):
     """Streams, epochs, partitions and ranks: every decision about a batch. The daemon only moves frames.
 
     Args:

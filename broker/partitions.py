@@ -15,7 +15,7 @@ from .books import Books
 from .errors import ProtocolError
 from .events import BatchTaken, EpochClosed, EpochOpened, PartitionClaimed, PartitionCommitted
 from .protocol import ErrorCode, Kind
-from .state import EpochState, HeldBatch, PendingCommit
+from .state import EpochState, HeldBatch, PendingCommit, StreamState
 
 log = logging.getLogger("sparkbus.broker")
 
@@ -134,6 +134,11 @@ class Partitions(Books):
         number, seq, attempt, checksum = header["part"], header["seq"], header["attempt"], header["checksum"]
         if not 0 <= number < ep.partitions or seq < 0 or attempt < 0:
             raise Rejected("out_of_range", f"partition {number} seq {seq} attempt {attempt}")
+        rec = ep.recovery
+        if rec is not None and number not in rec.carries:
+            splits = header.get("splits")
+            ep.unassigned += 1 if splits is None else len(splits)
+            raise Rejected("unassigned", f"partition {number} of recovering epoch {ep.epoch} is not carried here")
         part = ep.part(number)
         seen = part.attempts.setdefault(attempt, set())
         if seq in seen:
@@ -155,6 +160,8 @@ class Partitions(Books):
             if ep.delivery == "atomic":
                 part.held.setdefault(attempt, []).append(batch)
                 self.held_bytes += batch.nbytes
+            elif rec is not None and number in rec.recovered:
+                self._take_recovered(stream, ep, batch)
             else:
                 ep.take(batch)
         else:
@@ -174,6 +181,9 @@ class Partitions(Books):
         number, choice = h["part"], h["broker"]
         if not 0 <= number < ep.partitions or choice < 0:
             raise ProtocolError(f"partition {number} or broker {choice} out of range for epoch {ep.epoch}")
+        if ep.recovery is not None:
+            raise ProtocolError(f"stream {stream.name!r} epoch {ep.epoch} is recovering: the driver fixed the routes "
+                                f"of its partitions, claims are refused")
         self._claim(PartitionClaimed(stream.name, ep.epoch, number, choice))
         return ep.claims[number]
 
@@ -193,6 +203,8 @@ class Partitions(Books):
         number, attempt = h["part"], h["attempt"]
         if not 0 <= number < ep.partitions:
             raise ProtocolError(f"partition {number} is outside epoch {ep.epoch}'s {ep.partitions} partitions")
+        if ep.recovery is not None and number not in ep.recovery.carries:
+            raise ProtocolError(f"partition {number} of recovering epoch {ep.epoch} is not carried by this broker")
         part = ep.part(number)
         part.pending[attempt] = PendingCommit(identity, h["req"], h["batches"], h["rows"])
         if part.committed_attempt is not None or len(part.attempts.get(attempt, ())) >= h["batches"]:
@@ -216,9 +228,13 @@ class Partitions(Books):
             part.committed_attempt = attempt
             self._emit(event)
             if ep.delivery == "atomic":
+                recovered = ep.recovery is not None and number in ep.recovery.recovered
                 for batch in sorted(part.held.pop(attempt, []), key=lambda b: b.id):
                     self.held_bytes -= batch.nbytes
-                    ep.take(batch)
+                    if recovered:
+                        self._take_recovered(stream, ep, batch)
+                    else:
+                        ep.take(batch)
             elif set(part.checksums) != set(range(got)):
                 part.diverged = True
             ep.committed.add(number)
@@ -228,6 +244,10 @@ class Partitions(Books):
             return []
         return [Reply(pending.identity, Kind.PARTITION_COMMITTED,
                       {"req": pending.req, "stream": stream.name, "epoch": ep.epoch, "part": number})]
+
+    def _take_recovered(self, stream: StreamState, ep: EpochState, batch: HeldBatch) -> None:
+        """A batch of a partition recovered from a lost broker: held or matched (``broker.recovery`` overrides)."""
+        ep.take(batch)
 
     def _warn_diverged(self, stream: str, ep: EpochState, number: int) -> None:
         if ep.delivery == "atomic":

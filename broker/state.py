@@ -11,7 +11,7 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from .figures import REPORTED, EpochFigures, OrphanFigures, RankFigures, StreamFigures, no_earlier
 from .journal import DeliveredEpochs
@@ -70,6 +70,24 @@ class PartitionState:
     diverged: bool = False
 
 
+class Reclaimed(NamedTuple):
+    """What one rank (session) said it used of an epoch in a RECLAIM for one loss: ``protocol.UsedEntry`` each."""
+
+    rank: int
+    entries: list[tuple[int, int, int, int, int]]
+
+
+@dataclass
+class EpochRecovery:
+    """An epoch this broker streams again from Spark's lineage (EPOCH_RECOVER; broker.recovery has the rules)."""
+
+    carries: set[int]          # the partitions this broker streams; batches of others are dropped (unassigned)
+    recovered: set[int]        # of them, a lost broker's (or all, for a resume): matched with the ranks' reclaims
+    lost: list[str]            # the losses waited for: every member's RECLAIM for each before batches go out
+    held: list[HeldBatch] = field(default_factory=list)    # batches of recovered partitions, held until then
+    index: dict[tuple[int, int], list[tuple[int, int, int, str, int]]] | None = None   # (part, seq) -> used
+
+
 @dataclass
 class EpochState:
     """One epoch of one stream: partitions expected and committed, the queue to the ranks, counters."""
@@ -100,6 +118,9 @@ class EpochState:
     owed: dict[int, tuple[int, int]] = field(default_factory=dict)   # ... RELEASEs not sent yet: (drop, return)
     moved: int = 0             # ... batches returned by one rank and given to another to even out
     acked_before: dict[BatchId, int] = field(default_factory=dict)   # replay: acknowledged before a restart
+    recovery: EpochRecovery | None = None   # streamed again from Spark after a loss or for a resume
+    unassigned: int = 0        # ... batches of partitions it does not carry, dropped (a cancelled task's)
+    adopted: int = 0           # ... batches the ranks had used already (their RECLAIM): counted consumed, not sent
 
     @property
     def all_acked(self) -> bool:
@@ -109,7 +130,8 @@ class EpochState:
     def delivered(self, even: bool) -> bool:
         """Whether the epoch may end on the ranks: closed and fully sent, and with independent ranks (not
         ``even``) also fully acknowledged, so that batches of a rank that dies still go to the others."""
-        return self.closed and not self.queue and (even or self.all_acked)
+        return (self.closed and not self.queue and (even or self.all_acked)
+                and (self.recovery is None or not self.recovery.held))
 
     @property
     def diverged(self) -> list[int]:
@@ -126,9 +148,19 @@ class EpochState:
     def take(self, batch: HeldBatch) -> None:
         """A batch (first copy, or an atomic partition's at its commit) joins the queue to the ranks."""
         self.queue.append(batch)
+        self.count_in(batch)
+
+    def count_in(self, batch: HeldBatch) -> None:
         self.batches_in += batch.count
         self.bytes_in += batch.nbytes
         self.rows_in += batch.rows
+
+    def adopt(self, batch: HeldBatch) -> None:
+        """A batch (or piece) a rank used before a loss: in, out and acknowledged at once, never sent."""
+        self.count_in(batch)
+        self.count_out(batch)
+        self.acked += batch.count
+        self.adopted += batch.count
 
     def count_duplicate(self) -> None:
         self.duplicates += 1        # a message: a pack copied counts once
@@ -175,7 +207,9 @@ class EpochState:
                 "batches_out": self.batches_out, "bytes_out": self.bytes_out, "rows_out": self.rows_out,
                 "acked": self.acked, "duplicates": self.duplicates, "redelivered": self.redelivered,
                 "given_twice": self.given_twice, "diverged": self.diverged, "steps": self.steps,
-                "dropped": sum(self.dropped.values()), "moved": self.moved}
+                "dropped": sum(self.dropped.values()), "moved": self.moved, "unassigned": self.unassigned,
+                "adopted": self.adopted,
+                "held": len(self.recovery.held) if self.recovery is not None else 0}
 
 
 MAX_WINDOW = 4096     # batches in flight to one rank at most, however small they are
@@ -208,7 +242,14 @@ class RankState:
     reported: dict[str, Any] = field(default_factory=dict)     # the rank's own figures (wait_s, ...), as last said
     given: dict[int, int] = field(default_factory=dict)        # epoch -> its batches this rank has (had) in hand
     told: dict[int, int] = field(default_factory=dict)         # epoch -> the steps last granted to it (STEPS)
+    adopted: dict[int, int] = field(default_factory=dict)      # epoch -> of given, batches it used of lost brokers
+    told_adopted: dict[int, int] = field(default_factory=dict)  # epoch -> the adopted count last told (STEPS)
     last_seen: float = field(default_factory=time.monotonic)
+
+    @property
+    def member(self) -> str:
+        """Who this rank is to a recovery (its RECLAIMs are kept under this): its session, else its connection."""
+        return self.session or f"@{self.identity.hex()}"
 
     def has_room(self, nbytes: int, by_bytes: bool = True) -> bool:
         held = len(self.inflight)
@@ -289,6 +330,7 @@ class StreamState:
     finished: DeliveredEpochs = field(default_factory=DeliveredEpochs)  # epochs done and acked: the last K's figures
     orphans: dict[str, Orphan] = field(default_factory=dict)           # by session
     rejoins: int = 0           # ranks that came back (new connection or restarted broker) and were reconciled
+    reclaims: dict[int, dict[str, dict[str, Reclaimed]]] = field(default_factory=dict)  # epoch -> loss -> member
     last_used: float = field(default_factory=time.monotonic)   # when last in use or named by a message
     _turn: int = 0
 

@@ -1,0 +1,354 @@
+"""The ledger's rules for an epoch streamed again from Spark's lineage: a lost broker's partitions taken over, or an
+epoch resumed from a checkpoint (docs/design/RECOVERY.md, "The broker").
+
+- ``EPOCH_RECOVER`` says which partitions this broker now ``carries`` and which of them it ``recovered`` (a lost
+  broker's, or all of them for a resume). Batches of other partitions are dropped (``unassigned``); claims are
+  refused.
+- ``RECLAIM`` says, per rank and per loss, which batches of the epoch the rank used. They are kept per stream,
+  bounded, whether or not the epoch is recovering yet.
+- A batch of a recovered partition is **held** until every member of the stream (ranks connected and lost ranks
+  waiting to rejoin, at least ``expected_ranks`` of them) has sent its ``RECLAIM`` for every loss waited for;
+  ``LOST`` asks those that have not. Then it is **matched**: what a rank used is counted consumed and never sent
+  (``adopted``), the rest is queued, a pack cut where it has to be (``broker.pieces``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from itertools import groupby
+from typing import Any
+
+from . import protocol
+from .books import Outcome, Transmit
+from .dispatch import Dispatch
+from .errors import ProtocolError
+from .events import BatchesAcked, EpochOpened
+from .journal import DeliveredEpochs, EpochRanges
+from .partitions import MAX_PARTITIONS, Partitions
+from .pieces import cut
+from .protocol import Kind
+from .rejoin import MissedEnd
+from .state import BatchId, EpochRecovery, EpochState, HeldBatch, RankState, Reclaimed, StreamState
+
+log = logging.getLogger("sparkbus.broker")
+
+MAX_RECLAIM_EPOCHS = 4          # epochs per stream whose RECLAIMs are kept (the open one, a resume's, a few late)
+MAX_RECLAIM_ENTRIES = 1 << 21   # used-batch entries per stream kept (about 200 MB at the very most)
+RESUME = ""                     # the loss a resume from a checkpoint is named by
+
+Used = tuple[int, int, int, str, int]     # (first, stop, checksum, member, rank number) of one message's batches
+
+
+class Recovery(Partitions, Dispatch):
+    """EPOCH_RECOVER, RECLAIM, LOST and EPOCH_QUERY: the broker's side of recovery from lineage and exact resume."""
+
+    # ---- EPOCH_RECOVER ------------------------------------------------------------------------------------
+
+    def recover_epoch(self, h: dict) -> None:
+        """EPOCH_RECOVER: stream ``carries`` of the epoch from now on; hold and match the batches of ``recovered``
+        against the ranks' RECLAIMs for every loss in ``lost``. Opens the epoch if this broker does not know it;
+        ``reset`` drops what it had of it first, delivered or not (a resume). Several add up.
+
+        Raises:
+            ProtocolError: numbers out of range, bad ranges, ``recovered`` not within ``carries``, another delivery,
+                or partitions to recover of an epoch whose end already went out here (without ``reset``).
+        """
+        name, number, partitions, delivery = h["stream"], h["epoch"], h["partitions"], h["delivery"]
+        if not 0 <= partitions <= MAX_PARTITIONS or number < 0:
+            raise ProtocolError(f"epoch {number} with {partitions} partitions is out of range")
+        if delivery not in protocol.DELIVERY_MODES:
+            raise ProtocolError(f"delivery {delivery!r} is not one of {', '.join(protocol.DELIVERY_MODES)}")
+        lost = h["lost"]
+        if not all(type(loss) is str for loss in lost):
+            raise ProtocolError("EPOCH_RECOVER's lost must be a list of incarnations (str)")
+        stream = self.stream(name)
+        ep = stream.epochs.get(number)
+        limit = ep.partitions if ep is not None else partitions
+        carries = protocol.unpack_ranges(h["carries"], limit)
+        recovered = carries if h["reset"] else protocol.unpack_ranges(h["recovered"], limit)
+        if not recovered <= carries:
+            raise ProtocolError("EPOCH_RECOVER's recovered partitions must be among those it carries")
+        if h["reset"]:
+            self._reset(stream, number)
+            lost = [RESUME, *(loss for loss in lost if loss != RESUME)]
+            ep = None
+        if ep is not None and ep.delivery != delivery:
+            raise ProtocolError(f"stream {name!r} epoch {number} is open with {ep.delivery} delivery")
+        if number in stream.finished or (ep is not None and ep.end_sent):
+            if recovered - (ep.committed if ep is not None else set()):
+                raise ProtocolError(f"stream {name!r} has already delivered epoch {number} here: its partitions "
+                                    f"can be recovered only with reset (a resume), or at another broker")
+            return                        # nothing new for this broker: it carries what it had
+        if ep is None:
+            self._open(EpochOpened(name, number, partitions, delivery))
+            ep = stream.epochs[number]
+        rec = ep.recovery
+        if rec is None:
+            rec = ep.recovery = EpochRecovery(set(carries), set(recovered), [])
+        else:
+            rec.carries |= carries
+            rec.recovered |= recovered
+            rec.index = None
+        rec.lost.extend(loss for loss in dict.fromkeys(lost) if loss not in rec.lost)
+        if ep.closed:
+            ep.closed = False             # more partitions come: the driver closes it again
+        log.info("stream %r epoch %d recovering: %d partitions carried, %d recovered, losses %s%s", name, number,
+                 len(rec.carries), len(rec.recovered), ", ".join(repr(loss) for loss in rec.lost),
+                 " (reset)" if h["reset"] else "")
+
+    def _reset(self, stream: StreamState, number: int) -> None:
+        """Forget everything of epoch ``number``: its queue and held batches, the ranks' (and lost ranks') batches
+        and counts of it, its delivered record, and the reclaims of any loss but a resume's."""
+        ep = stream.epochs.pop(number, None)
+        if ep is not None:
+            self._drop(ep.queue)
+            for part in ep.parts.values():
+                for batches in part.held.values():
+                    self._drop(batches, held=True)
+            if ep.recovery is not None:
+                self._drop(ep.recovery.held)
+        for rank in self._members(stream):
+            for batch_id, batch in list(rank.inflight.items()):
+                if batch_id[0] == number:
+                    del rank.inflight[batch_id]
+                    rank.inflight_bytes -= batch.nbytes
+                    self.buffered -= batch.nbytes
+            for counts in (rank.given, rank.told, rank.adopted, rank.told_adopted):
+                counts.pop(number, None)
+        finished = stream.finished
+        if number in finished:
+            if dict.__contains__(finished, number):
+                dict.pop(finished, number)
+            if isinstance(finished, DeliveredEpochs) and number in finished.ranges:
+                finished.ranges = _without(finished.ranges, number)
+            log.info("stream %r epoch %d: its delivery is forgotten, it is fed again (a resume)", stream.name, number)
+        for loss in [loss for loss in stream.reclaims.get(number, {}) if loss != RESUME]:
+            del stream.reclaims[number][loss]
+
+    # ---- RECLAIM and LOST -----------------------------------------------------------------------------------
+
+    def reclaim(self, rank: RankState, h: dict, entries: list[protocol.UsedEntry]) -> None:
+        """RECLAIM: what ``rank`` used of ``h["epoch"]`` of the broker ``h["lost"]`` lost (all its lost entries of
+        the epoch: it sends them whole each time). Kept until the epoch retires, bounded per stream."""
+        stream = self.streams[rank.stream]
+        if h["stream"] != stream.name:
+            raise ProtocolError(f"rank {rank.rank} reads stream {stream.name!r}, not {h['stream']!r}")
+        number = h["epoch"]
+        if number < 0:
+            raise ProtocolError(f"epoch {number} is out of range")
+        members = stream.reclaims.setdefault(number, {}).setdefault(h["lost"], {})
+        members[rank.member] = Reclaimed(rank.rank, entries)
+        ep = stream.epochs.get(number)
+        if ep is not None and ep.recovery is not None:
+            ep.recovery.index = None
+        self._bound_reclaims(stream)
+
+    def _bound_reclaims(self, stream: StreamState) -> None:
+        """At most :data:`MAX_RECLAIM_EPOCHS` epochs and :data:`MAX_RECLAIM_ENTRIES` entries per stream: the oldest
+        epoch not recovering goes first."""
+        reclaims = stream.reclaims
+
+        def entries() -> int:
+            return sum(len(r.entries) for losses in reclaims.values() for ms in losses.values() for r in ms.values())
+
+        while len(reclaims) > MAX_RECLAIM_EPOCHS or (len(reclaims) > 0 and entries() > MAX_RECLAIM_ENTRIES):
+            def recovering(n: int) -> bool:
+                ep = stream.epochs.get(n)
+                return ep is not None and ep.recovery is not None
+            oldest = min(reclaims, key=lambda n: (recovering(n), n))
+            del reclaims[oldest]
+            log.warning("stream %r: the ranks' reclaims of epoch %d are dropped (at most %d epochs and %d entries "
+                        "are kept per stream)", stream.name, oldest, MAX_RECLAIM_EPOCHS, MAX_RECLAIM_ENTRIES)
+
+    def send_lost(self, stream: StreamState, transmit: Transmit, only: bytes | None = None) -> None:
+        """``LOST`` to each rank of ``stream`` (or only to ``only``) that has not sent its RECLAIM for a loss a
+        recovering epoch waits for."""
+        gone = []
+        for ep in stream.epochs.values():
+            rec = ep.recovery
+            if rec is None or ep.end_sent:
+                continue
+            reclaimed = stream.reclaims.get(ep.epoch, {})
+            for rank in stream.ranks.values():
+                if only is not None and rank.identity != only:
+                    continue
+                for loss in rec.lost:
+                    if rank.member in reclaimed.get(loss, {}):
+                        continue
+                    header = protocol.pack_header(Kind.LOST, stream=stream.name, epoch=ep.epoch, lost=loss)
+                    if transmit(rank.identity, [header]) is Outcome.GONE:
+                        gone.append(rank.identity)
+                        break
+        for identity in dict.fromkeys(gone):
+            self.rank_gone(identity, "disconnected")
+
+    def _members(self, stream: StreamState) -> list[RankState]:
+        return [*stream.ranks.values(), *(o.rank for o in stream.orphans.values())]
+
+    def may_release(self, stream: StreamState, ep: EpochState) -> bool:
+        """Whether every member of the stream, and at least ``expected_ranks`` (one at least), said what it used of
+        each loss ``ep`` waits for."""
+        rec = ep.recovery
+        if rec is None:
+            return True
+        members = self._members(stream)
+        if len(members) < max(stream.expected_ranks, 1):
+            return False
+        reclaimed = stream.reclaims.get(ep.epoch, {})
+        return all(m.member in reclaimed.get(loss, ()) for loss in rec.lost for m in members)
+
+    # ---- hold and match -------------------------------------------------------------------------------------
+
+    def _take_recovered(self, stream: StreamState, ep: EpochState, batch: HeldBatch) -> None:
+        """A batch of a recovered partition, first copy (or at its commit, atomic): held, or matched now."""
+        rec = ep.recovery
+        assert rec is not None
+        if not self.may_release(stream, ep):
+            rec.held.append(batch)
+            return
+        self._release(stream, ep)
+        self._match(stream, ep, batch)
+
+    def _release(self, stream: StreamState, ep: EpochState) -> None:
+        rec = ep.recovery
+        if rec is None or not rec.held:
+            return
+        held, rec.held = rec.held, []
+        log.info("stream %r epoch %d: every rank said what it used; %d held batches are matched", stream.name,
+                 ep.epoch, len(held))
+        for batch in held:
+            self._match(stream, ep, batch)
+
+    def dispatch(self, stream: StreamState, transmit: Transmit) -> None:
+        for ep in stream.epochs.values():
+            if ep.recovery is not None and ep.recovery.held and self.may_release(stream, ep):
+                self._release(stream, ep)
+        super().dispatch(stream, transmit)
+
+    def _index(self, stream: StreamState, ep: EpochState) -> dict[tuple[int, int], list[Used]]:
+        """The union of the ranks' reclaimed entries of ``ep``, every loss, by ``(part, seq)``."""
+        rec = ep.recovery
+        assert rec is not None
+        if rec.index is None:
+            index: dict[tuple[int, int], list[Used]] = {}
+            for members in stream.reclaims.get(ep.epoch, {}).values():
+                for member, reclaimed in members.items():
+                    for part, seq, first, stop, checksum in reclaimed.entries:
+                        index.setdefault((part, seq), []).append((first, stop, checksum, member, reclaimed.rank))
+            rec.index = index
+        return rec.index
+
+    def _match(self, stream: StreamState, ep: EpochState, batch: HeldBatch) -> None:
+        """Queue what no rank used of ``batch``; count what a rank used as consumed by it, never sent."""
+        _, number, seq = batch.id
+        used = self._index(stream, ep).get((number, seq))
+        if not used:
+            ep.take(batch)
+            return
+        part = ep.part(number)
+        if not part.diverged and any(checksum != part.checksums.get(seq) for _, _, checksum, _, _ in used):
+            part.diverged = True
+            log.warning("stream %r epoch %d partition %d: Spark recomputed it differently from the copy a rank used "
+                        "(batch %d's checksum differs): the rank's copy stands, rows of this partition may be missing "
+                        "or repeated", stream.name, ep.epoch, number, seq)
+        owners: list[tuple[str, int] | None] = [None] * batch.count
+        for first, stop, _, member, rank in used:
+            for i in range(max(first, batch.first), min(stop, batch.first + batch.count)):
+                if owners[i - batch.first] is None:
+                    owners[i - batch.first] = (member, rank)
+        pieces: list[tuple[HeldBatch, tuple[str, int] | None]] = []
+        rest, at = batch, batch.first
+        runs = [(owner, len(list(run))) for owner, run in groupby(owners)]
+        for owner, length in runs[:-1]:
+            at += length
+            piece, rest = cut(rest, at)
+            pieces.append((piece, owner))
+        pieces.append((rest, runs[-1][0]))
+        for piece, owner in pieces:
+            if owner is None:
+                ep.take(piece)
+            else:
+                self._adopt(stream, ep, piece, *owner)
+
+    def _adopt(self, stream: StreamState, ep: EpochState, piece: HeldBatch, member: str, number: int) -> None:
+        """``piece`` was used by the rank ``member`` (rank ``number``) before the loss: consumed by it."""
+        ep.adopt(piece)
+        self.buffered -= piece.nbytes
+        rank = self._rank_of(stream, member, number)
+        if rank is not None:
+            epoch = ep.epoch
+            rank.acked += piece.count
+            rank.given[epoch] = rank.given.get(epoch, 0) + piece.count
+            rank.adopted[epoch] = rank.adopted.get(epoch, 0) + piece.count
+        if piece.settle() and self._observed:
+            self._emit(BatchesAcked(stream.name, ep.epoch, [list(piece.id)]))
+
+    def _rank_of(self, stream: StreamState, member: str, number: int) -> RankState | None:
+        """The rank whose reclaim it was: its connection, its lost connection waiting, else (a group) the rank
+        number's connection now."""
+        for rank in stream.ranks.values():
+            if rank.member == member:
+                return rank
+        orphan = stream.orphans.get(member)
+        if orphan is not None:
+            return orphan.rank
+        if stream.expected_ranks > 1:
+            return next((r for r in stream.ranks.values() if r.rank == number), None)
+        return None
+
+    # ---- joining: a rank that rejoins keeps what it adopted ---------------------------------------------------
+
+    def join_rank(self, identity: bytes, h: dict, held: Iterable[BatchId] = (),
+                  consumed: Iterable[BatchId] = ()) -> list[MissedEnd]:
+        stream = self.streams.get(h["stream"])
+        previous = self._same_session(stream, h["session"], h["rank"]) if stream is not None else None
+        adopted = dict(previous.adopted) if previous is not None else {}
+        missed = super().join_rank(identity, h, held, consumed)
+        rank = self.ranks[identity]
+        for epoch, count in adopted.items():
+            if epoch in self.streams[rank.stream].epochs:
+                rank.adopted[epoch] = count
+                if h.get("got") is None:      # the rank's own count, when it says it, has them already
+                    rank.given[epoch] = rank.given.get(epoch, 0) + count
+        return missed
+
+    def recovering(self, name: str) -> bool:
+        """Whether an epoch of the stream ``name`` is being recovered (a version-5 rank cannot take part)."""
+        stream = self.streams.get(name)
+        return stream is not None and any(e.recovery is not None and not e.end_sent for e in stream.epochs.values())
+
+    # ---- EPOCH_QUERY ------------------------------------------------------------------------------------------
+
+    def query_epoch(self, name: str, number: int) -> dict[str, Any]:
+        """EPOCH_QUERY's answer, but ``incarnation`` and ``journal`` (the daemon's). ``seen``: partitions with a
+        batch or a commit here (claims are not counted: this broker does not know its own index in a feed)."""
+        stream = self.streams.get(name)
+        ep = stream.epochs.get(number) if stream is not None else None
+        if ep is not None:
+            seen = {n for n, p in ep.parts.items() if any(p.attempts.values())} | ep.committed
+            return {"known": True, "closed": ep.closed, "ended": ep.end_sent, "delivered": False,
+                    "partitions": ep.partitions, "committed": protocol.pack_ranges(ep.committed),
+                    "seen": protocol.pack_ranges(seen)}
+        if stream is not None and number in stream.finished:
+            figures = dict.get(stream.finished, number)     # None once only the range of it is kept
+            partitions = figures["partitions"] if figures is not None else 0
+            every = protocol.pack_ranges(range(partitions))
+            return {"known": True, "closed": True, "ended": True, "delivered": True, "partitions": partitions,
+                    "committed": every, "seen": every}
+        return {"known": False, "closed": False, "ended": False, "delivered": False, "partitions": 0,
+                "committed": [], "seen": []}
+
+
+def _without(ranges: EpochRanges, number: int) -> EpochRanges:
+    """``ranges`` without the epoch ``number``."""
+    kept: list[list[int]] = []
+    for first, last in ranges.ranges():
+        if first <= number <= last:
+            kept.extend([a, b] for a, b in ((first, number - 1), (number + 1, last)) if a <= b)
+        else:
+            kept.append([first, last])
+    return EpochRanges(kept)
+
+
+__all__ = ["Recovery", "MAX_RECLAIM_EPOCHS", "MAX_RECLAIM_ENTRIES"]
