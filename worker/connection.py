@@ -10,6 +10,13 @@ cut link, a firewall that dropped the FIN, a restarted broker): the ids of the c
 received (:meth:`BrokerConnection.arrived`), and which of those it acknowledged (:meth:`BrokerConnection.ack`).
 Its HELLO then carries them (``resume``), and the broker neither sends those batches again nor hands them to
 another rank. See docs/PROTOCOL.md, "A rank".
+
+It also keeps the **incarnation** of its broker (``WELCOME.incarnation``) and whether that broker has a journal. A
+rejoin names the incarnation it knew (``HELLO.incarnation``, version 6); a ``WELCOME`` of another incarnation
+without a journal means the broker lost its state: :meth:`BrokerConnection.receive` then gives a ``LOST`` of the
+old incarnation (``restarted: True``, never sent by a broker) for :class:`~worker.intake.Intake` to handle, and a
+broker silent past ``timeout`` raises :class:`BrokerSilent`, which the intake takes for a broker gone for good when
+others still answer (docs/design/RECOVERY.md, "The rank").
 """
 
 from __future__ import annotations
@@ -25,13 +32,27 @@ import zmq
 from broker import protocol
 from broker.auth import client_socket
 from broker.errors import BrokerError
-from broker.protocol import ErrorCode, Kind, pack_header, unpack_header
+from broker.protocol import ErrorCode, Kind, UsedEntry, pack_header, unpack_header
+
+from .used import UsedBatches
 
 log = logging.getLogger("sparkbus.worker")
 
 ACK_MAX = 256          # ids in one ACK at most
 
 BatchId = tuple[int, int, int]
+
+WHAT_TO_DO = ("restart the brokers and feed the epoch again, or run the brokers with --journal so that a restarted "
+              "broker keeps what it had")
+
+
+class BrokerSilent(BrokerError):
+    """A broker said nothing for the connection's ``timeout``: it is gone, or the link to it is cut. ``broker``: the
+    connection. With other brokers that still answer, the rank reads on from them (:class:`~worker.intake.Intake`)."""
+
+    def __init__(self, message: str, broker: BrokerConnection):
+        super().__init__(message)
+        self.broker = broker
 
 
 class BrokerConnection:
@@ -67,6 +88,10 @@ class BrokerConnection:
         self.ended = -1                               # the last epoch whose EPOCH_END arrived
         self.got = 0                                  # batches of the current epoch received (a pack's each), kept
         self.rejoins = 0
+        self.incarnation = ""                         # the broker's, from its WELCOME
+        self.journal = False                          # ... and whether it keeps a journal
+        self.adopted = 0                              # STEPS.adopted of the current epoch (granted steps)
+        self.used = UsedBatches()                     # what the rank used of this incarnation in its current epoch
         self._req = 0
         self._rejoin_since: float | None = None       # when the broker said it no longer knew this rank
         self._refusal = ""
@@ -91,7 +116,9 @@ class BrokerConnection:
         self._req += 1
         header = pack_header(Kind.HELLO, v=self.version, req=self._req, role="rank", stream=self.stream, rank=self.rank,
                              size=self.size, even=self.even, session=self.session, resume=resume,
-                             ended=self.ended, **({"grants": True, "got": self.got} if self.grants else {}))
+                             ended=self.ended, **({"grants": True, "got": self.got} if self.grants else {}),
+                             **({"incarnation": self.incarnation} if resume and self.incarnation
+                                and self.version >= 6 else {}))
         if resume:
             self._unsent, self._upto = [], []            # the HELLO names every batch consumed
             held = {(key[0], key[1], key[2]) for key in self._received} - self._acked
@@ -142,6 +169,24 @@ class BrokerConnection:
         self._upto.extend((*batch_id, stop))
         if send or len(self._upto) >= 4 * ACK_MAX:
             self.flush()
+
+    def reclaim(self, epoch: int, lost: str, entries: list[UsedEntry]) -> None:
+        """RECLAIM: of ``epoch``, the batches this rank used of the broker of incarnation ``lost`` (``""``: its
+        position at a checkpoint), as ``(part, seq, first, stop, checksum)`` entries. Nothing to a broker of
+        version 5, which has no recovery."""
+        if self.version < 6:
+            return
+        self._sock.send_multipart([pack_header(Kind.RECLAIM, v=self.version, stream=self.stream, epoch=epoch,
+                                               lost=lost, entries=len(entries)), protocol.pack_used(entries)])
+        self._last_said = time.monotonic()
+
+    def forget_epoch(self) -> None:
+        """The broker lost what it had of this rank: the ids of the current epoch, the count, and what waits to be
+        acknowledged name batches it no longer knows."""
+        self._received.clear()
+        self._acked.clear()
+        self._unsent, self._upto = [], []
+        self.got = self.adopted = 0
 
     def report(self, **figures: float | int) -> None:
         """Set this rank's own figures (``consumed``, ``wait_s``, ``first_batch_s``: see ``ACK`` in
@@ -199,6 +244,7 @@ class BrokerConnection:
                                   f"is it running, and is this its ranks address?")
             header = unpack_header(self._sock.recv_multipart()[0])
             if header["kind"] == Kind.WELCOME and header["req"] == self._req:
+                self.incarnation, self.journal = header["incarnation"], header["journal"]
                 break
             if header["kind"] == Kind.ERROR and header["code"] == ErrorCode.ALREADY_CONNECTED:
                 # Another process had this rank (a job that died); the broker lets go of it once its connection
@@ -261,9 +307,10 @@ class BrokerConnection:
         while True:
             now = time.monotonic()
             silent_for = now - self._last_heard
-            if silent_for > self.timeout:
-                raise BrokerError(f"the broker at {self.address} has been silent for {silent_for:.0f} s "
-                                  f"(timeout {self.timeout:g} s): it is gone or unreachable")
+            if silent_for > self.timeout and not self._sock.poll(0):   # not read for a while is not silent
+                raise BrokerSilent(f"the broker at {self.address} has been silent for {silent_for:.0f} s "
+                                   f"(timeout {self.timeout:g} s): it is gone or unreachable, and what it held of "
+                                   f"the epoch with it: {WHAT_TO_DO}", self)
             if self._rejoin_since is not None:
                 self._rejoin(self._refusal)
             elif now - self._last_said >= self.heartbeat:
@@ -284,13 +331,15 @@ class BrokerConnection:
                 self._refusal = header["reason"]        # refusals while rejoining do not count as "heard"
                 continue
             self._last_heard = time.monotonic()
-            if kind == Kind.BATCH or kind == Kind.STEPS or kind == Kind.RELEASE:
+            if kind == Kind.STEPS:
+                self.adopted = max(self.adopted, header.get("adopted", 0))
+            if kind == Kind.BATCH or kind == Kind.STEPS or kind == Kind.RELEASE or kind == Kind.LOST:
                 return header, frames[1:]
             if kind == Kind.EPOCH_END:
                 self.ended = header["epoch"]
                 self._received.clear()
                 self._acked.clear()
-                self.got = 0
+                self.got = self.adopted = 0
                 return header, frames[1:]
             if kind == Kind.ERROR and header["code"] == ErrorCode.UNKNOWN_RANK:
                 self._refusal = ""
@@ -301,6 +350,11 @@ class BrokerConnection:
                     self.rejoins += 1
                     log.warning("rank %d rejoined the broker at %s", self.rank, self.address)
                     self._grant_window()
+                    known, self.incarnation, self.journal = self.incarnation, header["incarnation"], header["journal"]
+                    if known and known != self.incarnation and not self.journal:
+                        # A restart without a journal: what this rank had of the old incarnation is lost with it.
+                        return {"kind": Kind.LOST, "stream": self.stream, "epoch": self.ended + 1, "lost": known,
+                                "restarted": True}, []
             elif kind == Kind.ERROR:
                 raise BrokerError(f"the broker at {self.address} reported: {header['reason']}", code=header["code"])
             elif kind != Kind.HEARTBEAT:

@@ -9,6 +9,11 @@ rank. See ``broker.grants`` for the broker's side, docs/PROTOCOL.md "Granted ste
 
 A rank takes a batch of a broker only while it has used fewer than that broker's grant, so at the end it can keep
 the share and give back what the others need: what it gives back it has never yielded.
+
+After a loss (docs/design/RECOVERY.md), what this rank had used of the lost broker is matched by the broker that
+took its partitions over, and that broker counts it as this rank's (``STEPS.adopted``, cumulative): the rank counts
+``taken + adopted`` against the grant, the epoch's steps and RELEASE's ``keep``. The lost broker's grant starts
+again from 0 (:meth:`GrantedSteps.forget`).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ class GrantedSteps:
         self._held: dict[BrokerConnection, deque[Item]] = {b: deque() for b in brokers}   # received, not used
         self._granted = dict.fromkeys(brokers, 0)      # the broker's last STEPS
         self._taken = dict.fromkeys(brokers, 0)        # used (yielded)
+        self._adopted = dict.fromkeys(brokers, 0)      # used of lost brokers, counted here (STEPS.adopted)
         self._final: dict[BrokerConnection, int] = {}  # the epoch's steps, from its EPOCH_END
         self._turn = 0
 
@@ -74,12 +80,12 @@ class GrantedSteps:
 
     def _next(self) -> Item | None:
         """A batch of a broker whose grant this rank has not used up, taking turns among brokers."""
-        brokers = self._intake.connections
+        brokers = list(self._held)         # a broker gone for good after its end still has its batches here
         for _ in range(len(brokers)):
             self._turn = (self._turn + 1) % len(brokers)
             broker = brokers[self._turn]
             held = self._held[broker]
-            if held and self._taken[broker] < self._final.get(broker, self._granted[broker]):
+            if held and self._used(broker) < self._final.get(broker, self._granted[broker]):
                 self._taken[broker] += 1
                 return held.popleft()
         return None
@@ -93,12 +99,28 @@ class GrantedSteps:
         if len(self._final) < len(self._taken):
             return False
         for broker, steps in self._final.items():
-            if self._taken[broker] < steps:
+            if self._used(broker) < steps:
                 if not self._held[broker]:
                     raise ProtocolError(f"the broker at {broker.address} ended epoch {self._ep.epoch} with {steps} "
-                                        f"steps, but this rank has had only {self._taken[broker]} of its batches")
+                                        f"steps, but this rank has had only {self._used(broker)} of its batches "
+                                        f"({self._adopted[broker]} of them adopted)")
                 return False
         return True
+
+    def _used(self, broker: BrokerConnection) -> int:
+        """What counts as taken from ``broker``: the batches yielded of it, and those it adopted."""
+        return self._taken[broker] + self._adopted[broker]
+
+    def forget(self, broker: BrokerConnection, gone: bool) -> None:
+        """``broker`` lost this epoch: drop what this rank holds of it (it comes again from Spark), and start its
+        grant again from 0 (what this rank took of it is adopted by the broker that takes it over). ``gone``: it
+        is no longer read at all."""
+        self._held[broker].clear()
+        self._granted[broker] = self._taken[broker] = self._adopted[broker] = 0
+        self._final.pop(broker, None)
+        if gone:
+            for books in (self._held, self._granted, self._taken, self._adopted):
+                del books[broker]
 
     def _pump(self) -> None:
         """Wait for the next message from a broker still in the epoch, and take it in."""
@@ -111,6 +133,7 @@ class GrantedSteps:
             self._held[broker].extend(self._intake.unpack(broker, header, frames, self._ep))
         elif kind == Kind.STEPS:
             self._granted[broker] = max(self._granted[broker], header["steps"])
+            self._adopted[broker] = max(self._adopted[broker], header.get("adopted", 0))
         elif kind == Kind.RELEASE:
             self._release(broker, header["epoch"], header["keep"], header["drop"])
         elif kind == Kind.EPOCH_END:
@@ -124,20 +147,20 @@ class GrantedSteps:
     # ---- the epoch's end ----------------------------------------------------------------------------------
 
     def _release(self, broker: BrokerConnection, epoch: int, keep: int, drop: int) -> None:
-        """RELEASE: keep ``keep`` of this broker's batches (those used included), drop the next ``drop``, return the
-        rest, which this rank has not used, for the ranks short of the share."""
+        """RELEASE: keep ``keep`` of this broker's batches (those used and adopted included), drop the next
+        ``drop``, return the rest, which this rank has not used, for the ranks short of the share."""
         held = list(self._held[broker])
-        keep_more = max(keep - self._taken[broker], 0)
-        if keep < self._taken[broker]:
+        used = self._used(broker)
+        keep_more = max(keep - used, 0)
+        if keep < used:
             log.warning("rank %d had used %d batches of the broker at %s in epoch %d, more than the share of %d: "
-                        "its group changed in the middle of the epoch", broker.rank, self._taken[broker],
-                        broker.address, epoch, keep)
+                        "its group changed in the middle of the epoch", broker.rank, used, broker.address, epoch, keep)
         dropped = held[keep_more:keep_more + drop]
         self._held[broker] = deque(held[:keep_more])
         for header, batch in dropped:
             self._intake.ack(header, send=False)
             self._count_drop(header, batch)
-        self._intake.give_back(broker, epoch, held[keep_more + drop:], kept=self._taken[broker] + keep_more)
+        self._intake.give_back(broker, epoch, held[keep_more + drop:], kept=used + keep_more)
 
     def _drop_left_over(self) -> None:
         # The broker gives no rank more than its steps after RELEASE; should one, the batch counts as dropped.

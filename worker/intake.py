@@ -5,10 +5,18 @@ among those that have not ended the current epoch; the epoch ends when every bro
 batches of the next epoch wait until then. A pack of small batches arrives as one message and is cut here into
 its batches (views of the received frames, no copy); it is acknowledged, once, when its last batch is. Every
 batch is acknowledged to the broker that sent it.
+
+**Losses** (docs/design/RECOVERY.md, "The rank"). The intake records what the loop used of each connection in the
+rank's current epoch (:meth:`Intake.note_used`). When a broker's incarnation is lost (a restart without journal,
+seen in a rejoin's WELCOME; a ``LOST`` from another broker; silence past ``timeout`` while other brokers answer),
+it drops that connection's unused batches (here and, through :attr:`Intake.forget`, in the step plan's buffers),
+forgets its ids, moves what was used of it into the epoch's **lost entries**, and sends ``RECLAIM`` with all lost
+entries of the epoch to every broker it still reads. A broker gone for good is closed and no longer waited for.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -19,15 +27,19 @@ import zmq
 
 from broker import protocol
 from broker.codec import decode_batch
-from broker.protocol import Kind
+from broker.errors import BrokerError
+from broker.protocol import Kind, UsedEntry
 
-from .connection import BatchId, BrokerConnection
+from .connection import WHAT_TO_DO, BatchId, BrokerConnection, BrokerSilent
+from .used import UsedBatches
 
 if TYPE_CHECKING:                     # pragma: no cover
     from .stream import EpochStats, StreamStats
 
 Batch = dict[str, Any]                # numpy arrays, masked arrays and RaggedColumns
 Item = tuple[dict, Batch]             # a batch's header (its "rows", "nbytes", id fields) and its columns
+
+log = logging.getLogger("sparkbus.worker")
 
 
 def _rows_of(column: Any, start: int, stop: int) -> Any:
@@ -65,6 +77,12 @@ class Intake:
         self._pack_left: dict[BatchId, int] = {}               # a pack's batches not yet acknowledged
         self._pack_first: dict[BatchId, int] = {}              # ... and its first (a piece of a pack: > 0)
         self._pack_done: dict[BatchId, _PackProgress] = {}     # ... and how far its batches have been used
+        self.current = -1                     # the rank's epoch: the latest with a batch or an end seen here
+        self.lost = UsedBatches()             # the current epoch's lost entries (every loss's, and a resume's)
+        self._elsewhere = UsedBatches()       # used batches of no connection of this rank (pooled at an end)
+        self._handled: set[str] = set()       # incarnations whose loss this rank handled
+        # The step plan's part in a loss: drop what it holds of a connection (the second argument: gone for good).
+        self.forget: Callable[[BrokerConnection, bool], None] | None = None
 
     @property
     def unfinished(self) -> bool:
@@ -82,7 +100,27 @@ class Intake:
 
     def receive(self, block: bool) -> tuple[BrokerConnection, dict, list[zmq.Frame]] | None:
         """The next message (BATCH, EPOCH_END; STEPS, RELEASE) from a broker still in the current epoch, taking
-        turns among them."""
+        turns among them. Losses are handled on the way (``LOST``, a broker silent past its timeout); None also
+        when the last broker still in the epoch was found gone (the epoch then ended: :attr:`end_seen`).
+
+        Raises:
+            BrokerError: every broker is silent past its timeout (or the only one is).
+        """
+        while self._waiting:
+            try:
+                message = self._take_turn(block)
+            except BrokerSilent as silent:
+                self._silent(silent)
+                continue
+            if message is None:
+                return None
+            if message[1]["kind"] == Kind.LOST:
+                self._lost(*message[:2])
+                continue
+            return message
+        return None
+
+    def _take_turn(self, block: bool) -> tuple[BrokerConnection, dict, list[zmq.Frame]] | None:
         if len(self._waiting) == 1:
             broker = self._waiting[0]
             message = broker.receive(block)
@@ -126,7 +164,7 @@ class Intake:
                 ep.wait_seconds += time.monotonic() - started
                 return None
             if kind == Kind.RELEASE:        # granted steps, while this rank skips what is left of an epoch
-                broker.give_back(header["epoch"], [], kept=broker.got)
+                broker.give_back(header["epoch"], [], kept=broker.got + broker.adopted)
                 continue
             if kind != Kind.BATCH:          # STEPS: nothing to wait for when every batch is taken as it comes
                 continue
@@ -139,18 +177,26 @@ class Intake:
 
     def ended(self, broker: BrokerConnection, header: dict, ep: EpochStats) -> bool:
         """``broker``'s EPOCH_END: whether every broker has now ended the epoch (:attr:`end_seen`)."""
+        self._enter(header["epoch"])
         self._waiting.remove(broker)         # its later batches wait until every broker ended this epoch
         if self._waiting:
             return False
-        self._waiting = list(self.connections)
         if ep.epoch < 0:                     # a rank that got no batch of the epoch (others had them all)
             ep.epoch = header["epoch"]
-        self.end_seen = True
+        self._end_epoch()
         return True
+
+    def _end_epoch(self) -> None:
+        self._waiting = list(self.connections)
+        self.end_seen = True
 
     def source(self, header: dict) -> BrokerConnection:
         """The broker a batch this rank holds came from."""
         return self._source[protocol.batch_id(header)]
+
+    def source_of(self, header: dict) -> BrokerConnection | None:
+        """The broker a batch this rank holds came from, None if it no longer knows (acknowledged, or lost)."""
+        return self._source.get(protocol.batch_id(header))
 
     def unpack(self, broker: BrokerConnection, header: dict, frames: list[zmq.Frame],
                ep: EpochStats) -> list[Item]:
@@ -162,6 +208,7 @@ class Intake:
         """
         batch_id = protocol.batch_id(header)
         first, stop = protocol.taken_range(header)
+        self._enter(header["epoch"])
         if not broker.arrived(batch_id, first):
             return []
         if ep.epoch < 0:
@@ -218,6 +265,117 @@ class Intake:
                 self._source.pop(batch_id).ack(batch_id, send=False)
         broker.flush()
 
+    # ---- what was used, and losses ------------------------------------------------------------------------
+
+    def note_used(self, header: dict) -> None:
+        """The loop has this batch now (yielded): record it as used, of the connection it came from."""
+        source = self._source.get(protocol.batch_id(header))
+        record = source.used if source is not None else self._elsewhere
+        record.add(header["part"], header["seq"], header.get("index", 0), header["checksum"])
+
+    def used_entries(self) -> list[UsedEntry]:
+        """Every batch the rank used of its current epoch, wherever it came from (lost entries included)."""
+        every = UsedBatches(self.lost.entries())
+        every.update(self._elsewhere.entries())
+        for broker in self.connections:
+            every.update(broker.used.entries())
+        return every.entries()
+
+    def resume(self, epoch: int, entries: list[UsedEntry]) -> None:
+        """Resume ``epoch`` from a checkpoint that had used ``entries`` of it: they are the lost entries of ``""``,
+        told every broker (``RECLAIM``)."""
+        self._enter(epoch)
+        self.lost.update(entries)
+        self._handled.add("")
+        for broker in self.connections:
+            broker.reclaim(epoch, "", self.lost.entries())
+
+    def _enter(self, epoch: int) -> None:
+        """A message of ``epoch``: a later one than the rank's current epoch starts a new record of what was used."""
+        if epoch <= self.current:
+            return
+        self.current = epoch
+        self.lost.clear()
+        self._elsewhere.clear()
+        for broker in self.connections:
+            broker.used.clear()
+
+    def _lost(self, broker: BrokerConnection, header: dict) -> None:
+        """A LOST from ``broker`` (or, ``restarted``, its own rejoin found it restarted without journal)."""
+        lost = header["lost"]
+        if header.get("restarted"):
+            self._lose(broker, lost, gone=False)
+            return
+        owner = next((b for b in self.connections if b.incarnation == lost), None)
+        if owner is not None and lost not in self._handled:
+            # A broker gone for good that this rank had not noticed yet (another broker took it over).
+            log.warning("rank %d: the broker at %s (incarnation %s) was lost, says the broker at %s",
+                        broker.rank, owner.address, lost, broker.address)
+            self._lose(owner, lost, gone=owner is not broker)
+            return
+        broker.reclaim(header["epoch"], lost, self.lost.entries() if header["epoch"] == self.current else [])
+
+    def _silent(self, silent: BrokerSilent) -> None:
+        """A broker silent past its timeout: gone for good if another one still answers, else the feed's end.
+
+        Raises:
+            BrokerError: no other broker answers.
+        """
+        gone = silent.broker
+        answering = False
+        for broker in self.connections:
+            if broker is gone:
+                continue
+            try:
+                broker.service()            # what it sent waits for later; its silence raises
+                answering = True
+            except BrokerSilent:
+                pass
+        if not answering:
+            if len(self.connections) == 1:
+                raise BrokerError(str(silent)) from silent
+            raise BrokerError(f"every broker of stream {gone.stream!r} is gone or unreachable (the broker at "
+                              f"{gone.address} has been silent for {gone.timeout:g} s, and so have the others): "
+                              f"{WHAT_TO_DO}") from silent
+        log.warning("rank %d: the broker at %s has been silent for %g s, gone for good; reading on from the others "
+                    "(its partitions come again from Spark through them)", gone.rank, gone.address, gone.timeout)
+        self._lose(gone, gone.incarnation, gone=True)
+
+    def _lose(self, broker: BrokerConnection, incarnation: str, gone: bool) -> None:
+        """Incarnation ``incarnation`` of ``broker`` lost its state (``gone``: for good). See the module."""
+        self._handled.add(incarnation)
+        if broker.ended < self.current:     # the loss takes what this rank had of its current epoch
+            epoch = self.current
+            if self.forget is not None:
+                self.forget(broker, gone)
+            self._unpacked = deque(item for item in self._unpacked
+                                   if self._source.get(protocol.batch_id(item[0])) is not broker)
+            for batch_id in [i for i, b in self._source.items() if b is broker]:
+                del self._source[batch_id]
+                self._pack_left.pop(batch_id, None)
+                self._pack_first.pop(batch_id, None)
+                self._pack_done.pop(batch_id, None)
+            self.lost.update(broker.used.entries())
+            self.lost.update(self._elsewhere.entries())   # the pooled ones may have been this broker's
+            broker.used.clear()
+            self._elsewhere.clear()
+            entries = self.lost.entries()
+        else:                               # it had ended this epoch: it lost the next, of which the rank has none
+            epoch, entries = broker.ended + 1, []
+        broker.forget_epoch()
+        log.warning("rank %d: the broker at %s lost epoch %d (incarnation %s); %d used batches of the epoch are "
+                    "reclaimed", broker.rank, broker.address, epoch, incarnation,
+                    sum(stop - first for _, _, first, stop, _ in entries))
+        if gone:
+            broker.close()
+            self.connections.remove(broker)
+            if broker in self._waiting:
+                self._waiting.remove(broker)
+                if not self._waiting and not self.end_seen:
+                    self._end_epoch()
+        for other in self.connections:
+            other.reclaim(epoch, incarnation, entries)
+
     # ---- acknowledging --------------------------------------------------------------------------------------
 
     def ack(self, header: dict, send: bool = True) -> None:
@@ -233,7 +391,9 @@ class Intake:
             del self._pack_left[batch_id]
             self._pack_first.pop(batch_id, None)
             self._pack_done.pop(batch_id, None)
-        broker = self._source.pop(batch_id)
+        broker = self._source.pop(batch_id, None)
+        if broker is None:                  # its broker lost it (the batch counts as used: RECLAIM)
+            return
         if send:
             self._report()
         broker.ack(batch_id, send)
@@ -263,9 +423,17 @@ class Intake:
             broker.flush()
 
     def service(self) -> None:
-        """Keep every broker connection alive while the rank waits for its peers (heartbeats, a rejoin)."""
-        for broker in self.connections:
-            broker.service()
+        """Keep every broker connection alive while the rank waits for its peers (heartbeats, a rejoin).
+
+        Raises:
+            BrokerError: every broker is silent past its timeout (or the only one is).
+        """
+        for broker in list(self.connections):
+            if broker in self.connections:
+                try:
+                    broker.service()
+                except BrokerSilent as silent:
+                    self._silent(silent)
 
 
 class _PackProgress:

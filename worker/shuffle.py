@@ -4,6 +4,9 @@
 step counts across ranks survive. For the same sequence of input batches and the same ``seed`` the output is the
 same, row for row. The input sequence of a rank, however, depends on timing (which rank the broker gave which
 batch, see docs/TRAINING.md), so a rank's mixed batches are reproducible only if its input is.
+
+Give the buffer the stream it reads (``stream=``): ``BatchStream.state_dict`` then refuses while the buffer holds
+rows, which the model has not trained although the stream yielded them (an exact resume would need them too).
 """
 
 from __future__ import annotations
@@ -33,15 +36,19 @@ class ShuffleBuffer:
         batches: ``k``, how many batches' rows are mixed together (at least 1). The buffer holds about ``k``
             batches of rows; the first mixed batch comes out after ``k`` went in.
         seed: a seed for ``numpy.random.default_rng`` (an int, a sequence of ints, or None for fresh entropy).
+        stream: the :class:`~worker.BatchStream` whose batches are pushed, if any: its ``state_dict`` refuses while
+            this buffer holds rows (see the module).
     Raises:
         ValueError: ``batches`` below 1.
 
     The returned columns are new (numpy arrays writable and C-contiguous), no longer views of received frames.
     """
 
-    def __init__(self, batches: int, seed: Any = None):
+    def __init__(self, batches: int, seed: Any = None, *, stream: Any = None):
         if batches < 1:
             raise ValueError(f"a shuffle buffer mixes at least 1 batch, not {batches}")
+        if stream is not None:
+            stream.track_buffer(self)
         self.batches = batches
         self._rng = np.random.default_rng(seed)
         self._held: list[Batch] = []          # the batches whose rows are not all given out yet
@@ -121,7 +128,8 @@ def _gather(columns: list[Any], rows: list[np.ndarray], order: np.ndarray) -> An
     return np.ascontiguousarray(np.concatenate([c[r] for c, r in zip(columns, rows)])[order])
 
 
-def shuffled(batches: Iterable[Batch], buffer_batches: int, seed: Any = None) -> Iterator[Batch]:
+def shuffled(batches: Iterable[Batch], buffer_batches: int, seed: Any = None, *, stream: Any = None
+             ) -> Iterator[Batch]:
     """Yield ``batches`` with rows mixed across ``buffer_batches`` consecutive batches (see :class:`ShuffleBuffer`).
 
     Yields exactly as many batches as ``batches`` does, with the same sizes in the same order: wrapped around
@@ -134,10 +142,13 @@ def shuffled(batches: Iterable[Batch], buffer_batches: int, seed: Any = None) ->
         batches: dicts of columns (numpy, masked, RaggedColumn) with the same columns, dtypes and row shapes.
         buffer_batches: how many batches' rows are mixed together (1: permute within each batch).
         seed: seed of the mixing (use e.g. ``(seed, epoch, rank)`` for a different mix per epoch and rank).
+        stream: the :class:`~worker.BatchStream` that ``batches`` come from (``shuffled(stream.epoch(), k,
+            stream=stream)``): its ``state_dict`` then refuses while the buffer holds rows. Pass it whenever the
+            job checkpoints with ``state_dict``.
     Raises:
         ValueError: ``buffer_batches`` below 1, or batches whose layouts differ.
     """
-    buffer = ShuffleBuffer(buffer_batches, seed)
+    buffer = ShuffleBuffer(buffer_batches, seed, stream=stream)
     for batch in batches:
         mixed = buffer.push(batch)
         if mixed is not None:

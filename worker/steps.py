@@ -127,6 +127,15 @@ class EvenRounds:
         self._intake.flush()
         self._ahead = collectives.PendingMin(self._comm, len(self._ready) - 1)
 
+    def forget(self, broker: Any, gone: bool) -> None:
+        """``broker`` lost this epoch. The batches held for the coming steps were counted in an agreement with the
+        other ranks, so they stay and are trained from this rank's copy: they count as used now (what the loss's
+        RECLAIM says), and the broker that takes the lost partitions over drops its recomputed copies. Conservative:
+        one that ends up dropped for evenness, or skipped by a loop that leaves early, is then not trained."""
+        for header, _ in self._ready:
+            if self._intake.source_of(header) is broker:
+                self._intake.note_used(header)
+
     def _abandon(self) -> None:
         """The loop left the epoch early: complete the agreement every rank posted, and put back what this rank
         holds (the next epoch skips and acknowledges it)."""

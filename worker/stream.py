@@ -4,19 +4,27 @@ are yielded epoch by epoch.
 The parts: :mod:`worker.connection` (one broker: window, acknowledgements, heartbeats, rejoining),
 :mod:`worker.intake` (every broker's batches in turn, packs cut into batches), :mod:`worker.steps` (how many
 steps to take: every batch, or even rounds across the ranks of a communicator).
+
+A broker that loses its state without a journal (a restart, or gone for good while other brokers answer) costs a
+recomputation by Spark, not the job: the intake drops what the rank held of it unused and tells the brokers what
+the loop had used of it (``RECLAIM``; docs/design/RECOVERY.md, "The rank"). The same record is the rank's position
+for an exact resume from a checkpoint: :meth:`BatchStream.state_dict` and ``BatchStream(..., resume=state)``.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence, Sized
 from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
 from broker.address import broker_addresses
+from broker.errors import BrokerError
+from broker.protocol import UsedEntry
 
 from .connection import BrokerConnection
 from .grants import GrantedSteps
@@ -41,6 +49,7 @@ class EpochStats:
     dropped_rows: int = 0
     wait_seconds: float = 0.0   # time the training loop waited for data (and for the other ranks to agree)
     seconds: float = 0.0        # from the first request of the epoch to its end
+    resumed_batches: int = 0    # steps of this epoch taken before the checkpoint it resumed from (not in batches)
 
 
 @dataclass
@@ -56,11 +65,12 @@ class StreamStats:
     first_batch_seconds: float = -1.0   # from the stream's start to its first batch (-1: none yet)
     skipped_batches: int = 0    # left unread when the loop broke out of an epoch early
     rejoins: int = 0            # times this rank joined the broker again (a lost connection, a restarted broker)
+    resumed_batches: int = 0    # steps taken before the checkpoint this stream resumed from (not in batches)
     epochs: list[EpochStats] = field(default_factory=list)
 
     def add(self, ep: EpochStats) -> None:
         self.epochs.append(ep)
-        for name in ("batches", "rows", "bytes", "dropped_batches", "dropped_rows", "wait_seconds"):
+        for name in ("batches", "rows", "bytes", "dropped_batches", "dropped_rows", "wait_seconds", "resumed_batches"):
             setattr(self, name, getattr(self, name) + getattr(ep, name))
 
 
@@ -101,10 +111,18 @@ class BatchStream:
         key, broker_key: for a broker run with ``--auth``: this rank's ``.key_secret`` file (a key allowed in the
             ranks role) and the broker's ``.key`` file; default the variables ``SPARKBUS_KEY`` and
             ``SPARKBUS_BROKER_KEY`` (``mpiexec -genv`` passes them to every rank).
+        resume: this rank's :meth:`state_dict` saved with a checkpoint, to resume from it exactly: after joining,
+            the rank tells every broker what the checkpointed model had used of the epoch (``RECLAIM`` with
+            ``lost=""``), and its first :meth:`epoch` yields only what the brokers deliver of it: the rest. The
+            feed must re-feed that epoch for a resume (``feed_epochs(..., resume=...)``). ``stats`` count the
+            steps taken before the checkpoint in ``resumed_batches``, apart from ``batches``.
     Raises:
-        BrokerError: the broker does not answer within ``timeout``, refuses this rank, or goes silent.
+        BrokerError: the broker does not answer within ``timeout``, refuses this rank, or goes silent (with
+            several brokers: every one of them; one gone while others answer is read on without, its batches
+            recomputed by Spark), or ``resume`` with a broker of protocol version 5.
         ValueError: ``comm`` with ``rank``/``size``, ``rank`` without ``size`` (or the other way round), a rank
-            outside the group, ``rank="auto"`` without a launcher, ``steps="mpi"`` without ``comm``.
+            outside the group, ``rank="auto"`` without a launcher, ``steps="mpi"`` without ``comm``; a ``resume``
+            state that is not a ``state_dict`` of this stream, rank and group size.
 
     The columns of a batch are read-only views of the received frames; copy one to modify it.
     """
@@ -114,11 +132,13 @@ class BatchStream:
                  timeout: float = 60.0, verify: bool = True, heartbeat: float = 1.0,
                  on_drop: Callable[[Batch], None] | None = None, abort_on_error: bool = True,
                  context: zmq.Context | None = None, key: str | None = None, broker_key: str | None = None,
-                 rank: int | str | None = None, size: int | None = None, steps: str = "broker"):
+                 rank: int | str | None = None, size: int | None = None, steps: str = "broker",
+                 resume: Mapping[str, Any] | None = None):
         if prefetch < 1 or prefetch_bytes < 0:
             raise ValueError("prefetch must be at least 1 and prefetch_bytes not negative")
         self.address, self.comm, self.stream = address, comm, stream
         self.rank, self.size = _group(comm, rank, size)
+        resumed = None if resume is None else _resume_state(resume, stream, self.rank, self.size)
         self.even = (self.size > 1) if even is None else even and self.size > 1
         if steps not in ("broker", "mpi") or (steps == "mpi" and comm is None and self.even):
             raise ValueError(f"steps must be 'broker' or 'mpi' (which needs comm=), not {steps!r}")
@@ -142,6 +162,22 @@ class BatchStream:
         self._intake = Intake(self._brokers, self.stats, self._figures, verify=verify, heartbeat=heartbeat,
                               progress_every=prefetch)
         self._ep = EpochStats(epoch=-1)           # the epoch whose figures the brokers are told
+        self._in_epoch = False                    # epoch() is between its first and its last step
+        self._buffers: weakref.WeakSet[Any] = weakref.WeakSet()   # shuffle buffers fed from this stream
+        self._resumed = resumed                   # the state resumed from, until its epoch begins
+        if resumed is not None:
+            try:
+                self._resume(resumed)
+            except BaseException:
+                self.close()
+                raise
+
+    def _resume(self, state: dict) -> None:
+        older = [b.address for b in self._brokers if b.version < 6]
+        if older:
+            raise BrokerError(f"the brokers at {', '.join(older)} speak protocol version 5, which cannot resume an "
+                              f"epoch exactly: upgrade them, or resume at an epoch boundary without resume=")
+        self._intake.resume(state["epoch"], state["used"])
 
     def _figures(self) -> tuple[int, float]:
         # What this rank tells its brokers about itself: batches consumed and data-wait, over every epoch so far.
@@ -168,6 +204,8 @@ class BatchStream:
         if self._intake.unfinished:
             self._skip_rest_of_epoch()
         ep = self._ep = EpochStats(epoch=-1)
+        if self._resumed is not None:
+            ep.resumed_batches, self._resumed = self._resumed["steps"], None
         started = time.monotonic()
         self._intake.begin_epoch()
         plan: StepPlan
@@ -178,12 +216,15 @@ class BatchStream:
                               prefetch_bytes=self.prefetch_bytes, on_drop=self.on_drop)
         else:
             plan = IndependentSteps(self._intake, ep)
+        self._intake.forget = getattr(plan, "forget", None)
         steps = plan.steps()
         holding: dict | None = None           # the header of the batch the loop has now (acknowledged on next)
         try:
             for step in steps:
                 self._count(ep, step.header, step.batch)
+                self._intake.note_used(step.header)
                 holding = step.header if step.acknowledge else None
+                self._in_epoch = True
                 yield step.batch
                 if holding is not None:
                     header, holding = holding, None
@@ -192,12 +233,52 @@ class BatchStream:
             try:
                 steps.close()                 # a loop that left early: the plan settles what it started
             finally:
+                self._in_epoch = False
+                self._intake.forget = None
                 if holding is not None:       # the loop left with a batch in hand: it was consumed
                     self._intake.ack(holding)
                 self._intake.flush()
                 ep.seconds = time.monotonic() - started
                 self.stats.add(ep)
                 self.stats.rejoins = sum(b.rejoins for b in self._intake.connections)
+
+    # ---- checkpoints ----------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's position in the stream, to save with a model checkpoint and pass back as ``resume=``.
+
+        Inside the ``for batch in stream.epoch()`` loop (between steps: the batch in hand counts as used), the
+        open epoch and every batch of it this rank used, wherever it came from; between epochs, the next epoch
+        and nothing used. **One per rank**: each rank saves its own (``torch.save`` per rank, or gathered).
+
+        Returns:
+            ``{"format": 1, "stream", "rank", "size", "epoch", "steps", "used": [[part, seq, first, stop,
+            checksum], ...]}``: plain ints, strings and lists (JSON and msgpack safe). ``steps``: the steps taken of
+            the epoch (those before a checkpoint this stream resumed from included).
+        Raises:
+            ValueError: a :class:`~worker.ShuffleBuffer` (or :func:`~worker.shuffled`) given ``stream=`` this
+                stream holds rows: the model has not trained them, yet they were taken from the stream, so a
+                position mid-epoch would not be exact. Take the state between epochs, or shuffle with a buffer of
+                one batch. (A buffer not given ``stream=`` cannot be seen: the state is then wrong by its rows.)
+        """
+        held = sum(len(buffer) for buffer in self._buffers)
+        if held:
+            raise ValueError(f"a shuffle buffer holds {held} batches of stream {self.stream!r} that the model has not "
+                             f"trained: a state mid-epoch would not be exact; take it between epochs")
+        if self._resumed is not None:
+            return dict(self._resumed, used=[list(e) for e in self._resumed["used"]])
+        if self._in_epoch:
+            epoch, steps = self._intake.current, self._ep.resumed_batches + self._ep.batches
+            used = [list(e) for e in self._intake.used_entries()]
+        else:
+            epoch, steps, used = max([self._intake.current, *(b.ended for b in self._brokers)]) + 1, 0, []
+        return {"format": 1, "stream": self.stream, "rank": self.rank, "size": self.size, "epoch": epoch,
+                "steps": steps, "used": used}
+
+    def track_buffer(self, buffer: Sized) -> None:
+        """A shuffle buffer fed from this stream (``ShuffleBuffer(..., stream=)``): :meth:`state_dict` refuses while
+        it holds batches (``len``). Kept weakly."""
+        self._buffers.add(buffer)
 
     def _skip_rest_of_epoch(self) -> None:
         log.warning("rank %d left the previous epoch before its end; skipping its remaining batches", self.rank)
@@ -241,6 +322,31 @@ class BatchStream:
                          self.rank, exc, exc_info=(exc_type, exc, tb))
             self.comm.Abort(1)
         self.close()
+
+
+def _resume_state(state: Mapping[str, Any], stream: str, rank: int, size: int) -> dict[str, Any]:
+    """``state`` (a :meth:`BatchStream.state_dict`) checked for this stream, rank and group size.
+
+    Raises:
+        ValueError: not a state of format 1, of another stream, rank or size, or malformed ``used`` entries.
+    """
+    if not isinstance(state, Mapping) or state.get("format") != 1:
+        raise ValueError("resume= takes a BatchStream.state_dict() (format 1)")
+    for name, mine in (("stream", stream), ("rank", rank), ("size", size)):
+        if state.get(name) != mine:
+            raise ValueError(f"resume= has the state of {name} {state.get(name)!r}, but this BatchStream is "
+                             f"{name} {mine!r}: pass each rank its own state_dict()")
+    epoch, steps, used = state.get("epoch"), state.get("steps"), state.get("used")
+    entries: list[UsedEntry] = []
+    if type(epoch) is not int or epoch < 0 or type(steps) is not int or steps < 0 or not isinstance(used, list):
+        raise ValueError("resume= has a state whose epoch, steps or used are malformed")
+    for entry in used:
+        if (not isinstance(entry, (list, tuple)) or len(entry) != 5 or any(type(n) is not int for n in entry)
+                or not 0 <= entry[2] < entry[3]):
+            raise ValueError(f"resume= has a malformed used entry {entry!r} (want [part, seq, first, stop, checksum])")
+        entries.append((entry[0], entry[1], entry[2], entry[3], entry[4]))
+    return {"format": 1, "stream": stream, "rank": rank, "size": size, "epoch": epoch, "steps": steps,
+            "used": entries}
 
 
 def _group(comm: Any, rank: int | str | None, size: int | None) -> tuple[int, int]:

@@ -165,7 +165,7 @@ def _define_stream_dataset() -> type:
             batches: Iterable[Batch] = self.stream.epoch()
             if self.shuffle_buffer:
                 seed = None if self.shuffle_seed is None else (self.shuffle_seed, epoch, self.stream.rank)
-                batches = shuffled(batches, self.shuffle_buffer, seed)
+                batches = shuffled(batches, self.shuffle_buffer, seed, stream=self.stream)
             for batch in batches:
                 tensors = to_tensors(batch, self.writable)
                 yield tensors if self.transform is None else self.transform(tensors)

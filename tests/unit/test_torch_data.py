@@ -152,6 +152,9 @@ class FakeStream:
         self.started += 1
         yield from self.epochs.pop(0)
 
+    def track_buffer(self, buffer):
+        """A shuffle buffer fed from this stream (BatchStream.state_dict refuses while it holds rows)."""
+
 
 def test_each_iteration_of_the_dataset_is_one_epoch():
     pytest.importorskip("torch")
