@@ -19,6 +19,7 @@ from broker.partitions import MAX_PARTITIONS
 from broker.protocol import Kind
 
 from .columns import partition_messages, record_batches_from_rows
+from .recovery import EpochFeed, FeedJob, JobCancel, Outcome, Routes, rows_held
 from .task import DEFAULT_PACK_BYTES, PartitionReport, attempt_id, stream_messages
 
 log = logging.getLogger("sparkbus.feeder")
@@ -52,7 +53,7 @@ def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "t
          max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES, pack_bytes: int = DEFAULT_PACK_BYTES,
          ragged: Sequence[str] = (), bucket_by: str | None = None, bucket_window: int = 64,
          arrow_batch_rows: int | None = None, key: str | None = None,
-         broker_key: str | None = None) -> FeedReport:
+         broker_key: str | None = None, recover: bool = True, resume: bool = False) -> FeedReport:
     """Stream every row of a DataFrame or RDD to the broker as one epoch of ``stream``.
 
     Opens the epoch with the partition count, runs one Spark job whose tasks push their partitions in batches
@@ -104,20 +105,33 @@ def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "t
         key, broker_key: for a broker run with ``--auth``: this client's ``.key_secret`` file and the broker's
             ``.key`` file (a feeder key; the same paths must exist on the executors), or the variables
             ``SPARKBUS_KEY`` and ``SPARKBUS_BROKER_KEY`` (pass them to executors with ``spark.executorEnv.*``).
+        recover: watch the brokers while the job runs (a HELLO each second) and recover from a lost one: a
+            broker that restarted without ``--journal``, or one silent for ``timeout``. The job is cancelled and
+            the partitions no live broker committed are fed again from Spark (to the restarted broker, or to
+            the first live one), while the ranks say what they already used (docs/design/RECOVERY.md). False:
+            such a loss fails the feed (``BrokerError``), as before version 6.
+        resume: feed the epoch again for ranks that resume from a checkpoint (``BatchStream(resume=state)``):
+            every broker first drops what it had of the epoch, delivered or not, then every partition is fed
+            again to its home broker and the brokers deliver only what no rank's checkpoint used. The only way
+            an epoch that was delivered is fed again (``EPOCH_OPEN`` refuses it).
     Returns:
         A :class:`FeedReport`.
     Raises:
-        BrokerError: the broker is unreachable within ``timeout``, refused the epoch, or restarted without a
-            journal while the epoch was being fed (its batches are lost: feed the epoch again).
+        BrokerError: the broker is unreachable within ``timeout`` or refused the epoch; no broker is left to
+            recover to (every broker lost, or the only one silent past ``timeout``: the message says what to
+            do); a broker restarted without a journal and cannot recover (an older broker, or ``recover=False``:
+            its batches are lost, feed the epoch again).
         FeedError: the Spark job failed (a task could not reach the broker, an RDD value is unsupported, ...),
-            with the cause from the executors' traceback, on a classic and a Spark Connect session alike. Or the
+            with the cause from the executors' traceback, on a classic and a Spark Connect session alike; or
+            brokers kept being lost through ``len(brokers) + 2`` rounds of recovery. Or the
             job succeeded but the broker took fewer (or more) rows than Spark's successful tasks produced: a
             failure upstream of the feed in the same task cut an attempt's input short, and that attempt
             committed first. The epoch is then closed with what the broker holds (the ranks are not left waiting).
         TypeError: a DataFrame column of a type sparkbus cannot carry (named, with what to do), or a
             ``ragged``/``bucket_by`` name that is not such a column: found from the schema, before any job runs.
             Or ``data`` is neither a DataFrame nor an RDD.
-        ValueError: ``bucket_window`` below 1.
+        ValueError: ``bucket_window`` below 1; ``resume`` on Spark Connect with several brokers (the partition
+            count is needed: feed through ``feed_epochs(..., partitions=...)``).
     """
     started = time.monotonic()
     feeds, controls = feed_and_control_addresses(address, control)
@@ -127,39 +141,37 @@ def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "t
                     key=key, broker_key=broker_key)
     cutting = dict(batch_size=batch_size, max_bytes=max_batch_bytes, pack_bytes=pack_bytes, ragged=tuple(ragged),
                    bucket_by=bucket_by, bucket_window=bucket_window)
-    run = secrets.randbits(31)
-    diverged: set[int] = set()
     with ExitStack() as stack:
         if _is_dataframe(data):
             rows = arrow_rows_for(batch_size) if arrow_batch_rows is None else arrow_batch_rows
             if rows:      # Spark reads it when it plans the job: set before, restored after the job
                 stack.enter_context(_spark_conf(data.sparkSession, ARROW_BATCH_CONF, str(rows)))
-            job = _spark_job(_dataframe_job(data, columns, cutting, run, settings))
+            job = _spark_job(data, lambda run, routes: _dataframe_job(data, columns, cutting, run, settings, routes))
         else:
-            job = _rdd_job(data, cutting, run, settings)
+            job = _rdd_job(data, cutting, settings)
         clients = [stack.enter_context(ControlClient(c, timeout, key=key, broker_key=broker_key)) for c in controls]
         brokers = [c.hello("feeder", stream) for c in clients]   # fail fast on an absent broker
         opened = UNKNOWN_PARTITIONS if job.partitions is None else job.partitions
-        for client in clients:
-            client.request(Kind.EPOCH_OPEN, stream=stream, epoch=epoch, partitions=opened, delivery=delivery)
-        try:
-            reports = [PartitionReport(*r) for r in job.collect()]
-        except Exception as exc:
-            _raise_if_a_broker_restarted(clients, brokers, stream, epoch, exc)
-            raise FeedError(_explain_job_failure(exc, stream, epoch)) from exc
-        partitions = len(reports) if job.partitions is None else job.partitions     # a report per task
-        shares = [sum(1 for r in reports if r.broker == i) for i in range(len(clients))]
-        held = sum(_rows_held(client, stream, epoch) for client in clients)
-        for client, share in zip(clients, shares):
+        if not resume:          # a resume's EPOCH_RECOVER(reset) opens the epoch
+            for client in clients:
+                client.request(Kind.EPOCH_OPEN, stream=stream, epoch=epoch, partitions=opened, delivery=delivery)
+        if recover or resume:
+            connect = is_connect_dataframe(data)
+            session = data.sparkSession if connect else \
+                data.sparkSession.sparkContext if _is_dataframe(data) else data.context
+            cancel = stack.enter_context(JobCancel(session, connect))
+            watched = EpochFeed(clients, brokers, stream, epoch, delivery, timeout, cancel, key, broker_key)
             try:
-                closed = client.request(Kind.EPOCH_CLOSE, stream=stream, epoch=epoch, partitions=partitions,
-                                        expected=share)
-            except BrokerError as exc:
-                _raise_if_a_broker_restarted(clients, brokers, stream, epoch, exc)
+                outcome = watched.run(job, resume=resume)
+            except (BrokerError, FeedError, ValueError):
                 raise
-            diverged.update(closed.get("diverged", ()))
+            except Exception as exc:
+                raise FeedError(_explain_job_failure(exc, stream, epoch)) from exc
+            partitions, reports, shares, diverged, held = outcome
+        else:
+            partitions, reports, shares, diverged, held = _feed_unwatched(job, clients, brokers, stream, epoch)
     produced = sum(r.rows for r in reports)
-    if held != produced:
+    if held is not None and held != produced:
         # Closed all the same: the ranks finish the epoch with what the broker has, instead of waiting for ever
         raise FeedError(f"stream {stream!r} epoch {epoch}: Spark's successful tasks produced {produced} rows, the "
                         f"broker took {held}. A task attempt whose input was cut short committed first: a failure "
@@ -176,6 +188,29 @@ def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "t
         warnings.warn(message, DivergedPartitionsWarning, stacklevel=2)
     return FeedReport(partitions, sum(r.batches for r in reports), sum(r.rows for r in reports),
                       sum(r.bytes for r in reports), time.monotonic() - started, differed, tuple(shares))
+
+
+def _feed_unwatched(job: FeedJob, clients: list[ControlClient], brokers: list[dict], stream: str,
+                    epoch: int) -> Outcome:
+    """``recover=False``: the job, then the close; a broker that restarted without a journal fails the feed."""
+    try:
+        reports = [PartitionReport(*r) for r in job.collect()]
+    except Exception as exc:
+        _raise_if_a_broker_restarted(clients, brokers, stream, epoch, exc)
+        raise FeedError(_explain_job_failure(exc, stream, epoch)) from exc
+    partitions = len(reports) if job.partitions is None else job.partitions     # a report per task
+    shares = [sum(1 for r in reports if r.broker == i) for i in range(len(clients))]
+    held = sum(rows_held(client, stream, epoch) for client in clients)
+    diverged: set[int] = set()
+    for client, share in zip(clients, shares):
+        try:
+            closed = client.request(Kind.EPOCH_CLOSE, stream=stream, epoch=epoch, partitions=partitions,
+                                    expected=share)
+        except BrokerError as exc:
+            _raise_if_a_broker_restarted(clients, brokers, stream, epoch, exc)
+            raise
+        diverged.update(closed.get("diverged", ()))
+    return Outcome(partitions, reports, tuple(shares), diverged, held)
 
 
 ARROW_BATCH_CONF = "spark.sql.execution.arrow.maxRecordsPerBatch"
@@ -199,12 +234,6 @@ def _spark_conf(session: Any, key: str, value: str) -> Iterator[None]:
             session.conf.unset(key)
         else:
             session.conf.set(key, before)
-
-
-def _rows_held(client: ControlClient, stream: str, epoch: int) -> int:
-    """Rows of the epoch the broker has taken (first copies; in atomic delivery, committed attempts')."""
-    figures = client.request(Kind.STATS_REQUEST)["stats"]["streams"].get(stream, {}).get("epochs", {})
-    return figures.get(str(epoch), {}).get("rows_in", 0)
 
 
 def _cut_short_partitions(diverged: set[int]) -> str:
@@ -241,31 +270,38 @@ def is_connect_dataframe(data: Any) -> bool:
     return connect is not None and isinstance(data, connect.DataFrame)
 
 
-class _Job(NamedTuple):
-    """A feed's Spark job: its partition count if Spark can say it before the job runs, and how to run it (the
-    tasks' :class:`PartitionReport` rows)."""
-
-    partitions: int | None
-    collect: Callable[[], list]
-
-
-def _spark_job(job: Any) -> _Job:
-    """The feed's DataFrame, run by ``collect()``; on a classic session through its RDD, whose partition count
-    Spark knows before the job runs.
+def _spark_job(data: Any, make: Callable[[int, Routes | None], Any]) -> FeedJob:
+    """The feed's DataFrame (``make(run, routes)``: the job's DataFrame), run by ``collect()``; on a classic
+    session through its RDD, whose partition count Spark knows before the job runs.
 
     On a classic session the count comes from the very RDD that is then collected: with adaptive query
     execution, planning that RDD runs the shuffle stages below it (once), and a DataFrame ``collect()`` after it
     would plan and run them again. Spark Connect has no RDD: the count is the number of the job's reports.
     (Counting first, e.g. ``spark_partition_id()`` over the DataFrame, would be a second pass over all of its
     lineage: as costly as the feed itself for a DataFrame that is not cached.)
+
+    The recovery job (``rerun``) is the same DataFrame with fixed routes and a new run (its attempts must not
+    look like the first job's): on a classic session over the re-fed partitions only (``SparkContext.runJob``),
+    on Spark Connect over every partition, the others sending nothing.
     """
-    if is_connect_dataframe(job):
-        return _Job(None, job.collect)
-    rdd = job.rdd
-    return _Job(rdd.getNumPartitions(), rdd.collect)
+    first = make(secrets.randbits(31), None)
+    if is_connect_dataframe(first):
+        return FeedJob(None, first.collect, lambda routes: make(secrets.randbits(31), routes).collect())
+    rdd = first.rdd
+    context = data.sparkSession.sparkContext
+
+    def rerun(routes: Routes) -> list:
+        return context.runJob(make(secrets.randbits(31), routes).rdd, _listed, routes.partitions())
+
+    return FeedJob(rdd.getNumPartitions(), rdd.collect, rerun)
 
 
-def _dataframe_job(df: Any, columns: Sequence[str] | None, cutting: dict, run: int, settings: dict):
+def _listed(rows: Iterator[Any]) -> list:
+    return list(rows)
+
+
+def _dataframe_job(df: Any, columns: Sequence[str] | None, cutting: dict, run: int, settings: dict,
+                   routes: Routes | None = None):
     import pyarrow as pa
 
     prepared = prepare_dataframe(df, columns, cutting["ragged"], cutting["bucket_by"])
@@ -276,29 +312,43 @@ def _dataframe_job(df: Any, columns: Sequence[str] | None, cutting: dict, run: i
     def stream_arrow_partition(record_batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         task = _task_context()
         part = task.partitionId()
-        messages = partition_messages(record_batches, seed=(epoch, part), **cutting)
-        report = stream_messages(messages, partition=part, attempt=attempt_id(run, task.attemptNumber()),
-                                 **settings)
+        route = None if routes is None else routes.route(part)
+        if routes is not None and route is None:        # a recovery that does not re-feed this partition
+            report = PartitionReport(part, -1, 0, 0, 0.0, -1)
+        else:
+            messages = partition_messages(record_batches, seed=(epoch, part), **cutting)
+            report = stream_messages(messages, partition=part, attempt=attempt_id(run, task.attemptNumber()),
+                                     route=route, **settings)
         yield pa.RecordBatch.from_pylist([report._asdict()], schema=report_schema)
 
     return prepared.mapInArrow(stream_arrow_partition, REPORT_SCHEMA)
 
 
-def _rdd_job(rdd: Any, cutting: dict, run: int, settings: dict) -> _Job:
+def _rdd_job(rdd: Any, cutting: dict, settings: dict) -> FeedJob:
     if not hasattr(rdd, "mapPartitionsWithIndex"):
         raise TypeError(f"feed() takes a Spark DataFrame (of a classic or a Spark Connect session) or an RDD "
                         f"(of a classic session only: Spark Connect has no RDDs; make a DataFrame of the rows, "
                         f"e.g. spark.createDataFrame), not {type(rdd).__name__}")
     epoch = settings["epoch"]
 
-    def stream_rows(index: int, rows: Iterator[Any]) -> list[tuple]:
-        attempt = attempt_id(run, _task_context().attemptNumber())
-        record_batches = record_batches_from_rows(rows, cutting["batch_size"])
-        messages = partition_messages(record_batches, seed=(epoch, index), **cutting)
-        return [tuple(stream_messages(messages, partition=index, attempt=attempt, **settings))]
+    def mapped(run: int, routes: Routes | None) -> Any:
+        def stream_rows(index: int, rows: Iterator[Any]) -> list[tuple]:
+            route = None if routes is None else routes.route(index)
+            if routes is not None and route is None:
+                return [tuple(PartitionReport(index, -1, 0, 0, 0.0, -1))]
+            attempt = attempt_id(run, _task_context().attemptNumber())
+            record_batches = record_batches_from_rows(rows, cutting["batch_size"])
+            messages = partition_messages(record_batches, seed=(epoch, index), **cutting)
+            return [tuple(stream_messages(messages, partition=index, attempt=attempt, route=route, **settings))]
 
-    job = rdd.mapPartitionsWithIndex(stream_rows)
-    return _Job(job.getNumPartitions(), job.collect)
+        return rdd.mapPartitionsWithIndex(stream_rows)
+
+    job = mapped(secrets.randbits(31), None)
+
+    def rerun(routes: Routes) -> list:
+        return rdd.context.runJob(mapped(secrets.randbits(31), routes), _listed, routes.partitions())
+
+    return FeedJob(job.getNumPartitions(), job.collect, rerun)
 
 
 def _task_context() -> Any:

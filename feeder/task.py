@@ -64,7 +64,7 @@ def stream_partition(batches: Iterable[dict], feed_address: str | Sequence[str],
 def stream_messages(messages: Iterable[Message] | Iterable[tuple[dict[str, Any], list[int] | None]],
                     feed_address: str | Sequence[str], control_address: str | Sequence[str] | None, stream: str,
                     epoch: int, partition: int, attempt: int, timeout: float, key: str | None = None,
-                    broker_key: str | None = None) -> PartitionReport:
+                    broker_key: str | None = None, route: int | None = None) -> PartitionReport:
     """Push every message of one partition, then return only once the broker confirms all of them arrived.
 
     With several brokers, the partition goes to one of them, chosen when its first attempt starts and recorded by
@@ -80,6 +80,8 @@ def stream_messages(messages: Iterable[Message] | Iterable[tuple[dict[str, Any],
         attempt: this attempt's identity, unique among the attempts that stream the partition (:func:`attempt_id`).
         timeout: seconds any single wait may take (handshake, each blocked send, the commit).
         key, broker_key: CURVE key files for a broker run with ``--auth`` (see :class:`broker.client.ControlClient`).
+        route: the broker (an index in the list) the driver fixed for this partition in a recovery
+            (docs/design/RECOVERY.md): the task says HELLO to that broker only and claims nothing.
     Raises:
         BrokerError: a broker is unreachable, speaks another protocol version, or refused the commit.
         FeedTimeout: the broker stayed full (no batch taken) for longer than ``timeout``.
@@ -88,10 +90,16 @@ def stream_messages(messages: Iterable[Message] | Iterable[tuple[dict[str, Any],
     feeds, controls = feed_and_control_addresses(feed_address, control_address)
     context: zmq.Context = zmq.Context.instance()
     with ExitStack() as clients:
-        controls_open = [clients.enter_context(ControlClient(c, timeout, context, key, broker_key))
-                         for c in controls]
-        index = _choose_broker(controls_open, stream, epoch, partition)
-        control, feed_address = controls_open[index], feeds[index]
+        if route is not None:       # a recovery's fixed route: that broker only, no claim
+            index = route
+            control = clients.enter_context(ControlClient(controls[index], timeout, context, key, broker_key))
+            control.hello("feeder", stream)
+        else:
+            controls_open = [clients.enter_context(ControlClient(c, timeout, context, key, broker_key))
+                             for c in controls]
+            index = _choose_broker(controls_open, stream, epoch, partition)
+            control = controls_open[index]
+        feed_address = feeds[index]
         push = client_socket(context, zmq.PUSH, key, broker_key)
         push.sndhwm = PUSH_SNDHWM
         push.sndtimeo = int(timeout * 1000)
