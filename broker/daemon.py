@@ -362,7 +362,11 @@ class Broker:
         if len(body) != 1:
             raise ProtocolError("a RECLAIM carries one frame of used batches (protocol.pack_used)",
                                 ErrorCode.MALFORMED)
-        self.ledger.reclaim(rank, h, protocol.unpack_used(body[0].buffer, h["entries"]))
+        try:
+            entries = protocol.unpack_used(body[0].buffer, h["entries"])
+        except ProtocolError as exc:
+            raise ProtocolError(exc.reason, ErrorCode.MALFORMED) from None
+        self.ledger.reclaim(rank, h, entries)
 
     def _heartbeat_in(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
         self.ledger.report(self.ledger.rank(identity), h)

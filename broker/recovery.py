@@ -64,7 +64,7 @@ class Recovery(Partitions, Dispatch):
             raise ProtocolError("EPOCH_RECOVER's lost must be a list of incarnations (str)")
         stream = self.stream(name)
         ep = stream.epochs.get(number)
-        limit = ep.partitions if ep is not None else partitions
+        limit = ep.partitions if ep is not None and not h["reset"] else partitions
         carries = protocol.unpack_ranges(h["carries"], limit)
         recovered = carries if h["reset"] else protocol.unpack_ranges(h["recovered"], limit)
         if not recovered <= carries:
@@ -73,6 +73,8 @@ class Recovery(Partitions, Dispatch):
             self._reset(stream, number)
             lost = [RESUME, *(loss for loss in lost if loss != RESUME)]
             ep = None
+            if stream.awaiting_reset == number:
+                stream.awaiting_reset = None
         if ep is not None and ep.delivery != delivery:
             raise ProtocolError(f"stream {name!r} epoch {number} is open with {ep.delivery} delivery")
         if number in stream.finished or (ep is not None and ep.end_sent):
@@ -85,7 +87,7 @@ class Recovery(Partitions, Dispatch):
             ep = stream.epochs[number]
         rec = ep.recovery
         if rec is None:
-            rec = ep.recovery = EpochRecovery(set(carries), set(recovered), [])
+            rec = ep.recovery = EpochRecovery(set(carries), set(recovered), [], reset=h["reset"])
         else:
             rec.carries |= carries
             rec.recovered |= recovered
@@ -142,6 +144,13 @@ class Recovery(Partitions, Dispatch):
         ep = stream.epochs.get(number)
         if ep is not None and ep.recovery is not None:
             ep.recovery.index = None
+        if h["lost"] == RESUME and (ep is None or ep.recovery is None or not ep.recovery.reset):
+            # A rank resumes from a checkpoint: the old job's rest of this epoch (or its later epochs) must not
+            # reach it. Nothing from this epoch on goes out until the driver's EPOCH_RECOVER(reset) comes.
+            if stream.awaiting_reset is None or number < stream.awaiting_reset:
+                stream.awaiting_reset = number
+                log.info("stream %r: rank %d resumes epoch %d; its delivery waits for the epoch's reset",
+                         stream.name, rank.rank, number)
         self._bound_reclaims(stream)
 
     def _bound_reclaims(self, stream: StreamState) -> None:
@@ -221,6 +230,10 @@ class Recovery(Partitions, Dispatch):
             self._match(stream, ep, batch)
 
     def dispatch(self, stream: StreamState, transmit: Transmit) -> None:
+        if stream.awaiting_reset is not None:
+            ep = stream.delivering()
+            if ep is None or ep.epoch >= stream.awaiting_reset:
+                return
         for ep in stream.epochs.values():
             if ep.recovery is not None and ep.recovery.held and self.may_release(stream, ep):
                 self._release(stream, ep)

@@ -84,6 +84,7 @@ class EpochRecovery:
     carries: set[int]          # the partitions this broker streams; batches of others are dropped (unassigned)
     recovered: set[int]        # of them, a lost broker's (or all, for a resume): matched with the ranks' reclaims
     lost: list[str]            # the losses waited for: every member's RECLAIM for each before batches go out
+    reset: bool = False        # a resume: what the broker had of the epoch was forgotten first
     held: list[HeldBatch] = field(default_factory=list)    # batches of recovered partitions, held until then
     index: dict[tuple[int, int], list[tuple[int, int, int, str, int]]] | None = None   # (part, seq) -> used
 
@@ -331,6 +332,7 @@ class StreamState:
     orphans: dict[str, Orphan] = field(default_factory=dict)           # by session
     rejoins: int = 0           # ranks that came back (new connection or restarted broker) and were reconciled
     reclaims: dict[int, dict[str, dict[str, Reclaimed]]] = field(default_factory=dict)  # epoch -> loss -> member
+    awaiting_reset: int | None = None    # a rank resumes at this epoch: none from it on goes out until its reset
     last_used: float = field(default_factory=time.monotonic)   # when last in use or named by a message
     _turn: int = 0
 
