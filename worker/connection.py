@@ -67,13 +67,17 @@ class BrokerConnection:
         timeout: seconds the broker may stay silent, or keep refusing a rejoin, before :class:`BrokerError`.
         heartbeat: seconds between this rank's heartbeats (and HELLO retries) while it waits.
         key, broker_key: CURVE key files for a broker run with ``--auth`` (a rank key; see ``BatchStream``).
+        resume: ``(epoch, entries)`` of a rank that resumes from a checkpoint: its ``RECLAIM(lost="")``, sent right
+            after the WELCOME and before the first CREDIT, so that the broker has it before it could send anything.
     Raises:
-        BrokerError: no broker answers within ``timeout``, or it refuses this rank for good.
+        BrokerError: no broker answers within ``timeout``, or it refuses this rank for good; ``resume`` with a
+            broker of version 5.
     """
 
     def __init__(self, address: str, context: zmq.Context, *, stream: str, rank: int, size: int, even: bool,
                  prefetch: int, prefetch_bytes: int, timeout: float, heartbeat: float, key: str | None = None,
-                 broker_key: str | None = None, grants: bool = False):
+                 broker_key: str | None = None, grants: bool = False,
+                 resume: tuple[int, list[UsedEntry]] | None = None):
         self.address, self.stream, self.rank, self.size, self.even = address, stream, rank, size, even
         self.grants = grants
         self.prefetch, self.prefetch_bytes, self.timeout, self.heartbeat = prefetch, prefetch_bytes, timeout, heartbeat
@@ -101,7 +105,7 @@ class BrokerConnection:
         self._sock.connect(address)
         self._last_heard = self._last_said = time.monotonic()
         try:
-            self._join()
+            self._join(resume)
         except BaseException:
             self._sock.close(linger=0)
             raise
@@ -114,11 +118,14 @@ class BrokerConnection:
 
     def _hello(self, resume: bool) -> None:
         self._req += 1
+        optional: dict[str, Any] = {}
+        if self.grants:                   # the rank's count at this broker: what it got, and what was adopted here
+            optional.update(grants=True, got=self.got + self.adopted)
+        if resume and self.incarnation and self.version >= 6:
+            optional["incarnation"] = self.incarnation      # a broker restarted without journal ignores the ids
         header = pack_header(Kind.HELLO, v=self.version, req=self._req, role="rank", stream=self.stream, rank=self.rank,
                              size=self.size, even=self.even, session=self.session, resume=resume,
-                             ended=self.ended, **({"grants": True, "got": self.got} if self.grants else {}),
-                             **({"incarnation": self.incarnation} if resume and self.incarnation
-                                and self.version >= 6 else {}))
+                             ended=self.ended, **optional)
         if resume:
             self._unsent, self._upto = [], []            # the HELLO names every batch consumed
             held = {(key[0], key[1], key[2]) for key in self._received} - self._acked
@@ -228,8 +235,9 @@ class BrokerConnection:
 
     # ---- joining ----------------------------------------------------------------------------------------------
 
-    def _join(self) -> None:
-        """The first HELLO. A rank number still held by a dead process's connection is retried until ``timeout``."""
+    def _join(self, resume: tuple[int, list[UsedEntry]] | None) -> None:
+        """The first HELLO (and a resuming rank's RECLAIM). A rank number still held by a dead process's connection
+        is retried until ``timeout``."""
         deadline = time.monotonic() + self.timeout
         self._hello(resume=False)
         while True:
@@ -262,6 +270,12 @@ class BrokerConnection:
                 raise BrokerError(f"the broker at {self.address} answered HELLO with {header['kind'].name}")
         self._refusal = ""
         self._last_heard = time.monotonic()
+        if resume is not None:
+            if self.version < 6:
+                raise BrokerError(f"the broker at {self.address} speaks protocol version {self.version}, which "
+                                  f"cannot resume an epoch exactly: upgrade it, or resume at an epoch boundary "
+                                  f"without resume=", code=ErrorCode.VERSION)
+            self.reclaim(resume[0], "", resume[1])
         self._grant_window()
 
     def _fall_back(self, version: int) -> None:

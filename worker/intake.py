@@ -106,19 +106,21 @@ class Intake:
         Raises:
             BrokerError: every broker is silent past its timeout (or the only one is).
         """
-        while self._waiting:
+        while True:
             try:
                 message = self._take_turn(block)
             except BrokerSilent as silent:
                 self._silent(silent)
-                continue
+                message = None
+                if not self.end_seen:
+                    continue
             if message is None:
                 return None
-            if message[1]["kind"] == Kind.LOST:
-                self._lost(*message[:2])
-                continue
-            return message
-        return None
+            if message[1]["kind"] != Kind.LOST:
+                return message
+            self._lost(*message[:2])
+            if self.end_seen:                # the last broker still in the epoch was gone
+                return None
 
     def _take_turn(self, block: bool) -> tuple[BrokerConnection, dict, list[zmq.Frame]] | None:
         if len(self._waiting) == 1:
@@ -282,13 +284,11 @@ class Intake:
         return every.entries()
 
     def resume(self, epoch: int, entries: list[UsedEntry]) -> None:
-        """Resume ``epoch`` from a checkpoint that had used ``entries`` of it: they are the lost entries of ``""``,
-        told every broker (``RECLAIM``)."""
+        """Resume ``epoch`` from a checkpoint that had used ``entries`` of it: they are the lost entries of ``""``
+        (the connections told their brokers when they joined: ``BrokerConnection(resume=)``)."""
         self._enter(epoch)
         self.lost.update(entries)
         self._handled.add("")
-        for broker in self.connections:
-            broker.reclaim(epoch, "", self.lost.entries())
 
     def _enter(self, epoch: int) -> None:
         """A message of ``epoch``: a later one than the rank's current epoch starts a new record of what was used."""

@@ -23,7 +23,6 @@ from typing import Any
 import zmq
 
 from broker.address import broker_addresses
-from broker.errors import BrokerError
 from broker.protocol import UsedEntry
 
 from .connection import BrokerConnection
@@ -155,7 +154,9 @@ class BatchStream:
                                                       size=self.size, even=self.even, prefetch=prefetch,
                                                       prefetch_bytes=prefetch_bytes, timeout=timeout,
                                                       heartbeat=heartbeat, key=key, broker_key=broker_key,
-                                                      grants=self.granted))
+                                                      grants=self.granted,
+                                                      resume=None if resumed is None else
+                                                      (resumed["epoch"], resumed["used"])))
         except BaseException:
             self._close_connections()
             raise
@@ -166,18 +167,7 @@ class BatchStream:
         self._buffers: weakref.WeakSet[Any] = weakref.WeakSet()   # shuffle buffers fed from this stream
         self._resumed = resumed                   # the state resumed from, until its epoch begins
         if resumed is not None:
-            try:
-                self._resume(resumed)
-            except BaseException:
-                self.close()
-                raise
-
-    def _resume(self, state: dict) -> None:
-        older = [b.address for b in self._brokers if b.version < 6]
-        if older:
-            raise BrokerError(f"the brokers at {', '.join(older)} speak protocol version 5, which cannot resume an "
-                              f"epoch exactly: upgrade them, or resume at an epoch boundary without resume=")
-        self._intake.resume(state["epoch"], state["used"])
+            self._intake.resume(resumed["epoch"], resumed["used"])
 
     def _figures(self) -> tuple[int, float]:
         # What this rank tells its brokers about itself: batches consumed and data-wait, over every epoch so far.
@@ -263,8 +253,9 @@ class BatchStream:
         """
         held = sum(len(buffer) for buffer in self._buffers)
         if held:
-            raise ValueError(f"a shuffle buffer holds {held} batches of stream {self.stream!r} that the model has not "
-                             f"trained: a state mid-epoch would not be exact; take it between epochs")
+            raise ValueError(f"a shuffle buffer of stream {self.stream!r} holds rows of {held} batches that the model "
+                             f"has not trained: a state mid-epoch would not be exact; take it between epochs, or "
+                             f"shuffle with a buffer of one batch")
         if self._resumed is not None:
             return dict(self._resumed, used=[list(e) for e in self._resumed["used"]])
         if self._in_epoch:

@@ -1,0 +1,294 @@
+"""The rank's side of recovery from lineage and of an exact resume (docs/design/RECOVERY.md, "The rank" and "Exact
+resume"), against stand-in brokers over inproc: a restart without journal seen in a rejoin's WELCOME, LOST, a
+broker silent while another answers, STEPS.adopted, state_dict() and resume=, and the shuffle buffer's refusal."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+
+from broker import codec, protocol
+from broker.errors import BrokerError
+from broker.protocol import ErrorCode, Kind, pack_header, unpack_header
+from worker import BatchStream, shuffled
+
+from helpers import FakeBroker
+
+pytestmark = pytest.mark.timeout(30)
+
+
+class Broker(FakeBroker):
+    """A stand-in broker of a given incarnation that keeps, in order, everything the rank sends it."""
+
+    def __init__(self, context, address, incarnation):
+        super().__init__(context, address)
+        self.address, self.incarnation = address, incarnation
+
+    def answer(self, hello, incarnation=None, journal=False):
+        self.send([pack_header(Kind.WELCOME, req=hello["req"], broker="fake",
+                               incarnation=incarnation or self.incarnation, journal=journal, free=0)])
+
+    def welcome(self):
+        """Answer the first HELLO; keep what follows up to the CREDIT (a resuming rank's RECLAIM first)."""
+        self.hello = self.message(Kind.HELLO)[0]
+        self.answer(self.hello)
+        self.after_welcome = []
+        while True:
+            header, frames = self.message()
+            self.after_welcome.append((header, frames))
+            if header["kind"] == Kind.CREDIT:
+                return
+
+    def message(self, kind=None, timeout=5.0):
+        """The next message from the rank (of ``kind``; heartbeats skipped), with its frames after the header."""
+        while True:
+            assert self.sock.poll(timeout * 1000), f"no {kind.name if kind else 'message'} from the rank"
+            identity, raw, *frames = self.sock.recv_multipart()
+            self.identity = identity
+            header = unpack_header(raw)
+            if header["kind"] != Kind.HEARTBEAT and kind in (None, header["kind"]):
+                return header, frames
+
+    def reclaim(self, timeout=5.0):
+        """The rank's next RECLAIM: ``(epoch, lost, entries)``."""
+        header, (frame,) = self.message(Kind.RECLAIM, timeout)
+        return header["epoch"], header["lost"], protocol.unpack_used(frame, header["entries"])
+
+    def batch(self, part, seq, ids, splits=None, take=None, epoch=0):
+        """Send a batch (a pack with ``splits``; a piece of it with ``take``) whose column ``id`` holds ``ids``;
+        returns its checksum."""
+        frames = codec.encode_batch("s", epoch, part, seq, {"id": np.array(ids, dtype=np.int64)}, splits=splits)
+        header = unpack_header(frames[0])
+        if take is not None:
+            fields = {k: v for k, v in header.items() if k != "kind"}
+            frames[0] = pack_header(Kind.BATCH, **fields, take=list(take))
+        self.send(frames)
+        return header["checksum"]
+
+    def say(self, kind, **fields):
+        self.send([pack_header(kind, **fields)])
+
+
+def join(context, brokers, **options):
+    """A BatchStream on ``brokers`` (their HELLOs answered from threads: the constructor waits for WELCOMEs)."""
+    threads = [threading.Thread(target=b.welcome) for b in brokers]
+    for thread in threads:
+        thread.start()
+    try:
+        return BatchStream([b.address for b in brokers], stream="s", timeout=options.pop("timeout", 10),
+                           context=context, **options)
+    finally:
+        for thread in threads:
+            thread.join(10)
+
+
+class Loop(threading.Thread):
+    """A training loop over one epoch in a thread, so that the test can play the broker meanwhile."""
+
+    def __init__(self, stream, steps=None):
+        super().__init__(daemon=True)
+        self.stream, self.steps, self.ids, self.error = stream, steps, [], None
+        self.taken = threading.Semaphore(0)
+
+    def run(self):
+        try:
+            for batch in self.stream.epoch():
+                self.ids.extend(batch["id"].tolist())
+                self.taken.release()
+        except BaseException as error:       # handed to the test
+            self.error = error
+
+    def wait(self, steps):
+        for _ in range(steps):
+            assert self.taken.acquire(timeout=10), f"the loop took {len(self.ids)} steps, not {steps}"
+
+    def finish(self):
+        self.join(10)
+        assert not self.is_alive(), "the epoch did not end"
+        if self.error is not None:
+            raise self.error
+        return self.ids
+
+
+def test_a_restart_without_journal_drops_what_was_held_and_reclaims_what_was_used_from_both_brokers(context):
+    """A granted rank used batch 0 and two batches of a pack of four; A restarts without journal. The rank drops the
+    pack's two unused batches, tells A and B what it used (the pack in part), and counts the 3 batches A adopts."""
+    a = Broker(context, "inproc://recovery-restart-a", "a1")
+    b = Broker(context, "inproc://recovery-restart-b", "b1")
+    stream = join(context, [a, b], rank=0, size=2)
+    with stream:
+        c0 = a.batch(0, 0, [0])
+        cp = a.batch(0, 1, [10, 11, 12, 13], splits=[1, 1, 1, 1])
+        a.say(Kind.STEPS, stream="s", epoch=0, steps=3)
+        a.send([pack_header(Kind.ERROR, req=0, reason="unknown rank", code=ErrorCode.UNKNOWN_RANK)])
+        loop = Loop(stream)
+        loop.start()
+        loop.wait(3)
+        hello, _ = a.message(Kind.HELLO)
+        assert (hello["resume"], hello["incarnation"], hello["got"]) == (True, "a1", 5)
+        a.answer(hello, incarnation="a2")                       # restarted, no journal: a loss of "a1"
+        used = [(0, 0, 0, 1, c0), (0, 1, 0, 2, cp)]
+        assert a.reclaim() == (0, "a1", used)
+        assert b.reclaim() == (0, "a1", used)
+        # A took its partitions over: it matched the 3 used batches (adopted) and sends the rest of the pack.
+        a.batch(0, 1, [10, 11, 112, 113], splits=[1, 1, 1, 1], take=(2, 4))   # the new copy, told apart here
+        a.say(Kind.STEPS, stream="s", epoch=0, steps=5, adopted=3)
+        a.say(Kind.EPOCH_END, stream="s", epoch=0, batches=2, steps=5)
+        b.say(Kind.EPOCH_END, stream="s", epoch=0, batches=0, steps=0)
+        assert loop.finish() == [0, 10, 11, 112, 113], "each batch once: the old copies of 12 and 13 were dropped"
+        ep = stream.stats.epochs[-1]
+        assert (ep.batches, ep.dropped_batches) == (5, 0)
+
+
+def test_lost_from_another_broker_closes_the_lost_one_and_is_answered_again_with_the_same_reclaim(context):
+    a = Broker(context, "inproc://recovery-lost-a", "a1")
+    b = Broker(context, "inproc://recovery-lost-b", "b1")
+    stream = join(context, [a, b])
+    with stream:
+        c0 = a.batch(0, 0, [0])
+        loop = Loop(stream)
+        loop.start()
+        loop.wait(1)
+        b.say(Kind.LOST, stream="s", epoch=0, lost="a1")        # A is gone for good; B took it over
+        assert b.reclaim() == (0, "a1", [(0, 0, 0, 1, c0)])
+        b.batch(1, 0, [100])
+        b.say(Kind.EPOCH_END, stream="s", epoch=0, batches=1)
+        assert loop.finish() == [0, 100], "A's end is no longer waited for"
+        assert [broker.address for broker in stream._brokers] == [b.address]
+        b.say(Kind.LOST, stream="s", epoch=0, lost="a1")        # it had not heard the RECLAIM: the same again
+        b.say(Kind.EPOCH_END, stream="s", epoch=1, batches=0)
+        assert list(stream.epoch()) == []
+        assert b.reclaim() == (0, "a1", [(0, 0, 0, 1, c0)])
+        b.say(Kind.LOST, stream="s", epoch=1, lost="zz")        # an incarnation it never knew: nothing of it
+        b.say(Kind.EPOCH_END, stream="s", epoch=2, batches=0)
+        assert list(stream.epoch()) == []
+        assert b.reclaim() == (1, "zz", [])
+
+
+def test_a_silent_broker_among_two_is_dropped_and_the_epoch_ends_with_the_other(context):
+    a = Broker(context, "inproc://recovery-silent-a", "a1")
+    b = Broker(context, "inproc://recovery-silent-b", "b1")
+    stream = join(context, [a, b], timeout=1.0, heartbeat=0.1)
+    with stream:
+        c0 = a.batch(0, 0, [0])
+        b.batch(1, 0, [100])
+        b.say(Kind.EPOCH_END, stream="s", epoch=0, batches=1)
+        loop = Loop(stream)
+        loop.start()
+        while loop.is_alive():                                  # B answers; A says nothing more
+            b.say(Kind.HEARTBEAT)
+            loop.join(0.1)
+        assert sorted(loop.finish()) == [0, 100]
+        assert [broker.address for broker in stream._brokers] == [b.address]
+        assert b.reclaim() == (0, "a1", [(0, 0, 0, 1, c0)])
+
+
+def test_the_only_broker_silent_is_a_broker_error_that_says_what_to_do(context):
+    a = Broker(context, "inproc://recovery-silent-one", "a1")
+    stream = join(context, [a], timeout=0.5, heartbeat=0.1)
+    with stream:
+        with pytest.raises(BrokerError, match=r"the broker at inproc://recovery-silent-one has been silent for \d+ s "
+                           r"\(timeout 0\.5 s\): it is gone or unreachable, and what it held of the epoch with it: "
+                           r"restart the brokers and feed the epoch again, or run the brokers with --journal"):
+            list(stream.epoch())
+
+
+def test_adopted_batches_count_as_taken_in_the_grant_the_end_and_the_release(context):
+    """The rank used 3 batches of A, lost for good; B adopted them: of B's 5 steps, it takes 2 and keeps 5."""
+    a = Broker(context, "inproc://recovery-adopted-a", "a1")
+    b = Broker(context, "inproc://recovery-adopted-b", "b1")
+    stream = join(context, [a, b], rank=0, size=2)
+    with stream:
+        used = [(0, 0, 0, 3, a.batch(0, 0, [0, 1, 2], splits=[1, 1, 1]))]
+        a.say(Kind.STEPS, stream="s", epoch=0, steps=3)
+        loop = Loop(stream)
+        loop.start()
+        loop.wait(3)
+        b.say(Kind.LOST, stream="s", epoch=0, lost="a1")
+        assert b.reclaim() == (0, "a1", used)
+        for seq in range(3):
+            b.batch(0, 10 + seq, [10 + seq])
+        b.say(Kind.STEPS, stream="s", epoch=0, steps=5, adopted=3)
+        b.say(Kind.RELEASE, stream="s", epoch=0, keep=5, drop=0)
+        back, _ = b.message(Kind.RETURN)
+        assert (back["ids"], back["kept"]) == ([0, 0, 12, 0], 5)
+        b.say(Kind.EPOCH_END, stream="s", epoch=0, batches=5, steps=5)
+        assert loop.finish() == [0, 1, 2, 10, 11]
+
+
+def test_state_dict_mid_epoch_names_what_was_used_and_at_a_boundary_the_next_epoch(context):
+    a = Broker(context, "inproc://recovery-state", "a1")
+    stream = join(context, [a])
+    with stream:
+        c0 = a.batch(0, 0, [0])
+        cp = a.batch(0, 1, [10, 11, 12], splits=[1, 1, 1])
+        a.batch(0, 2, [20])
+        a.say(Kind.EPOCH_END, stream="s", epoch=0, batches=5)
+        states = []
+        for step, _ in enumerate(stream.epoch()):
+            if step == 2:
+                states.append(stream.state_dict())
+        assert states == [{"format": 1, "stream": "s", "rank": 0, "size": 1, "epoch": 0, "steps": 3,
+                           "used": [[0, 0, 0, 1, c0], [0, 1, 0, 2, cp]]}]
+        assert json.loads(json.dumps(states[0])) == states[0]
+        assert stream.state_dict() == {"format": 1, "stream": "s", "rank": 0, "size": 1, "epoch": 1, "steps": 0,
+                                       "used": []}
+
+
+def test_a_resumed_rank_reclaims_its_position_before_its_credit_and_yields_the_rest(context):
+    c0, cp = (unpack_header(codec.encode_batch("s", 0, 0, seq, {"id": np.array(ids, dtype=np.int64)},
+                                               splits=splits)[0])["checksum"]
+              for seq, ids, splits in ((0, [0], None), (1, [10, 11, 12], [1, 1, 1])))
+    state = {"format": 1, "stream": "s", "rank": 0, "size": 1, "epoch": 0, "steps": 3,
+             "used": [[0, 0, 0, 1, c0], [0, 1, 0, 2, cp]]}
+    a = Broker(context, "inproc://recovery-resume", "a2")
+    stream = join(context, [a], resume=json.loads(json.dumps(state)))
+    with stream:
+        (reclaim, frames), (credit, _) = a.after_welcome
+        assert (reclaim["kind"], reclaim["epoch"], reclaim["lost"]) == (Kind.RECLAIM, 0, "")
+        assert credit["kind"] == Kind.CREDIT, "the RECLAIM goes before the first CREDIT"
+        assert protocol.unpack_used(frames[0], reclaim["entries"]) == [(0, 0, 0, 1, c0), (0, 1, 0, 2, cp)]
+        assert stream.state_dict() == state, "before its epoch begins, the state is the one resumed"
+        a.batch(0, 1, [10, 11, 12], splits=[1, 1, 1], take=(2, 3))
+        c2 = a.batch(0, 2, [20])
+        a.say(Kind.EPOCH_END, stream="s", epoch=0, batches=2)
+        seen, states = [], []
+        for batch in stream.epoch():
+            seen.extend(batch["id"].tolist())
+            states.append(stream.state_dict())
+        assert seen == [12, 20]
+        assert states[-1] == {"format": 1, "stream": "s", "rank": 0, "size": 1, "epoch": 0, "steps": 5,
+                              "used": [[0, 0, 0, 1, c0], [0, 1, 0, 3, cp], [0, 2, 0, 1, c2]]}
+        ep = stream.stats.epochs[-1]
+        assert (ep.batches, ep.resumed_batches, stream.stats.resumed_batches) == (2, 3, 3)
+
+
+def test_a_resume_state_of_another_rank_is_refused(context):
+    state = {"format": 1, "stream": "s", "rank": 1, "size": 2, "epoch": 0, "steps": 0, "used": []}
+    with pytest.raises(ValueError, match=r"resume= has the state of rank 1, but this BatchStream is rank 0: pass "
+                       r"each rank its own state_dict\(\)"):
+        BatchStream("inproc://recovery-nobody", stream="s", rank=0, size=2, context=context, resume=state)
+
+
+def test_state_dict_is_refused_while_a_shuffle_buffer_of_the_stream_holds_rows(context):
+    a = Broker(context, "inproc://recovery-shuffle", "a1")
+    stream = join(context, [a])
+    with stream:
+        for seq in range(3):
+            a.batch(0, seq, [seq])
+        a.say(Kind.EPOCH_END, stream="s", epoch=0, batches=3)
+        refused = []
+        for _ in shuffled(stream.epoch(), 2, seed=0, stream=stream):
+            try:
+                stream.state_dict()
+                refused.append("")
+            except ValueError as error:
+                refused.append(str(error))
+        message = ("a shuffle buffer of stream 's' holds rows of 1 batches that the model has not trained: a state "
+                   "mid-epoch would not be exact; take it between epochs, or shuffle with a buffer of one batch")
+        assert refused == [message, message, ""], "the last batch is out of the buffer, and the epoch is over"
+        assert stream.state_dict() == {"format": 1, "stream": "s", "rank": 0, "size": 1, "epoch": 1, "steps": 0,
+                                       "used": []}
