@@ -19,7 +19,7 @@ from broker.partitions import MAX_PARTITIONS
 from broker.protocol import Kind
 
 from .columns import partition_messages, record_batches_from_rows
-from .recovery import EpochFeed, FeedJob, JobCancel, Outcome, Routes, rows_held
+from .recovery import EpochFeed, FeedJob, JobCancel, Outcome, Routes, taken_figures
 from .task import DEFAULT_PACK_BYTES, PartitionReport, attempt_id, stream_messages
 
 log = logging.getLogger("sparkbus.feeder")
@@ -143,9 +143,9 @@ def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "t
                    bucket_by=bucket_by, bucket_window=bucket_window)
     with ExitStack() as stack:
         if _is_dataframe(data):
-            rows = arrow_rows_for(batch_size) if arrow_batch_rows is None else arrow_batch_rows
-            if rows:      # Spark reads it when it plans the job: set before, restored after the job
-                stack.enter_context(_spark_conf(data.sparkSession, ARROW_BATCH_CONF, str(rows)))
+            arrow_rows = arrow_rows_for(batch_size) if arrow_batch_rows is None else arrow_batch_rows
+            if arrow_rows:      # Spark reads it when it plans the job: set before, restored after the job
+                stack.enter_context(_spark_conf(data.sparkSession, ARROW_BATCH_CONF, str(arrow_rows)))
             job = _spark_job(data, lambda run, routes: _dataframe_job(data, columns, cutting, run, settings, routes))
         else:
             job = _rdd_job(data, cutting, settings)
@@ -167,9 +167,9 @@ def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "t
                 raise
             except Exception as exc:
                 raise FeedError(_explain_job_failure(exc, stream, epoch)) from exc
-            partitions, reports, shares, diverged, held = outcome
         else:
-            partitions, reports, shares, diverged, held = _feed_unwatched(job, clients, brokers, stream, epoch)
+            outcome = _feed_unwatched(job, clients, brokers, stream, epoch)
+    partitions, reports, shares, diverged, held, taken = outcome
     produced = sum(r.rows for r in reports)
     if held is not None and held != produced:
         # Closed all the same: the ranks finish the epoch with what the broker has, instead of waiting for ever
@@ -186,8 +186,11 @@ def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "t
             message += "; rows of these partitions may be missing or repeated. Use delivery='atomic'."
         log.warning(message)
         warnings.warn(message, DivergedPartitionsWarning, stacklevel=2)
-    return FeedReport(partitions, sum(r.batches for r in reports), sum(r.rows for r in reports),
-                      sum(r.bytes for r in reports), time.monotonic() - started, differed, tuple(shares))
+    # After a recovery whose first job was cancelled, the partitions it committed have no report: the brokers'
+    # figures count the epoch instead (payload bytes, without the headers a report counts)
+    batches, rows, nbytes = (sum(r.batches for r in reports), produced, sum(r.bytes for r in reports)) \
+        if held is not None else taken
+    return FeedReport(partitions, batches, rows, nbytes, time.monotonic() - started, differed, tuple(shares))
 
 
 def _feed_unwatched(job: FeedJob, clients: list[ControlClient], brokers: list[dict], stream: str,
@@ -200,7 +203,7 @@ def _feed_unwatched(job: FeedJob, clients: list[ControlClient], brokers: list[di
         raise FeedError(_explain_job_failure(exc, stream, epoch)) from exc
     partitions = len(reports) if job.partitions is None else job.partitions     # a report per task
     shares = [sum(1 for r in reports if r.broker == i) for i in range(len(clients))]
-    held = sum(rows_held(client, stream, epoch) for client in clients)
+    held = sum(taken_figures(client, stream, epoch)[1] for client in clients)
     diverged: set[int] = set()
     for client, share in zip(clients, shares):
         try:

@@ -436,14 +436,16 @@ class FeedJob(NamedTuple):
 
 class Outcome(NamedTuple):
     """What an epoch's feed ended with: the partition count, the report of each partition's committing job,
-    the partitions committed at each broker, the diverged partitions, and the rows the brokers took (None when
-    the reports of some committed partitions are not known: their job was cancelled before it returned them)."""
+    the partitions committed at each broker, the diverged partitions, the rows the brokers took to check the
+    reports against (None when the reports of some committed partitions are not known: their job was cancelled
+    before it returned them), and the batches, rows and bytes the live brokers took of the epoch."""
 
     partitions: int
     reports: list[PartitionReport]
     shares: tuple[int, ...]
     diverged: set[int]
     held: int | None
+    taken: tuple[int, int, int] = (0, 0, 0)
 
 
 class EpochFeed:
@@ -613,7 +615,7 @@ class EpochFeed:
         if recovering and missing:
             raise FeedError(f"stream {self.stream!r} epoch {self.epoch}: after recovering from lost brokers, "
                             f"partitions {missing[:10]} are committed at no live broker")
-        held_rows = {i: rows_held(self.clients[i], self.stream, self.epoch) for i in live}
+        taken = [taken_figures(self.clients[i], self.stream, self.epoch) for i in live]
         diverged: set[int] = set()
         for i in live:
             if i in self.closed:
@@ -626,7 +628,8 @@ class EpochFeed:
         shares = tuple(len(committed.get(i, ())) for i in range(len(self.clients)))
         reports = [self.reports[p] for p in sorted(every) if p in self.reports] if recovering else \
             [self.reports[p] for p in sorted(self.reports)]
-        return Outcome(self.partitions, reports, shares, diverged, sum(held_rows.values()) if known else None)
+        totals = (sum(t[0] for t in taken), sum(t[1] for t in taken), sum(t[2] for t in taken))
+        return Outcome(self.partitions, reports, shares, diverged, totals[1] if known else None, totals)
 
     # ---- helpers ------------------------------------------------------------------------------------------
 
@@ -655,7 +658,9 @@ class EpochFeed:
                            f"the brokers to recover from Spark", code=cause.code)
 
 
-def rows_held(client: ControlClient, stream: str, epoch: int) -> int:
-    """Rows of the epoch the broker has taken (first copies; in atomic delivery, committed attempts')."""
+def taken_figures(client: ControlClient, stream: str, epoch: int) -> tuple[int, int, int]:
+    """Batches, rows and payload bytes of the epoch the broker has taken (first copies; in atomic delivery,
+    committed attempts')."""
     figures = client.request(Kind.STATS_REQUEST)["stats"]["streams"].get(stream, {}).get("epochs", {})
-    return figures.get(str(epoch), {}).get("rows_in", 0)
+    epoch_figures = figures.get(str(epoch), {})
+    return epoch_figures.get("batches_in", 0), epoch_figures.get("rows_in", 0), epoch_figures.get("bytes_in", 0)
