@@ -319,6 +319,8 @@ class Recovery(Partitions, Dispatch):
         adopted = dict(previous.adopted) if previous is not None else {}
         missed = super().join_rank(identity, h, held, consumed)
         rank = self.ranks[identity]
+        if previous is rank:
+            return missed                     # the same HELLO again on the same connection
         for epoch, count in adopted.items():
             if epoch in self.streams[rank.stream].epochs:
                 rank.adopted[epoch] = count

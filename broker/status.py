@@ -68,13 +68,21 @@ def render_stats(stats: Figures) -> str:
                          f"out {e['batches_out']} batches {_mib(e['bytes_out'])} {e.get('rows_out', 0)} rows, "
                          f"acked {e['acked']}, "
                          f"queued {e['queued']}, duplicates {e['duplicates']}, "
-                         f"redelivered {e.get('redelivered', 0)}")
+                         f"redelivered {e.get('redelivered', 0)}{_recovery(e)}")
         for r in sorted(s["ranks"], key=lambda r: r["rank"]):
             lines.append(f"  rank {r['rank']}/{r['size']}: window {r['window']} / {_mib(r['window_bytes'])}, "
                          f"in flight {r['inflight']}, "
                          f"batches {r['batches']} ({_mib(r['bytes'])}), acked {r['acked']}, "
                          f"idle {r['idle_s']:.1f} s")
     return "\n".join(lines)
+
+
+def _recovery(epoch: Mapping[str, Any]) -> str:
+    """An epoch's recovery figures, once it has any (docs/PROTOCOL.md "Recovery"): nothing otherwise."""
+    held, adopted, unassigned = (epoch.get(k, 0) for k in ("held", "adopted", "unassigned"))
+    if not (held or adopted or unassigned):
+        return ""
+    return f"; recovery: held {held}, adopted {adopted}, unassigned {unassigned}"
 
 
 def totals(stats: dict[str, Figures]) -> Totals:

@@ -300,6 +300,22 @@ def test_a_reset_drops_what_the_broker_had_of_the_epoch_queued_in_flight_and_hel
     assert (ep.batches_in, len(ep.queue), ep.recovery.recovered, ep.recovery.lost) == (0, 0, {0, 1}, [""])
 
 
+def test_a_rank_that_rejoins_keeps_what_it_adopted_in_its_count():
+    ledger = Ledger()
+    wire = Wire(ledger)
+    join(ledger, b"a", hello(0, 1, session="s0"), prefetch=8)
+    recover(ledger, partitions=1, carries=(0,), recovered=(0,))
+    reclaim(ledger, b"a", 0, "x", used(0, 0, 0))
+    push(ledger, 0, 0, 0)
+    push(ledger, 0, 0, 1)
+    wire.dispatch()
+    assert wire.to(b"a") == [(0, 0, 1)] and ledger.rank(b"a").given == {0: 2}
+    ledger.join_rank(b"a", hello(0, 1, session="s0"))            # the same HELLO again: nothing changes
+    assert ledger.rank(b"a").given == {0: 2}
+    ledger.join_rank(b"a2", hello(0, 1, session="s0", resume=True), held=[(0, 0, 1)])
+    assert (ledger.rank(b"a2").adopted, ledger.rank(b"a2").given) == ({0: 1}, {0: 2})
+
+
 # ---- reclaims are bounded; granted steps say what was adopted ----------------------------------------------------
 
 
@@ -435,3 +451,21 @@ def test_a_version_5_rank_keeps_a_stream_from_recovering_and_never_gets_lost(sta
     late.send(protocol.pack_header(Kind.HELLO, v=5, **hello(session="late")))
     turned = recv_header(late)[0]
     assert (turned["kind"], turned["v"], turned["code"]) == (Kind.ERROR, 5, ErrorCode.REFUSED)
+
+
+def test_sparkbus_status_shows_an_epochs_recovery_figures_once_it_has_any():
+    from broker.config import BrokerConfig
+    from broker.daemon import Broker
+    from broker.status import render_stats
+
+    broker = Broker(BrokerConfig(feed="inproc://f", ranks="inproc://r", control="inproc://c"))
+    ledger = broker.ledger
+    ledger.open_epoch(STREAM, 1, 1, "stream")
+    recover(ledger, epoch=0, partitions=2, carries=(0,), recovered=(0,))
+    push(ledger, 0, 0, 0)                                  # held: no rank has said what it used
+    with pytest.raises(Rejected):
+        push(ledger, 0, 1, 0)
+    lines = render_stats(broker.stats()).splitlines()
+    (zero,) = [line for line in lines if line.startswith("  epoch 0 ")]
+    (one,) = [line for line in lines if line.startswith("  epoch 1 ")]
+    assert zero.endswith("; recovery: held 1, adopted 0, unassigned 1") and "recovery" not in one
