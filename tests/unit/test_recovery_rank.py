@@ -9,13 +9,14 @@ import threading
 
 import numpy as np
 import pytest
+import zmq
 
 from broker import codec, protocol
 from broker.errors import BrokerError
 from broker.protocol import ErrorCode, Kind, pack_header, unpack_header
 from worker import BatchStream, shuffled
 
-from helpers import FakeBroker
+from helpers import FakeBroker, recv_header, send
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -292,3 +293,78 @@ def test_state_dict_is_refused_while_a_shuffle_buffer_of_the_stream_holds_rows(c
         assert refused == [message, message, ""], "the last batch is out of the buffer, and the epoch is over"
         assert stream.state_dict() == {"format": 1, "stream": "s", "rank": 0, "size": 1, "epoch": 1, "steps": 0,
                                        "used": []}
+
+
+# ---- against the real broker, in process ----------------------------------------------------------------------
+
+def _driver(sockets, broker):
+    """A driver's control requests and feed of partitions (4 batches each; ids 100 * part + 10 * seq + row)."""
+    control = sockets(zmq.DEALER, broker.config.control)
+    push = sockets(zmq.PUSH, broker.config.feed)
+
+    def request(kind, **fields):
+        send(control, kind, req=7, **fields)
+        return recv_header(control)[0]
+
+    def feed(part, attempt=0, splits=None):
+        for seq in range(4):
+            ids = np.arange(4) + 100 * part + 10 * seq
+            push.send_multipart(codec.encode_batch("s", 0, part, seq, {"id": ids}, attempt=attempt, splits=splits))
+        reply = request(Kind.PARTITION_END, stream="s", epoch=0, part=part, attempt=attempt, batches=4, rows=16)
+        assert reply["kind"] == Kind.PARTITION_COMMITTED, reply
+
+    return request, feed
+
+
+def _ids(*parts):
+    return sorted(100 * part + 10 * seq + row for part in parts for seq in range(4) for row in range(4))
+
+
+def test_a_rank_resumed_from_a_checkpoint_trains_the_rest_of_the_epoch_from_the_real_broker(start_broker_thread,
+                                                                                          sockets, context):
+    broker = start_broker_thread(heartbeat=0.5)
+    request, feed = _driver(sockets, broker)
+    assert request(Kind.EPOCH_OPEN, stream="s", epoch=0, partitions=1, delivery="stream")["kind"] == Kind.OK
+    feed(0, splits=[1, 1, 2])
+    assert request(Kind.EPOCH_CLOSE, stream="s", epoch=0, partitions=1)["kind"] == Kind.OK
+    before = []
+    with BatchStream(broker.config.ranks, stream="s", context=context, prefetch=1, timeout=10) as first:
+        for batch in first.epoch():
+            before.extend(batch["id"].tolist())
+            if len(before) == 6:             # the checkpoint: pack 0 whole, pack 1's second batch in hand
+                state = first.state_dict()
+            if len(before) == 12:            # the job dies three batches later
+                break
+    assert ([e[:4] for e in state["used"]], state["steps"]) == ([[0, 0, 0, 3], [0, 1, 0, 2]], 5)
+    with BatchStream(broker.config.ranks, stream="s", context=context, prefetch=1, timeout=10,
+                     resume=state) as second:
+        assert request(Kind.EPOCH_RECOVER, stream="s", epoch=0, partitions=1, delivery="stream", carries=[0, 1],
+                       recovered=[0, 1], lost=[""], reset=True)["kind"] == Kind.OK
+        feed(0, attempt=1, splits=[1, 1, 2])
+        assert request(Kind.EPOCH_CLOSE, stream="s", epoch=0, partitions=1)["kind"] == Kind.OK
+        after = [n for batch in second.epoch() for n in batch["id"].tolist()]
+        assert (second.stats.epochs[-1].resumed_batches, second.stats.epochs[-1].batches) == (5, 7)
+    assert before[:6] == [0, 1, 2, 3, 10, 11] and sorted(before[:6] + after) == _ids(0), \
+        "relative to the checkpoint, each row once: the three batches trained after it are trained again"
+
+
+def test_a_broker_lost_for_good_is_taken_over_and_every_row_is_trained_once(start_broker_thread, sockets, context):
+    """Two real brokers; the driver gives A's partition to B (EPOCH_RECOVER), B tells the rank (LOST), the rank
+    closes A, says what it used of A (RECLAIM), and B delivers only the rest."""
+    a, b = start_broker_thread(heartbeat=0.5), start_broker_thread(heartbeat=0.5)
+    (request_a, feed_a), (request_b, feed_b) = _driver(sockets, a), _driver(sockets, b)
+    for request in (request_a, request_b):
+        assert request(Kind.EPOCH_OPEN, stream="s", epoch=0, partitions=2, delivery="stream")["kind"] == Kind.OK
+    feed_a(0, splits=[1, 1, 2])
+    feed_b(1)
+    seen = []
+    with BatchStream([a.config.ranks, b.config.ranks], stream="s", context=context, prefetch=1, timeout=10) as rank:
+        for batch in rank.epoch():
+            seen.extend(batch["id"].tolist())
+            if len(seen) == 12:
+                assert request_b(Kind.EPOCH_RECOVER, stream="s", epoch=0, partitions=2, delivery="stream",
+                                 carries=[0, 2], recovered=[0, 1], lost=[a.incarnation], reset=False)["kind"] == Kind.OK
+                feed_b(0, attempt=1, splits=[1, 1, 2])
+                assert request_b(Kind.EPOCH_CLOSE, stream="s", epoch=0, partitions=2)["kind"] == Kind.OK
+        assert [broker.address for broker in rank._brokers] == [b.config.ranks]
+    assert sorted(seen) == _ids(0, 1)
