@@ -14,6 +14,7 @@ from functools import partial
 from typing import Any
 
 from broker import codec, protocol
+from broker.protocol import Kind
 
 from .collectives import wait, wait_until
 
@@ -46,8 +47,15 @@ def plan_transfers(counts: list[int]) -> tuple[list[tuple[int, int, int]], int]:
 
 
 def pack_batch(header: dict, columns: dict[str, Any]) -> bytes:
-    """One buffer holding a batch in wire form: 4-byte header length, header, column bytes."""
+    """One buffer holding a batch in wire form: 4-byte header length, header, column bytes. The header also says
+    which batch of its message it is (``index``, a pack's) and the message's checksum as it arrived (``arrived``):
+    the rank that trains it records it as used under those (``RECLAIM``, ``BatchStream.state_dict``)."""
     frames = codec.encode_batch(header["stream"], header["epoch"], header["part"], header["seq"], columns)
+    fields = {k: v for k, v in protocol.unpack_header(frames[0]).items() if k != "kind"}
+    fields["index"] = header.get("index", 0)
+    if "checksum" in header:
+        fields["arrived"] = header["checksum"]
+    frames[0] = protocol.pack_header(Kind.BATCH, **fields)
     return b"".join([struct.pack("<I", len(frames[0])), *[bytes(f) for f in frames]])
 
 
@@ -60,7 +68,10 @@ def unpack_batch(buf: bytes) -> tuple[dict, dict[str, Any]]:
         for size in protocol.column_frame_sizes(spec, header["rows"]):
             frames.append(view[offset:offset + size])
             offset += size
-    return header, codec.decode_batch(header, frames)
+    columns = codec.decode_batch(header, frames)
+    if "arrived" in header:                  # what it was used as: see pack_batch
+        header["checksum"] = header.pop("arrived")
+    return header, columns
 
 
 def exchange(comm: Any, held: list[tuple[dict, dict]], transfers: list[tuple[int, int, int]],

@@ -368,3 +368,15 @@ def test_a_broker_lost_for_good_is_taken_over_and_every_row_is_trained_once(star
                 assert request_b(Kind.EPOCH_CLOSE, stream="s", epoch=0, partitions=2)["kind"] == Kind.OK
         assert [broker.address for broker in rank._brokers] == [b.config.ranks]
     assert sorted(seen) == _ids(0, 1)
+
+
+def test_a_batch_pooled_from_another_rank_is_recorded_as_the_batch_of_its_message_it_was():
+    """At an MPI epoch's end batches move between ranks re-encoded: the one that trains it records it under the
+    message's index and checksum as it first arrived, as RECLAIM and state_dict need."""
+    from worker.rebalance import pack_batch, unpack_batch
+
+    frames = codec.encode_batch("s", 0, 3, 7, {"id": np.arange(6)}, splits=[2, 4])
+    arrived = unpack_header(frames[0])
+    header, columns = unpack_batch(pack_batch(dict(arrived, rows=4, index=1), {"id": np.arange(2, 6)}))
+    assert (header["part"], header["seq"], header["index"], header["checksum"]) == (3, 7, 1, arrived["checksum"])
+    assert columns["id"].tolist() == [2, 3, 4, 5]
