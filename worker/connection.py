@@ -365,7 +365,7 @@ class BrokerConnection:
                     log.warning("rank %d rejoined the broker at %s", self.rank, self.address)
                     self._grant_window()
                     known, self.incarnation, self.journal = self.incarnation, header["incarnation"], header["journal"]
-                    if known and known != self.incarnation and not self.journal:
+                    if known and known != self.incarnation and not self.journal and self.version >= 6:
                         # A restart without a journal: what this rank had of the old incarnation is lost with it.
                         return {"kind": Kind.LOST, "stream": self.stream, "epoch": self.ended + 1, "lost": known,
                                 "restarted": True}, []
