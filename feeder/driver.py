@@ -151,6 +151,8 @@ def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "t
             job = _rdd_job(data, cutting, settings)
         clients = [stack.enter_context(ControlClient(c, timeout, key=key, broker_key=broker_key)) for c in controls]
         brokers = [c.hello("feeder", stream) for c in clients]   # fail fast on an absent broker
+        if resume and job.partitions is None:     # Spark Connect: the count its maker knew, if it said
+            job = job._replace(partitions=getattr(data, PARTITIONS_HINT, None))
         opened = UNKNOWN_PARTITIONS if job.partitions is None else job.partitions
         if not resume:          # a resume's EPOCH_RECOVER(reset) opens the epoch
             for client in clients:
@@ -271,6 +273,17 @@ def is_connect_dataframe(data: Any) -> bool:
     """
     connect = sys.modules.get("pyspark.sql.connect.dataframe")
     return connect is not None and isinstance(data, connect.DataFrame)
+
+
+PARTITIONS_HINT = "_sparkbus_partitions"
+
+
+def with_partitions(df: Any, partitions: int) -> Any:
+    """``df``, marked with its partition count (known to who made it, e.g. :func:`feeder.epoch_order`), for a
+    Spark Connect DataFrame, which does not tell it: a resume over several brokers routes by it."""
+    if is_connect_dataframe(df):
+        setattr(df, PARTITIONS_HINT, partitions)
+    return df
 
 
 def _spark_job(data: Any, make: Callable[[int, Routes | None], Any]) -> FeedJob:

@@ -31,10 +31,10 @@ from __future__ import annotations
 
 import logging
 import secrets
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .driver import FeedReport, feed, is_connect_dataframe
+from .driver import FeedReport, feed, is_connect_dataframe, with_partitions
 
 log = logging.getLogger("sparkbus.feeder")
 
@@ -105,7 +105,7 @@ def feed_epochs(df: Any, address: str | Sequence[str] | None, epochs: int, strea
                 shuffle_seed: int | None = None, first_epoch: int = 0, *, shuffle: bool = True,
                 key: Sequence[str] | None = None, partitions: int | None = None,
                 on_epoch: Callable[[int, FeedReport], None] | None = None,
-                **feed_kwargs: Any) -> list[FeedReport]:
+                resume: Mapping[str, Any] | int | None = None, **feed_kwargs: Any) -> list[FeedReport]:
     """Feed epochs ``first_epoch .. first_epoch + epochs - 1`` of ``df`` to ``stream``, one after the other.
 
     Each epoch is reshuffled with :func:`epoch_order` (unless ``shuffle`` is false) and streamed with
@@ -127,14 +127,22 @@ def feed_epochs(df: Any, address: str | Sequence[str] | None, epochs: int, strea
         partitions: tasks per reshuffled epoch (default: the partitions of ``df``; on Spark Connect, where a
             DataFrame does not tell them, ``spark.sql.shuffle.partitions``: see :func:`default_partitions`).
         on_epoch: called with ``(epoch, report)`` after each epoch is fed, e.g. to log progress.
+        resume: resume mid-epoch from a checkpoint, exactly (docs/TRAINING.md): a rank's
+            ``BatchStream.state_dict()`` saved with the model (its ``stream`` must be this one), or an epoch
+            number. Epochs from that epoch to ``first_epoch + epochs - 1`` are fed; the resumed epoch is fed
+            again whole (``feed(..., resume=True)``: the brokers drop what they had of it, delivered or not, and
+            deliver only what no rank's checkpoint used), the later ones as usual. Start the ranks with
+            ``BatchStream(..., resume=state)``.
         **feed_kwargs: passed to :func:`feeder.feed` (``batch_size``, ``columns``, ``timeout``, ``control``,
-            ``max_batch_bytes``). ``timeout`` also bounds a task blocked by backpressure: make it longer than
-            the longest pause of the ranks' consumption (a validation pass, a checkpoint).
+            ``max_batch_bytes``, ``recover``). ``timeout`` also bounds a task blocked by backpressure: make it
+            longer than the longest pause of the ranks' consumption (a validation pass, a checkpoint).
     Returns:
-        One :class:`FeedReport` per epoch, in order.
+        One :class:`FeedReport` per epoch fed, in order (from the resumed epoch on, with ``resume``).
     Raises:
-        BrokerError, FeedError, TypeError: as :func:`feeder.feed`; the epochs fed before the failure stay fed.
-        ValueError: a negative ``epochs`` or ``first_epoch``; no default ``partitions`` (see above).
+        BrokerError, FeedError, TypeError: as :func:`feeder.feed` (a broker lost while an epoch is fed is
+            recovered from; one that cannot be is a ``BrokerError``); the epochs fed before the failure stay fed.
+        ValueError: a negative ``epochs`` or ``first_epoch``; no default ``partitions`` (see above); a
+            ``resume`` state of another stream, or an epoch outside the epochs to feed.
     """
     if epochs < 0 or first_epoch < 0:
         raise ValueError(f"epochs ({epochs}) and first_epoch ({first_epoch}) must not be negative")
@@ -144,16 +152,44 @@ def feed_epochs(df: Any, address: str | Sequence[str] | None, epochs: int, strea
                  stream, seed, seed)
     if shuffle and partitions is None and epochs:
         partitions = default_partitions(df)     # once: every epoch gets the same count
+    start = first_epoch if resume is None else resumed_epoch(resume, stream)
+    if not first_epoch <= start < first_epoch + max(epochs, 1):
+        raise ValueError(f"resume at epoch {start} is not one of the epochs to feed, {first_epoch} to "
+                         f"{first_epoch + epochs - 1}")
     reports = []
-    for epoch in range(first_epoch, first_epoch + epochs):
+    for epoch in range(start, first_epoch + epochs):
         data = epoch_order(df, epoch, seed, key, partitions) if shuffle else df
-        report = feed(data, address, stream=stream, epoch=epoch, **feed_kwargs)
+        again = resume is not None and epoch == start
+        if again and partitions is not None:
+            data = with_partitions(data, partitions)
+        report = feed(data, address, stream=stream, epoch=epoch, resume=again, **feed_kwargs)
         log.info("stream %r epoch %d fed: %d rows in %d batches from %d partitions in %.1f s",
                  stream, epoch, report.rows, report.batches, report.partitions, report.seconds)
         reports.append(report)
         if on_epoch is not None:
             on_epoch(epoch, report)
     return reports
+
+
+def resumed_epoch(resume: Mapping[str, Any] | int, stream: str) -> int:
+    """The epoch a resume starts at: a rank's ``BatchStream.state_dict()`` (of ``stream``), or an epoch number.
+
+    Raises:
+        ValueError: a state of another stream, without an epoch, or a negative epoch.
+        TypeError: neither a state nor an int.
+    """
+    if isinstance(resume, Mapping):
+        if resume.get("stream") != stream:
+            raise ValueError(f"the resume state is of stream {resume.get('stream')!r}, not {stream!r}: pass the "
+                             f"state_dict() of a rank of this stream")
+        epoch = resume.get("epoch")
+    else:
+        epoch = resume
+    if type(epoch) is not int:
+        raise TypeError(f"resume takes a BatchStream.state_dict() or an epoch number, not {type(resume).__name__}")
+    if epoch < 0:
+        raise ValueError(f"resume at a negative epoch ({epoch})")
+    return epoch
 
 
 __all__ = ["epoch_order", "feed_epochs", "default_partitions", "ORDER_COLUMN"]

@@ -14,6 +14,7 @@ import zmq
 from broker.client import ControlClient
 from broker.errors import BrokerError
 from broker.protocol import Kind, pack_header, pack_ranges, unpack_header
+from feeder.epochs import feed_epochs, resumed_epoch
 from feeder.recovery import (
     BrokerEpoch,
     BrokerWatch,
@@ -407,3 +408,22 @@ def test_a_resume_resets_every_broker_and_re_feeds_every_partition_home(fakes):
     assert recovers == [[([0, 1, 2, 3], [0, 1, 2, 3], [""], True)], [([1, 2], [1, 2], [""], True)]]
     assert outcome.shares == (2, 1)
     assert [r.partition for r in outcome.reports] == [0, 1, 2]
+
+
+# ---- resume: which epoch ------------------------------------------------------------------------------------------
+
+def test_a_resume_starts_at_the_states_epoch_of_the_same_stream():
+    state = {"format": 1, "stream": "train", "rank": 0, "size": 2, "epoch": 3, "steps": 7, "used": []}
+    assert resumed_epoch(state, "train") == 3
+    assert resumed_epoch(5, "train") == 5
+    with pytest.raises(ValueError, match="the resume state is of stream 'train', not 'val'"):
+        resumed_epoch(state, "val")
+    with pytest.raises(TypeError, match="not bool"):
+        resumed_epoch(True, "train")
+    with pytest.raises(ValueError, match="negative"):
+        resumed_epoch(-1, "train")
+
+
+def test_feed_epochs_refuses_a_resume_outside_the_epochs_it_feeds():
+    with pytest.raises(ValueError, match="resume at epoch 9 is not one of the epochs to feed, 0 to 4"):
+        feed_epochs(object(), "tcp://127.0.0.1:1", 5, shuffle=False, resume=9)
