@@ -210,9 +210,11 @@ class Recovery(Partitions, Dispatch):
     # ---- hold and match -------------------------------------------------------------------------------------
 
     def _take_recovered(self, stream: StreamState, ep: EpochState, batch: HeldBatch) -> None:
-        """A batch of a recovered partition, first copy (or at its commit, atomic): held, or matched now."""
+        """A batch of a recovered partition, first copy (or at its commit, atomic): counted in (the driver's report
+        counts what the broker took), then held, or matched now."""
         rec = ep.recovery
         assert rec is not None
+        ep.count_in(batch)
         if not self.may_release(stream, ep):
             rec.held.append(batch)
             return
@@ -253,11 +255,12 @@ class Recovery(Partitions, Dispatch):
         return rec.index
 
     def _match(self, stream: StreamState, ep: EpochState, batch: HeldBatch) -> None:
-        """Queue what no rank used of ``batch``; count what a rank used as consumed by it, never sent."""
+        """Queue what no rank used of ``batch`` (counted in already); count what a rank used as consumed by it,
+        never sent."""
         _, number, seq = batch.id
         used = self._index(stream, ep).get((number, seq))
         if not used:
-            ep.take(batch)
+            ep.queue.append(batch)
             return
         part = ep.part(number)
         if not part.diverged and any(checksum != part.checksums.get(seq) for _, _, checksum, _, _ in used):
@@ -280,7 +283,7 @@ class Recovery(Partitions, Dispatch):
         pieces.append((rest, runs[-1][0]))
         for piece, owner in pieces:
             if owner is None:
-                ep.take(piece)
+                ep.queue.append(piece)
             else:
                 self._adopt(stream, ep, piece, *owner)
 

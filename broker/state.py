@@ -157,8 +157,8 @@ class EpochState:
         self.rows_in += batch.rows
 
     def adopt(self, batch: HeldBatch) -> None:
-        """A batch (or piece) a rank used before a loss: in, out and acknowledged at once, never sent."""
-        self.count_in(batch)
+        """A batch (or piece, counted in already) a rank used before a loss: out and acknowledged at once, never
+        sent."""
         self.count_out(batch)
         self.acked += batch.count
         self.adopted += batch.count

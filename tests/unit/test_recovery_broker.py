@@ -79,7 +79,8 @@ def test_batches_of_a_recovered_partition_are_held_until_every_rank_reclaimed_an
     for seq in range(3):
         push(ledger, 0, 1, seq)
     push(ledger, 0, 0, 0)                        # not recovered: queued as usual
-    assert figures(ledger)["held"] == 3
+    assert {k: figures(ledger)[k] for k in ("batches_in", "held", "queued")} == {"batches_in": 4, "held": 3,
+                                                                                 "queued": 1}
     # the second rank of the group is not there yet: at least expected_ranks members must have reclaimed
     join(ledger, b"b", hello(1, 2, session="s1"), prefetch=8)
     ledger.send_lost(ledger.streams[STREAM], wire.transmit, only=b"b")
