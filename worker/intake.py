@@ -315,6 +315,14 @@ class Intake:
             return
         broker.reclaim(header["epoch"], lost, self.lost.entries() if header["epoch"] == self.current else [])
 
+    def _forget_ids(self, broker: BrokerConnection) -> None:
+        """No batch this rank holds is to be acknowledged to ``broker`` (a lost incarnation)."""
+        for batch_id in [i for i, b in self._source.items() if b is broker]:
+            del self._source[batch_id]
+            self._pack_left.pop(batch_id, None)
+            self._pack_first.pop(batch_id, None)
+            self._pack_done.pop(batch_id, None)
+
     def _silent(self, silent: BrokerSilent) -> None:
         """A broker silent past its timeout: gone for good if another one still answers, else the feed's end.
 
@@ -350,11 +358,7 @@ class Intake:
                 self.forget(broker, gone)
             self._unpacked = deque(item for item in self._unpacked
                                    if self._source.get(protocol.batch_id(item[0])) is not broker)
-            for batch_id in [i for i, b in self._source.items() if b is broker]:
-                del self._source[batch_id]
-                self._pack_left.pop(batch_id, None)
-                self._pack_first.pop(batch_id, None)
-                self._pack_done.pop(batch_id, None)
+            self._forget_ids(broker)
             self.lost.update(broker.used.entries())
             self.lost.update(self._elsewhere.entries())   # the pooled ones may have been this broker's
             broker.used.clear()
@@ -367,6 +371,7 @@ class Intake:
                     "reclaimed", broker.rank, broker.address, epoch, incarnation,
                     sum(stop - first for _, _, first, stop, _ in entries))
         if gone:
+            self._forget_ids(broker)          # what it had delivered of an ended epoch is used, never acknowledged
             broker.close()
             self.connections.remove(broker)
             if broker in self._waiting:

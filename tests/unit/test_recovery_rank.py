@@ -410,3 +410,21 @@ def test_a_rank_served_in_version_5_names_no_incarnation_and_takes_a_restart_as_
         a.send(codec.encode_batch("s", 0, 0, 0, {"id": np.array([0])}))     # the restarted broker's copy
         a.send([pack_header(Kind.EPOCH_END, v=5, stream="s", epoch=0, batches=1)])
         assert list(epoch) == [], "as in version 5: a batch the rank had is not yielded again"
+
+
+def test_a_broker_lost_after_it_ended_the_epoch_lost_the_next_one_of_which_the_rank_used_nothing(context):
+    a = Broker(context, "inproc://recovery-ended-a", "a1")
+    b = Broker(context, "inproc://recovery-ended-b", "b1")
+    stream = join(context, [a, b])
+    with stream:
+        a.batch(0, 0, [0])
+        a.say(Kind.EPOCH_END, stream="s", epoch=0, batches=1)
+        b.batch(1, 0, [100])
+        loop = Loop(stream)
+        loop.start()
+        loop.wait(2)
+        b.say(Kind.LOST, stream="s", epoch=1, lost="a1")
+        assert b.reclaim() == (1, "a1", [])
+        b.say(Kind.EPOCH_END, stream="s", epoch=0, batches=1)
+        assert sorted(loop.finish()) == [0, 100]
+        assert [broker.address for broker in stream._brokers] == [b.address]
