@@ -187,8 +187,14 @@ class BatchStream:
         the same step). Leaving an epoch early (``break``) acknowledges the batch in hand; the next call first
         skips what is left of that epoch on this rank, counted in ``stats.skipped_batches``.
 
+        A broker that loses its state without a journal (docs/design/RECOVERY.md) does not end the epoch: what
+        this rank held of it unused is dropped, and Spark's recomputation of its partitions brings the rest, less
+        what this rank had used (told the brokers in ``RECLAIM``). A broker silent past ``timeout`` while others
+        answer is gone for good: the epoch goes on with the others.
+
         Raises:
-            BrokerError: the broker goes silent for longer than ``timeout`` or reports an error.
+            BrokerError: the only broker (or every broker) goes silent for longer than ``timeout``, or a broker
+                reports an error.
             ProtocolError: a malformed batch (checksum or shape mismatch).
         """
         if self._intake.unfinished:
