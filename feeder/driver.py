@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import re
 import secrets
@@ -19,7 +20,7 @@ from broker.partitions import MAX_PARTITIONS
 from broker.protocol import Kind
 
 from .columns import partition_messages, record_batches_from_rows
-from .recovery import EpochFeed, FeedJob, JobCancel, Outcome, Routes, taken_figures
+from .recovery import EpochFeed, FeedJob, JobCancel, Loss, Outcome, Routes, taken_figures
 from .task import DEFAULT_PACK_BYTES, PartitionReport, attempt_id, stream_messages
 
 log = logging.getLogger("sparkbus.feeder")
@@ -133,6 +134,27 @@ def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "t
         ValueError: ``bucket_window`` below 1; ``resume`` on Spark Connect with several brokers (the partition
             count is needed: feed through ``feed_epochs(..., partitions=...)``).
     """
+    return _feed(data, address, stream, epoch, batch_size, columns, timeout, delivery, control, max_batch_bytes,
+                 pack_bytes, ragged, bucket_by, bucket_window, arrow_batch_rows, key, broker_key, recover, resume)
+
+
+def refeed(data: Any, address: str | Sequence[str] | None, stream: str, epoch: int, losses: Sequence[Loss],
+           **feed_kwargs: Any) -> FeedReport:
+    """Recover an epoch :func:`feed` fed and closed before, whose brokers ``losses`` lost it since: the partitions
+    no live broker committed are fed again (``feed_kwargs`` as :func:`feed`'s)."""
+    bound = inspect.signature(feed).bind(data, address, stream, epoch, **feed_kwargs)
+    bound.apply_defaults()
+    return _feed(**bound.arguments, losses=losses)
+
+
+def _feed(data: Any, address: str | Sequence[str] | None, stream: str, epoch: int, batch_size: int,
+          columns: Sequence[str] | None, timeout: float, delivery: str, control: str | Sequence[str] | None,
+          max_batch_bytes: int, pack_bytes: int, ragged: Sequence[str], bucket_by: str | None, bucket_window: int,
+          arrow_batch_rows: int | None, key: str | None, broker_key: str | None, recover: bool, resume: bool,
+          losses: Sequence[Loss] = ()) -> FeedReport:
+    """:func:`feed`; with ``losses``, an epoch fed already whose brokers lost it since (``feed_epochs``): no
+    EPOCH_OPEN, no first job, only the recovery of what no live broker committed."""
+
     started = time.monotonic()
     feeds, controls = feed_and_control_addresses(address, control)
     if bucket_window < 1:
@@ -150,21 +172,24 @@ def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "t
         else:
             job = _rdd_job(data, cutting, settings)
         clients = [stack.enter_context(ControlClient(c, timeout, key=key, broker_key=broker_key)) for c in controls]
-        brokers = [c.hello("feeder", stream) for c in clients]   # fail fast on an absent broker
-        if resume and job.partitions is None:     # Spark Connect: the count its maker knew, if it said
+        gone = {loss.broker for loss in losses if loss.gone}
+        # fail fast on an absent broker (but one already found gone)
+        brokers = [{} if i in gone else c.hello("feeder", stream) for i, c in enumerate(clients)]
+        if (resume or losses) and job.partitions is None:     # Spark Connect: the count its maker knew, if it said
             job = job._replace(partitions=getattr(data, PARTITIONS_HINT, None))
         opened = UNKNOWN_PARTITIONS if job.partitions is None else job.partitions
-        if not resume:          # a resume's EPOCH_RECOVER(reset) opens the epoch
+        if not resume and not losses:      # a resume's EPOCH_RECOVER(reset) opens the epoch
             for client in clients:
                 client.request(Kind.EPOCH_OPEN, stream=stream, epoch=epoch, partitions=opened, delivery=delivery)
-        if recover or resume:
+        if recover or resume or losses:
             connect = is_connect_dataframe(data)
             session = data.sparkSession if connect else \
                 data.sparkSession.sparkContext if _is_dataframe(data) else data.context
             cancel = stack.enter_context(JobCancel(session, connect))
-            watched = EpochFeed(clients, brokers, stream, epoch, delivery, timeout, cancel, key, broker_key)
+            watched = EpochFeed(clients, brokers, stream, epoch, delivery, timeout, cancel, key, broker_key,
+                                losses=losses)
             try:
-                outcome = watched.run(job, resume=resume)
+                outcome = watched.run(job, resume=resume, fed=bool(losses))
             except (BrokerError, FeedError, ValueError):
                 raise
             except Exception as exc:
@@ -188,6 +213,8 @@ def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "t
             message += "; rows of these partitions may be missing or repeated. Use delivery='atomic'."
         log.warning(message)
         warnings.warn(message, DivergedPartitionsWarning, stacklevel=2)
+    if losses:
+        log.info("stream %r epoch %d, fed before, recovered: %d partitions fed again", stream, epoch, len(reports))
     # After a recovery whose first job was cancelled, the partitions it committed have no report: the brokers'
     # figures count the epoch instead (payload bytes, without the headers a report counts)
     batches, rows, nbytes = (sum(r.batches for r in reports), produced, sum(r.bytes for r in reports)) \

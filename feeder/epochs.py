@@ -31,10 +31,17 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .driver import FeedReport, feed, is_connect_dataframe, with_partitions
+from broker.address import feed_and_control_addresses
+from broker.client import ControlClient
+from broker.errors import BrokerError
+from broker.protocol import Kind
+
+from .driver import FeedReport, feed, is_connect_dataframe, refeed, with_partitions
+from .recovery import CANNOT_RECOVER, WATCH_INTERVAL, BrokerWatch, read_query
 
 log = logging.getLogger("sparkbus.feeder")
 
@@ -105,7 +112,8 @@ def feed_epochs(df: Any, address: str | Sequence[str] | None, epochs: int, strea
                 shuffle_seed: int | None = None, first_epoch: int = 0, *, shuffle: bool = True,
                 key: Sequence[str] | None = None, partitions: int | None = None,
                 on_epoch: Callable[[int, FeedReport], None] | None = None,
-                resume: Mapping[str, Any] | int | None = None, **feed_kwargs: Any) -> list[FeedReport]:
+                resume: Mapping[str, Any] | int | None = None, wait_delivered: bool = False,
+                **feed_kwargs: Any) -> list[FeedReport]:
     """Feed epochs ``first_epoch .. first_epoch + epochs - 1`` of ``df`` to ``stream``, one after the other.
 
     Each epoch is reshuffled with :func:`epoch_order` (unless ``shuffle`` is false) and streamed with
@@ -133,6 +141,10 @@ def feed_epochs(df: Any, address: str | Sequence[str] | None, epochs: int, strea
             again whole (``feed(..., resume=True)``: the brokers drop what they had of it, delivered or not, and
             deliver only what no rank's checkpoint used), the later ones as usual. Start the ranks with
             ``BatchStream(..., resume=state)``.
+        wait_delivered: after the last epoch is fed, keep watching the epochs not delivered yet (every broker
+            sent their end), and recover them from a lost broker, until they are delivered. By default
+            ``feed_epochs`` returns when the last epoch is fed; the epochs fed before are watched while the later
+            ones are fed.
         **feed_kwargs: passed to :func:`feeder.feed` (``batch_size``, ``columns``, ``timeout``, ``control``,
             ``max_batch_bytes``, ``recover``). ``timeout`` also bounds a task blocked by backpressure: make it
             longer than the longest pause of the ranks' consumption (a validation pass, a checkpoint).
@@ -157,18 +169,87 @@ def feed_epochs(df: Any, address: str | Sequence[str] | None, epochs: int, strea
         raise ValueError(f"resume at epoch {start} is not one of the epochs to feed, {first_epoch} to "
                          f"{first_epoch + epochs - 1}")
     reports = []
-    for epoch in range(start, first_epoch + epochs):
-        data = epoch_order(df, epoch, seed, key, partitions) if shuffle else df
-        again = resume is not None and epoch == start
-        if again and partitions is not None:
-            data = with_partitions(data, partitions)
-        report = feed(data, address, stream=stream, epoch=epoch, resume=again, **feed_kwargs)
-        log.info("stream %r epoch %d fed: %d rows in %d batches from %d partitions in %.1f s",
-                 stream, epoch, report.rows, report.batches, report.partitions, report.seconds)
-        reports.append(report)
-        if on_epoch is not None:
-            on_epoch(epoch, report)
+    watching = feed_kwargs.get("recover", True) and epochs > 0
+    fed = FedEpochs(address, stream, feed_kwargs) if watching else None
+    try:
+        for epoch in range(start, first_epoch + epochs):
+            data = epoch_order(df, epoch, seed, key, partitions) if shuffle else df
+            if partitions is not None:
+                data = with_partitions(data, partitions)
+            report = feed(data, address, stream=stream, epoch=epoch, resume=resume is not None and epoch == start,
+                          **feed_kwargs)
+            log.info("stream %r epoch %d fed: %d rows in %d batches from %d partitions in %.1f s",
+                     stream, epoch, report.rows, report.batches, report.partitions, report.seconds)
+            reports.append(report)
+            if fed is not None:
+                fed.add(epoch, data)
+                fed.check()
+            if on_epoch is not None:
+                on_epoch(epoch, report)
+        while fed is not None and wait_delivered and fed.pending:
+            fed.wait()
+    finally:
+        if fed is not None:
+            fed.close()
     return reports
+
+
+class FedEpochs:
+    """The epochs ``feed_epochs`` fed that not every live broker has delivered yet (``EPOCH_QUERY.ended``),
+    watched (:class:`feeder.recovery.BrokerWatch`): a broker lost after an epoch was fed loses that epoch's
+    batches too, and :meth:`check` feeds again what no live broker committed (:func:`feeder.driver.refeed`,
+    the same ``epoch_order``), as the feed itself does for the epoch it is feeding."""
+
+    def __init__(self, address: str | Sequence[str] | None, stream: str, feed_kwargs: dict[str, Any]) -> None:
+        self.address, self.stream, self.feed_kwargs = address, stream, feed_kwargs
+        _, controls = feed_and_control_addresses(address, feed_kwargs.get("control"))
+        timeout = feed_kwargs.get("timeout", 60.0)
+        key, broker_key = feed_kwargs.get("key"), feed_kwargs.get("broker_key")
+        self.clients = [ControlClient(c, timeout, key=key, broker_key=broker_key) for c in controls]
+        try:
+            welcomes = [c.hello("feeder", stream) for c in self.clients]
+        except BrokerError:
+            self.close()
+            raise
+        self.watch = BrokerWatch(controls, welcomes, stream, timeout, key, broker_key).start()
+        self.pending: dict[int, Any] = {}
+        self.handled = 0
+
+    def add(self, epoch: int, data: Any) -> None:
+        self.pending[epoch] = data
+
+    def check(self) -> None:
+        """Re-feed the pending epochs after a loss; forget those every live broker has delivered."""
+        losses = list(self.watch.losses)
+        if len(losses) > self.handled:
+            self.handled = len(losses)
+            for epoch, data in sorted(self.pending.items()):
+                log.warning("stream %r epoch %d, fed before, is recovered after losing %s", self.stream, epoch,
+                            ", ".join(loss.incarnation for loss in losses))
+                refeed(data, self.address, self.stream, epoch, losses, **self.feed_kwargs)
+        live = self.watch.live()
+        for epoch in sorted(self.pending):
+            try:
+                ended = all(read_query(self.clients[i].request(Kind.EPOCH_QUERY, stream=self.stream,
+                                                               epoch=epoch)).ended for i in live)
+            except BrokerError as exc:
+                if exc.code in CANNOT_RECOVER:
+                    self.pending.clear()        # an older broker: nothing to watch with
+                    return
+                continue                        # silent: the watch decides whether it is gone
+            if ended:
+                del self.pending[epoch]
+
+    def wait(self) -> None:
+        """One more look after a watch interval (``wait_delivered``)."""
+        time.sleep(WATCH_INTERVAL)
+        self.check()
+
+    def close(self) -> None:
+        if getattr(self, "watch", None) is not None:
+            self.watch.stop()
+        for client in self.clients:
+            client.close()
 
 
 def resumed_epoch(resume: Mapping[str, Any] | int, stream: str) -> int:

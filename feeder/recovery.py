@@ -158,6 +158,12 @@ class BrokerWatch:
         now = self._heard[index] + self.timeout if final and welcome is None else None
         return self.observe(index, welcome, now)
 
+    def adopt(self, losses: Sequence[Loss]) -> None:
+        """Losses found before this watch began (by another watch of the same brokers): a gone broker stays gone."""
+        with self._lock:
+            self.losses.extend(losses)
+            self._gone.update(loss.broker for loss in losses if loss.gone)
+
     def start(self, on_loss: Callable[[], None] | None = None) -> BrokerWatch:
         """Start the thread (once); ``on_loss`` is called (from it) after each new loss."""
         self.on_loss = on_loss
@@ -457,12 +463,14 @@ class EpochFeed:
 
     def __init__(self, clients: Sequence[ControlClient], welcomes: Sequence[Mapping[str, Any]], stream: str,
                  epoch: int, delivery: str, timeout: float, cancel: JobCancel, key: str | None = None,
-                 broker_key: str | None = None, interval: float = WATCH_INTERVAL) -> None:
+                 broker_key: str | None = None, interval: float = WATCH_INTERVAL, losses: Sequence[Loss] = ()
+                 ) -> None:
         self.clients = list(clients)
         self.controls = [c.address for c in clients]
         self.stream, self.epoch, self.delivery, self.timeout = stream, epoch, delivery, timeout
         self.cancel = cancel
         self.watch = BrokerWatch(self.controls, welcomes, stream, timeout, key, broker_key, interval)
+        self.watch.adopt(losses)
         self.partitions: int | None = None
         self.reports: dict[int, PartitionReport] = {}
         self.recovered: dict[int, Partitions] = {}
@@ -470,8 +478,10 @@ class EpochFeed:
         self.resumed = False
         self.max_rounds = len(self.clients) + 2
 
-    def run(self, job: FeedJob, resume: bool = False) -> Outcome:
+    def run(self, job: FeedJob, resume: bool = False, fed: bool = False) -> Outcome:
         """Run the job (or, for a resume, re-feed every partition after a reset), recover from losses, close.
+        ``fed``: the epoch was fed and closed before, and the brokers given to the constructor as ``losses`` lost
+        it since: only the recovery runs.
 
         Raises:
             BrokerError: no broker left (:func:`all_lost_error`), or one that cannot recover (an older broker).
@@ -484,7 +494,7 @@ class EpochFeed:
             try:
                 if resume:
                     self._reset(job)
-                else:
+                elif not fed:
                     self._take(job.collect(), whole=True)
                 failure: Exception | None = None
             except Exception as exc:
@@ -557,11 +567,13 @@ class EpochFeed:
                  len(plan.routes.fixed), " and the rest" if plan.routes.tail is not None else "",
                  ", ".join(self.watch.lost_incarnations()))
         for i in live:
-            if i in self.closed and plan.carries[i].numbers == states[i].committed and plan.carries[i].tail is None:
+            done = i in self.closed or states[i].closed or states[i].ended
+            if done and plan.carries[i].numbers == states[i].committed and plan.carries[i].tail is None:
                 continue        # closed already, and given nothing new
             try:
                 self._request(i, Kind.EPOCH_RECOVER, **recover_fields(plan, i, self.stream, self.epoch,
                                                                       self.partitions, self.delivery, self._lost()))
+                self.closed.discard(i)          # reopened: closed again at the end
             except BrokerError as exc:
                 if exc.code is not None:
                     raise
@@ -600,11 +612,13 @@ class EpochFeed:
         live = self.watch.live()
         if not live:
             raise all_lost_error(self.stream, self.epoch, self.controls, self.watch.losses, self.timeout)
+        states: dict[int, BrokerEpoch] = {}
         if recovering:
-            states = self._query(live)
-            if states is None:
+            queried = self._query(live)
+            if queried is None:
                 raise BrokerError(f"a broker of stream {self.stream!r} went silent while epoch {self.epoch} "
                                   f"was closed")
+            states = queried
             committed = {i: states[i].committed for i in live}
         else:
             committed = {i: frozenset(p for p, r in self.reports.items() if r.broker == i) for i in live}
@@ -618,8 +632,8 @@ class EpochFeed:
         taken = [taken_figures(self.clients[i], self.stream, self.epoch) for i in live]
         diverged: set[int] = set()
         for i in live:
-            if i in self.closed:
-                continue
+            if i in self.closed or (recovering and (states[i].closed or states[i].ended)):
+                continue        # closed already, and given nothing new since (EPOCH_RECOVER reopens)
             closed = self._request(i, Kind.EPOCH_CLOSE, stream=self.stream, epoch=self.epoch,
                                    partitions=self.partitions, expected=len(committed[i]))
             self.closed.add(i)

@@ -139,7 +139,7 @@ class FakeBroker:
         self.sock.linger = 0
         self.address = f"tcp://127.0.0.1:{self.sock.bind_to_random_port('tcp://127.0.0.1')}"
         self.incarnation, self.journal, self.partitions = incarnation, False, partitions
-        self.known, self.closed = True, False
+        self.known, self.closed, self.ended = True, False, False
         self.committed: set[int] = set()
         self.rows_in = 0
         self.mute = False
@@ -173,7 +173,7 @@ class FakeBroker:
             return pack_header(Kind.WELCOME, req=h["req"], broker="fake", incarnation=self.incarnation,
                                journal=self.journal, free=1 << 30)
         if kind == Kind.EPOCH_QUERY:
-            return pack_header(Kind.OK, req=h["req"], known=self.known, closed=self.closed, ended=False,
+            return pack_header(Kind.OK, req=h["req"], known=self.known, closed=self.closed, ended=self.ended,
                                delivered=False, partitions=self.partitions, committed=pack_ranges(self.committed),
                                seen=pack_ranges(self.committed), incarnation=self.incarnation, journal=self.journal)
         if kind == Kind.EPOCH_RECOVER:
@@ -427,3 +427,36 @@ def test_a_resume_starts_at_the_states_epoch_of_the_same_stream():
 def test_feed_epochs_refuses_a_resume_outside_the_epochs_it_feeds():
     with pytest.raises(ValueError, match="resume at epoch 9 is not one of the epochs to feed, 0 to 4"):
         feed_epochs(object(), "tcp://127.0.0.1:1", 5, shuffle=False, resume=9)
+
+
+# ---- epochs fed before ----------------------------------------------------------------------------------------
+
+def test_epochs_fed_before_are_fed_again_after_a_loss_until_every_broker_delivered_them(fakes, monkeypatch):
+    import feeder.epochs
+
+    (one, two), _ = fakes("a0", "b0")
+    refed = []
+    monkeypatch.setattr(feeder.epochs, "refeed", lambda data, address, stream, epoch, losses, **kw: refed.append(
+        (data, stream, epoch, losses, kw)))
+    fed = feeder.epochs.FedEpochs([one.address, two.address], "s", {"control": [one.address, two.address],
+                                                                     "timeout": 5.0})
+    try:
+        fed.add(0, "frame 0")
+        fed.add(1, "frame 1")
+        fed.check()
+        assert (refed, sorted(fed.pending)) == ([], [0, 1])
+        one.ended = True
+        fed.check()
+        assert sorted(fed.pending) == [0, 1]            # ended at one broker, not at both
+        two.restart("b1")
+        wait_until(lambda: fed.watch.losses)
+        two.ended = True
+        fed.check()
+        kw = {"control": [one.address, two.address], "timeout": 5.0}
+        lost = [Loss(1, "b0", False)]
+        assert refed == [("frame 0", "s", 0, lost, kw), ("frame 1", "s", 1, lost, kw)]
+        assert fed.pending == {}
+        fed.check()
+        assert len(refed) == 2                          # a loss is recovered once
+    finally:
+        fed.close()
