@@ -101,7 +101,8 @@ class Recovery(Partitions, Dispatch):
 
     def _reset(self, stream: StreamState, number: int) -> None:
         """Forget everything of epoch ``number``: its queue and held batches, the ranks' (and lost ranks') batches
-        and counts of it, its delivered record, and the reclaims of any loss but a resume's."""
+        and counts of it (a lost rank left with none is not waited for), its delivered record, and the reclaims of
+        any loss but a resume's."""
         ep = stream.epochs.pop(number, None)
         if ep is not None:
             self._drop(ep.queue)
@@ -118,6 +119,9 @@ class Recovery(Partitions, Dispatch):
                     self.buffered -= batch.nbytes
             for counts in (rank.given, rank.told, rank.adopted, rank.told_adopted):
                 counts.pop(number, None)
+        for session, orphan in list(stream.orphans.items()):
+            if not orphan.rank.inflight:       # it waited for batches of this epoch only: nothing to wait for
+                del stream.orphans[session]
         finished = stream.finished
         if number in finished:
             if dict.__contains__(finished, number):
