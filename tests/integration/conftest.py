@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from launch.mpi import loopback_env, mpiexec_python
+from launch.processes import wait_for
 from launch.spark import local_session
 
 from harness import Children, start_broker_process  # noqa: F401
@@ -53,6 +54,24 @@ class Ranks:
 
     def stopped(self, name: str) -> bool:
         return (self.out / f"{name}.stopped").exists()
+
+    def wait_stopped(self, names: list[str], timeout: float = 90.0) -> None:
+        """Wait until every rank in ``names`` has stopped (``--stop-after``) and hangs; a launch that hydra failed
+        before any rank ran is started again, as :meth:`wait` does.
+
+        Raises:
+            AssertionError: the ranks exited instead, with the end of their log.
+        """
+        for _ in range(LAUNCH_ATTEMPTS):
+            wait_for(lambda: all(self.stopped(n) for n in names) or self.proc.poll() is not None, timeout,
+                     f"{', '.join(names)} to stop")
+            if self.proc.poll() is None:
+                return
+            err = self.proc.stderr.read() if self.proc.stderr else ""
+            if HYDRA_LAUNCH_FAILURE not in err or any(self.out.glob("*.npz")) or self.relaunch is None:
+                raise AssertionError(f"the ranks exited ({self.proc.returncode}) before they stopped:\n{err[-3000:]}")
+            self.proc = self.relaunch()
+        raise AssertionError(f"hydra failed {LAUNCH_ATTEMPTS} launches")
 
     def wait(self, timeout: float = 90.0) -> list[dict]:
         _, err = Children.finish(self.proc, timeout, "ranks")

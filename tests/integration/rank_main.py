@@ -8,6 +8,9 @@ beside each batch's form (``forms``: per batch, per column, the type's name).
 With ``--no-mpi`` it is an independent consumer (``comm=None``) named by ``--name``; with ``--group R/N`` rank R of
 a group of N started without MPI (``BatchStream(rank=R, size=N)``, steps granted by the broker).
 With ``--stop-after K`` it records its first K batches, writes ``OUT/{name}.stopped``, and hangs until killed.
+With ``--checkpoint-at K`` it saves ``stream.state_dict()`` after its K-th batch of epoch 0 to ``OUT/{name}-state.json``
+and the ids trained so far (that batch's included) to ``OUT/{name}-checkpoint.npz``; ``--resume DIR`` starts from
+``DIR/{name}-state.json`` (``BatchStream(resume=...)``).
 """
 
 import argparse
@@ -42,6 +45,8 @@ parser.add_argument("--steps", choices=["broker", "mpi"], default="broker", help
 parser.add_argument("--name", help="file name prefix (default rank{r})")
 parser.add_argument("--timeout", type=float, default=60.0)
 parser.add_argument("--values", action="store_true", help="record every column's values as JSON too")
+parser.add_argument("--checkpoint-at", type=int, default=0, help="save state_dict() after this many batches of epoch 0")
+parser.add_argument("--resume", help="a directory with a state file written by --checkpoint-at: resume from it")
 args = parser.parse_args()
 
 group = {}
@@ -83,8 +88,10 @@ def main():
     dropped = []
     summary = {"rank": rank, "size": comm.Get_size() if comm else group.get("size", 1), "epochs": []}
     consumed = 0
-    window = {} if args.prefetch_bytes is None else {"prefetch_bytes": args.prefetch_bytes}
-    with BatchStream(args.ranks, comm=comm, stream=args.stream, prefetch=args.prefetch, **window, even=even,
+    options = {} if args.prefetch_bytes is None else {"prefetch_bytes": args.prefetch_bytes}
+    if args.resume:
+        options["resume"] = json.loads((Path(args.resume) / f"{name}-state.json").read_text())
+    with BatchStream(args.ranks, comm=comm, stream=args.stream, prefetch=args.prefetch, **options, even=even,
                      timeout=args.timeout, on_drop=lambda b: dropped.append(b["id"].copy()), steps=args.steps,
                      **group) as stream:
         if args.stall_file:
@@ -114,6 +121,9 @@ def main():
                         objects.setdefault(key, []).extend(
                             array.to_pylist() if hasattr(array, "to_pylist") else array.tolist())
                 consumed += 1
+                if e == 0 and args.checkpoint_at and consumed == args.checkpoint_at:
+                    (out / f"{name}-state.json").write_text(json.dumps(stream.state_dict()))
+                    np.savez(out / f"{name}-checkpoint.npz", id=np.concatenate(columns["id"]))
                 if rank == args.slow_rank:
                     time.sleep(args.slow_seconds)
             stats = stream.stats.epochs[-1]

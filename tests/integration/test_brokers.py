@@ -105,15 +105,16 @@ def test_one_of_two_brokers_killed_and_restarted_with_its_journal_loses_nothing(
     assert "journal replayed" in durable.log.read_text()
 
 
-def test_one_of_two_brokers_restarted_without_journal_fails_the_feed_naming_it(spark, small_arrow_batches,
-                                                                               start_broker_process):
+def test_one_of_two_brokers_restarted_without_journal_fails_a_feed_without_recovery_naming_it(
+        spark, small_arrow_batches, start_broker_process):
     steady, volatile = start_broker_process(), start_broker_process()
     frame = staged_frame(spark, 4_000, 4, slow=3, slow_seconds=0.2)
     errors = []
 
     def run():
         try:
-            feed(frame, [steady.feed, volatile.feed], stream="volatile2", batch_size=100, timeout=3, pack_bytes=0)
+            feed(frame, [steady.feed, volatile.feed], stream="volatile2", batch_size=100, timeout=3, pack_bytes=0,
+                 recover=False)
         except Exception as exc:       # checked below
             errors.append(exc)
 

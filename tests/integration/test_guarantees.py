@@ -228,14 +228,15 @@ def test_a_broker_killed_and_restarted_with_its_journal_loses_nothing(spark, sma
     assert "journal replayed" in broker.log.read_text()
 
 
-def test_a_broker_restart_without_journal_fails_the_feed_loudly(spark, small_arrow_batches, start_broker_process):
+def test_a_broker_restart_without_journal_fails_the_feed_loudly_with_recover_false(spark, small_arrow_batches,
+                                                                                   start_broker_process):
     broker = start_broker_process()
     frame = staged_frame(spark, 3_000, 3, slow=2, slow_seconds=0.2)
     errors = []
 
     def run():
         try:
-            feed(frame, broker.feed, stream="volatile", batch_size=100, timeout=3)
+            feed(frame, broker.feed, stream="volatile", batch_size=100, timeout=3, recover=False)
         except Exception as exc:       # checked below
             errors.append(exc)
 

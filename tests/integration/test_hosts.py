@@ -407,8 +407,8 @@ TIMEOUT = 2.0
 FAILS_WITHIN = 1.5 + 3 * TIMEOUT + 8
 
 
-def cut_until_the_feed_fails(net, hosts: Hosts, fed, host: str) -> AgentError:
-    """Cut ``host`` while ``fed`` is feeding and restore it once the feed has failed, as it must (a FeedError,
+def cut_until_the_feed_fails(net, hosts: Hosts, fed, host: str, error: str = "FeedError") -> AgentError:
+    """Cut ``host`` while ``fed`` is feeding and restore it once the feed has failed, as it must (an ``error``,
     within FAILS_WITHIN of the cut); the error."""
     net.cut(host)
     cut_at = time.monotonic()
@@ -416,19 +416,20 @@ def cut_until_the_feed_fails(net, hosts: Hosts, fed, host: str) -> AgentError:
         hosts.fed(fed, 3 * FAILS_WITHIN)
     took = time.monotonic() - cut_at
     net.restore(host)
-    assert failed.value.type == "FeedError", failed.value
+    assert failed.value.type == error, failed.value
     assert took < FAILS_WITHIN, f"feed() failed {took:.1f} s after the cut"
     return failed.value
 
 
 def test_a_broker_cut_longer_than_the_feed_timeout_fails_the_feed_loudly(net, hosts):
-    """The broker's host stays cut: each task's wait ends after its timeout, Spark's one retry cannot reach the
-    broker either, and ``feed()`` raises, naming the broker it could not reach (docs/GUARANTEES.md)."""
+    """The stream's only broker's host stays cut: the driver's watch finds it silent past the feed's timeout,
+    there is no other broker to feed its partitions through, and ``feed()`` raises, naming the broker it could not
+    reach and what to do (docs/GUARANTEES.md)."""
     broker = hosts.start_broker()
     fed = hosts.feed(broker, "lost", timeout=TIMEOUT, pause=0.03)
     batches_in_at_least(hosts, broker, "lost", 10)
-    failed = cut_until_the_feed_fails(net, hosts, fed, "broker")
-    assert "feeding stream 'lost' epoch 0 failed" in failed.message
+    failed = cut_until_the_feed_fails(net, hosts, fed, "broker", error="BrokerError")
+    assert "stream 'lost' epoch 0 cannot be fed" in failed.message and "--journal" in failed.message, failed.message
     assert broker.control in failed.message or broker.feed in failed.message, \
         f"the error does not say which broker could not be reached: {failed.message}"
 
@@ -453,3 +454,24 @@ def test_a_feeder_host_cut_fails_the_feed_and_feeding_the_epoch_again_delivers_e
     assert_equal_steps(summaries)
     end = hosts.epoch(broker, "refeed")
     assert end["batches_in"] == ROWS // BATCH and end["duplicates"] >= kept["batches_in"], end
+
+
+def test_a_broker_host_cut_for_good_costs_a_recomputation_through_the_other_broker(net, hosts):
+    """Two brokers on two hosts serve one stream to ranks on a third, fed from a fourth; the first broker's link is
+    cut for good mid-epoch (issue 18 §1). The driver finds that broker silent past the feed's timeout, cancels the
+    job and feeds the partitions no survivor committed again, through the other broker; the ranks, told by it
+    (LOST), drop what they held of the cut broker and say what they used of it (RECLAIM). Expected: every row
+    once, nothing trained twice, equal steps."""
+    brokers = [hosts.start_broker(), hosts.start_broker(host="broker2")]
+    ranks = hosts.start_ranks(brokers, "--stream", "cutgood", "--timeout", "10")
+    fed = hosts.feed(brokers, "cutgood", timeout=4, partitions=4, pause=0.2)     # ~5 s a partition
+    acked_at_least(hosts, brokers[0], "cutgood", 10)
+    net.cut("broker")                                  # for good: restored only by the test's end
+    report = hosts.fed(fed, 150)
+    summaries = ranks.wait(150, state=lambda: view(hosts, brokers[1], "cutgood"))
+    assert report["rows"] == ROWS, report
+    assert_exactly_once(ranks.ids(), ROWS)
+    assert_equal_steps(summaries)
+    net.restore("broker")                              # the figures are asked from the broker's host
+    survivor = hosts.epoch(brokers[1], "cutgood")
+    assert survivor["committed"] == 4 and survivor["adopted"] >= 1, survivor

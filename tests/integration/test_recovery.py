@@ -1,0 +1,231 @@
+"""A broker lost without its journal costs a recomputation from Spark's lineage, not the job (issue 18 §1); a job
+resumed from a mid-epoch checkpoint trains exactly what the checkpointed model has not seen (§3).
+
+Real pieces: the broker through its CLI, Spark in local mode, ranks under ``mpiexec -n 2`` or started without MPI
+(``--group``). Every test asserts the exact multiset of row ids the ranks trained on and dropped to keep equal
+steps: each row once, none twice while the ranks live, and equal steps on every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import warnings
+
+import numpy as np
+import pytest
+
+from feeder import DivergedPartitionsWarning, feed, feed_epochs
+
+from helpers import wait_for
+from sources import staged_frame
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture
+def small_arrow_batches(spark):
+    """Arrow batches of 100 rows between Spark's Python stages, so a task streams part of a partition."""
+    spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "100")
+    yield
+    spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")
+
+
+def epoch_figures(broker, stream: str, epoch: int = 0) -> dict:
+    return broker.stats()["streams"].get(stream, {}).get("epochs", {}).get(str(epoch), {})
+
+
+def assert_each_row_once(ids: np.ndarray, rows: int) -> None:
+    values, counts = np.unique(ids, return_counts=True)
+    twice = values[counts > 1]
+    lost = np.setdiff1d(np.arange(rows), values)
+    assert not len(twice) and not len(lost), (f"{len(twice)} rows trained twice (e.g. {twice[:10].tolist()}), "
+                                              f"{len(lost)} lost (e.g. {lost[:10].tolist()})")
+    assert len(ids) == rows
+
+
+def trained(job, ranks: int = 2) -> np.ndarray:
+    """Every id the ranks trained on in epoch 0, and those they dropped to keep equal steps."""
+    epochs = [job.epoch(r, 0) for r in range(ranks)]
+    for data in epochs:
+        np.testing.assert_array_equal(data["x"], data["id"].astype(np.float32))
+    return np.concatenate([d["id"] for d in epochs] + [d["dropped_id"] for d in epochs])
+
+
+def equal_steps(summaries: list[dict]) -> None:
+    steps = [s["epochs"][0]["batches"] for s in summaries]
+    assert len(set(steps)) == 1, f"unequal steps: {steps}"
+
+
+def feeding(target) -> tuple[threading.Thread, dict]:
+    """``target()`` in a thread; its result or exception in the dict (``report`` / ``error``)."""
+    result: dict = {}
+
+    def run():
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                result["report"] = target()
+            result["warnings"] = caught
+        except BaseException as exc:        # checked by the test
+            result["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, result
+
+
+def finished(thread: threading.Thread, result: dict, timeout: float = 200):
+    thread.join(timeout)
+    assert not thread.is_alive(), "feed() did not finish"
+    if "error" in result:
+        raise result["error"]
+    return result["report"]
+
+
+# ---- §1: a broker lost ------------------------------------------------------------------------------------------
+
+def test_a_broker_killed_mid_epoch_and_restarted_without_journal_costs_a_recomputation(
+        spark, small_arrow_batches, start_broker_process, start_ranks):
+    broker = start_broker_process("--heartbeat", "200ms")
+    ranks = start_ranks(2, broker.ranks, "--stream", "lineage")
+    frame = staged_frame(spark, 6_000, 3, slow=2, slow_seconds=0.3)     # partition 2 takes ~6 s, every job
+    thread, result = feeding(lambda: feed(frame, broker.feed, stream="lineage", batch_size=100, timeout=5,
+                                          pack_bytes=0))
+    wait_for(lambda: epoch_figures(broker, "lineage").get("acked", 0) >= 20, 60, "some batches trained")
+    broker.proc.kill()                                   # kill -9, mid-epoch, no journal: its state is gone
+    broker.proc.wait(5)
+    broker.restart()
+    report = finished(thread, result)
+    summaries = ranks.wait(150)
+    assert report.rows == 6_000 and report.diverged == ()
+    assert_each_row_once(trained(ranks), 6_000)
+    equal_steps(summaries)
+    end = epoch_figures(broker, "lineage")
+    assert end["adopted"] >= 20 - 2, end       # what the ranks had trained before the kill was not sent again
+
+
+def test_one_of_two_brokers_killed_for_good_leaves_its_partitions_to_the_other(
+        spark, small_arrow_batches, start_broker_process, start_group):
+    steady, doomed = start_broker_process("--heartbeat", "200ms"), start_broker_process("--heartbeat", "200ms")
+    group = start_group(2, f"{steady.ranks},{doomed.ranks}", "--stream", "survive", "--timeout", "10")
+    frame = staged_frame(spark, 8_000, 4, slow=3, slow_seconds=0.2)     # partition 3 (home: doomed) is slow
+    thread, result = feeding(lambda: feed(frame, [steady.feed, doomed.feed], stream="survive", batch_size=100,
+                                          timeout=4))          # packs of small batches, the default
+    wait_for(lambda: epoch_figures(doomed, "survive").get("acked", 0) >= 10, 60,
+             "some batches of the doomed broker trained")
+    doomed.proc.kill()                                   # for good
+    doomed.proc.wait(5)
+    report = finished(thread, result)
+    summaries = group.wait(150)
+    assert report.rows == 8_000
+    assert_each_row_once(trained(group), 8_000)
+    equal_steps(summaries)
+    end = epoch_figures(steady, "survive")
+    assert end["committed"] == 4 and end["adopted"] >= 1, end
+
+
+def test_a_second_kill_during_the_recovery_is_recovered_too(spark, small_arrow_batches, start_broker_process,
+                                                            start_ranks):
+    broker = start_broker_process("--heartbeat", "200ms")
+    ranks = start_ranks(2, broker.ranks, "--stream", "twice")
+    frame = staged_frame(spark, 6_000, 3, slow=2, slow_seconds=0.3)
+    thread, result = feeding(lambda: feed(frame, broker.feed, stream="twice", batch_size=100, timeout=5,
+                                          pack_bytes=0))
+    wait_for(lambda: epoch_figures(broker, "twice").get("acked", 0) >= 15, 60, "some batches trained")
+    broker.proc.kill()
+    broker.proc.wait(5)
+    first_incarnation_log = broker.log.read_text()
+    broker.restart()
+    # the recovery job streams to the restarted broker: partition 2 (slow) is not committed yet
+    wait_for(lambda: (lambda e: e.get("rows_in", 0) >= 1_000 and e.get("committed", 3) < 3)(
+        epoch_figures(broker, "twice")), 90, "the recovery job under way")
+    broker.proc.kill()                                   # again, during the recovery
+    broker.proc.wait(5)
+    broker.restart()
+    report = finished(thread, result)
+    summaries = ranks.wait(150)
+    assert report.rows == 6_000
+    assert_each_row_once(trained(ranks), 6_000)
+    equal_steps(summaries)
+    assert len(broker.log.read_text()) > len(first_incarnation_log)
+
+
+def test_a_recomputation_that_comes_out_differently_is_detected_and_reported(spark, start_broker_process,
+                                                                            start_ranks, tmp_path):
+    broker = start_broker_process("--heartbeat", "200ms")
+    ranks = start_ranks(2, broker.ranks, "--stream", "fickle")
+    flipped = tmp_path / "flipped"
+
+    def produce(part, ids):         # computed in another order once the flag exists: not deterministic
+        ids = list(ids)
+        if os.path.exists(str(flipped)):
+            ids.reverse()
+        for value in ids:
+            time.sleep(0.002)
+            yield {"id": value, "x": np.float32(value)}
+
+    rdd = spark.sparkContext.parallelize(range(6_000), 3).mapPartitionsWithIndex(produce)
+    thread, result = feeding(lambda: feed(rdd, broker.feed, stream="fickle", batch_size=100, timeout=5,
+                                          pack_bytes=0))
+    wait_for(lambda: epoch_figures(broker, "fickle").get("acked", 0) >= 10, 60, "some batches trained")
+    broker.proc.kill()
+    broker.proc.wait(5)
+    flipped.touch()
+    broker.restart()
+    report = finished(thread, result)
+    summaries = ranks.wait(150)
+    assert report.diverged and set(report.diverged) <= {0, 1, 2}, report
+    caught = [w for w in result["warnings"] if issubclass(w.category, DivergedPartitionsWarning)]
+    assert caught and str(list(report.diverged)) in str(caught[0].message)
+    everything = trained(ranks)
+    assert len(everything) == 6_000          # the rows of a diverged partition may be off; their count is not
+    equal_steps(summaries)
+
+
+def test_a_stream_whose_only_broker_stays_away_fails_the_feed_saying_what_to_do(spark, small_arrow_batches,
+                                                                              start_broker_process):
+    broker = start_broker_process("--heartbeat", "200ms")
+    frame = staged_frame(spark, 3_000, 3, slow=2, slow_seconds=0.2)
+    thread, result = feeding(lambda: feed(frame, broker.feed, stream="alone", batch_size=100, timeout=3))
+    wait_for(lambda: epoch_figures(broker, "alone").get("batches_in", 0) >= 5, 60, "some batches in")
+    broker.proc.kill()
+    broker.proc.wait(5)
+    thread.join(120)
+    assert not thread.is_alive()
+    error = result.get("error")
+    assert error is not None and "--journal" in str(error), result
+
+
+# ---- §3: exact resume from a mid-epoch checkpoint --------------------------------------------------------------
+
+@pytest.mark.parametrize("restart", [False, True], ids=["broker-kept-running", "everything-restarted"])
+def test_a_job_resumed_from_a_mid_epoch_checkpoint_trains_exactly_the_rest(spark, start_broker_process,
+                                                                           start_ranks, restart):
+    broker = start_broker_process("--heartbeat", "200ms")
+    # checkpoint after 5 steps, killed after 9 (holding its 10th): steps 6..9 are trained again after the resume
+    first = start_ranks(2, broker.ranks, "--stream", "ckpt", "--checkpoint-at", "5", "--stop-after", "9")
+    frame = staged_frame(spark, 4_000, 2)
+    options = dict(stream="ckpt", epochs=1, shuffle=False, batch_size=100, timeout=30, pack_bytes=0)
+    feed_epochs(frame, broker.feed, **options)
+    first.wait_stopped(["rank0", "rank1"])
+    first.kill()
+    if restart:
+        broker.proc.kill()                               # no journal: the broker remembers nothing
+        broker.proc.wait(5)
+        broker.restart()
+    states = [json.loads((first.out / f"rank{r}-state.json").read_text()) for r in range(2)]
+    assert [s["epoch"] for s in states] == [0, 0] and [s["steps"] for s in states] == [5, 5], states
+    second = start_ranks(2, broker.ranks, "--stream", "ckpt", "--resume", str(first.out))
+    report = feed_epochs(frame, broker.feed, resume=states[0], **options)[0]
+    summaries = second.wait(150)
+    before = []
+    for r in range(2):
+        with np.load(first.out / f"rank{r}-checkpoint.npz") as data:
+            before.append(data["id"])
+    assert sum(len(b) for b in before) == 1_000
+    assert_each_row_once(np.concatenate([*before, trained(second)]), 4_000)
+    equal_steps(summaries)
+    assert report.rows == 4_000
