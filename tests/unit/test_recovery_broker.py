@@ -469,3 +469,51 @@ def test_sparkbus_status_shows_an_epochs_recovery_figures_once_it_has_any():
     (zero,) = [line for line in lines if line.startswith("  epoch 0 ")]
     (one,) = [line for line in lines if line.startswith("  epoch 1 ")]
     assert zero.endswith("; recovery: held 1, adopted 0, unassigned 1") and "recovery" not in one
+
+
+def test_epoch_query_of_a_delivered_epoch_and_of_one_whose_figures_are_gone():
+    ledger = Ledger()
+    wire = Wire(ledger)
+    ledger.keep_epochs = 1
+    join(ledger, b"a", hello(0, 1, session="s0"), prefetch=8)
+    for epoch in (0, 1):
+        ledger.open_epoch(STREAM, epoch, 2, "stream")
+        push(ledger, epoch, 0, 0)
+        end(ledger, epoch, 0, 0, 1)
+        end(ledger, epoch, 1, 0, 0)
+        ledger.close_epoch(STREAM, epoch, 2)
+        wire.dispatch()
+        acked(ledger, b"a", (epoch, 0, 0))
+        wire.dispatch()
+    assert list(ledger.streams[STREAM].finished) == [1]                         # epoch 0: its number only
+    assert ledger.query_epoch(STREAM, 1) == {"known": True, "closed": True, "ended": True, "delivered": True,
+                                             "partitions": 2, "committed": [0, 2], "seen": [0, 2]}
+    assert ledger.query_epoch(STREAM, 0) == {"known": True, "closed": True, "ended": True, "delivered": True,
+                                             "partitions": 0, "committed": [], "seen": []}
+    assert ledger.query_epoch("nobody", 0)["known"] is False
+
+
+def test_kinds_and_fields_of_version_6_are_never_sent_to_a_version_5_rank():
+    from broker.books import Outcome
+    from broker.config import BrokerConfig
+    from broker.daemon import Broker
+
+    class Ranks:                          # the ranks socket: what was sent on it
+        def __init__(self):
+            self.sent = []
+
+        def send_multipart(self, frames, flags=0, copy=True):
+            self.sent.append([bytes(f) for f in frames])
+
+    broker = Broker(BrokerConfig(feed="inproc://f", ranks="inproc://r", control="inproc://c"))
+    ranks = broker._ranks = Ranks()
+    broker.peers.heard("ranks", b"old", 5, 0.0)
+    lost = protocol.pack_header(Kind.LOST, stream=STREAM, epoch=0, lost="x")
+    steps = protocol.pack_header(Kind.STEPS, stream=STREAM, epoch=0, steps=3, adopted=2)
+    assert broker._transmit(b"old", [lost]) is Outcome.SENT and ranks.sent == []      # dropped, not sent
+    assert broker._transmit(b"old", [steps]) is Outcome.SENT
+    assert broker._transmit(b"new", [lost]) is Outcome.SENT
+    (who, old_steps), (other, new_lost) = ranks.sent
+    header = protocol.unpack_header(old_steps)
+    assert (who, header["v"], header["steps"], "adopted" in header) == (b"old", 5, 3, False)
+    assert (other, new_lost) == (b"new", lost)
