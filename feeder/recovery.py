@@ -564,7 +564,8 @@ class EpochFeed:
         plan = plan_recovery(len(self.clients), self.partitions, live, self.watch.lost_brokers(), states,
                              self.recovered)
         log.info("stream %r epoch %d: re-feeding %d partitions%s after losing %s", self.stream, self.epoch,
-                 len(plan.routes.fixed), " and the rest" if plan.routes.tail is not None else "",
+                 len(plan.routes.fixed), "" if plan.routes.tail is None else
+                 f" and every one from {plan.routes.top} on (the count is not known yet)",
                  ", ".join(self.watch.lost_incarnations()))
         for i in live:
             done = i in self.closed or states[i].closed or states[i].ended
