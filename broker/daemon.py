@@ -290,8 +290,9 @@ class Broker:
         try:
             handler(self, sock, identity, header, frames[2:])
         except ProtocolError as exc:           # the rules refused it (UNKNOWN_RANK, ALREADY_CONNECTED, REFUSED)
-            self._refuse(sock, socket, identity, req, ErrorCode(exc.code or ErrorCode.REFUSED), exc.reason,
-                         counted="refused")
+            code = ErrorCode(exc.code or ErrorCode.REFUSED)     # or a frame it carries is unreadable (MALFORMED)
+            self._refuse(sock, socket, identity, req, code, exc.reason,
+                         counted="malformed" if code is ErrorCode.MALFORMED else "refused")
         except Exception:      # a bug must cost one request, not the broker and every stream it serves
             log.exception("internal error handling %s on the %s socket", header["kind"].name, socket)
             self._refuse(sock, socket, identity, req, ErrorCode.INTERNAL, "internal broker error (see its log)")

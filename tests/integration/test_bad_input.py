@@ -9,7 +9,7 @@ import pytest
 import zmq
 
 from broker import codec, protocol
-from broker.protocol import Kind
+from broker.protocol import ErrorCode, Kind
 from feeder import feed
 from worker import BatchStream
 
@@ -61,6 +61,18 @@ def test_request_sockets_answer_bad_messages_with_a_reason(start_broker_process,
     else:
         expected["refused"] = 1          # CREDIT before HELLO
     assert rejected == expected
+
+
+def test_a_reclaim_with_the_wrong_frames_is_malformed(start_broker_process, sockets):
+    broker = start_broker_process()
+    sock = sockets(zmq.DEALER, broker.ranks)
+    assert reply_to(sock, [protocol.pack_header(Kind.HELLO, **hello(session="s0"))])["kind"] == Kind.WELCOME
+    header = protocol.pack_header(Kind.RECLAIM, stream="s", epoch=0, lost="x", entries=1)
+    entry = protocol.pack_used([(0, 0, 0, 1, 9)])
+    replies = [reply_to(sock, frames) for frames in ([header], [header, entry, entry], [header, entry[:-1]])]
+    assert [(r["kind"], r["code"]) for r in replies] == [(Kind.ERROR, ErrorCode.MALFORMED)] * 3
+    assert "got 3 frames" in replies[1]["reason"] and "used-batch entries" in replies[2]["reason"]
+    assert broker.stats()["broker"]["rejected"]["ranks"] == {"malformed": 3}
 
 
 def test_feed_socket_drops_and_counts_bad_batches(start_broker_process, sockets):
