@@ -138,20 +138,27 @@ def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "t
                  pack_bytes, ragged, bucket_by, bucket_window, arrow_batch_rows, key, broker_key, recover, resume)
 
 
-def refeed(data: Any, address: str | Sequence[str] | None, stream: str, epoch: int, losses: Sequence[Loss],
-           **feed_kwargs: Any) -> FeedReport:
-    """Recover an epoch :func:`feed` fed and closed before, whose brokers ``losses`` lost it since: the partitions
-    no live broker committed are fed again (``feed_kwargs`` as :func:`feed`'s)."""
+def feed_watched(data: Any, address: str | Sequence[str] | None, stream: str, epoch: int,
+                 losses: Sequence[Loss] = (), on_recovery: Callable[[list[Loss]], None] | None = None,
+                 **feed_kwargs: Any) -> FeedReport:
+    """:func:`feed` for ``feed_epochs`` (``feed_kwargs`` as :func:`feed`'s).
+
+    Args:
+        losses: the epoch was fed and closed before, and these losses of its brokers came since: only the
+            partitions no live broker committed are fed again.
+        on_recovery: called with the feed's losses so far before each round of recovery, so that epochs fed
+            before are recovered first (a broker delivers epochs in order: the ranks need the older one's end).
+    """
     bound = inspect.signature(feed).bind(data, address, stream, epoch, **feed_kwargs)
     bound.apply_defaults()
-    return _feed(**bound.arguments, losses=losses)
+    return _feed(**bound.arguments, losses=losses, on_recovery=on_recovery)
 
 
 def _feed(data: Any, address: str | Sequence[str] | None, stream: str, epoch: int, batch_size: int,
           columns: Sequence[str] | None, timeout: float, delivery: str, control: str | Sequence[str] | None,
           max_batch_bytes: int, pack_bytes: int, ragged: Sequence[str], bucket_by: str | None, bucket_window: int,
           arrow_batch_rows: int | None, key: str | None, broker_key: str | None, recover: bool, resume: bool,
-          losses: Sequence[Loss] = ()) -> FeedReport:
+          losses: Sequence[Loss] = (), on_recovery: Callable[[list[Loss]], None] | None = None) -> FeedReport:
     """:func:`feed`; with ``losses``, an epoch fed already whose brokers lost it since (``feed_epochs``): no
     EPOCH_OPEN, no first job, only the recovery of what no live broker committed."""
 
@@ -178,6 +185,8 @@ def _feed(data: Any, address: str | Sequence[str] | None, stream: str, epoch: in
         if (resume or losses) and job.partitions is None:     # Spark Connect: the count its maker knew, if it said
             job = job._replace(partitions=getattr(data, PARTITIONS_HINT, None))
         opened = UNKNOWN_PARTITIONS if job.partitions is None else job.partitions
+        if on_recovery is not None:
+            on_recovery([])     # feed_epochs: an epoch fed before and lost since goes first (a broker's order)
         if not resume and not losses:      # a resume's EPOCH_RECOVER(reset) opens the epoch
             for client in clients:
                 client.request(Kind.EPOCH_OPEN, stream=stream, epoch=epoch, partitions=opened, delivery=delivery)
@@ -187,7 +196,7 @@ def _feed(data: Any, address: str | Sequence[str] | None, stream: str, epoch: in
                 data.sparkSession.sparkContext if _is_dataframe(data) else data.context
             cancel = stack.enter_context(JobCancel(session, connect))
             watched = EpochFeed(clients, brokers, stream, epoch, delivery, timeout, cancel, key, broker_key,
-                                losses=losses)
+                                losses=losses, on_recovery=on_recovery)
             try:
                 outcome = watched.run(job, resume=resume, fed=bool(losses))
             except (BrokerError, FeedError, ValueError):

@@ -40,8 +40,8 @@ from broker.client import ControlClient
 from broker.errors import BrokerError
 from broker.protocol import Kind
 
-from .driver import FeedReport, feed, is_connect_dataframe, refeed, with_partitions
-from .recovery import CANNOT_RECOVER, WATCH_INTERVAL, BrokerWatch, read_query
+from .driver import FeedReport, feed, feed_watched, is_connect_dataframe, with_partitions
+from .recovery import CANNOT_RECOVER, WATCH_INTERVAL, BrokerWatch, Loss, read_query
 
 log = logging.getLogger("sparkbus.feeder")
 
@@ -176,8 +176,13 @@ def feed_epochs(df: Any, address: str | Sequence[str] | None, epochs: int, strea
             data = epoch_order(df, epoch, seed, key, partitions) if shuffle else df
             if partitions is not None:
                 data = with_partitions(data, partitions)
-            report = feed(data, address, stream=stream, epoch=epoch, resume=resume is not None and epoch == start,
-                          **feed_kwargs)
+            again = resume is not None and epoch == start
+            if fed is None:
+                report = feed(data, address, stream=stream, epoch=epoch, resume=again, **feed_kwargs)
+            else:
+                fed.check()           # a loss since the last epoch: recover the epochs fed before first
+                report = feed_watched(data, address, stream, epoch, on_recovery=fed.recover, resume=again,
+                                      **feed_kwargs)
             log.info("stream %r epoch %d fed: %d rows in %d batches from %d partitions in %.1f s",
                      stream, epoch, report.rows, report.batches, report.partitions, report.seconds)
             reports.append(report)
@@ -197,7 +202,7 @@ def feed_epochs(df: Any, address: str | Sequence[str] | None, epochs: int, strea
 class FedEpochs:
     """The epochs ``feed_epochs`` fed that not every live broker has delivered yet (``EPOCH_QUERY.ended``),
     watched (:class:`feeder.recovery.BrokerWatch`): a broker lost after an epoch was fed loses that epoch's
-    batches too, and :meth:`check` feeds again what no live broker committed (:func:`feeder.driver.refeed`,
+    batches too, and :meth:`check` feeds again what no live broker committed (:func:`feeder.driver.feed_watched`,
     the same ``epoch_order``), as the feed itself does for the epoch it is feeding."""
 
     def __init__(self, address: str | Sequence[str] | None, stream: str, feed_kwargs: dict[str, Any]) -> None:
@@ -213,20 +218,30 @@ class FedEpochs:
             raise
         self.watch = BrokerWatch(controls, welcomes, stream, timeout, key, broker_key).start()
         self.pending: dict[int, Any] = {}
-        self.handled = 0
+        self.handled: set[tuple[int, str]] = set()       # losses recovered from: (broker, incarnation)
 
     def add(self, epoch: int, data: Any) -> None:
         self.pending[epoch] = data
 
+    def recover(self, losses: list[Loss]) -> None:
+        """Re-feed the pending epochs after losses not recovered from yet (each is recovered from once): those
+        given (a feed's) and those this watch found, asking every broker now. Called by the next epoch's feed
+        before it opens its epoch and before each of its rounds of recovery: a broker that lost an epoch must be
+        given it again before the next one, which it would deliver in its place."""
+        self.watch.sweep(self.clients)
+        losses = list(dict.fromkeys([*self.watch.losses, *losses]))
+        new = [loss for loss in losses if (loss.broker, loss.incarnation) not in self.handled]
+        if not new:
+            return
+        self.handled.update((loss.broker, loss.incarnation) for loss in new)
+        for epoch, data in sorted(self.pending.items()):
+            log.warning("stream %r epoch %d, fed before, is recovered after losing %s", self.stream, epoch,
+                        ", ".join(loss.incarnation for loss in new))
+            feed_watched(data, self.address, self.stream, epoch, losses, **self.feed_kwargs)
+
     def check(self) -> None:
         """Re-feed the pending epochs after a loss; forget those every live broker has delivered."""
-        losses = list(self.watch.losses)
-        if len(losses) > self.handled:
-            self.handled = len(losses)
-            for epoch, data in sorted(self.pending.items()):
-                log.warning("stream %r epoch %d, fed before, is recovered after losing %s", self.stream, epoch,
-                            ", ".join(loss.incarnation for loss in losses))
-                refeed(data, self.address, self.stream, epoch, losses, **self.feed_kwargs)
+        self.recover([])
         live = self.watch.live()
         for epoch in sorted(self.pending):
             try:

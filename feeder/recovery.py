@@ -463,14 +463,15 @@ class EpochFeed:
 
     def __init__(self, clients: Sequence[ControlClient], welcomes: Sequence[Mapping[str, Any]], stream: str,
                  epoch: int, delivery: str, timeout: float, cancel: JobCancel, key: str | None = None,
-                 broker_key: str | None = None, interval: float = WATCH_INTERVAL, losses: Sequence[Loss] = ()
-                 ) -> None:
+                 broker_key: str | None = None, interval: float = WATCH_INTERVAL, losses: Sequence[Loss] = (),
+                 on_recovery: Callable[[list[Loss]], None] | None = None) -> None:
         self.clients = list(clients)
         self.controls = [c.address for c in clients]
         self.stream, self.epoch, self.delivery, self.timeout = stream, epoch, delivery, timeout
         self.cancel = cancel
         self.watch = BrokerWatch(self.controls, welcomes, stream, timeout, key, broker_key, interval)
         self.watch.adopt(losses)
+        self.on_recovery = on_recovery
         self.partitions: int | None = None
         self.reports: dict[int, PartitionReport] = {}
         self.recovered: dict[int, Partitions] = {}
@@ -554,6 +555,8 @@ class EpochFeed:
 
     def _recover_round(self, job: FeedJob) -> bool:
         """One round: query, plan, EPOCH_RECOVER, the recovery job. False: a broker was lost during it."""
+        if self.on_recovery is not None:
+            self.on_recovery(list(self.watch.losses))
         losses = len(self.watch.losses)
         live = self.watch.live()
         if not live:

@@ -436,7 +436,7 @@ def test_epochs_fed_before_are_fed_again_after_a_loss_until_every_broker_deliver
 
     (one, two), _ = fakes("a0", "b0")
     refed = []
-    monkeypatch.setattr(feeder.epochs, "refeed", lambda data, address, stream, epoch, losses, **kw: refed.append(
+    monkeypatch.setattr(feeder.epochs, "feed_watched", lambda data, address, stream, epoch, losses, **kw: refed.append(
         (data, stream, epoch, losses, kw)))
     fed = feeder.epochs.FedEpochs([one.address, two.address], "s", {"control": [one.address, two.address],
                                                                      "timeout": 5.0})
@@ -457,6 +457,7 @@ def test_epochs_fed_before_are_fed_again_after_a_loss_until_every_broker_deliver
         assert refed == [("frame 0", "s", 0, lost, kw), ("frame 1", "s", 1, lost, kw)]
         assert fed.pending == {}
         fed.check()
+        fed.recover([Loss(1, "b0", False)])             # the same loss, seen by the next epoch's feed
         assert len(refed) == 2                          # a loss is recovered once
     finally:
         fed.close()
