@@ -16,7 +16,7 @@ from broker.errors import BrokerError
 from broker.protocol import ErrorCode, Kind, pack_header, unpack_header
 from worker import BatchStream, shuffled
 
-from helpers import FakeBroker, recv_header, send
+from helpers import FakeBroker, recv_header, send, wait_for
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -419,10 +419,12 @@ def test_a_broker_lost_after_it_ended_the_epoch_lost_the_next_one_of_which_the_r
     with stream:
         a.batch(0, 0, [0])
         a.say(Kind.EPOCH_END, stream="s", epoch=0, batches=1)
-        b.batch(1, 0, [100])
         loop = Loop(stream)
         loop.start()
-        loop.wait(2)
+        loop.wait(1)
+        wait_for(lambda: stream._brokers[0].ended == 0, 10, "A's end of epoch 0 read")
+        b.batch(1, 0, [100])
+        loop.wait(1)
         b.say(Kind.LOST, stream="s", epoch=1, lost="a1")
         assert b.reclaim() == (1, "a1", [])
         b.say(Kind.EPOCH_END, stream="s", epoch=0, batches=1)
