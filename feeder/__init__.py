@@ -1,5 +1,7 @@
 """sparkbus feeder: the Spark side. ``feed(df_or_rdd, address, ...)`` streams every partition to the broker, from a
-classic SparkSession or a Spark Connect one (DataFrames only: Connect has no RDDs).
+classic SparkSession or a Spark Connect one (DataFrames only: Connect has no RDDs). A broker lost while it feeds
+(restarted without ``--journal``, or gone) costs a recomputation from Spark's lineage (:mod:`feeder.recovery`), and
+``feed_epochs(..., resume=state)`` re-feeds an epoch for ranks resuming from a mid-epoch checkpoint.
 
 Importing this package starts nothing; it imports pyspark only when ``feed`` is called.
 """

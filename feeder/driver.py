@@ -20,7 +20,8 @@ from broker.partitions import MAX_PARTITIONS
 from broker.protocol import Kind
 
 from .columns import partition_messages, record_batches_from_rows
-from .recovery import EpochFeed, FeedJob, JobCancel, Loss, Outcome, Routes, taken_figures
+from .recovery import EpochFeed, FeedJob, JobCancel, Loss, Outcome, taken_figures
+from .routes import Routes
 from .task import DEFAULT_PACK_BYTES, PartitionReport, attempt_id, stream_messages
 
 log = logging.getLogger("sparkbus.feeder")

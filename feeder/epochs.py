@@ -41,7 +41,8 @@ from broker.errors import BrokerError
 from broker.protocol import Kind
 
 from .driver import FeedReport, feed, feed_watched, is_connect_dataframe, with_partitions
-from .recovery import CANNOT_RECOVER, WATCH_INTERVAL, BrokerWatch, Loss, read_query
+from .recovery import CANNOT_RECOVER, WATCH_INTERVAL, BrokerWatch, Loss
+from .routes import read_query
 
 log = logging.getLogger("sparkbus.feeder")
 

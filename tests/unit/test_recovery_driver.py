@@ -15,20 +15,8 @@ from broker.client import ControlClient
 from broker.errors import BrokerError
 from broker.protocol import Kind, pack_header, pack_ranges, unpack_header
 from feeder.epochs import feed_epochs, resumed_epoch
-from feeder.recovery import (
-    BrokerEpoch,
-    BrokerWatch,
-    EpochFeed,
-    FeedJob,
-    Loss,
-    Partitions,
-    Routes,
-    all_lost_error,
-    plan_recovery,
-    recover_fields,
-    resume_plan,
-    takeover_brokers,
-)
+from feeder.recovery import BrokerWatch, EpochFeed, FeedJob, Loss, all_lost_error
+from feeder.routes import BrokerEpoch, Partitions, Routes, plan_recovery, recover_fields, resume_plan, takeover_brokers
 
 pytestmark = pytest.mark.timeout(30)
 
