@@ -21,9 +21,10 @@ feed ended is not injected, and counted so):
   (``BrokerProcess.restart``).
 * ``broker_journal_group``: the same, the 2 consumers ranks 0 and 1 of a group (``BatchStream(rank=, size=2)``,
   equal steps granted by the broker; the rows dropped to keep the steps equal are counted, not lost).
-* ``broker_no_journal``: the same without ``--journal``. Today the feed then fails loudly (``BrokerError`` "...
-  without --journal"); recovery from Spark's lineage is issue 18 §1. Each fault is a run of its own (the first
-  kill ends the feed): the rows yielded before it, the rest lost.
+* ``broker_no_journal``: the same without ``--journal``: the broker's state is gone, and the driver recovers from
+  Spark's lineage (issue 18 §1): it feeds again the partitions the restarted broker lost, which holds them until
+  each consumer said what it used of the lost incarnation, and delivers the rest.
+* ``broker_no_journal_group``: the same, the consumers a group of 2 (granted steps).
 * ``rank``: one consumer (of 2) SIGKILLed, and a new consumer started in its place (``--rejoin-grace 2s``).
 * ``rank_group``: the consumers a group of 2; one SIGKILLed and a new process started with its rank number.
 * ``executor``: the Python worker running a feeding task (Spark's ``pyspark.daemon`` forks one per task slot;
@@ -56,16 +57,19 @@ from .faults_processes import TRAIN_SECONDS, Consumers, Feeder, NetworkChild
 from .report import num, table
 from .sections import Context, Run, Section
 
-KINDS = ("none", "broker_journal", "broker_journal_group", "broker_no_journal", "rank", "rank_group", "executor",
-         "link")
+KINDS = ("none", "broker_journal", "broker_journal_group", "broker_no_journal", "broker_no_journal_group", "rank",
+         "rank_group", "executor", "link")
 LABELS = {"none": "no fault (baseline)", "broker_journal": "broker SIGKILL, `--journal`, restart",
           "broker_journal_group": "the same, the consumers a group of 2 (granted steps)",
-          "broker_no_journal": "broker SIGKILL, no journal, restart", "rank": "consumer SIGKILL, a new one started",
+          "broker_no_journal": "broker SIGKILL, no journal, restart (recomputed from lineage)",
+          "broker_no_journal_group": "no journal, the consumers a group of 2 (granted steps)",
+          "rank": "consumer SIGKILL, a new one started",
           "rank_group": "a rank of a group of 2 SIGKILLed, a new process takes its number",
           "executor": "Spark Python worker SIGKILL mid-partition", "link": "consumers' link cut 1-4 s (namespaces)"}
 # What docs/GUARANTEES.md says of each (its failure table), for the reading of the table.
 PROMISES = {"none": "every row once", "broker_journal": "0 lost, 0 twice", "broker_journal_group": "0 lost, 0 twice",
-            "broker_no_journal": "feed fails loudly (BrokerError)",
+            "broker_no_journal": "0 lost, 0 twice (recomputed)",
+            "broker_no_journal_group": "0 lost, 0 twice (recomputed)",
             "rank": "0 lost; twice at most the batch in hand per kill",
             "rank_group": "0 lost; twice at most the batch in hand per kill",
             "executor": "0 lost, 0 twice (task retried)", "link": "0 lost, 0 twice"}
@@ -360,10 +364,6 @@ def run(ctx: Context, plan: Plan, name: str = "faults") -> FaultTable:
                 continue
             if kind == "none":
                 result.runs.append(one_run(ctx, plan, kind, [], rng, 0, feeder, {}))
-            elif kind == "broker_no_journal":      # the first kill ends the feed: a run per fault
-                for i in range(plan.faults):
-                    times = fault_times(rng, 1, plan.feed_seconds)
-                    result.runs.append(one_run(ctx, plan, kind, times, rng, i, feeder, {}))
             elif kind == "link":
                 assert network is not None and linked is not None
                 linked.ready(120)

@@ -15,6 +15,7 @@ epoch resumed from a checkpoint (docs/design/RECOVERY.md, "The broker").
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from itertools import groupby
 from typing import Any
@@ -207,6 +208,10 @@ class Recovery(Partitions, Dispatch):
             return True
         members = self._members(stream)
         if len(members) < max(stream.expected_ranks, 1):
+            return False
+        if stream.expected_ranks <= 1 and time.monotonic() < self.started + self.rejoin_grace:
+            # Independent consumers (each rank 0 of 1) cannot say how many they are: after this broker (re)started,
+            # one that has not reconnected yet may have used batches of the lost incarnation.
             return False
         reclaimed = stream.reclaims.get(ep.epoch, {})
         return all(m.member in reclaimed.get(loss, ()) for loss in rec.lost for m in members)

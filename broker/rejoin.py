@@ -37,6 +37,7 @@ class Rejoin(Books):
     def __init__(self, max_buffer: int | None = None, rejoin_grace: float = 10.0):
         super().__init__(max_buffer)
         self.rejoin_grace = rejoin_grace
+        self.started = time.monotonic()      # independent consumers of a broker just (re)started may be coming back
 
     def join_rank(self, identity: bytes, h: dict, held: Iterable[BatchId] = (),
                   consumed: Iterable[BatchId] = ()) -> list[MissedEnd]:

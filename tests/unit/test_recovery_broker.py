@@ -53,6 +53,13 @@ def acked(ledger, identity, *ids):
     assert ledger.acknowledge(ledger.rank(identity), [n for i in ids for n in i]) == 0
 
 
+def up_a_while(ledger):
+    """A broker that has run for longer than its --rejoin-grace (a survivor): independent consumers are not held for
+    the grace after its start (see test_a_broker_just_restarted_holds_independent_consumers_for_the_grace)."""
+    ledger.started -= ledger.rejoin_grace + 1
+    return ledger
+
+
 def figures(ledger, epoch=0):
     stream = ledger.streams[STREAM]
     ep = stream.epochs.get(epoch)
@@ -69,7 +76,7 @@ def two_ranks(ledger, window=8, **kw):
 
 
 def test_batches_of_a_recovered_partition_are_held_until_every_rank_reclaimed_and_what_was_used_is_not_sent():
-    ledger = Ledger()
+    ledger = up_a_while(Ledger())
     wire = Wire(ledger)
     join(ledger, b"a", hello(0, 2, session="s0"), prefetch=8)
     recover(ledger)
@@ -110,7 +117,7 @@ def test_batches_of_a_recovered_partition_are_held_until_every_rank_reclaimed_an
 
 
 def test_a_pack_used_in_part_by_two_ranks_is_cut_and_only_its_unused_tail_goes_out():
-    ledger = Ledger()
+    ledger = up_a_while(Ledger())
     wire = Wire(ledger)
     events = []
     ledger.observe(events.append)
@@ -133,7 +140,7 @@ def test_a_pack_used_in_part_by_two_ranks_is_cut_and_only_its_unused_tail_goes_o
 
 
 def test_a_batch_recomputed_differently_marks_the_partition_diverged_and_the_ranks_copy_stands():
-    ledger = Ledger()
+    ledger = up_a_while(Ledger())
     wire = Wire(ledger)
     join(ledger, b"a", hello(0, 1, session="s0"), prefetch=8)
     recover(ledger, partitions=1, carries=(0,), recovered=(0,))
@@ -151,7 +158,7 @@ def test_a_batch_recomputed_differently_marks_the_partition_diverged_and_the_ran
 
 
 def test_in_atomic_delivery_the_match_happens_at_the_commit():
-    ledger = Ledger()
+    ledger = up_a_while(Ledger())
     wire = Wire(ledger)
     join(ledger, b"a", hello(0, 1, session="s0"), prefetch=8)
     recover(ledger, partitions=1, carries=(0,), recovered=(0,), delivery="atomic")
@@ -170,7 +177,7 @@ def test_in_atomic_delivery_the_match_happens_at_the_commit():
 
 
 def test_batches_of_partitions_not_carried_are_dropped_and_claims_are_refused():
-    ledger = Ledger()
+    ledger = up_a_while(Ledger())
     recover(ledger, carries=(0,), recovered=(0,))
     with pytest.raises(Rejected) as refused:
         push(ledger, 0, 1, 0)
@@ -187,7 +194,7 @@ def test_batches_of_partitions_not_carried_are_dropped_and_claims_are_refused():
 
 
 def test_a_second_loss_during_a_recovery_adds_up_and_holds_the_newly_recovered_batches_until_reclaimed():
-    ledger = Ledger()
+    ledger = up_a_while(Ledger())
     wire = Wire(ledger)
     two_ranks(ledger)
     recover(ledger, partitions=3, carries=(0, 1), recovered=(1,), lost=("x",))
@@ -221,7 +228,7 @@ def test_a_second_loss_during_a_recovery_adds_up_and_holds_the_newly_recovered_b
 
 
 def test_an_epoch_that_ended_here_takes_no_new_recovered_partitions_without_reset():
-    ledger = Ledger()
+    ledger = up_a_while(Ledger())
     wire = Wire(ledger)
     join(ledger, b"a", hello(0, 1, session="s0"), prefetch=8)
     ledger.open_epoch(STREAM, 0, 2, "stream")
@@ -242,7 +249,7 @@ def test_an_epoch_that_ended_here_takes_no_new_recovered_partitions_without_rese
 
 
 def test_a_reset_feeds_a_delivered_epoch_again_and_holds_the_streams_later_epochs_until_it_comes():
-    ledger = Ledger()
+    ledger = up_a_while(Ledger())
     wire = Wire(ledger)
     join(ledger, b"old", hello(0, 1, session="old"), prefetch=8)
     ledger.open_epoch(STREAM, 0, 1, "stream")
@@ -282,7 +289,7 @@ def test_a_reset_feeds_a_delivered_epoch_again_and_holds_the_streams_later_epoch
 
 
 def test_a_reset_drops_what_the_broker_had_of_the_epoch_queued_in_flight_and_held():
-    ledger = Ledger(rejoin_grace=10.0)
+    ledger = up_a_while(Ledger(rejoin_grace=10.0))
     wire = Wire(ledger)
     two_ranks(ledger, window=1)
     ledger.open_epoch(STREAM, 0, 2, "stream")
@@ -301,7 +308,7 @@ def test_a_reset_drops_what_the_broker_had_of_the_epoch_queued_in_flight_and_hel
 
 
 def test_a_rank_that_rejoins_keeps_what_it_adopted_in_its_count():
-    ledger = Ledger()
+    ledger = up_a_while(Ledger())
     wire = Wire(ledger)
     join(ledger, b"a", hello(0, 1, session="s0"), prefetch=8)
     recover(ledger, partitions=1, carries=(0,), recovered=(0,))
@@ -320,7 +327,7 @@ def test_a_rank_that_rejoins_keeps_what_it_adopted_in_its_count():
 
 
 def test_reclaims_for_epochs_not_recovering_are_kept_bounded_and_a_new_one_replaces_the_ranks_last():
-    ledger = Ledger()
+    ledger = up_a_while(Ledger())
     join(ledger, b"a", hello(0, 1, session="s0"))
     reclaim(ledger, b"a", 0, "x", used(0, 0, 0))
     reclaim(ledger, b"a", 0, "x", used(0, 0, 0), used(0, 0, 1))
@@ -331,7 +338,7 @@ def test_reclaims_for_epochs_not_recovering_are_kept_bounded_and_a_new_one_repla
 
 
 def test_a_granted_rank_is_told_how_many_batches_it_adopted_with_its_steps():
-    ledger = Ledger()
+    ledger = up_a_while(Ledger())
     wire = Wire(ledger)
     two_ranks(ledger, window=1, even=True, grants=True)
     recover(ledger, partitions=1, carries=(0,), recovered=(0,))
@@ -472,7 +479,7 @@ def test_sparkbus_status_shows_an_epochs_recovery_figures_once_it_has_any():
 
 
 def test_epoch_query_of_a_delivered_epoch_and_of_one_whose_figures_are_gone():
-    ledger = Ledger()
+    ledger = up_a_while(Ledger())
     wire = Wire(ledger)
     ledger.keep_epochs = 1
     join(ledger, b"a", hello(0, 1, session="s0"), prefetch=8)
@@ -517,3 +524,23 @@ def test_kinds_and_fields_of_version_6_are_never_sent_to_a_version_5_rank():
     header = protocol.unpack_header(old_steps)
     assert (who, header["v"], header["steps"], "adopted" in header) == (b"old", 5, 3, False)
     assert (other, new_lost) == (b"new", lost)
+
+
+def test_a_broker_just_restarted_holds_independent_consumers_for_the_grace(monkeypatch):
+    """Independent consumers cannot say how many they are: after a restart, the recomputed batches wait for
+    --rejoin-grace, however many consumers have reclaimed, so that one still reconnecting is not passed over."""
+    clock = [1000.0]
+    monkeypatch.setattr("broker.recovery.time.monotonic", lambda: clock[0])
+    ledger = Ledger(rejoin_grace=10.0)
+    ledger.started = 1000.0
+    wire = Wire(ledger)
+    join(ledger, b"a", hello(0, 1, session="s0"), prefetch=8)
+    recover(ledger)
+    reclaim(ledger, b"a", 0, "x", used(0, 1, 0))
+    for seq in range(2):
+        push(ledger, 0, 1, seq)
+    wire.dispatch()
+    assert wire.to(b"a") == [] and figures(ledger)["held"] == 2
+    clock[0] = 1010.5                            # the grace is over: every consumer there has reclaimed
+    wire.dispatch()
+    assert wire.to(b"a") == [(0, 1, 1)] and figures(ledger)["adopted"] == 1
