@@ -242,8 +242,17 @@ EPOCH_METRICS: list[Metric] = [
            "Sends of a batch that had gone out before (its rank died or left).", "redelivered"),
     Metric("sparkbus_diverged_partitions", "counter", _STREAM,
            "Partitions whose attempts sent different data (Spark recomputed them differently).", "diverged"),
+    Metric("sparkbus_adopted_batches", "counter", _STREAM,
+           "Batches of a lost broker the ranks had used, matched when Spark recomputed them: consumed, not sent.",
+           "adopted"),
+    Metric("sparkbus_unassigned_batches", "counter", _STREAM,
+           "Batches of partitions this broker no longer carries (a recovery routed them elsewhere), dropped.",
+           "unassigned"),
     Metric("sparkbus_batches_queued", "gauge", _STREAM, "Batches waiting in the broker for a rank (every epoch).",
            "queued"),
+    Metric("sparkbus_batches_held_for_recovery", "gauge", _STREAM,
+           "Messages (batches or packs) recomputed from Spark's lineage, waiting for every rank to say what it used.",
+           "held"),
     Metric("sparkbus_partitions", "gauge", _STREAM, "Partitions of the current epoch.", "partitions"),
     Metric("sparkbus_partitions_committed", "gauge", _STREAM,
            "Partitions of the current epoch whose Spark task committed.", "committed"),
@@ -252,7 +261,7 @@ EPOCH_METRICS: list[Metric] = [
     Metric("sparkbus_epoch_ended", "gauge", _STREAM, "1 once the ranks were told the current epoch ended.",
            "ended"),
 ]
-OVER_EPOCHS = frozenset({"queued"})      # gauges summed over the stream's epochs, not the current one's
+OVER_EPOCHS = frozenset({"queued", "held"})      # gauges summed over the stream's epochs, not the current one's
 
 RANK_METRICS: list[Metric] = [
     Metric("sparkbus_rank_batches_sent", "counter", _RANK, "Batches sent to the rank's connection.", "batches", sum),
