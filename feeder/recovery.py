@@ -154,8 +154,10 @@ class BrokerWatch:
                     self._heard[index] = time.monotonic()
                 return None
             welcome = None
-        # A sweep waited for the rest of the broker's timeout: silent now is silent past it
-        now = self._heard[index] + self.timeout if final and welcome is None else None
+        now = None
+        if final and welcome is None:     # a sweep waited for the rest of the broker's timeout: silent past it
+            with self._lock:
+                now = max(time.monotonic(), self._heard[index] + self.timeout)
         return self.observe(index, welcome, now)
 
     def adopt(self, losses: Sequence[Loss]) -> None:
@@ -443,7 +445,8 @@ class EpochFeed:
                     raise
                 self.watch.sweep(self.clients)
                 return None
-            self.watch.observe(i, {"incarnation": state.incarnation, "journal": state.journal})
+            if state.incarnation:      # the answer names the incarnation that answered: a restart since is a loss
+                self.watch.observe(i, {"incarnation": state.incarnation, "journal": state.journal})
             states[i] = state
         return states
 
