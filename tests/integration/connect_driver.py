@@ -18,8 +18,9 @@ and answers JSON requests on a ZeroMQ REP socket at ``control``:
 * ``{"cmd": "stop"}``: stops the session and the process.
 
 A failed request is answered with ``{"error": {"type", "message", "cause", "cause_module"}}``: the exception
-``feed`` raised and the one it was raised from. ``SOURCE`` is ``{"kind": "labelled" | "range" | "failing", ...}``:
-``labelled_frame``, ``spark.range`` or ``failing_frame`` of sources.py with the other keys as arguments.
+``feed`` raised and the one it was raised from. ``SOURCE`` is ``{"kind": "labelled" | "range" | "failing" |
+"staged", ...}``: ``labelled_frame``, ``spark.range``, ``failing_frame`` or ``staged_frame`` of sources.py with the
+other keys as arguments.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ log = logging.getLogger("sparkbus.tests.connect_driver")
 
 def source(spark, spec: dict):
     """The DataFrame a request names (see the module's docstring)."""
-    from sources import failing_frame, labelled_frame
+    from sources import failing_frame, labelled_frame, staged_frame
 
     spec = dict(spec)
     kind = spec.pop("kind")
@@ -53,6 +54,8 @@ def source(spark, spec: dict):
         return spark.range(spec["rows"], numPartitions=spec["partitions"])
     if kind == "failing":
         return failing_frame(spark, **spec)
+    if kind == "staged":
+        return staged_frame(spark, **spec)
     raise ValueError(f"no source {kind!r}")
 
 

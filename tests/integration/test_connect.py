@@ -153,6 +153,30 @@ def test_a_task_retried_mid_partition_still_delivers_every_row_once(connect, sta
     assert epoch["duplicates"] >= 1, "the failed attempts' batches should have reached the broker first"
 
 
+def test_a_broker_restarted_without_journal_is_recovered_from_lineage_on_spark_connect(connect,
+                                                                                     start_broker_process):
+    # Spark Connect has no runJob: the recovery job runs over every partition, those not to feed again sending
+    # nothing; the partition count is learned from its reports when the first job was cancelled before any
+    broker = start_broker_process("--heartbeat", "200ms")
+    consumer = Collector(broker.ranks, "lineage", timeout=60)
+    source = {"kind": "staged", "rows": 6_000, "partitions": 3, "slow": 2, "slow_seconds": 0.3}
+    with ThreadPoolExecutor(1) as pool:
+        feeding = pool.submit(connect.feed, source, broker.feed, stream="lineage", batch_size=100, pack_bytes=0,
+                              timeout=5)
+        wait_for(lambda: broker.stats()["streams"].get("lineage", {}).get("epochs", {}).get("0", {}).get(
+            "acked", 0) >= 20 or feeding.done(), 90, "some batches consumed")
+        assert not feeding.done(), "precondition: the kill lands while the feed runs"
+        broker.proc.kill()                              # no journal: its state is gone
+        broker.proc.wait(5)
+        broker.restart()
+        report = feeding.result(150)
+    [ids] = consumer.result(150)
+    np.testing.assert_array_equal(np.sort(ids), np.arange(6_000))
+    assert (report["partitions"], report["rows"], report["diverged"]) == (3, 6_000, [])
+    epoch = broker.stats()["streams"]["lineage"]["epochs"]["0"]
+    assert epoch["adopted"] >= 20 - 4 and epoch["committed"] == 3, epoch
+
+
 def test_a_failure_upstream_of_the_feed_in_the_same_task_is_a_feed_error_not_silent_loss(connect,
                                                                                         start_broker_process):
     # A stage before the feed (a Python UDF here) fails part-way through partition 1 on its first attempt, after
