@@ -10,9 +10,21 @@ Feed (the Spark side, in any order with the ranks; a synthetic classification se
 
 Per epoch rank 0 prints loss and accuracy (train and validation) and every rank's data-wait: the time its
 training loop waited for batches, out of the epoch's time. ``--summary FILE`` writes all figures as JSON.
-``--checkpoint FILE`` saves the model after every epoch (and every ``--checkpoint-every`` steps);
-``--resume-from FILE`` (or ``EPOCH:BATCHES``) continues from there: see docs/TRAINING.md for how the feed must be
-restarted to match (``--feed ... --first-epoch EPOCH``).
+
+Checkpoints resume exactly. ``--checkpoint FILE`` saves, after every epoch (and every ``--checkpoint-every N``
+steps of an epoch, without a shuffle buffer), the model, the optimizer and every rank's position: its
+``BatchStream.state_dict()`` of the training and the validation stream, gathered to rank 0 as JSON bytes and
+written with the model in one atomic file. After a crash, stop the old job (ranks and feed), then start both
+with ``--resume-from FILE`` (the file readable by every rank and by the feed), whether the broker kept running or
+restarted too:
+
+    python examples/train_torch.py --feed tcp://127.0.0.1:5555 --val-stream val --epochs 3 --resume-from ckpt.pt
+    mpiexec -n 2 python examples/train_torch.py --ranks tcp://127.0.0.1:5556 --val-stream val --epochs 3 \
+        --checkpoint ckpt.pt --resume-from ckpt.pt
+
+The feed re-feeds the checkpoint's epoch (``feed_epochs(..., resume=state)``) and the brokers deliver only what
+the checkpointed model has not trained; each rank starts from its own position (``BatchStream(...,
+resume=state)``). The conditions are in docs/TRAINING.md, "Resuming".
 """
 
 from __future__ import annotations
@@ -22,6 +34,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Mapping
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -46,27 +59,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--classes", type=int, default=4)
     parser.add_argument("--seed", type=int, default=7, help="data and shuffle seed (feed), weights seed (ranks)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds any single wait may take")
+    parser.add_argument("--resume-from", metavar="FILE",
+                        help="a --checkpoint file: the ranks restore the model and each its own position; the feed "
+                             "feeds the checkpoint's epoch again (the brokers deliver only what the model has not "
+                             "trained) and the epochs after it")
     train = parser.add_argument_group("training (--ranks)")
     train.add_argument("--hidden", type=int, default=64)
     train.add_argument("--lr", type=float, default=1e-2)
     train.add_argument("--prefetch", type=int, default=4, help="batches in flight to each rank")
-    train.add_argument("--shuffle-buffer", type=int, default=0, help="mix rows across this many batches per rank")
+    train.add_argument("--shuffle-buffer", type=int, default=0,
+                       help="mix rows across this many batches per rank (above 1: checkpoints at epoch ends only)")
     train.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    train.add_argument("--checkpoint", help="rank 0 saves model, optimizer and position here")
-    train.add_argument("--checkpoint-every", type=int, default=0, help="also save every N steps (0: per epoch)")
-    train.add_argument("--resume-from", help="a checkpoint file, or EPOCH:BATCHES (position only)")
-    train.add_argument("--no-skip", action="store_true",
-                       help="with --resume-from: the broker still holds the rest of the epoch (only the ranks "
-                            "died), so skip nothing")
+    train.add_argument("--checkpoint", metavar="FILE",
+                       help="after every epoch, rank 0 saves here the model, the optimizer and every rank's position")
+    train.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                       help="also save every N steps of an epoch (0: at epoch ends only). Needs --shuffle-buffer 0 "
+                            "or 1: a shuffle buffer holds rows the model has not trained, so a position mid-epoch "
+                            "would not be exact")
     train.add_argument("--summary", help="rank 0 writes the run's figures here as JSON")
     feed = parser.add_argument_group("feeding (--feed)")
     feed.add_argument("--rows", type=int, default=100_000)
     feed.add_argument("--val-rows", type=int, default=10_000)
     feed.add_argument("--batch-size", type=int, default=256)
     feed.add_argument("--partitions", type=int, default=4)
-    feed.add_argument("--first-epoch", type=int, default=0, help="feed epochs FIRST .. --epochs - 1 (resume)")
     feed.add_argument("--master", default=os.environ.get("SPARK_MASTER", "local[2]"))
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.checkpoint_every and args.shuffle_buffer > 1:
+        parser.error("--checkpoint-every needs --shuffle-buffer 0 or 1: a shuffle buffer holds rows the model has "
+                     "not trained, so a position mid-epoch would not be exact (checkpoints at epoch ends are)")
+    return args
 
 
 # ---- the Spark side -------------------------------------------------------------------------------------------
@@ -91,12 +112,22 @@ def synthetic_frame(spark: Any, rows: int, features: int, classes: int, seed: in
 def feed_training_data(spark: Any, address: str, epochs: int, *, stream: str = "train",
                        val_stream: str | None = None, rows: int = 100_000, val_rows: int = 10_000,
                        features: int = 32, classes: int = 4, seed: int = 7, partitions: int = 4,
-                       batch_size: int = 256, first_epoch: int = 0, timeout: float = 120.0) -> list[dict]:
-    """Feed epochs ``first_epoch .. epochs - 1``: the training set reshuffled per epoch, then the validation set.
+                       batch_size: int = 256, resume: Mapping[str, Any] | None = None,
+                       timeout: float = 120.0) -> list[dict]:
+    """Feed epochs up to ``epochs - 1``: the training set reshuffled per epoch, then the validation set.
 
     Training and validation epochs alternate (train e, val e, train e + 1, ...): the ranks validate after each
     epoch, so feeding validation in step keeps the shared broker buffer from filling with validation batches
     while the ranks wait for training ones.
+
+    A resume starts at the checkpoint's epoch E. Training epoch E is fed through ``feed_epochs(...,
+    resume=state)``: the brokers drop what they had of it, delivered or not, and deliver only what no rank's
+    checkpointed position used. Validation epoch E is fed again through a reset too (``feed(..., resume=True)``),
+    whole: the ranks saved their validation stream's position with the checkpoint, which is always between
+    validation epochs (E next, nothing used; the ranks validate E after training it, and checkpoint after that),
+    so the reset drops whatever the old job's feed had sent of it (maybe all, maybe part, maybe none, maybe
+    delivered to the old ranks) and the resumed ranks see every validation row of E once. The same stream names
+    stay, and neither side needs to know what the broker kept. The epochs after E are fed as usual.
 
     Args:
         spark: the SparkSession; address: the broker's feed address; epochs: feed up to this epoch, exclusive.
@@ -104,29 +135,45 @@ def feed_training_data(spark: Any, address: str, epochs: int, *, stream: str = "
         rows, val_rows, features, classes, seed: the synthetic set (see :func:`synthetic_frame`); the
             validation rows have other ids, hence other values, from the same teacher.
         partitions, batch_size: tasks per training epoch and rows per batch.
-        first_epoch: the first epoch to feed (to resume a run).
+        resume: one rank's position from a checkpoint (an entry of :func:`load_positions`: ``{"train": state,
+            "val": state or None}``): feed from its epoch on, as above. None: feed from epoch 0.
         timeout: passed to ``feed``: bounds every wait, a task blocked by backpressure included.
     Returns:
         One dict per epoch: the epoch number and the FeedReport (as a dict) of each stream.
     Raises:
-        BrokerError, FeedError: as ``feeder.feed``.
+        BrokerError, FeedError: as ``feeder.feed``. ValueError: a ``resume`` state of another stream.
     """
     train = synthetic_frame(spark, rows, features, classes, seed, partitions).cache()
     train.count()
     val = synthetic_frame(spark, val_rows, features, classes, seed, 1, first_id=1 << 40).cache() \
         if val_stream else None
+    first = resume["train"]["epoch"] if resume else 0
+    val_state = resume.get("val") if resume else None       # None: the checkpoint's run had no validation
+    if val_state is not None and val_stream and val_state["stream"] != val_stream:
+        raise ValueError(f"the checkpoint validated on stream {val_state['stream']!r}, not {val_stream!r}")
+    val_again = val_state["epoch"] if val_state is not None else -1
     fed = []
-    for epoch in range(first_epoch, epochs):
+    for epoch in range(first, epochs):
         report = feed_epochs(train, address, 1, stream=stream, shuffle_seed=seed, first_epoch=epoch,
-                             key=["id"], partitions=partitions, batch_size=batch_size, timeout=timeout)[0]
+                             key=["id"], partitions=partitions, batch_size=batch_size, timeout=timeout,
+                             resume=resume["train"] if resume and epoch == first else None)[0]
         entry = {"epoch": epoch, stream: report._asdict()}
         if val_stream:
             entry[val_stream] = feed(val, address, stream=val_stream, epoch=epoch, batch_size=batch_size,
-                                     timeout=timeout)._asdict()
+                                     timeout=timeout, resume=epoch == val_again)._asdict()
         fed.append(entry)
         print(f"fed epoch {epoch}: {report.rows:,} rows in {report.batches} batches in {report.seconds:.1f} s",
               flush=True)
     return fed
+
+
+def load_positions(path: str) -> list[dict]:
+    """Every rank's position saved in a ``--checkpoint`` file, in rank order: ``{"train": state, "val": state or
+    None}`` with ``state`` a ``BatchStream.state_dict()``. Plain data (``torch.load(weights_only=True)``: no
+    objects are unpickled); the feed imports torch only to read it."""
+    import torch
+
+    return list(torch.load(path, weights_only=True)["positions"])
 
 
 def run_feed(args: argparse.Namespace) -> int:
@@ -140,7 +187,8 @@ def run_feed(args: argparse.Namespace) -> int:
         feed_training_data(spark, args.feed, args.epochs, stream=args.stream, val_stream=args.val_stream,
                            rows=args.rows, val_rows=args.val_rows, features=args.features, classes=args.classes,
                            seed=args.seed, partitions=args.partitions, batch_size=args.batch_size,
-                           first_epoch=args.first_epoch, timeout=args.timeout)
+                           resume=load_positions(args.resume_from)[0] if args.resume_from else None,
+                           timeout=args.timeout)
     finally:
         spark.stop()
     return 0
@@ -195,25 +243,27 @@ class Trainer:
     def checksum(self) -> float:
         return float(sum(p.detach().double().sum() for p in self.params))
 
-    def save(self, path: str, epoch: int, batches: int) -> None:
+    def save(self, path: str, positions: list[dict]) -> None:
+        """Rank 0: the model, the optimizer and every rank's position, in one file written atomically."""
         tmp = f"{path}.tmp"
-        self.torch.save({"epoch": epoch, "batches": batches, "model": self.model.state_dict(),
-                         "optimizer": self.optimizer.state_dict()}, tmp)
+        train = positions[0]["train"]
+        self.torch.save({"epoch": train["epoch"], "steps": train["steps"], "positions": positions,
+                         "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}, tmp)
         os.replace(tmp, path)                                   # a crash never leaves half a checkpoint
 
-    def resume(self, spec: str | None) -> tuple[int, int]:
-        """``(epoch, batches)`` to start from: from a checkpoint file (weights restored too) or ``E:B``."""
-        if not spec:
-            return 0, 0
-        if os.path.exists(spec):
-            state = self.torch.load(spec, weights_only=True)
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-            return int(state["epoch"]), int(state["batches"])
-        epoch, _, batches = spec.partition(":")
-        if not (epoch.isdigit() and batches.isdigit()):
-            raise SystemExit(f"--resume-from {spec!r}: not a checkpoint file, nor EPOCH:BATCHES")
-        return int(epoch), int(batches)
+    def resume(self, path: str) -> dict:
+        """Restore the weights and the optimizer from a checkpoint; returns this rank's position in it.
+
+        Raises:
+            SystemExit: the checkpoint was written by a group of another size (each rank's position is its own).
+        """
+        state = self.torch.load(path, weights_only=True)       # plain data and tensors only: nothing unpickled
+        if len(state["positions"]) != self.comm.size:
+            raise SystemExit(f"--resume-from {path}: written by {len(state['positions'])} ranks, resumed by "
+                             f"{self.comm.size}: an exact resume needs the same group size")
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        return dict(state["positions"][self.comm.rank])
 
 
 def gather(comm: Any, values: list[float]) -> np.ndarray:
@@ -224,22 +274,49 @@ def gather(comm: Any, values: list[float]) -> np.ndarray:
     return recv
 
 
-def train_epoch(trainer: Trainer, loader: Any, epoch: int, skip: int) -> dict:
-    """One pass over the loader; the first ``skip`` steps are consumed without training (resume)."""
-    steps = skipped = 0
+def gather_bytes(comm: Any, data: bytes) -> list[bytes] | None:
+    """Every rank's ``data`` on rank 0, in rank order (None on the others): raw bytes, never a pickle (mpi4py's
+    lowercase ``gather`` pickles), without a busy-wait."""
+    from mpi4py import MPI
+
+    sizes = gather(comm, [len(data)])[:, 0].astype(np.int64)
+    offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    recv = np.empty(int(sizes.sum()), dtype=np.uint8) if comm.rank == 0 else None
+    spec = [recv, sizes.tolist(), offsets.tolist(), MPI.BYTE] if recv is not None else None
+    wait(comm.Igatherv(np.frombuffer(data, dtype=np.uint8), spec, root=0))
+    if recv is None:
+        return None
+    return [recv[o:o + n].tobytes() for o, n in zip(offsets, sizes)]
+
+
+def checkpoint(trainer: Trainer, train: BatchStream, val: BatchStream | None) -> None:
+    """Every rank (a collective, at the same step): gather each rank's position to rank 0, which saves it with
+    the model. Positions travel as JSON: ``state_dict()`` is plain data, and the other ranks' bytes are not to be
+    unpickled."""
+    if not trainer.args.checkpoint:
+        return
+    mine = {"train": train.state_dict(), "val": val.state_dict() if val is not None else None}
+    gathered = gather_bytes(trainer.comm, json.dumps(mine).encode())
+    if gathered is not None:
+        trainer.save(trainer.args.checkpoint, [json.loads(b) for b in gathered])
+
+
+def train_epoch(trainer: Trainer, loader: Any, train: BatchStream, val: BatchStream | None, resumed: int) -> dict:
+    """One pass over the loader: what the brokers deliver of the epoch (with a resume: what the checkpointed
+    model has not trained; ``resumed`` steps were taken before the checkpoint). Checkpoints every
+    ``--checkpoint-every`` steps of the epoch (counted with those ``resumed``): the state is taken between
+    steps, so the batch just trained counts as used."""
+    steps = 0
+    every = trainer.args.checkpoint_every
     totals = np.zeros(3)                                        # summed loss, correct, rows on this rank
     for x, y in loader:
-        if skipped < skip:
-            skipped += 1
-            continue
         loss, correct = trainer.step(x, y)
         totals += (loss, correct, len(y))
         steps += 1
-        if trainer.args.checkpoint_every and steps % trainer.args.checkpoint_every == 0 \
-                and trainer.comm.rank == 0 and trainer.args.checkpoint:
-            trainer.save(trainer.args.checkpoint, epoch, skipped + steps)
+        if every and (resumed + steps) % every == 0:
+            checkpoint(trainer, train, val)
     loss, correct, rows = allreduce(trainer.comm, totals)
-    return {"steps": steps, "skipped": skipped, "rows": int(rows), "loss": loss / max(rows, 1),
+    return {"steps": steps, "resumed_steps": resumed, "rows": int(rows), "loss": loss / max(rows, 1),
             "accuracy": correct / max(rows, 1)}
 
 
@@ -264,35 +341,40 @@ def run_ranks(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     comm = MPI.COMM_WORLD
     trainer = Trainer(comm, args)
-    first_epoch, skip = trainer.resume(args.resume_from)
-    skip = 0 if args.no_skip else skip
+    position = trainer.resume(args.resume_from) if args.resume_from else None
+    train_resume = position["train"] if position else None
+    val_resume = position.get("val") if position and args.val_stream else None
+    first_epoch = train_resume["epoch"] if train_resume else 0
     history, started = [], time.monotonic()
     with ExitStack() as stack:
-        train = stack.enter_context(BatchStream(args.ranks, comm=comm, stream=args.stream,
-                                                prefetch=args.prefetch, timeout=args.timeout))
+        train = stack.enter_context(BatchStream(args.ranks, comm=comm, stream=args.stream, prefetch=args.prefetch,
+                                                timeout=args.timeout, resume=train_resume))
         val = stack.enter_context(BatchStream(args.ranks, comm=comm, stream=args.val_stream, even=False,
-                                              prefetch=args.prefetch, timeout=args.timeout)) \
+                                              prefetch=args.prefetch, timeout=args.timeout, resume=val_resume)) \
             if args.val_stream else None
         dataset = StreamDataset(train, transform=lambda b: (b["features"], b["label"].long()),
                                 shuffle_buffer=args.shuffle_buffer, shuffle_seed=args.seed, epoch=first_epoch)
         loader = DataLoader(dataset, batch_size=None, num_workers=0)   # the socket lives in this process
         for epoch in range(first_epoch, args.epochs):
-            result = train_epoch(trainer, loader, epoch, skip if epoch == first_epoch else 0)
+            resumed = train_resume["steps"] if train_resume and epoch == first_epoch else 0
+            result = train_epoch(trainer, loader, train, val, resumed)
             ep = train.stats.epochs[-1]
             if val is not None:
                 result.update(validate(trainer, val))
-            per_rank = gather(comm, [ep.wait_seconds, ep.seconds, ep.batches, ep.dropped_batches, ep.epoch])
+            checkpoint(trainer, train, val)                     # after validating: both streams between epochs
+            per_rank = gather(comm, [ep.wait_seconds, ep.seconds, ep.batches, ep.dropped_batches, ep.epoch,
+                                     ep.resumed_batches])
             result.update(epoch=epoch, broker_epoch=int(per_rank[0, 4]), wait_seconds=per_rank[:, 0].tolist(),
                           seconds=per_rank[:, 1].tolist(), batches=per_rank[:, 2].astype(int).tolist(),
-                          dropped_batches=per_rank[:, 3].astype(int).tolist())
+                          dropped_batches=per_rank[:, 3].astype(int).tolist(),
+                          resumed_batches=per_rank[:, 5].astype(int).tolist())
             history.append(result)
             if comm.rank == 0:
                 print(epoch_line(result, args.epochs), flush=True)
-                if args.checkpoint:
-                    trainer.save(args.checkpoint, epoch + 1, 0)
     checksums = gather(comm, [trainer.checksum()])[:, 0].tolist()
     if comm.rank == 0:
-        summary = make_summary(history, checksums, comm.size, (first_epoch, skip), time.monotonic() - started)
+        resumed_from = [train_resume["epoch"], train_resume["steps"]] if train_resume else None
+        summary = make_summary(history, checksums, comm.size, resumed_from, time.monotonic() - started)
         print(summary_lines(summary), flush=True)
         if args.summary:
             Path(args.summary).write_text(json.dumps(summary, indent=2))
@@ -303,15 +385,16 @@ def epoch_line(r: dict, epochs: int) -> str:
     waits = ", ".join(f"r{i} {w:.2f} s of {s:.2f} s ({w / max(s, 1e-9):.0%})"
                       for i, (w, s) in enumerate(zip(r["wait_seconds"], r["seconds"])))
     val = f" | val loss {r['val_loss']:.4f} acc {r['val_accuracy']:.1%}" if "val_accuracy" in r else ""
-    return (f"epoch {r['epoch'] + 1}/{epochs}: {r['steps']} steps, {r['rows']:,} rows, loss {r['loss']:.4f} "
+    resumed = f" (+{r['resumed_steps']} before the checkpoint)" if r["resumed_steps"] else ""
+    return (f"epoch {r['epoch'] + 1}/{epochs}: {r['steps']} steps{resumed}, {r['rows']:,} rows, loss {r['loss']:.4f} "
             f"acc {r['accuracy']:.1%}{val} | data wait {waits}")
 
 
-def make_summary(history: list[dict], checksums: list[float], size: int, resumed: tuple[int, int],
+def make_summary(history: list[dict], checksums: list[float], size: int, resumed: list[int] | None,
                  seconds: float) -> dict:
     waits = np.array([h["wait_seconds"] for h in history]).sum(axis=0) if history else np.zeros(size)
     spans = np.array([h["seconds"] for h in history]).sum(axis=0) if history else np.zeros(size)
-    return {"ranks": size, "epochs": history, "resumed_from": list(resumed), "seconds": seconds,
+    return {"ranks": size, "epochs": history, "resumed_from": resumed, "seconds": seconds,
             "data_wait": {"seconds": waits.tolist(), "of_seconds": spans.tolist(),
                           "share": (waits / np.maximum(spans, 1e-9)).tolist()},
             "param_checksums": checksums,

@@ -1,11 +1,13 @@
 """Training for real: reshuffled epochs fed back to back (overlapping the ranks' training), the order guarantee
-of the reshuffle, and examples/train_torch.py under mpiexec -n 2 learning through the broker, then resuming."""
+of the reshuffle, and examples/train_torch.py under mpiexec -n 2 learning through the broker, killed after a
+mid-epoch checkpoint and resumed from it exactly."""
 
 import json
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +16,7 @@ import pytest
 from feeder.epochs import epoch_order, feed_epochs
 from launch.mpi import loopback_env, mpiexec_python
 
+from harness import Children
 from helpers import wait_for
 
 pytestmark = pytest.mark.timeout(180)
@@ -120,67 +123,101 @@ def test_next_epoch_is_fed_while_ranks_train_and_epochs_arrive_whole_in_order(sp
 
 # ---- examples/train_torch.py --------------------------------------------------------------------------------
 
+@dataclass
+class Training:
+    """One run of examples/train_torch.py under ``mpiexec -n 2``."""
+
+    proc: subprocess.Popen
+    summary: Path
+    children: Children
+
+    def wait(self, timeout: float = 120.0) -> tuple[dict, str]:
+        out, err = self.children.finish(self.proc, timeout, "training")
+        assert self.proc.returncode == 0, f"training failed ({self.proc.returncode}):\n{out[-2000:]}\n{err[-3000:]}"
+        return json.loads(self.summary.read_text()), out
+
+    def kill(self) -> None:
+        """SIGKILL mpiexec, its proxies and the ranks at once: a crash, nothing said to the broker."""
+        Children.kill(self.proc)
+
+
 @pytest.fixture
 def start_training(tmp_path, children):
-    """``start_training(ranks_address, *flags)``: examples/train_torch.py under ``mpiexec -n 2``."""
-    running = []
+    """``start_training(ranks_address, *flags)``: a :class:`Training`; killed at the end of the test if still
+    running."""
+    started = []
 
     def start(address, *flags):
-        summary = tmp_path / f"summary-{len(running)}.json"
+        summary = tmp_path / f"summary-{len(started)}.json"
         proc = children.spawn(mpiexec_python(2, EXAMPLES / "train_torch.py", "--ranks", address, "--summary",
                                              str(summary), "--timeout", "60", *flags),
                               env=loopback_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        running.append(proc)
-
-        def wait(timeout=120):
-            out, err = children.finish(proc, timeout, "training")
-            assert proc.returncode == 0, f"training failed ({proc.returncode}):\n{out[-2000:]}\n{err[-3000:]}"
-            return json.loads(summary.read_text()), out
-
-        return wait
+        started.append(proc)
+        return Training(proc, summary, children)
 
     return start
 
 
-def test_train_torch_learns_through_the_broker_and_resumes_from_a_checkpoint(spark, start_broker_process,
-                                                                              start_training, tmp_path):
+def used_batches(position):
+    """The batches a training ``state_dict()`` says were used: ``(part, seq, index)`` each."""
+    return {(part, seq, i) for part, seq, first, stop, _ in position["train"]["used"] for i in range(first, stop)}
+
+
+def test_train_torch_learns_through_the_broker_and_resumes_exactly_from_a_mid_epoch_checkpoint(
+        spark, start_broker_process, start_training, tmp_path):
     import torch
-    from train_torch import feed_training_data
+    from train_torch import feed_training_data, load_positions
 
     broker = start_broker_process()
     checkpoint = tmp_path / "model.pt"
     data = dict(features=16, classes=4, rows=4_000, val_rows=1_000, batch_size=100, partitions=4, seed=11)
-    common = ("--val-stream", "val", "--features", "16", "--classes", "4", "--seed", "11",
-              "--checkpoint", str(checkpoint), "--shuffle-buffer", "4")
+    common = ("--val-stream", "val", "--features", "16", "--classes", "4", "--seed", "11", "--epochs", "2",
+              "--checkpoint", str(checkpoint))
+    every = 8
 
-    # Run 1 trains epoch 0 and stops; its checkpoint says: next is epoch 1, from its first batch.
-    first = start_training(broker.ranks, *common, "--epochs", "1")
-    fed = feed_training_data(spark, broker.feed, 1, val_stream="val", **data)
-    summary, out = first()
-    assert [e["epoch"] for e in summary["epochs"]] == [0]
+    # Run 1 checkpoints every 8 steps of epoch 0 (at 8 and 16 of its 21), trains all 21, then waits to validate:
+    # validation epoch 0 is not fed, so the epoch's end is never checkpointed. Killed there, the model it saved
+    # at step 16 has not seen steps 17..21, which it trained.
+    first = start_training(broker.ranks, *common, "--checkpoint-every", str(every))
+    fed = feed_training_data(spark, broker.feed, 1, **data)     # training epoch 0 only
+    share = fed[0]["train"]["batches"] // 2                     # steps a rank takes of an epoch (the data's: 21)
+    last = share // every * every                               # run 1's last checkpoint (16)
+    assert 0 < last < share
+    wait_for(lambda: checkpoint.exists() and torch.load(checkpoint, weights_only=True)["steps"] == last
+             and broker.stats()["streams"]["train"]["epochs"]["0"]["acked"] == fed[0]["train"]["batches"],
+             90, f"run 1 to checkpoint at step {last} and train the whole epoch")
+    first.kill()
+    saved = torch.load(checkpoint, weights_only=True)
+    positions = load_positions(str(checkpoint))
+    assert (saved["epoch"], saved["steps"]) == (0, last)
+    assert [(p["train"]["epoch"], p["train"]["steps"]) for p in positions] == [(0, last), (0, last)]
+    assert [(p["val"]["epoch"], p["val"]["used"]) for p in positions] == [(0, []), (0, [])]
+    used = [used_batches(p) for p in positions]
+    assert len(used[0]) == len(used[1]) == last and not used[0] & used[1]   # each rank its own batches
+
+    # Run 2 resumes both sides from the checkpoint (the broker kept running, and holds a delivered epoch 0): the
+    # rest of epoch 0, 5 steps a rank, validation 0 whole, then epoch 1. With a shuffle buffer, as the resumed part
+    # may: its checkpoints are at epoch ends only.
+    second = start_training(broker.ranks, *common, "--shuffle-buffer", "4", "--resume-from", str(checkpoint))
+    fed = feed_training_data(spark, broker.feed, 2, val_stream="val", resume=positions[0], **data)
+    resumed, out = second.wait()
     assert "data wait r0" in out and "data wait: rank 0" in out
-    state = torch.load(checkpoint, weights_only=True)
-    assert (state["epoch"], state["batches"]) == (1, 0)
-
-    # Pretend it died 3 steps into epoch 1: resume there. Epoch 1 was never fed, so the same stream takes it.
-    state["batches"] = 3
-    torch.save(state, checkpoint)
-    second = start_training(broker.ranks, *common, "--epochs", "2", "--resume-from", str(checkpoint))
-    fed += feed_training_data(spark, broker.feed, 2, val_stream="val", first_epoch=1, **data)
-    resumed, _ = second()
-    assert resumed["resumed_from"] == [1, 3]
-
-    history = summary["epochs"] + resumed["epochs"]
+    assert resumed["resumed_from"] == [0, last]
+    history = resumed["epochs"]
     assert [(e["epoch"], e["broker_epoch"]) for e in history] == [(0, 0), (1, 1)]
     for e, f in zip(history, fed):
         assert e["batches"][0] == e["batches"][1]                               # equal steps on both ranks
-        assert sum(e["batches"]) + sum(e["dropped_batches"]) == f["train"]["batches"]
-        assert e["steps"] + e["skipped"] == e["batches"][0]
+        assert e["steps"] == e["batches"][0] and e["resumed_batches"] == [e["resumed_steps"]] * 2
+        assert sum(e["batches"]) + sum(e["resumed_batches"]) + sum(e["dropped_batches"]) == f["train"]["batches"]
         assert e["val_rows"] == 1_000                                            # every validation row, once
         assert all(0 <= w <= s for w, s in zip(e["wait_seconds"], e["seconds"]))
-    assert history[0]["skipped"] == 0 and history[1]["skipped"] == 3
+    assert [(e["steps"], e["resumed_steps"]) for e in history] == \
+        [(share - last, last), (fed[1]["train"]["batches"] // 2, 0)]            # the rest of the epoch, exactly
+    after = broker.stats()["streams"]["train"]["epochs"]
+    assert after["0"]["adopted"] == 2 * last               # the broker matched the checkpoint's batches, not sent
     assert history[-1]["val_accuracy"] >= 0.8, history                          # chance is 0.25
     assert history[0]["loss"] > history[-1]["loss"]
-    for run in (summary, resumed):
-        assert run["param_checksums"][0] == run["param_checksums"][1]            # identical models
-        assert len(run["data_wait"]["seconds"]) == 2
+    assert resumed["param_checksums"][0] == resumed["param_checksums"][1]        # identical models
+    assert len(resumed["data_wait"]["seconds"]) == 2
+    final = load_positions(str(checkpoint))                                      # the last epoch's end
+    assert [(p["train"]["epoch"], p["train"]["used"]) for p in final] == [(2, []), (2, [])]
