@@ -201,14 +201,17 @@ def test_a_stream_whose_only_broker_stays_away_fails_the_feed_saying_what_to_do(
 
 # ---- §3: exact resume from a mid-epoch checkpoint --------------------------------------------------------------
 
-@pytest.mark.parametrize("restart", [False, True], ids=["broker-kept-running", "everything-restarted"])
+@pytest.mark.parametrize("restart, packs", [(False, False), (True, False), (False, True)],
+                         ids=["broker-kept-running", "everything-restarted", "inside-packs"])
 def test_a_job_resumed_from_a_mid_epoch_checkpoint_trains_exactly_the_rest(spark, start_broker_process,
-                                                                           start_ranks, restart):
+                                                                           start_ranks, restart, packs):
     broker = start_broker_process("--heartbeat", "200ms")
-    # checkpoint after 5 steps, killed after 9 (holding its 10th): steps 6..9 are trained again after the resume
+    # checkpoint after 5 steps, killed after 9 (holding its 10th): steps 6..9 are trained again after the resume;
+    # with packs (20 batches of 100 rows a partition, one message each) both positions are inside a pack
     first = start_ranks(2, broker.ranks, "--stream", "ckpt", "--checkpoint-at", "5", "--stop-after", "9")
     frame = staged_frame(spark, 4_000, 2)
-    options = dict(stream="ckpt", epochs=1, shuffle=False, batch_size=100, timeout=30, pack_bytes=0)
+    options = dict(stream="ckpt", epochs=1, shuffle=False, batch_size=100, timeout=30,
+                   **({} if packs else {"pack_bytes": 0}))
     feed_epochs(frame, broker.feed, **options)
     first.wait_stopped(["rank0", "rank1"])
     first.kill()
@@ -218,6 +221,8 @@ def test_a_job_resumed_from_a_mid_epoch_checkpoint_trains_exactly_the_rest(spark
         broker.restart()
     states = [json.loads((first.out / f"rank{r}-state.json").read_text()) for r in range(2)]
     assert [s["epoch"] for s in states] == [0, 0] and [s["steps"] for s in states] == [5, 5], states
+    if packs:          # the positions are inside packs: entries name a range of a message's batches
+        assert all(any(e[3] - e[2] > 1 for e in st["used"]) for st in states), states
     second = start_ranks(2, broker.ranks, "--stream", "ckpt", "--resume", str(first.out))
     report = feed_epochs(frame, broker.feed, resume=states[0], **options)[0]
     summaries = second.wait(150)
