@@ -71,7 +71,7 @@ class Recovery(Partitions, Dispatch):
         if not recovered <= carries:
             raise ProtocolError("EPOCH_RECOVER's recovered partitions must be among those it carries")
         if h["reset"]:
-            self._reset(stream, number)
+            self._rewind(stream, number)
             lost = [RESUME, *(loss for loss in lost if loss != RESUME)]
             ep = None
             if stream.awaiting_reset == number:
@@ -99,6 +99,19 @@ class Recovery(Partitions, Dispatch):
         log.info("stream %r epoch %d recovering: %d partitions carried, %d recovered, losses %s%s", name, number,
                  len(rec.carries), len(rec.recovered), ", ".join(repr(loss) for loss in rec.lost),
                  " (reset)" if h["reset"] else "")
+
+    def _rewind(self, stream: StreamState, number: int) -> None:
+        """A resume at epoch ``number``: forget it and every later epoch (:meth:`_reset`). The checkpointed model has
+        seen none of the later ones, which the run that died may have been given (the feed runs ahead): left here,
+        the rest of them would go to the resumed ranks before the driver's resets of them come."""
+        for later in sorted(n for n in stream.epochs if n > number):
+            self._reset(stream, later)
+        finished = stream.finished
+        for later in [n for n in dict.keys(finished) if n > number]:
+            dict.pop(finished, later)
+        if isinstance(finished, DeliveredEpochs):
+            finished.ranges = _before(finished.ranges, number + 1)
+        self._reset(stream, number)
 
     def _reset(self, stream: StreamState, number: int) -> None:
         """Forget everything of epoch ``number``: its queue and held batches, the ranks' (and lost ranks') batches
@@ -365,6 +378,11 @@ class Recovery(Partitions, Dispatch):
                     "committed": every, "seen": every}
         return {"known": False, "closed": False, "ended": False, "delivered": False, "partitions": 0,
                 "committed": [], "seen": []}
+
+
+def _before(ranges: EpochRanges, number: int) -> EpochRanges:
+    """``ranges`` without the epochs from ``number`` on."""
+    return EpochRanges([first, min(last, number - 1)] for first, last in ranges.ranges() if first < number)
 
 
 def _without(ranges: EpochRanges, number: int) -> EpochRanges:

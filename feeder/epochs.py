@@ -139,9 +139,10 @@ def feed_epochs(df: Any, address: str | Sequence[str] | None, epochs: int, strea
         resume: resume mid-epoch from a checkpoint, exactly (docs/TRAINING.md): a rank's
             ``BatchStream.state_dict()`` saved with the model (its ``stream`` must be this one), or an epoch
             number. Epochs from that epoch to ``first_epoch + epochs - 1`` are fed; the resumed epoch is fed
-            again whole (``feed(..., resume=True)``: the brokers drop what they had of it, delivered or not, and
-            deliver only what no rank's checkpoint used), the later ones as usual. Start the ranks with
-            ``BatchStream(..., resume=state)``.
+            again whole (``feed(..., resume=True)``: the brokers drop what they had of it and of every later epoch,
+            delivered or not, and deliver only what no rank's checkpoint used), the later ones as usual (the run
+            that died may have fed them, and its ranks trained part of them: the model has seen none). Start the
+            ranks with ``BatchStream(..., resume=state)``.
         wait_delivered: after the last epoch is fed, keep watching the epochs not delivered yet (every broker
             sent their end), and recover them from a lost broker, until they are delivered. By default
             ``feed_epochs`` returns when the last epoch is fed; the epochs fed before are watched while the later

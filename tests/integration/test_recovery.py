@@ -46,9 +46,9 @@ def assert_each_row_once(ids: np.ndarray, rows: int) -> None:
     assert len(ids) == rows
 
 
-def trained(job, ranks: int = 2) -> np.ndarray:
-    """Every id the ranks trained on in epoch 0, and those they dropped to keep equal steps."""
-    epochs = [job.epoch(r, 0) for r in range(ranks)]
+def trained(job, ranks: int = 2, epoch: int = 0) -> np.ndarray:
+    """Every id the ranks trained on in ``epoch``, and those they dropped to keep equal steps."""
+    epochs = [job.epoch(r, epoch) for r in range(ranks)]
     for data in epochs:
         np.testing.assert_array_equal(data["x"], data["id"].astype(np.float32))
     return np.concatenate([d["id"] for d in epochs] + [d["dropped_id"] for d in epochs])
@@ -201,16 +201,20 @@ def test_a_stream_whose_only_broker_stays_away_fails_the_feed_saying_what_to_do(
 
 # ---- §3: exact resume from a mid-epoch checkpoint --------------------------------------------------------------
 
-@pytest.mark.parametrize("restart, packs", [(False, False), (True, False), (False, True)],
-                         ids=["broker-kept-running", "everything-restarted", "inside-packs"])
+@pytest.mark.parametrize("restart, packs, epochs, stop_after", [
+    (False, False, 1, 9), (True, False, 1, 9), (False, True, 1, 9), (False, False, 2, 30)],
+    ids=["broker-kept-running", "everything-restarted", "inside-packs", "killed-in-the-next-epoch"])
 def test_a_job_resumed_from_a_mid_epoch_checkpoint_trains_exactly_the_rest(spark, start_broker_process,
-                                                                           start_ranks, restart, packs):
+                                                                           start_ranks, restart, packs, epochs,
+                                                                           stop_after):
     broker = start_broker_process("--heartbeat", "200ms")
-    # checkpoint after 5 steps, killed after 9 (holding its 10th): steps 6..9 are trained again after the resume;
-    # with packs (20 batches of 100 rows a partition, one message each) both positions are inside a pack
-    first = start_ranks(2, broker.ranks, "--stream", "ckpt", "--checkpoint-at", "5", "--stop-after", "9")
+    # checkpoint after 5 steps of epoch 0, killed after 9 (holding its 10th): steps 6..9 are trained again after the
+    # resume; with packs (20 batches of 100 rows a partition, one message each) both positions are inside a pack;
+    # killed in the next epoch (after 30 steps: 20 an epoch), what it trained of epoch 1 is trained again too
+    first = start_ranks(2, broker.ranks, "--stream", "ckpt", "--epochs", str(epochs), "--checkpoint-at", "5",
+                        "--stop-after", str(stop_after))
     frame = staged_frame(spark, 4_000, 2)
-    options = dict(stream="ckpt", epochs=1, shuffle=False, batch_size=100, timeout=30,
+    options = dict(stream="ckpt", epochs=epochs, shuffle=False, batch_size=100, timeout=30,
                    **({} if packs else {"pack_bytes": 0}))
     feed_epochs(frame, broker.feed, **options)
     first.wait_stopped(["rank0", "rank1"])
@@ -223,8 +227,8 @@ def test_a_job_resumed_from_a_mid_epoch_checkpoint_trains_exactly_the_rest(spark
     assert [s["epoch"] for s in states] == [0, 0] and [s["steps"] for s in states] == [5, 5], states
     if packs:          # the positions are inside packs: entries name a range of a message's batches
         assert all(any(e[3] - e[2] > 1 for e in st["used"]) for st in states), states
-    second = start_ranks(2, broker.ranks, "--stream", "ckpt", "--resume", str(first.out))
-    report = feed_epochs(frame, broker.feed, resume=states[0], **options)[0]
+    second = start_ranks(2, broker.ranks, "--stream", "ckpt", "--epochs", str(epochs), "--resume", str(first.out))
+    reports = feed_epochs(frame, broker.feed, resume=states[0], **options)
     summaries = second.wait(150)
     before = []
     for r in range(2):
@@ -233,4 +237,7 @@ def test_a_job_resumed_from_a_mid_epoch_checkpoint_trains_exactly_the_rest(spark
     assert sum(len(b) for b in before) == 1_000
     assert_each_row_once(np.concatenate([*before, trained(second)]), 4_000)
     equal_steps(summaries)
-    assert report.rows == 4_000
+    for epoch in range(1, epochs):     # an epoch after the checkpoint: whole, once
+        assert_each_row_once(trained(second, epoch=epoch), 4_000)
+        assert len({s["epochs"][epoch]["batches"] for s in summaries}) == 1
+    assert [r.rows for r in reports] == [4_000] * epochs

@@ -248,7 +248,7 @@ def test_an_epoch_that_ended_here_takes_no_new_recovered_partitions_without_rese
 # ---- reset (a resume from a checkpoint) ---------------------------------------------------------------------------
 
 
-def test_a_reset_feeds_a_delivered_epoch_again_and_holds_the_streams_later_epochs_until_it_comes():
+def test_a_reset_feeds_a_delivered_epoch_again_and_forgets_the_later_epochs_the_old_run_was_fed():
     ledger = up_a_while(Ledger())
     wire = Wire(ledger)
     join(ledger, b"old", hello(0, 1, session="old"), prefetch=8)
@@ -275,6 +275,7 @@ def test_a_reset_feeds_a_delivered_epoch_again_and_holds_the_streams_later_epoch
     rec = ledger.streams[STREAM].epochs[0].recovery
     assert (rec.recovered, rec.lost, rec.reset) == ({0}, [""], True)
     assert 0 not in ledger.streams[STREAM].finished and ledger.streams[STREAM].awaiting_reset is None
+    assert 1 not in ledger.streams[STREAM].epochs          # the model has seen none of it: fed again, whole
     for seq in range(3):
         push(ledger, 0, 0, seq)
     end(ledger, 0, 0, 0, 3)
@@ -283,9 +284,14 @@ def test_a_reset_feeds_a_delivered_epoch_again_and_holds_the_streams_later_epoch
     assert wire.to(b"new") == [(0, 0, 1), (0, 0, 2)]
     acked(ledger, b"new", (0, 0, 1), (0, 0, 2))
     wire.dispatch()
-    assert wire.ended(b"new") == [0] and wire.to(b"new")[2:] == [(1, 0, 0)]
+    assert wire.ended(b"new") == [0] and wire.to(b"new")[2:] == []
+    ledger.open_epoch(STREAM, 1, 1, "stream")               # the resumed run feeds epoch 1 as usual
+    push(ledger, 1, 0, 0)
+    wire.dispatch()
+    assert wire.to(b"new")[2:] == [(1, 0, 0)]
     assert figures(ledger) == {"batches_in": 3, "batches_out": 3, "acked": 3, "adopted": 1, "unassigned": 0,
                                "held": 0, "queued": 0}
+    assert ledger.buffered == ledger.streams[STREAM].epochs[1].bytes_out     # the old epoch 1's copy is let go
 
 
 def test_a_reset_drops_what_the_broker_had_of_the_epoch_queued_in_flight_and_held():
