@@ -210,6 +210,13 @@ class Intake:
         """
         batch_id = protocol.batch_id(header)
         first, stop = protocol.taken_range(header)
+        if 0 <= self.current < header["epoch"] and broker.ended < self.current:
+            raise BrokerError(
+                f"the broker at {broker.address} sent a batch of epoch {header['epoch']} while this rank is in epoch "
+                f"{self.current}, which that broker never ended: it restarted without its journal, lost epoch "
+                f"{self.current}, and no driver fed it again (a feed() that has returned does not watch its epoch; "
+                f"feed_epochs watches every epoch it fed until delivered). The rows it held of epoch "
+                f"{self.current} are lost: {WHAT_TO_DO}")
         self._enter(header["epoch"])
         if not broker.arrived(batch_id, first):
             return []

@@ -430,3 +430,21 @@ def test_a_broker_lost_after_it_ended_the_epoch_lost_the_next_one_of_which_the_r
         b.say(Kind.EPOCH_END, stream="s", epoch=0, batches=1)
         assert sorted(loop.finish()) == [0, 100]
         assert [broker.address for broker in stream._brokers] == [b.address]
+
+
+def test_a_batch_of_a_later_epoch_from_a_broker_that_never_ended_the_rank_s_epoch_is_a_loud_error(context):
+    """A broker restarted without journal after its feed() had returned: nobody fed its epoch again, and it goes on
+    with the next. Taking those batches into this epoch would mix epochs and leave the steps unequal: an error."""
+    a = Broker(context, "inproc://recovery-skipped-epoch", "a1")
+    stream = join(context, [a])
+    with stream:
+        a.batch(0, 0, [0])
+        loop = Loop(stream)
+        loop.start()
+        loop.wait(1)
+        a.batch(0, 0, [100], epoch=1)              # epoch 1, and epoch 0 never ended
+        loop.join(10)
+        assert not loop.is_alive() and isinstance(loop.error, BrokerError), loop.error
+        assert "sent a batch of epoch 1 while this rank is in epoch 0, which that broker never ended" in \
+            str(loop.error) and "--journal" in str(loop.error)
+        assert loop.ids == [0]
