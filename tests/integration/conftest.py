@@ -32,6 +32,14 @@ def spark():
     session.stop()
 
 
+@pytest.fixture
+def small_arrow_batches(spark):
+    """Arrow batches of 100 rows between Spark's Python stages, so a task streams part of a partition."""
+    spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "100")
+    yield
+    spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")
+
+
 # hydra, on a loaded machine, now and then fails a launch with this before any rank runs; the broker then still
 # holds every batch, so the ranks are started again (up to LAUNCH_ATTEMPTS launches in all).
 HYDRA_LAUNCH_FAILURE = "process reading stdin too slowly"

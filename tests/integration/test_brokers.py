@@ -71,14 +71,6 @@ def test_status_shows_each_broker_and_the_totals(spark, start_broker_process):
     assert "all 2 brokers" in text and all(b.control in text for b in brokers)
 
 
-@pytest.fixture
-def small_arrow_batches(spark):
-    """Arrow batches of 100 rows between Spark's Python stages, so a task streams part of a partition."""
-    spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "100")
-    yield
-    spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")
-
-
 def acked_at(broker, stream):
     return broker.stats()["streams"].get(stream, {}).get("epochs", {}).get("0", {}).get("acked", 0)
 

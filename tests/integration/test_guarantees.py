@@ -21,14 +21,6 @@ from sources import Collector, staged_frame, staged_rdd
 pytestmark = pytest.mark.timeout(180)
 
 
-@pytest.fixture
-def small_arrow_batches(spark):
-    """Arrow batches of 100 rows between Spark's Python stages, so a task streams part of a partition."""
-    spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "100")
-    yield
-    spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")
-
-
 def test_a_task_failing_midway_is_retried_and_each_row_arrives_once(spark, start_broker_process):
     broker = start_broker_process()
     consumer = Collector(broker.ranks, "retry")

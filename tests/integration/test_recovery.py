@@ -25,14 +25,6 @@ from sources import staged_frame
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.fixture
-def small_arrow_batches(spark):
-    """Arrow batches of 100 rows between Spark's Python stages, so a task streams part of a partition."""
-    spark.conf.set("spark.sql.execution.arrow.maxRecordsPerBatch", "100")
-    yield
-    spark.conf.unset("spark.sql.execution.arrow.maxRecordsPerBatch")
-
-
 def epoch_figures(broker, stream: str, epoch: int = 0) -> dict:
     return broker.stats()["streams"].get(stream, {}).get("epochs", {}).get(str(epoch), {})
 
