@@ -213,8 +213,10 @@ def all_lost_error(stream: str, epoch: int, controls: Sequence[str], losses: Seq
             if len(controls) == 1 and gone else
             f"every broker of the feed is lost ({', '.join(dict.fromkeys(controls[loss.broker] for loss in losses))})")
     return BrokerError(f"stream {stream!r} epoch {epoch} cannot be fed: {what}, so no broker is left to feed its "
-                       f"partitions to again. Restart the brokers and feed the data again as a new epoch (or a new "
-                       f"stream), or run the brokers with --journal to survive restarts")
+                       f"partitions to again. If a broker still runs (only this driver's link to it failed), feed the "
+                       f"same epoch again once it answers: it keeps what it holds. If the brokers are gone, restart "
+                       f"them and feed the data again as a new epoch (or a new stream), or run the brokers with "
+                       f"--journal to survive restarts")
 
 
 # ---- cancelling a feed's Spark job from the watch's thread -----------------------------------------------------

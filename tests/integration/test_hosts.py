@@ -435,16 +435,19 @@ def test_a_broker_cut_longer_than_the_feed_timeout_fails_the_feed_loudly(net, ho
 
 
 def test_a_feeder_host_cut_fails_the_feed_and_feeding_the_epoch_again_delivers_each_row_once(net, hosts):
-    """The only feeder host is cut mid-partition for longer than the feed timeout. Spark retries the tasks on
-    that same host (local mode has no other; on a cluster a retry could go to another executor's host), which
-    is still cut, so ``feed()`` fails loudly; the broker keeps what it got and the ranks wait (the epoch is not
-    closed). Once the link is back, the application feeds the same epoch again (a new run): the broker drops
-    the batches it already has, and the ranks train on every row exactly once."""
+    """The only feeder host is cut mid-partition for longer than the feed timeout. The driver (on that host) finds
+    the broker silent past the timeout, cancels the job and, with no other broker, fails loudly; the broker keeps
+    what it got and the ranks wait (the epoch is not closed). Once the link is back, the application feeds the
+    same epoch again (a new run): the broker drops the batches it already has, and the ranks train on every row
+    exactly once."""
     broker = hosts.start_broker()
     ranks = hosts.start_ranks(broker, "--stream", "refeed")
     first = hosts.feed(broker, "refeed", timeout=TIMEOUT, pause=0.03)
     batches_in_at_least(hosts, broker, "refeed", 10)
-    cut_until_the_feed_fails(net, hosts, first, "spark")
+    # the driver, on the cut host too, finds the broker silent past the feed's timeout: it cannot tell its own link
+    # from the broker's, and says what to do in either case
+    failed = cut_until_the_feed_fails(net, hosts, first, "spark", error="BrokerError")
+    assert "feed the same epoch again once it answers" in failed.message, failed.message
     kept = hosts.epoch(broker, "refeed")
     assert kept["batches_in"] < ROWS // BATCH and not kept["closed"], kept
     report = hosts.fed(hosts.feed(broker, "refeed", timeout=10), 60)
