@@ -141,25 +141,28 @@ def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "t
 
 def feed_watched(data: Any, address: str | Sequence[str] | None, stream: str, epoch: int,
                  losses: Sequence[Loss] = (), on_recovery: Callable[[list[Loss]], None] | None = None,
-                 **feed_kwargs: Any) -> FeedReport:
+                 without: Sequence[Loss] = (), **feed_kwargs: Any) -> FeedReport:
     """:func:`feed` for ``feed_epochs`` (``feed_kwargs`` as :func:`feed`'s).
 
     Args:
         losses: the epoch was fed and closed before, and these losses of its brokers came since: only the
             partitions no live broker committed are fed again.
+        without: a new epoch, and these brokers of the feed are gone for good (an earlier epoch lost them): it is
+            opened and fed at the others only, its partitions routed over them.
         on_recovery: called with the feed's losses so far before each round of recovery, so that epochs fed
             before are recovered first (a broker delivers epochs in order: the ranks need the older one's end).
     """
     bound = inspect.signature(feed).bind(data, address, stream, epoch, **feed_kwargs)
     bound.apply_defaults()
-    return _feed(**bound.arguments, losses=losses, on_recovery=on_recovery)
+    return _feed(**bound.arguments, losses=losses, on_recovery=on_recovery, without=without)
 
 
 def _feed(data: Any, address: str | Sequence[str] | None, stream: str, epoch: int, batch_size: int,
           columns: Sequence[str] | None, timeout: float, delivery: str, control: str | Sequence[str] | None,
           max_batch_bytes: int, pack_bytes: int, ragged: Sequence[str], bucket_by: str | None, bucket_window: int,
           arrow_batch_rows: int | None, key: str | None, broker_key: str | None, recover: bool, resume: bool,
-          losses: Sequence[Loss] = (), on_recovery: Callable[[list[Loss]], None] | None = None) -> FeedReport:
+          losses: Sequence[Loss] = (), on_recovery: Callable[[list[Loss]], None] | None = None,
+          without: Sequence[Loss] = ()) -> FeedReport:
     """:func:`feed`; with ``losses``, an epoch fed already whose brokers lost it since (``feed_epochs``): no
     EPOCH_OPEN, no first job, only the recovery of what no live broker committed."""
 
@@ -180,7 +183,8 @@ def _feed(data: Any, address: str | Sequence[str] | None, stream: str, epoch: in
         else:
             job = _rdd_job(data, cutting, settings)
         clients = [stack.enter_context(ControlClient(c, timeout, key=key, broker_key=broker_key)) for c in controls]
-        gone = {loss.broker for loss in losses if loss.gone}
+        without = [] if losses or resume else [loss for loss in without if loss.gone]
+        gone = {loss.broker for loss in [*losses, *without] if loss.gone}
         # fail fast on an absent broker (but one already found gone)
         brokers = [{} if i in gone else c.hello("feeder", stream) for i, c in enumerate(clients)]
         if (resume or losses) and job.partitions is None:     # Spark Connect: the count its maker knew, if it said
@@ -189,17 +193,18 @@ def _feed(data: Any, address: str | Sequence[str] | None, stream: str, epoch: in
         if on_recovery is not None:
             on_recovery([])     # feed_epochs: an epoch fed before and lost since goes first (a broker's order)
         if not resume and not losses:      # a resume's EPOCH_RECOVER(reset) opens the epoch
-            for client in clients:
-                client.request(Kind.EPOCH_OPEN, stream=stream, epoch=epoch, partitions=opened, delivery=delivery)
+            for i, client in enumerate(clients):
+                if i not in gone:
+                    client.request(Kind.EPOCH_OPEN, stream=stream, epoch=epoch, partitions=opened, delivery=delivery)
         if recover or resume or losses:
             connect = is_connect_dataframe(data)
             session = data.sparkSession if connect else \
                 data.sparkSession.sparkContext if _is_dataframe(data) else data.context
             cancel = stack.enter_context(JobCancel(session, connect))
             watched = EpochFeed(clients, brokers, stream, epoch, delivery, timeout, cancel, key, broker_key,
-                                losses=losses, on_recovery=on_recovery)
+                                losses=[*losses, *without], on_recovery=on_recovery)
             try:
-                outcome = watched.run(job, resume=resume, fed=bool(losses))
+                outcome = watched.run(job, resume=resume, fed=bool(losses), around=bool(without))
             except (BrokerError, FeedError, ValueError):
                 raise
             except Exception as exc:

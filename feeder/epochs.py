@@ -184,7 +184,7 @@ def feed_epochs(df: Any, address: str | Sequence[str] | None, epochs: int, strea
             else:
                 fed.check()           # a loss since the last epoch: recover the epochs fed before first
                 report = feed_watched(data, address, stream, epoch, on_recovery=fed.recover, resume=again,
-                                      **feed_kwargs)
+                                      without=fed.gone(), **feed_kwargs)
             log.info("stream %r epoch %d fed: %d rows in %d batches from %d partitions in %.1f s",
                      stream, epoch, report.rows, report.batches, report.partitions, report.seconds)
             reports.append(report)
@@ -225,12 +225,17 @@ class FedEpochs:
     def add(self, epoch: int, data: Any) -> None:
         self.pending[epoch] = data
 
+    def gone(self) -> list[Loss]:
+        """The brokers of the run found gone for good: the next epochs are fed at the others."""
+        return [loss for loss in self.watch.losses if loss.gone]
+
     def recover(self, losses: list[Loss]) -> None:
         """Re-feed the pending epochs after losses not recovered from yet (each is recovered from once): those
         given (a feed's) and those this watch found, asking every broker now. Called by the next epoch's feed
         before it opens its epoch and before each of its rounds of recovery: a broker that lost an epoch must be
         given it again before the next one, which it would deliver in its place."""
         self.watch.sweep(self.clients)
+        self.watch.adopt([loss for loss in losses if loss not in self.watch.losses])    # the feed's watch saw them
         losses = list(dict.fromkeys([*self.watch.losses, *losses]))
         new = [loss for loss in losses if (loss.broker, loss.incarnation) not in self.handled]
         if not new:

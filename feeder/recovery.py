@@ -29,7 +29,17 @@ from broker.client import ControlClient
 from broker.errors import BrokerError, FeedError
 from broker.protocol import ErrorCode, Kind
 
-from .routes import BrokerEpoch, Partitions, Plan, Routes, plan_recovery, read_query, recover_fields, resume_plan
+from .routes import (
+    BrokerEpoch,
+    Partitions,
+    Plan,
+    Routes,
+    plan_recovery,
+    read_query,
+    recover_fields,
+    resume_plan,
+    spread_plan,
+)
 from .task import PartitionReport
 
 log = logging.getLogger("sparkbus.feeder")
@@ -318,10 +328,11 @@ class EpochFeed:
         self.resumed = False
         self.max_rounds = len(self.clients) + 2
 
-    def run(self, job: FeedJob, resume: bool = False, fed: bool = False) -> Outcome:
+    def run(self, job: FeedJob, resume: bool = False, fed: bool = False, around: bool = False) -> Outcome:
         """Run the job (or, for a resume, re-feed every partition after a reset), recover from losses, close.
         ``fed``: the epoch was fed and closed before, and the brokers given to the constructor as ``losses`` lost
-        it since: only the recovery runs.
+        it since: only the recovery runs. ``around``: a new epoch, open at the live brokers only, while those
+        ``losses`` name brokers gone for good: its partitions are routed over the live ones (:func:`spread_plan`).
 
         Raises:
             BrokerError: no broker left (:func:`all_lost_error`), or one that cannot recover (an older broker).
@@ -329,20 +340,25 @@ class EpochFeed:
             Exception: the job's own failure (no broker lost), as Spark raised it.
         """
         self.partitions = job.partitions
+        known = len(self.watch.losses)       # around: the gone brokers, nothing to recover from
         self.watch.start(on_loss=self.cancel.cancel)
         try:
             try:
                 if resume:
                     self._reset(job)
+                elif around:
+                    self._around(job)
                 elif not fed:
                     self._take(job.collect(), whole=True)
                 failure: Exception | None = None
             except Exception as exc:
                 failure = exc
-            if not self.watch.sweep(self.clients) and not self.watch.losses:
+            new_losses = len(self.watch.losses) > known if around else bool(self.watch.losses)
+            if not self.watch.sweep(self.clients) and not new_losses:
                 if failure is not None:
                     raise failure
-            return self._settle(job, recovering=bool(self.watch.losses), queried=bool(self.watch.losses) or resume)
+            new_losses = len(self.watch.losses) > known if around else bool(self.watch.losses)
+            return self._settle(job, recovering=new_losses, queried=new_losses or resume or around)
         finally:
             self.watch.stop()
 
@@ -367,6 +383,18 @@ class EpochFeed:
                                                                   reset=True))
         self.recovered = dict(plan.recovered)
         self._take(job.rerun(plan.routes))
+
+    def _around(self, job: FeedJob) -> None:
+        live = self.watch.live()
+        if not live:
+            raise all_lost_error(self.stream, self.epoch, self.controls, self.watch.losses, self.timeout)
+        plan = spread_plan(live, self.partitions)
+        log.warning("stream %r epoch %d: fed through %d of %d brokers (the others are gone)", self.stream, self.epoch,
+                    len(live), len(self.clients))
+        for i in live:
+            self._request(i, Kind.EPOCH_RECOVER, **recover_fields(plan, i, self.stream, self.epoch, self.partitions,
+                                                                  self.delivery, []))
+        self._take(job.rerun(plan.routes), whole=self.partitions is None)
 
     def _settle(self, job: FeedJob, recovering: bool, queried: bool) -> Outcome:
         """Recovery rounds while ``recovering``, then the close: from the brokers' EPOCH_QUERY if ``queried``

@@ -169,6 +169,17 @@ def resume_plan(brokers: int, partitions: int) -> Plan:
     return Plan(Routes(fixed, partitions), mine, dict(mine), {})
 
 
+def spread_plan(live: Sequence[int], partitions: int | None) -> Plan:
+    """A new epoch while brokers of the feed are gone for good (``feed_epochs`` goes on without them): partition
+    ``p`` to ``live[p % len(live)]``, nothing recovered (no rank used anything of it). With the count not known
+    yet (Spark Connect), every partition to the first live broker."""
+    if partitions is None:
+        return Plan(Routes({}, 0, live[0]), {live[0]: Partitions(tail=0)}, {i: Partitions() for i in live}, {})
+    fixed = {part: live[part % len(live)] for part in range(partitions)}
+    mine = {i: Partitions(frozenset(p for p, b in fixed.items() if b == i)) for i in live}
+    return Plan(Routes(fixed, partitions), mine, {i: Partitions() for i in live}, {})
+
+
 def recover_fields(plan: Plan, broker: int, stream: str, epoch: int, partitions: int | None, delivery: str,
                    lost: Sequence[str], reset: bool = False) -> dict[str, Any]:
     """``EPOCH_RECOVER``'s fields for one broker of a plan (without ``req``)."""
@@ -179,4 +190,4 @@ def recover_fields(plan: Plan, broker: int, stream: str, epoch: int, partitions:
 
 
 __all__ = ["BrokerEpoch", "Partitions", "Plan", "Routes", "plan_recovery", "read_query", "recover_fields",
-           "resume_plan", "takeover_brokers"]
+           "resume_plan", "spread_plan", "takeover_brokers"]

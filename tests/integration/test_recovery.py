@@ -119,6 +119,28 @@ def test_one_of_two_brokers_killed_for_good_leaves_its_partitions_to_the_other(
     assert end["committed"] == 4 and end["adopted"] >= 1, end
 
 
+def test_feed_epochs_goes_on_without_a_broker_lost_for_good(spark, small_arrow_batches, start_broker_process,
+                                                           start_group):
+    """One of two brokers killed for good in epoch 0: that epoch is recovered through the other, and the next epochs
+    are opened and fed at the survivor only (the ranks read it alone from then on)."""
+    steady, doomed = start_broker_process("--heartbeat", "200ms"), start_broker_process("--heartbeat", "200ms")
+    group = start_group(2, f"{steady.ranks},{doomed.ranks}", "--stream", "onward", "--epochs", "2", "--timeout", "10")
+    frame = staged_frame(spark, 8_000, 4, slow=3, slow_seconds=0.3)     # partition 3 (home: doomed) is slow
+    thread, result = feeding(lambda: feed_epochs(frame, [steady.feed, doomed.feed], epochs=2, stream="onward",
+                                                 shuffle=False, batch_size=100, timeout=4))
+    wait_for(lambda: epoch_figures(doomed, "onward").get("acked", 0) >= 10, 60,
+             "some batches of the doomed broker trained")
+    assert thread.is_alive(), "precondition: the kill lands while epoch 0 is fed"
+    doomed.proc.kill()                                   # for good
+    doomed.proc.wait(5)
+    reports = finished(thread, result)
+    summaries = group.wait(150)
+    assert [r.rows for r in reports] == [8_000, 8_000] and reports[1].brokers == (4, 0), reports
+    for epoch in range(2):
+        assert_each_row_once(trained(group, epoch=epoch), 8_000)
+        assert len({s["epochs"][epoch]["batches"] for s in summaries}) == 1, summaries
+
+
 def test_a_second_kill_during_the_recovery_is_recovered_too(spark, small_arrow_batches, start_broker_process,
                                                             start_ranks):
     broker = start_broker_process("--heartbeat", "200ms")
