@@ -108,8 +108,10 @@ def test_the_error_when_no_broker_is_left_says_what_to_do():
     one = all_lost_error("train", 3, ["tcp://a:5557"], [Loss(0, "i0", True)], 5.0)
     assert str(one) == ("stream 'train' epoch 3 cannot be fed: the broker at tcp://a:5557 has not answered for 5 s "
                         "and it is the stream's only broker, so no broker is left to feed its partitions to again. "
-                        "Restart the brokers and feed the data again as a new epoch (or a new stream), or run the "
-                        "brokers with --journal to survive restarts")
+                        "If a broker still runs (only this driver's link to it failed), feed the same epoch again once "
+                        "it answers: it keeps what it holds. If the brokers are gone, restart them and feed the data "
+                        "again as a new epoch (or a new stream), or run the brokers with --journal to survive "
+                        "restarts")
     every = all_lost_error("train", 3, ["tcp://a:5557", "tcp://b:5557"], [Loss(0, "i0", True), Loss(1, "i1", True)],
                            5.0)
     assert "every broker of the feed is lost (tcp://a:5557, tcp://b:5557)" in str(every)
