@@ -16,7 +16,16 @@ from broker.errors import BrokerError
 from broker.protocol import Kind, pack_header, pack_ranges, unpack_header
 from feeder.epochs import feed_epochs, resumed_epoch
 from feeder.recovery import BrokerWatch, EpochFeed, FeedJob, Loss, all_lost_error
-from feeder.routes import BrokerEpoch, Partitions, Routes, plan_recovery, recover_fields, resume_plan, takeover_brokers
+from feeder.routes import (
+    BrokerEpoch,
+    Partitions,
+    Routes,
+    plan_recovery,
+    recover_fields,
+    resume_plan,
+    spread_plan,
+    takeover_brokers,
+)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -102,6 +111,17 @@ def test_a_resume_routes_every_partition_home_and_recovers_all_of_them_after_a_r
         stream="train", epoch=2, partitions=5, delivery="stream", carries=[0, 1, 2, 3, 4, 5],
         recovered=[0, 1, 2, 3, 4, 5], lost=[""], reset=True)
     assert recover_fields(plan, 1, "train", 2, 5, "stream", [""], reset=True)["carries"] == [1, 2, 3, 4]
+
+
+def test_a_new_epoch_without_a_gone_broker_is_routed_over_the_live_ones_and_recovers_nothing():
+    plan = spread_plan([0, 2], 5)                   # broker 1 of 3 is gone for good
+    assert plan.routes == Routes({0: 0, 1: 2, 2: 0, 3: 2, 4: 0}, 5)
+    assert recover_fields(plan, 2, "train", 4, 5, "stream", []) == dict(
+        stream="train", epoch=4, partitions=5, delivery="stream", carries=[1, 2, 3, 4], recovered=[], lost=[],
+        reset=False)
+    unknown = spread_plan([1], None)                # Spark Connect, the count not known yet: all to one broker
+    assert unknown.routes.route(0) == 1 and unknown.routes.route(10_000) == 1
+    assert recover_fields(unknown, 1, "train", 4, None, "stream", [])["carries"] == [0, 10_000_000]
 
 
 def test_the_error_when_no_broker_is_left_says_what_to_do():
