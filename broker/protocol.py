@@ -14,9 +14,10 @@ This module needs no numpy: the broker validates batches from their headers and 
 
 from __future__ import annotations
 
+import bisect
 import math
 import struct
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from enum import IntEnum
 from typing import Any
 
@@ -395,19 +396,96 @@ def pack_ranges(numbers: Iterable[int]) -> list[int]:
     return flat
 
 
-def unpack_ranges(flat: Sequence[Any], limit: int | None = None) -> set[int]:
-    """The inverse of :func:`pack_ranges`.
+def range_pairs(flat: Sequence[Any], limit: int | None = None) -> list[tuple[int, int]]:
+    """Flat ranges ``[start, stop, ...]`` (:func:`pack_ranges`) checked, as ``(start, stop)`` pairs: a receiver keeps
+    them as they are (:class:`PartitionRanges`), since one pair may name millions of partitions.
 
     Raises:
         ProtocolError: not whole pairs of integers, a range that is empty or not ascending, or past ``limit``.
     """
     if len(flat) % 2 or not all(type(n) is int for n in flat):
         raise ProtocolError("partition ranges must be pairs of integers [start, stop, ...]")
-    numbers: set[int] = set()
+    pairs = list(zip(flat[::2], flat[1::2]))
     last = 0
-    for start, stop in zip(flat[::2], flat[1::2]):
+    for start, stop in pairs:
         if not last <= start < stop or (limit is not None and stop > limit):
             raise ProtocolError(f"partition range [{start}, {stop}) is empty, out of order or out of range")
-        numbers.update(range(start, stop))
         last = stop
-    return numbers
+    return pairs
+
+
+def unpack_ranges(flat: Sequence[Any], limit: int | None = None) -> set[int]:
+    """The inverse of :func:`pack_ranges`, as a set (for the few partitions of an answer: a driver's use).
+
+    Raises:
+        ProtocolError: as :func:`range_pairs`.
+    """
+    return {n for start, stop in range_pairs(flat, limit) for n in range(start, stop)}
+
+
+class PartitionRanges:
+    """A set of partition numbers held as sorted, disjoint, half-open ranges, as ``EPOCH_RECOVER`` names them: the
+    upper bound of a Spark Connect feed (10,000,000 partitions) is one pair, not ten million numbers."""
+
+    __slots__ = ("_starts", "_stops")
+
+    def __init__(self, pairs: Iterable[tuple[int, int]] = ()):
+        self._starts: list[int] = []
+        self._stops: list[int] = []
+        for start, stop in sorted(pairs):
+            if self._stops and start <= self._stops[-1]:
+                self._stops[-1] = max(self._stops[-1], stop)
+            else:
+                self._starts.append(start)
+                self._stops.append(stop)
+
+    @classmethod
+    def of(cls, numbers: Iterable[int]) -> PartitionRanges:
+        flat = pack_ranges(numbers)
+        return cls(zip(flat[::2], flat[1::2]))
+
+    def pairs(self) -> list[tuple[int, int]]:
+        return list(zip(self._starts, self._stops))
+
+    def __contains__(self, number: object) -> bool:
+        if type(number) is not int:
+            return False
+        i = bisect.bisect_right(self._starts, number) - 1
+        return i >= 0 and number < self._stops[i]
+
+    def __or__(self, other: PartitionRanges) -> PartitionRanges:
+        return PartitionRanges([*self.pairs(), *other.pairs()])
+
+    def issubset(self, other: PartitionRanges) -> bool:
+        """Whether every number of this set is in ``other``."""
+        for start, stop in self.pairs():
+            i = bisect.bisect_right(other._starts, start) - 1
+            if i < 0 or stop > other._stops[i]:
+                return False
+        return True
+
+    def __le__(self, other: PartitionRanges) -> bool:
+        return self.issubset(other)
+
+    def count_in(self, numbers: Iterable[int]) -> int:
+        """How many of ``numbers`` (distinct) are in this set."""
+        return sum(1 for n in numbers if n in self)
+
+    def __len__(self) -> int:
+        return sum(stop - start for start, stop in self.pairs())
+
+    def __iter__(self) -> Iterator[int]:
+        for start, stop in self.pairs():
+            yield from range(start, stop)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, PartitionRanges):
+            return self.pairs() == other.pairs()
+        if isinstance(other, (set, frozenset)):
+            return len(self) == len(other) and all(n in self for n in other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"PartitionRanges({self.pairs()})"

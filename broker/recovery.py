@@ -28,7 +28,7 @@ from .events import BatchesAcked, EpochOpened
 from .journal import DeliveredEpochs, EpochRanges
 from .partitions import MAX_PARTITIONS, Partitions
 from .pieces import cut
-from .protocol import Kind
+from .protocol import Kind, PartitionRanges
 from .rejoin import MissedEnd
 from .state import BatchId, EpochRecovery, EpochState, HeldBatch, RankState, Reclaimed, StreamState
 
@@ -66,8 +66,8 @@ class Recovery(Partitions, Dispatch):
         stream = self.stream(name)
         ep = stream.epochs.get(number)
         limit = ep.partitions if ep is not None and not h["reset"] else partitions
-        carries = protocol.unpack_ranges(h["carries"], limit)
-        recovered = carries if h["reset"] else protocol.unpack_ranges(h["recovered"], limit)
+        carries = PartitionRanges(protocol.range_pairs(h["carries"], limit))
+        recovered = carries if h["reset"] else PartitionRanges(protocol.range_pairs(h["recovered"], limit))
         if not recovered <= carries:
             raise ProtocolError("EPOCH_RECOVER's recovered partitions must be among those it carries")
         if h["reset"]:
@@ -79,7 +79,7 @@ class Recovery(Partitions, Dispatch):
         if ep is not None and ep.delivery != delivery:
             raise ProtocolError(f"stream {name!r} epoch {number} is open with {ep.delivery} delivery")
         if number in stream.finished or (ep is not None and ep.end_sent):
-            if recovered - (ep.committed if ep is not None else set()):
+            if len(recovered) > recovered.count_in(ep.committed if ep is not None else ()):
                 raise ProtocolError(f"stream {name!r} has already delivered epoch {number} here: its partitions "
                                     f"can be recovered only with reset (a resume), or at another broker")
             return                        # nothing new for this broker: it carries what it had
@@ -88,7 +88,7 @@ class Recovery(Partitions, Dispatch):
             ep = stream.epochs[number]
         rec = ep.recovery
         if rec is None:
-            rec = ep.recovery = EpochRecovery(set(carries), set(recovered), [], reset=h["reset"])
+            rec = ep.recovery = EpochRecovery(carries, recovered, [], reset=h["reset"])
         else:
             rec.carries |= carries
             rec.recovered |= recovered

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 from .figures import REPORTED, EpochFigures, OrphanFigures, RankFigures, StreamFigures, no_earlier
 from .journal import DeliveredEpochs
+from .protocol import PartitionRanges
 
 BatchId = tuple[int, int, int]   # (epoch, partition, seq)
 
@@ -81,8 +82,8 @@ class Reclaimed(NamedTuple):
 class EpochRecovery:
     """An epoch this broker streams again from Spark's lineage (EPOCH_RECOVER; broker.recovery has the rules)."""
 
-    carries: set[int]          # the partitions this broker streams; batches of others are dropped (unassigned)
-    recovered: set[int]        # of them, a lost broker's (or all, for a resume): matched with the ranks' reclaims
+    carries: PartitionRanges   # the partitions this broker streams; batches of others are dropped (unassigned)
+    recovered: PartitionRanges  # of them, a lost broker's (or all, for a resume): matched with the ranks' reclaims
     lost: list[str]            # the losses waited for: every member's RECLAIM for each before batches go out
     reset: bool = False        # a resume: what the broker had of the epoch was forgotten first
     held: list[HeldBatch] = field(default_factory=list)    # batches of recovered partitions, held until then

@@ -15,6 +15,7 @@ from broker import codec, protocol
 from broker.errors import ProtocolError
 from broker.events import BatchesAcked
 from broker.ledger import Ledger, Rejected
+from broker.partitions import MAX_PARTITIONS
 from broker.protocol import ErrorCode, Kind
 from broker.recovery import MAX_RECLAIM_EPOCHS
 
@@ -550,3 +551,21 @@ def test_a_broker_just_restarted_holds_independent_consumers_for_the_grace(monke
     clock[0] = 1010.5                            # the grace is over: every consumer there has reclaimed
     wire.dispatch()
     assert wire.to(b"a") == [(0, 1, 1)] and figures(ledger)["adopted"] == 1
+
+
+def test_a_spark_connect_bound_of_ten_million_partitions_is_one_range_not_ten_million_numbers():
+    """A Connect driver that does not know the count yet recovers up to EPOCH_OPEN's bound: the broker keeps the
+    ranges as they are (it took seconds, and hundreds of MB, when it made a set of them)."""
+    ledger = up_a_while(Ledger())
+    ledger.open_epoch(STREAM, 0, MAX_PARTITIONS, "stream")
+    bound = [0, MAX_PARTITIONS]
+    ledger.recover_epoch({"req": 1, "stream": STREAM, "epoch": 0, "partitions": MAX_PARTITIONS, "delivery": "stream",
+                          "carries": bound, "recovered": [5, MAX_PARTITIONS], "lost": ["x"], "reset": False})
+    rec = ledger.streams[STREAM].epochs[0].recovery
+    assert rec.carries.pairs() == [(0, MAX_PARTITIONS)] and rec.recovered.pairs() == [(5, MAX_PARTITIONS)]
+    assert 4 in rec.carries and 4 not in rec.recovered and MAX_PARTITIONS - 1 in rec.recovered
+    assert MAX_PARTITIONS not in rec.carries and len(rec.recovered) == MAX_PARTITIONS - 5
+    with pytest.raises(ProtocolError, match="among those it carries"):
+        ledger.recover_epoch({"req": 2, "stream": STREAM, "epoch": 0, "partitions": MAX_PARTITIONS,
+                              "delivery": "stream", "carries": [0, 3], "recovered": [2, 4], "lost": [],
+                              "reset": False})
