@@ -183,8 +183,16 @@ def feed_epochs(df: Any, address: str | Sequence[str] | None, epochs: int, strea
                 report = feed(data, address, stream=stream, epoch=epoch, resume=again, **feed_kwargs)
             else:
                 fed.check()           # a loss since the last epoch: recover the epochs fed before first
-                report = feed_watched(data, address, stream, epoch, on_recovery=fed.recover, resume=again,
-                                      without=fed.gone(), **feed_kwargs)
+                while True:
+                    try:
+                        report = feed_watched(data, address, stream, epoch, on_recovery=fed.recover, resume=again,
+                                              without=fed.gone(), **feed_kwargs)
+                        break
+                    except BrokerError as exc:
+                        # A broker that went silent just as this epoch began fails its HELLO (a feed fails fast
+                        # on an absent broker): if it is gone for good, the epoch goes through the others
+                        if exc.code is not None or not fed.lost_another():
+                            raise
             log.info("stream %r epoch %d fed: %d rows in %d batches from %d partitions in %.1f s",
                      stream, epoch, report.rows, report.batches, report.partitions, report.seconds)
             reports.append(report)
@@ -228,6 +236,12 @@ class FedEpochs:
     def gone(self) -> list[Loss]:
         """The brokers of the run found gone for good: the next epochs are fed at the others."""
         return [loss for loss in self.watch.losses if loss.gone]
+
+    def lost_another(self) -> bool:
+        """Ask every broker once more (a silent one until its timeout is up): whether one more is gone for good."""
+        before = len(self.gone())
+        self.watch.sweep(self.clients)
+        return len(self.gone()) > before
 
     def recover(self, losses: list[Loss]) -> None:
         """Re-feed the pending epochs after losses not recovered from yet (each is recovered from once): those

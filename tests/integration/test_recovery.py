@@ -130,7 +130,7 @@ def test_feed_epochs_goes_on_without_a_broker_lost_for_good(spark, small_arrow_b
                                                  shuffle=False, batch_size=100, timeout=4))
     wait_for(lambda: epoch_figures(doomed, "onward").get("acked", 0) >= 10, 60,
              "some batches of the doomed broker trained")
-    assert thread.is_alive(), "precondition: the kill lands while epoch 0 is fed"
+    assert thread.is_alive(), "precondition: the kill lands while feed_epochs runs"
     doomed.proc.kill()                                   # for good
     doomed.proc.wait(5)
     reports = finished(thread, result)
