@@ -1,6 +1,7 @@
 """Data sources and consumers for the integration tests: frames whose values derive from their ids, RDDs and
 DataFrames whose task attempts fail, crawl or reorder on purpose, and a consumer in a thread."""
 
+import os
 import threading
 import time
 
@@ -43,9 +44,14 @@ def check_values(columns: dict[str, np.ndarray]) -> None:
     np.testing.assert_array_equal(columns["v"], np.stack([ids / 4, ids % 7], axis=1))
 
 
-def staged_frame(spark, rows, partitions, *, slow=-1, slow_seconds=0.0):
+def staged_frame(spark, rows, partitions, *, slow=-1, slow_seconds=0.0, gate=None, gate_after=5):
     """ids 0..rows-1 in Arrow batches of 100, made in Python: partition ``slow`` sleeps ``slow_seconds`` per
-    batch on its first attempt only, which makes Spark launch a speculative copy."""
+    batch on its first attempt only, which makes Spark launch a speculative copy.
+
+    With ``gate`` (a path), partition ``slow`` also stops after ``gate_after`` batches until that file exists
+    (at most two minutes): a test holds the partition open until what it does to a broker has happened."""
+    gate = None if gate is None else str(gate)
+
     def produce(batches):
         import pyarrow as pa
         from pyspark import TaskContext
@@ -56,6 +62,10 @@ def staged_frame(spark, rows, partitions, *, slow=-1, slow_seconds=0.0):
         for start in range(0, len(ids), 100):
             if part == slow and attempt == 0:
                 time.sleep(slow_seconds)
+            if part == slow and gate is not None and start == gate_after * 100:
+                deadline = time.monotonic() + 120
+                while not os.path.exists(gate) and time.monotonic() < deadline:
+                    time.sleep(0.05)
             chunk = ids[start:start + 100]
             yield pa.RecordBatch.from_pydict({"id": chunk, "x": pa.array(chunk.astype(np.float32))})
 

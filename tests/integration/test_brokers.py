@@ -98,9 +98,10 @@ def test_one_of_two_brokers_killed_and_restarted_with_its_journal_loses_nothing(
 
 
 def test_one_of_two_brokers_restarted_without_journal_fails_a_feed_without_recovery_naming_it(
-        spark, small_arrow_batches, start_broker_process):
+        spark, small_arrow_batches, start_broker_process, tmp_path):
     steady, volatile = start_broker_process(), start_broker_process()
-    frame = staged_frame(spark, 4_000, 4, slow=3, slow_seconds=0.2)
+    killed = tmp_path / "killed"
+    frame = staged_frame(spark, 4_000, 4, slow=3, slow_seconds=0.2, gate=killed)    # 3 open until the restart
     errors = []
 
     def run():
@@ -117,6 +118,7 @@ def test_one_of_two_brokers_restarted_without_journal_fails_a_feed_without_recov
     volatile.proc.kill()
     volatile.proc.wait(5)
     volatile.restart()
+    killed.touch()
     feeding.join(120)
     assert len(errors) == 1 and isinstance(errors[0], BrokerError), errors
     assert f"the broker at {volatile.control} restarted while stream 'volatile2' epoch 0" in str(errors[0])

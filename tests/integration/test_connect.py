@@ -154,12 +154,13 @@ def test_a_task_retried_mid_partition_still_delivers_every_row_once(connect, sta
 
 
 def test_a_broker_restarted_without_journal_is_recovered_from_lineage_on_spark_connect(connect,
-                                                                                     start_broker_process):
+                                                                                     start_broker_process, tmp_path):
     # Spark Connect has no runJob: the recovery job runs over every partition, those not to feed again sending
     # nothing; the partition count is learned from its reports when the first job was cancelled before any
     broker = start_broker_process("--heartbeat", "200ms")
     consumer = Collector(broker.ranks, "lineage", timeout=60)
-    source = {"kind": "staged", "rows": 6_000, "partitions": 3, "slow": 2, "slow_seconds": 0.3}
+    killed = tmp_path / "killed"           # partition 2 (slow) stops after 5 batches until the broker is back
+    source = {"kind": "staged", "rows": 6_000, "partitions": 3, "slow": 2, "slow_seconds": 0.3, "gate": str(killed)}
     with ThreadPoolExecutor(1) as pool:
         feeding = pool.submit(connect.feed, source, broker.feed, stream="lineage", batch_size=100, pack_bytes=0,
                               timeout=5)
@@ -169,6 +170,7 @@ def test_a_broker_restarted_without_journal_is_recovered_from_lineage_on_spark_c
         broker.proc.kill()                              # no journal: its state is gone
         broker.proc.wait(5)
         broker.restart()
+        killed.touch()
         report = feeding.result(150)
     [ids] = consumer.result(150)
     np.testing.assert_array_equal(np.sort(ids), np.arange(6_000))

@@ -221,9 +221,10 @@ def test_a_broker_killed_and_restarted_with_its_journal_loses_nothing(spark, sma
 
 
 def test_a_broker_restart_without_journal_fails_the_feed_loudly_with_recover_false(spark, small_arrow_batches,
-                                                                                   start_broker_process):
+                                                                                   start_broker_process, tmp_path):
     broker = start_broker_process()
-    frame = staged_frame(spark, 3_000, 3, slow=2, slow_seconds=0.2)
+    killed = tmp_path / "killed"
+    frame = staged_frame(spark, 3_000, 3, slow=2, slow_seconds=0.2, gate=killed)    # 2 open until the restart
     errors = []
 
     def run():
@@ -239,6 +240,7 @@ def test_a_broker_restart_without_journal_fails_the_feed_loudly_with_recover_fal
     broker.proc.kill()
     broker.proc.wait(5)
     broker.restart()
+    killed.touch()
     feeding.join(120)
     assert len(errors) == 1
     assert isinstance(errors[0], BrokerError)

@@ -80,16 +80,19 @@ def finished(thread: threading.Thread, result: dict, timeout: float = 200):
 # ---- §1: a broker lost ------------------------------------------------------------------------------------------
 
 def test_a_broker_killed_mid_epoch_and_restarted_without_journal_costs_a_recomputation(
-        spark, small_arrow_batches, start_broker_process, start_ranks):
+        spark, small_arrow_batches, start_broker_process, start_ranks, tmp_path):
     broker = start_broker_process("--heartbeat", "200ms")
     ranks = start_ranks(2, broker.ranks, "--stream", "lineage")
-    frame = staged_frame(spark, 6_000, 3, slow=2, slow_seconds=0.3)     # partition 2 takes ~6 s, every job
+    killed = tmp_path / "killed"
+    # partition 2 takes ~6 s, every job, and its first job stops after 5 batches until the broker is back
+    frame = staged_frame(spark, 6_000, 3, slow=2, slow_seconds=0.3, gate=killed)
     thread, result = feeding(lambda: feed(frame, broker.feed, stream="lineage", batch_size=100, timeout=5,
                                           pack_bytes=0))
     wait_for(lambda: epoch_figures(broker, "lineage").get("acked", 0) >= 20, 60, "some batches trained")
     broker.proc.kill()                                   # kill -9, mid-epoch, no journal: its state is gone
     broker.proc.wait(5)
     broker.restart()
+    killed.touch()
     report = finished(thread, result)
     summaries = ranks.wait(150)
     assert report.rows == 6_000 and report.diverged == ()
@@ -100,52 +103,62 @@ def test_a_broker_killed_mid_epoch_and_restarted_without_journal_costs_a_recompu
 
 
 def test_one_of_two_brokers_killed_for_good_leaves_its_partitions_to_the_other(
-        spark, small_arrow_batches, start_broker_process, start_group):
+        spark, small_arrow_batches, start_broker_process, start_group, tmp_path):
     steady, doomed = start_broker_process("--heartbeat", "200ms"), start_broker_process("--heartbeat", "200ms")
     group = start_group(2, f"{steady.ranks},{doomed.ranks}", "--stream", "survive", "--timeout", "10")
-    frame = staged_frame(spark, 8_000, 4, slow=3, slow_seconds=0.2)     # partition 3 (home: doomed) is slow
+    killed = tmp_path / "killed"
+    # 8 partitions of 10 batches, one pack each (the default); the doomed broker is home to 1, 3, 5 and 7. The ranks
+    # use its batches once both hold some of them (its grant is the smaller share), and partition 7, Spark's last,
+    # stops after 5 batches until the kill: the doomed broker dies with an epoch not all committed
+    frame = staged_frame(spark, 8_000, 8, slow=7, gate=killed)
     thread, result = feeding(lambda: feed(frame, [steady.feed, doomed.feed], stream="survive", batch_size=100,
-                                          timeout=4))          # packs of small batches, the default
+                                          timeout=4))
     wait_for(lambda: epoch_figures(doomed, "survive").get("acked", 0) >= 10, 60,
              "some batches of the doomed broker trained")
+    assert epoch_figures(doomed, "survive").get("committed", 0) < 4, "precondition: partition 7 not committed"
     doomed.proc.kill()                                   # for good
     doomed.proc.wait(5)
+    killed.touch()
     report = finished(thread, result)
     summaries = group.wait(150)
     assert report.rows == 8_000
     assert_each_row_once(trained(group), 8_000)
     equal_steps(summaries)
     end = epoch_figures(steady, "survive")
-    assert end["committed"] == 4 and end["adopted"] >= 1, end
+    assert end["committed"] == 8 and end["adopted"] >= 10, end
 
 
 def test_feed_epochs_goes_on_without_a_broker_lost_for_good(spark, small_arrow_batches, start_broker_process,
-                                                           start_group):
+                                                           start_group, tmp_path):
     """One of two brokers killed for good in epoch 0: that epoch is recovered through the other, and the next epochs
     are opened and fed at the survivor only (the ranks read it alone from then on)."""
     steady, doomed = start_broker_process("--heartbeat", "200ms"), start_broker_process("--heartbeat", "200ms")
     group = start_group(2, f"{steady.ranks},{doomed.ranks}", "--stream", "onward", "--epochs", "2", "--timeout", "10")
-    frame = staged_frame(spark, 8_000, 4, slow=3, slow_seconds=0.3)     # partition 3 (home: doomed) is slow
+    killed = tmp_path / "killed"
+    frame = staged_frame(spark, 8_000, 8, slow=7, gate=killed)   # as in the test above: 7 (doomed) waits for the kill
     thread, result = feeding(lambda: feed_epochs(frame, [steady.feed, doomed.feed], epochs=2, stream="onward",
                                                  shuffle=False, batch_size=100, timeout=4))
     wait_for(lambda: epoch_figures(doomed, "onward").get("acked", 0) >= 10, 60,
              "some batches of the doomed broker trained")
-    assert thread.is_alive(), "precondition: the kill lands while feed_epochs runs"
+    assert epoch_figures(doomed, "onward").get("committed", 0) < 4, "precondition: partition 7 not committed"
     doomed.proc.kill()                                   # for good
     doomed.proc.wait(5)
+    killed.touch()
     reports = finished(thread, result)
     summaries = group.wait(150)
-    assert [r.rows for r in reports] == [8_000, 8_000] and reports[1].brokers == (4, 0), reports
+    assert [r.rows for r in reports] == [8_000, 8_000] and reports[1].brokers == (8, 0), reports
+    assert epoch_figures(steady, "onward")["committed"] == 8
     for epoch in range(2):
         assert_each_row_once(trained(group, epoch=epoch), 8_000)
         assert len({s["epochs"][epoch]["batches"] for s in summaries}) == 1, summaries
 
 
 def test_a_second_kill_during_the_recovery_is_recovered_too(spark, small_arrow_batches, start_broker_process,
-                                                            start_ranks):
+                                                            start_ranks, tmp_path):
     broker = start_broker_process("--heartbeat", "200ms")
     ranks = start_ranks(2, broker.ranks, "--stream", "twice")
-    frame = staged_frame(spark, 6_000, 3, slow=2, slow_seconds=0.3)
+    killed = tmp_path / "killed"
+    frame = staged_frame(spark, 6_000, 3, slow=2, slow_seconds=0.3, gate=killed)
     thread, result = feeding(lambda: feed(frame, broker.feed, stream="twice", batch_size=100, timeout=5,
                                           pack_bytes=0))
     wait_for(lambda: epoch_figures(broker, "twice").get("acked", 0) >= 15, 60, "some batches trained")
@@ -153,6 +166,7 @@ def test_a_second_kill_during_the_recovery_is_recovered_too(spark, small_arrow_b
     broker.proc.wait(5)
     first_incarnation_log = broker.log.read_text()
     broker.restart()
+    killed.touch()
     # the recovery job streams to the restarted broker: partition 2 (slow) is not committed yet
     wait_for(lambda: (lambda e: e.get("rows_in", 0) >= 1_000 and e.get("committed", 3) < 3)(
         epoch_figures(broker, "twice")), 90, "the recovery job under way")
@@ -200,13 +214,15 @@ def test_a_recomputation_that_comes_out_differently_is_detected_and_reported(spa
 
 
 def test_a_stream_whose_only_broker_stays_away_fails_the_feed_saying_what_to_do(spark, small_arrow_batches,
-                                                                              start_broker_process):
+                                                                              start_broker_process, tmp_path):
     broker = start_broker_process("--heartbeat", "200ms")
-    frame = staged_frame(spark, 3_000, 3, slow=2, slow_seconds=0.2)
+    killed = tmp_path / "killed"
+    frame = staged_frame(spark, 3_000, 3, slow=2, gate=killed)          # partition 2 open until the kill
     thread, result = feeding(lambda: feed(frame, broker.feed, stream="alone", batch_size=100, timeout=3))
     wait_for(lambda: epoch_figures(broker, "alone").get("batches_in", 0) >= 5, 60, "some batches in")
     broker.proc.kill()
     broker.proc.wait(5)
+    killed.touch()
     thread.join(120)
     assert not thread.is_alive()
     error = result.get("error")
