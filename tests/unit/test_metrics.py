@@ -238,5 +238,6 @@ def test_the_grafana_dashboard_parses_and_plots_only_metrics_the_exporter_serves
     assert plotted <= served, plotted - served
     assert {"sparkbus_bytes_in_total", "sparkbus_bytes_out_total", "sparkbus_buffer_use_ratio",
             "sparkbus_feed_paused", "sparkbus_ranks_joined", "sparkbus_redelivered_batches_total",
-            "sparkbus_refused_messages_total", "sparkbus_rank_data_wait_seconds_total", "sparkbus_epoch"} <= plotted
+            "sparkbus_refused_messages_total", "sparkbus_rank_data_wait_seconds_total", "sparkbus_epoch",
+            "sparkbus_adopted_batches_total", "sparkbus_batches_held_for_recovery"} <= plotted
     assert not [e for e in expressions if re.search(r"\bepoch\b[^_]", e.replace("sparkbus_epoch", ""))]  # no label
