@@ -38,6 +38,12 @@ def consume(address, out, **kwargs):
         out["error"] = exc
 
 
+def rejected(broker, keys) -> dict:
+    """The broker's refusals on its ranks and control sockets, by reason."""
+    stats = fetch_stats(broker.control, key=keys["feeder"], broker_key=keys["broker"])
+    return {**stats["broker"]["rejected"].get("ranks", {}), **stats["broker"]["rejected"].get("control", {})}
+
+
 def test_only_allowed_keys_in_their_role_get_in_and_the_allowed_stream_is_exact(spark, start_broker_process, keys):
     broker = start_broker_process("--auth", keys["dir"])
     got = {}
@@ -50,10 +56,15 @@ def test_only_allowed_keys_in_their_role_get_in_and_the_allowed_stream_is_exact(
         "a feeder's key on the ranks socket": dict(key=keys["feeder"], broker_key=keys["broker"]),
     }
     for credentials in refusals.values():         # the keys say what each case is
-        # 5 s: a loaded broker must see the handshake fail before the client gives up and closes (else libzmq
-        # reports a handshake cut short, "bad_handshake", not its cause)
         with pytest.raises(BrokerError, match="no answer"):
             BatchStream(broker.ranks, stream="secure", timeout=5, **credentials).close()
+    # libzmq names a mechanism mismatch ("no_key") only when it read the peer's greeting before the peer closed; a
+    # loaded broker may see the handshake cut short instead ("bad_handshake"), so the keyless peer tries again
+    for _ in range(3):
+        if rejected(broker, keys).get("auth_no_key", 0):
+            break
+        with pytest.raises(BrokerError, match="no answer"):
+            BatchStream(broker.ranks, stream="secure", timeout=5).close()
     with ControlClient(broker.control, 2, key=keys["rank"], broker_key=keys["broker"]) as rank_as_feeder:
         with pytest.raises(BrokerError, match="no reply"):
             rank_as_feeder.hello("feeder", "secure")
@@ -63,8 +74,7 @@ def test_only_allowed_keys_in_their_role_get_in_and_the_allowed_stream_is_exact(
     assert "error" not in got, got.get("error")
     np.testing.assert_array_equal(np.sort(got["ids"]), np.arange(5_000))
     assert report.rows == 5_000
-    stats = fetch_stats(broker.control, key=keys["feeder"], broker_key=keys["broker"])
-    refused = {**stats["broker"]["rejected"].get("ranks", {}), **stats["broker"]["rejected"].get("control", {})}
+    refused = rejected(broker, keys)
     assert refused.get("auth_unknown_key", 0) >= 1 and refused.get("auth_wrong_role", 0) >= 1
     assert refused.get("auth_no_key", 0) >= 1
     log = broker.log.read_text()
