@@ -117,6 +117,8 @@ def test_a_consumer_killed_mid_epoch_leaves_its_batches_to_the_other(spark, star
     broker = start_broker_process("--heartbeat", "200ms")
     victim = start_ranks(0, broker.ranks, "--stream", "kill1", "--stop-after", "5", "--prefetch", "4")
     survivor = start_ranks(0, broker.ranks, "--stream", "kill1", "--slow-rank", "0", "--slow-seconds", "0.02")
+    # both joined before the feed: a survivor alone could take the whole epoch before a late victim's first batch
+    wait_for(lambda: len(broker.stats()["streams"].get("kill1", {}).get("ranks", [])) == 2, 60, "both consumers")
     # one batch a message (pack_bytes=0): the victim dies between batches, not inside a pack
     feeding = threading.Thread(target=feed, args=(staged_frame(spark, 6_000, 2), broker.feed),
                                kwargs=dict(stream="kill1", batch_size=100, timeout=60, pack_bytes=0))
