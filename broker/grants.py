@@ -110,7 +110,15 @@ class Grants(Rejoin):
         for number, dropped in ep.dropped.items():
             if number < len(counts):
                 counts[number] -= dropped
+        for rank, left in self.pending(stream, ep):
+            if rank.rank < len(counts):
+                counts[rank.rank] += left
         return counts
+
+    def pending(self, stream: StreamState, ep: EpochState) -> list[tuple[RankState, int]]:
+        """Batches of ``ep`` that ranks used of a lost broker and this broker will adopt once Spark recomputed them:
+        counted as theirs already (:mod:`broker.recovery`; none here)."""
+        return []
 
     def grant(self, stream: StreamState, ep: EpochState, transmit: Transmit) -> None:
         """Tell every rank the steps it may take in ``ep`` when that grew: the smallest count (the share, at most)."""
@@ -122,8 +130,11 @@ class Grants(Rejoin):
             return
         header: bytes | None = None
         gone = []
+        pending: dict[bytes, int] = {}
+        for owner, left in self.pending(stream, ep):
+            pending[owner.identity] = pending.get(owner.identity, 0) + left
         for rank in stream.ranks.values():
-            adopted = rank.adopted.get(ep.epoch, 0)
+            adopted = rank.adopted.get(ep.epoch, 0) + pending.get(rank.identity, 0)
             if rank.told.get(ep.epoch, 0) >= ep.steps and rank.told_adopted.get(ep.epoch, 0) >= adopted:
                 continue
             if adopted:        # batches it used of a lost broker, matched here (broker.recovery): its own STEPS

@@ -92,7 +92,7 @@ class Recovery(Partitions, Dispatch):
         else:
             rec.carries |= carries
             rec.recovered |= recovered
-            rec.index = None
+            rec.index = rec.expected = None
         rec.lost.extend(loss for loss in dict.fromkeys(lost) if loss not in rec.lost)
         if ep.closed:
             ep.closed = False             # more partitions come: the driver closes it again
@@ -161,7 +161,7 @@ class Recovery(Partitions, Dispatch):
         members[rank.member] = Reclaimed(rank.rank, entries)
         ep = stream.epochs.get(number)
         if ep is not None and ep.recovery is not None:
-            ep.recovery.index = None
+            ep.recovery.index = ep.recovery.expected = None
         if h["lost"] == RESUME and (ep is None or ep.recovery is None or not ep.recovery.reset):
             # A rank resumes from a checkpoint: the old job's rest of this epoch (or its later epochs) must not
             # reach it. Nothing from this epoch on goes out until the driver's EPOCH_RECOVER(reset) comes.
@@ -276,6 +276,34 @@ class Recovery(Partitions, Dispatch):
             rec.index = index
         return rec.index
 
+    # ---- grants: what a rank used counts from its RECLAIM on, not from its match ------------------------------
+
+    def pending(self, stream: StreamState, ep: EpochState) -> list[tuple[RankState, int]]:
+        """Per rank, the batches of recovered partitions it said it used that are not matched yet.
+
+        They count as the rank's (for grants, and in ``STEPS.adopted``) from its RECLAIM on: counted only once
+        matched, a rank would take steps on a grant that did not know them yet, and end the epoch with more steps
+        than the others once Spark's recomputation reached them."""
+        rec = ep.recovery
+        if rec is None:
+            return []
+        if rec.expected is None:
+            named: dict[str, tuple[int, set[tuple[int, int, int, int]]]] = {}
+            for members in stream.reclaims.get(ep.epoch, {}).values():   # as the index: every loss, each entry once
+                for member, reclaimed in members.items():
+                    entries = named.setdefault(member, (reclaimed.rank, set()))[1]
+                    entries.update((part, seq, first, stop) for part, seq, first, stop, _ in reclaimed.entries
+                                   if part in rec.recovered)
+            rec.expected = {member: (number, sum(stop - first for _, _, first, stop in entries))
+                            for member, (number, entries) in named.items()}
+        pending = []
+        for member, (number, count) in rec.expected.items():
+            left = count - rec.matched.get(member, 0)
+            rank = self._rank_of(stream, member, number) if left > 0 else None
+            if rank is not None:
+                pending.append((rank, left))
+        return pending
+
     def _match(self, stream: StreamState, ep: EpochState, batch: HeldBatch) -> None:
         """Queue what no rank used of ``batch`` (counted in already); count what a rank used as consumed by it,
         never sent."""
@@ -313,6 +341,8 @@ class Recovery(Partitions, Dispatch):
         """``piece`` was used by the rank ``member`` (rank ``number``) before the loss: consumed by it."""
         ep.adopt(piece)
         self.buffered -= piece.nbytes
+        assert ep.recovery is not None
+        ep.recovery.matched[member] = ep.recovery.matched.get(member, 0) + piece.count
         rank = self._rank_of(stream, member, number)
         if rank is not None:
             epoch = ep.epoch

@@ -88,6 +88,8 @@ class EpochRecovery:
     reset: bool = False        # a resume: what the broker had of the epoch was forgotten first
     held: list[HeldBatch] = field(default_factory=list)    # batches of recovered partitions, held until then
     index: dict[tuple[int, int], list[tuple[int, int, int, str, int]]] | None = None   # (part, seq) -> used
+    expected: dict[str, tuple[int, int]] | None = None   # member -> (rank number, batches it used of recovered)
+    matched: dict[str, int] = field(default_factory=dict)   # member -> of those, matched so far (adopted)
 
 
 @dataclass

@@ -362,6 +362,34 @@ def test_a_granted_rank_is_told_how_many_batches_it_adopted_with_its_steps():
     assert len(wire.of_kind(b"a", Kind.STEPS)) == 1              # nothing grew: nothing more
 
 
+def test_what_a_rank_used_counts_as_its_steps_from_its_reclaim_on_not_from_the_recomputation():
+    """Rank a used 3 batches of partition 0 and 1 of partition 1, b 1 of partition 0. Partition 0 comes first: a's
+    grant must already count the batch of partition 1 it used, else it takes one step too many and ends the epoch
+    with more steps than b once partition 1 is recomputed (the hang the torch resume test met)."""
+    ledger = up_a_while(Ledger())
+    wire = Wire(ledger)
+    two_ranks(ledger, window=16, even=True, grants=True)
+    recover(ledger, partitions=2, carries=(0, 1), recovered=(0, 1))
+    reclaim(ledger, b"a", 0, "x", *(used(0, 0, seq) for seq in range(3)), used(0, 1, 0))
+    reclaim(ledger, b"b", 0, "x", used(0, 0, 3))
+    for seq in range(6):
+        push(ledger, 0, 0, seq)
+    wire.dispatch()
+    steps = {r: wire.of_kind(r, Kind.STEPS)[-1] for r in (b"a", b"b")}
+    assert steps[b"a"]["adopted"] == 4 and steps[b"b"]["adopted"] == 1      # a's batch of partition 1 included
+    sent = {r: len(wire.of_kind(r, Kind.BATCH)) for r in (b"a", b"b")}
+    assert sum(sent.values()) == 2                                           # seqs 4 and 5: nobody used them
+    assert steps[b"a"]["steps"] == min(4 + sent[b"a"], 1 + sent[b"b"])
+    for seq in range(4):
+        push(ledger, 0, 1, seq)
+    wire.dispatch()
+    assert figures(ledger)["adopted"] == 5
+    final = {r: wire.of_kind(r, Kind.STEPS)[-1] for r in (b"a", b"b")}
+    assert final[b"a"]["adopted"] == 4 and final[b"b"]["adopted"] == 1     # matched now: the same count
+    assert ledger.counts(ledger.streams[STREAM], ledger.streams[STREAM].epochs[0]) == [
+        4 + len(wire.of_kind(b"a", Kind.BATCH)), 1 + len(wire.of_kind(b"b", Kind.BATCH))]
+
+
 # ---- through a broker: frames, versions, HELLO.incarnation, EPOCH_QUERY ------------------------------------------
 
 
