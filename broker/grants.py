@@ -104,13 +104,15 @@ class Grants(Rejoin):
 
     # ---- grants -------------------------------------------------------------------------------------------
 
-    def counts(self, stream: StreamState, ep: EpochState) -> list[int]:
-        """Per rank number, the batches of ``ep`` it has in hand for steps (those it drops to even out left out)."""
+    def counts(self, stream: StreamState, ep: EpochState,
+               pending: list[tuple[RankState, int]] | None = None) -> list[int]:
+        """Per rank number, the batches of ``ep`` it has in hand for steps (those it drops to even out left out,
+        those it used of a lost broker in: ``pending``, :meth:`pending` unless given)."""
         counts = stream.counts(ep.epoch)
         for number, dropped in ep.dropped.items():
             if number < len(counts):
                 counts[number] -= dropped
-        for rank, left in self.pending(stream, ep):
+        for rank, left in self.pending(stream, ep) if pending is None else pending:
             if rank.rank < len(counts):
                 counts[rank.rank] += left
         return counts
@@ -122,7 +124,8 @@ class Grants(Rejoin):
 
     def grant(self, stream: StreamState, ep: EpochState, transmit: Transmit) -> None:
         """Tell every rank the steps it may take in ``ep`` when that grew: the smallest count (the share, at most)."""
-        counts = self.counts(stream, ep)
+        pending = self.pending(stream, ep)
+        counts = self.counts(stream, ep, pending)
         if counts:
             steps = min(counts) if ep.share is None else min(min(counts), ep.share)
             ep.steps = max(ep.steps, steps)
@@ -130,11 +133,11 @@ class Grants(Rejoin):
             return
         header: bytes | None = None
         gone = []
-        pending: dict[bytes, int] = {}
-        for owner, left in self.pending(stream, ep):
-            pending[owner.identity] = pending.get(owner.identity, 0) + left
+        still_to_adopt: dict[bytes, int] = {}
+        for owner, left in pending:
+            still_to_adopt[owner.identity] = still_to_adopt.get(owner.identity, 0) + left
         for rank in stream.ranks.values():
-            adopted = rank.adopted.get(ep.epoch, 0) + pending.get(rank.identity, 0)
+            adopted = rank.adopted.get(ep.epoch, 0) + still_to_adopt.get(rank.identity, 0)
             if rank.told.get(ep.epoch, 0) >= ep.steps and rank.told_adopted.get(ep.epoch, 0) >= adopted:
                 continue
             if adopted:        # batches it used of a lost broker, matched here (broker.recovery): its own STEPS

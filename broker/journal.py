@@ -29,7 +29,6 @@ first record whose CRC does not match (a damaged disk block: what follows cannot
 
 from __future__ import annotations
 
-import bisect
 import logging
 import mmap
 import os
@@ -45,6 +44,7 @@ from typing import Any
 import msgpack
 
 from .figures import fold, no_earlier
+from .protocol import PartitionRanges
 
 log = logging.getLogger("sparkbus.journal")
 _PREFIX = struct.Struct("<II")      # body length, CRC-32 of the body
@@ -64,13 +64,14 @@ class Record(str, Enum):
     CLAIM = "claim"      # the broker (an index in the feed's list) that streams a partition: part, broker
 
 
-class EpochRanges:
-    """A set of epoch numbers held as sorted, disjoint, inclusive ranges ``[[first, last], ...]``: a stream that
-    delivered epochs 0 to 9,999 costs one pair."""
+class EpochRanges(PartitionRanges):
+    """A set of epoch numbers held as sorted, disjoint, inclusive ranges ``[[first, last], ...]`` (the journal's
+    form): a stream that delivered epochs 0 to 9,999 costs one pair."""
+
+    __slots__ = ()
 
     def __init__(self, ranges: Iterable[Iterable[int]] = ()):
-        self._starts: list[int] = []
-        self._ends: list[int] = []
+        super().__init__()
         for first, last in ranges:
             for number in (first, last):
                 if type(number) is not int:
@@ -83,28 +84,10 @@ class EpochRanges:
     def add_range(self, first: int, last: int) -> None:
         if first > last:
             raise ValueError(f"epoch range [{first}, {last}] is empty")
-        # the ranges that touch or overlap [first, last] merge into one
-        lo = bisect.bisect_left(self._ends, first - 1)
-        hi = bisect.bisect_right(self._starts, last + 1)
-        if lo < hi:
-            first, last = min(first, self._starts[lo]), max(last, self._ends[hi - 1])
-        self._starts[lo:hi], self._ends[lo:hi] = [first], [last]
-
-    def __contains__(self, epoch: object) -> bool:
-        if type(epoch) is not int:
-            return False
-        i = bisect.bisect_right(self._starts, epoch) - 1
-        return i >= 0 and epoch <= self._ends[i]
+        self._add(first, last + 1)
 
     def ranges(self) -> list[list[int]]:
-        return [[a, b] for a, b in zip(self._starts, self._ends)]
-
-    def __len__(self) -> int:
-        """How many epochs (not ranges)."""
-        return sum(b - a + 1 for a, b in zip(self._starts, self._ends))
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, EpochRanges) and self.ranges() == other.ranges()
+        return [[start, stop - 1] for start, stop in self.pairs()]
 
     def __repr__(self) -> str:
         return f"EpochRanges({self.ranges()})"

@@ -424,20 +424,25 @@ def unpack_ranges(flat: Sequence[Any], limit: int | None = None) -> set[int]:
 
 
 class PartitionRanges:
-    """A set of partition numbers held as sorted, disjoint, half-open ranges, as ``EPOCH_RECOVER`` names them: the
-    upper bound of a Spark Connect feed (10,000,000 partitions) is one pair, not ten million numbers."""
+    """A set of integers held as sorted, disjoint, half-open ranges, as ``EPOCH_RECOVER`` names partitions: the upper
+    bound of a Spark Connect feed (10,000,000 partitions) is one pair, not ten million numbers. (The journal's
+    ``EpochRanges`` is the same set, spelled with inclusive ranges.)"""
 
     __slots__ = ("_starts", "_stops")
 
     def __init__(self, pairs: Iterable[tuple[int, int]] = ()):
         self._starts: list[int] = []
         self._stops: list[int] = []
-        for start, stop in sorted(pairs):
-            if self._stops and start <= self._stops[-1]:
-                self._stops[-1] = max(self._stops[-1], stop)
-            else:
-                self._starts.append(start)
-                self._stops.append(stop)
+        for start, stop in pairs:
+            self._add(start, stop)
+
+    def _add(self, start: int, stop: int) -> None:
+        # the ranges that touch or overlap [start, stop) merge into one
+        lo = bisect.bisect_left(self._stops, start)
+        hi = bisect.bisect_right(self._starts, stop)
+        if lo < hi:
+            start, stop = min(start, self._starts[lo]), max(stop, self._stops[hi - 1])
+        self._starts[lo:hi], self._stops[lo:hi] = [start], [stop]
 
     @classmethod
     def of(cls, numbers: Iterable[int]) -> PartitionRanges:
@@ -472,6 +477,7 @@ class PartitionRanges:
         return sum(1 for n in numbers if n in self)
 
     def __len__(self) -> int:
+        """How many numbers (not ranges)."""
         return sum(stop - start for start, stop in self.pairs())
 
     def __iter__(self) -> Iterator[int]:
@@ -480,7 +486,7 @@ class PartitionRanges:
 
     def __eq__(self, other: object) -> bool:
         if isinstance(other, PartitionRanges):
-            return self.pairs() == other.pairs()
+            return type(self) is type(other) and self.pairs() == other.pairs()
         if isinstance(other, (set, frozenset)):
             return len(self) == len(other) and all(n in self for n in other)
         return NotImplemented

@@ -340,7 +340,7 @@ class EpochFeed:
             Exception: the job's own failure (no broker lost), as Spark raised it.
         """
         self.partitions = job.partitions
-        known = len(self.watch.losses)       # around: the gone brokers, nothing to recover from
+        known = len(self.watch.losses) if around else 0     # around: the gone brokers, nothing to recover from
         self.watch.start(on_loss=self.cancel.cancel)
         try:
             try:
@@ -353,12 +353,11 @@ class EpochFeed:
                 failure: Exception | None = None
             except Exception as exc:
                 failure = exc
-            new_losses = len(self.watch.losses) > known if around else bool(self.watch.losses)
-            if not self.watch.sweep(self.clients) and not new_losses:
+            if not self.watch.sweep(self.clients) and len(self.watch.losses) == known:
                 if failure is not None:
                     raise failure
-            new_losses = len(self.watch.losses) > known if around else bool(self.watch.losses)
-            return self._settle(job, recovering=new_losses, queried=new_losses or resume or around)
+            recovering = len(self.watch.losses) > known
+            return self._settle(job, recovering=recovering, queried=recovering or resume or around)
         finally:
             self.watch.stop()
 

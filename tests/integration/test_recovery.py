@@ -102,24 +102,32 @@ def test_a_broker_killed_mid_epoch_and_restarted_without_journal_costs_a_recompu
     assert end["adopted"] >= 20 - 2, end       # what the ranks had trained before the kill was not sent again
 
 
-def test_one_of_two_brokers_killed_for_good_leaves_its_partitions_to_the_other(
-        spark, small_arrow_batches, start_broker_process, start_group, tmp_path):
+def kill_one_of_two_mid_epoch(spark, start_broker_process, start_group, tmp_path, stream, run, *flags):
+    """Two brokers and a group of 2 reading both; ``run(frame, feeds)`` in a thread; the second broker SIGKILLed
+    for good once the ranks trained some of its batches, and before its epoch 0 is all committed.
+
+    The frame has 8 partitions of 10 batches, one pack each (the default); the doomed broker is home to 1, 3, 5
+    and 7. The ranks use its batches once both hold some of them (its grant is the smaller share), and partition 7,
+    Spark's last, stops after 5 batches until the kill. Returns ``(steady, group, run's result)``."""
     steady, doomed = start_broker_process("--heartbeat", "200ms"), start_broker_process("--heartbeat", "200ms")
-    group = start_group(2, f"{steady.ranks},{doomed.ranks}", "--stream", "survive", "--timeout", "10")
+    group = start_group(2, f"{steady.ranks},{doomed.ranks}", "--stream", stream, "--timeout", "10", *flags)
     killed = tmp_path / "killed"
-    # 8 partitions of 10 batches, one pack each (the default); the doomed broker is home to 1, 3, 5 and 7. The ranks
-    # use its batches once both hold some of them (its grant is the smaller share), and partition 7, Spark's last,
-    # stops after 5 batches until the kill: the doomed broker dies with an epoch not all committed
     frame = staged_frame(spark, 8_000, 8, slow=7, gate=killed)
-    thread, result = feeding(lambda: feed(frame, [steady.feed, doomed.feed], stream="survive", batch_size=100,
-                                          timeout=4))
-    wait_for(lambda: epoch_figures(doomed, "survive").get("acked", 0) >= 10, 60,
+    thread, result = feeding(lambda: run(frame, [steady.feed, doomed.feed]))
+    wait_for(lambda: epoch_figures(doomed, stream).get("acked", 0) >= 10, 60,
              "some batches of the doomed broker trained")
-    assert epoch_figures(doomed, "survive").get("committed", 0) < 4, "precondition: partition 7 not committed"
+    assert epoch_figures(doomed, stream).get("committed", 0) < 4, "precondition: partition 7 not committed"
     doomed.proc.kill()                                   # for good
     doomed.proc.wait(5)
     killed.touch()
-    report = finished(thread, result)
+    return steady, group, finished(thread, result)
+
+
+def test_one_of_two_brokers_killed_for_good_leaves_its_partitions_to_the_other(
+        spark, small_arrow_batches, start_broker_process, start_group, tmp_path):
+    steady, group, report = kill_one_of_two_mid_epoch(
+        spark, start_broker_process, start_group, tmp_path, "survive",
+        lambda frame, feeds: feed(frame, feeds, stream="survive", batch_size=100, timeout=4))
     summaries = group.wait(150)
     assert report.rows == 8_000
     assert_each_row_once(trained(group), 8_000)
@@ -132,19 +140,10 @@ def test_feed_epochs_goes_on_without_a_broker_lost_for_good(spark, small_arrow_b
                                                            start_group, tmp_path):
     """One of two brokers killed for good in epoch 0: that epoch is recovered through the other, and the next epochs
     are opened and fed at the survivor only (the ranks read it alone from then on)."""
-    steady, doomed = start_broker_process("--heartbeat", "200ms"), start_broker_process("--heartbeat", "200ms")
-    group = start_group(2, f"{steady.ranks},{doomed.ranks}", "--stream", "onward", "--epochs", "2", "--timeout", "10")
-    killed = tmp_path / "killed"
-    frame = staged_frame(spark, 8_000, 8, slow=7, gate=killed)   # as in the test above: 7 (doomed) waits for the kill
-    thread, result = feeding(lambda: feed_epochs(frame, [steady.feed, doomed.feed], epochs=2, stream="onward",
-                                                 shuffle=False, batch_size=100, timeout=4))
-    wait_for(lambda: epoch_figures(doomed, "onward").get("acked", 0) >= 10, 60,
-             "some batches of the doomed broker trained")
-    assert epoch_figures(doomed, "onward").get("committed", 0) < 4, "precondition: partition 7 not committed"
-    doomed.proc.kill()                                   # for good
-    doomed.proc.wait(5)
-    killed.touch()
-    reports = finished(thread, result)
+    steady, group, reports = kill_one_of_two_mid_epoch(
+        spark, start_broker_process, start_group, tmp_path, "onward",
+        lambda frame, feeds: feed_epochs(frame, feeds, epochs=2, stream="onward", shuffle=False, batch_size=100,
+                                         timeout=4), "--epochs", "2")
     summaries = group.wait(150)
     assert [r.rows for r in reports] == [8_000, 8_000] and reports[1].brokers == (8, 0), reports
     assert epoch_figures(steady, "onward")["committed"] == 8
