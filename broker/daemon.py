@@ -4,7 +4,7 @@
 socket      type       peers and traffic
 ==========  =========  ===========================================================================
 feed        PULL       Spark tasks' PUSH sockets: BATCH frames. Not read while the buffer is full.
-control     ROUTER     feeders' and drivers' DEALERs: HELLO, EPOCH_OPEN/CLOSE/RECOVER/QUERY, PARTITION_END, STATS
+control     ROUTER     feeders' and drivers' DEALERs: HELLO, EPOCH_OPEN/CLOSE/RECOVER/QUERY, PARTITION_END/COMMIT, STATS
 ranks       ROUTER     ranks' DEALERs: HELLO, CREDIT, ACK, HEARTBEAT, BYE, RETURN, RECLAIM, STATS;
                        BATCH, EPOCH_END, STEPS, RELEASE, LOST out
 ==========  =========  ===========================================================================
@@ -323,10 +323,10 @@ class Broker:
         missed: list[MissedEnd] = []
         joined = sock is self._ranks and h["role"] == "rank"
         if joined:
-            if h["v"] < protocol.VERSION and self.ledger.recovering(h["stream"]):
+            if h["v"] < protocol.RECOVERY_VERSION and self.ledger.recovering(h["stream"]):
                 raise ProtocolError(f"stream {h['stream']!r} is recovering an epoch from Spark's lineage: a rank of "
                                     f"protocol version {h['v']} cannot take part (upgrade it to version "
-                                    f"{protocol.VERSION})")
+                                    f"{protocol.RECOVERY_VERSION} or later)")
             held, consumed = (protocol.unpack_ids(f.buffer) for f in body) if body else ((), ())
             if (h["resume"] and h.get("incarnation", self.incarnation) != self.incarnation
                     and self.ledger.journal is None):
@@ -382,8 +382,12 @@ class Broker:
             self._send(sock, identity, Kind.STATS_REPLY, req=h["req"], stats=page)
 
     def _epoch_open(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
-        self.ledger.open_epoch(h["stream"], h["epoch"], h["partitions"], h["delivery"])
+        self.ledger.open_epoch(h["stream"], h["epoch"], h["partitions"], h["delivery"], h.get("commit", "end"))
         self._send(sock, identity, Kind.OK, req=h["req"])
+
+    def _partition_commit(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
+        missing = self.ledger.commit_partitions(h["stream"], h["epoch"], h["parts"])
+        self._send(sock, identity, Kind.OK, req=h["req"], missing=missing)
 
     def _partition_end(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
         self._send_replies(self.ledger.end_partition(identity, h))
@@ -399,11 +403,12 @@ class Broker:
         stream = self.streams.get(h["stream"])
         if stream is not None and self.peers:
             older = sorted({r.rank for r in (*stream.ranks.values(), *(o.rank for o in stream.orphans.values()))
-                            if self.peers.version("ranks", r.identity) < protocol.VERSION})
+                            if self.peers.version("ranks", r.identity) < protocol.RECOVERY_VERSION})
             if older:
                 raise ProtocolError(f"stream {h['stream']!r} is read by ranks {older} of an older protocol version: "
                                     f"they cannot say what they used, so epoch {h['epoch']} cannot be recovered "
-                                    f"(upgrade them to version {protocol.VERSION}, or feed the epoch again)")
+                                    f"(upgrade them to version {protocol.RECOVERY_VERSION} or later, or feed the "
+                                    f"epoch again)")
         self.ledger.recover_epoch(h)
         self._send(sock, identity, Kind.OK, req=h["req"])
         self.ledger.send_lost(self.streams[h["stream"]], self._transmit)
@@ -415,7 +420,7 @@ class Broker:
     _control_handlers: dict[Kind, Callable] = {
         Kind.HELLO: _hello, Kind.EPOCH_OPEN: _epoch_open, Kind.PARTITION_END: _partition_end,
         Kind.EPOCH_CLOSE: _epoch_close, Kind.PARTITION_CLAIM: _partition_claim, Kind.STATS_REQUEST: _stats,
-        Kind.EPOCH_RECOVER: _epoch_recover, Kind.EPOCH_QUERY: _epoch_query}
+        Kind.EPOCH_RECOVER: _epoch_recover, Kind.EPOCH_QUERY: _epoch_query, Kind.PARTITION_COMMIT: _partition_commit}
     _rank_handlers: dict[Kind, Callable] = {
         Kind.HELLO: _hello, Kind.CREDIT: _credit, Kind.ACK: _ack, Kind.HEARTBEAT: _heartbeat_in,
         Kind.BYE: _bye, Kind.RETURN: _return, Kind.RECLAIM: _reclaim, Kind.STATS_REQUEST: _stats}

@@ -23,6 +23,7 @@ class EpochOpened:
     epoch: int
     partitions: int
     delivery: str
+    commit: str = "end"        # protocol.COMMIT_MODES
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +98,7 @@ class JournalRecorder:
     def __init__(self, journal: Journal):
         self.journal = journal
         self._write: dict[type, Callable[[Any], None]] = {
-            EpochOpened: lambda e: journal.record_open(e.stream, e.epoch, e.partitions, e.delivery),
+            EpochOpened: lambda e: journal.record_open(e.stream, e.epoch, e.partitions, e.delivery, e.commit),
             BatchTaken: lambda e: journal.record_batch(e.stream, e.epoch, e.header, e.payload),
             PartitionCommitted: lambda e: journal.record_commit(e.stream, e.epoch, e.part, e.attempt),
             PartitionClaimed: lambda e: journal.record_claim(e.stream, e.epoch, e.part, e.broker),
@@ -118,7 +119,7 @@ def replayed_events(replayed: ReplayedEpoch) -> Iterator[Applied]:
     for record in replayed.records:
         kind = record["t"]
         if kind is Record.OPEN:
-            yield EpochOpened(stream, epoch, record["partitions"], record["delivery"])
+            yield EpochOpened(stream, epoch, record["partitions"], record["delivery"], record.get("commit", "end"))
         elif kind is Record.BATCH:
             header = protocol.unpack_header(record["header"])
             yield BatchArrived(header, [record["header"], *record.get("payload", [])])

@@ -42,6 +42,8 @@ class EpochFigures(TypedDict):
     unassigned: int          # recovering: batches of partitions the broker no longer carries, dropped
     adopted: int             # ... batches the ranks had used of a lost broker (RECLAIM): consumed, never sent
     held: int                # ... messages held until every rank said what it used (not queued yet)
+    commit: str              # who commits a partition: "end" (the task's PARTITION_END) or "driver" (Spark's word)
+    superseded: int          # task attempts that sent every batch they had, not committed (Spark chose another)
 
 
 class _RankFiguresBase(TypedDict):
@@ -98,6 +100,7 @@ class EarlierFigures(TypedDict):
     moved: int
     unassigned: int
     adopted: int
+    superseded: int
 
 
 SUMMED = tuple(k for k in EarlierFigures.__annotations__ if k != "epochs")   # the EpochFigures that add up
@@ -248,6 +251,10 @@ EPOCH_METRICS: list[Metric] = [
     Metric("sparkbus_unassigned_batches", "counter", _STREAM,
            "Batches of partitions this broker no longer carries (a recovery routed them elsewhere), dropped.",
            "unassigned"),
+    Metric("sparkbus_superseded_attempts", "counter", _STREAM,
+           "Task attempts that sent every batch they had but that Spark did not declare successful (an executor "
+           "lost mid-partition, a failure upstream of the feed, a losing speculative copy): never committed.",
+           "superseded"),
     Metric("sparkbus_batches_queued", "gauge", _STREAM, "Batches waiting in the broker for a rank (every epoch).",
            "queued"),
     Metric("sparkbus_batches_held_for_recovery", "gauge", _STREAM,

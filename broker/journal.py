@@ -3,7 +3,7 @@
 Per stream and epoch there are two append-only files:
 
 - ``epoch-<n>.log``: records, each a 4-byte little-endian length, the CRC-32 of the body (4 bytes) and the
-  body, a msgpack map whose ``t`` is a :class:`Record` kind: ``open`` (partitions, delivery), ``batch`` (the
+  body, a msgpack map whose ``t`` is a :class:`Record` kind: ``open`` (partitions, delivery, commit), ``batch`` (the
   header frame, where its payload lies in the data file), ``commit`` (partition, attempt), ``claim`` (partition,
   broker), ``close``, ``ack`` (batch ids).
 - ``epoch-<n>.data``: the batches' column frames, back to back.
@@ -56,7 +56,7 @@ RETIRED_KEEP_STATS = 64       # epochs per stream whose figures survive a compac
 class Record(str, Enum):
     """The kinds of journal records (the ``t`` field): each is one transition of the ledger."""
 
-    OPEN = "open"        # an epoch was opened: partitions, delivery
+    OPEN = "open"        # an epoch was opened: partitions, delivery, commit (absent: "end")
     BATCH = "batch"      # a batch arrived: its header frame; its payload in the data file, if it was kept
     COMMIT = "commit"    # a partition was committed: part, attempt
     CLOSE = "close"      # the epoch was closed
@@ -187,9 +187,9 @@ class Journal:
         os.write(files.log_fd, _frame({"t": kind.value, **fields}))
         files.dirty = True
 
-    def record_open(self, stream: str, epoch: int, partitions: int, delivery: str) -> None:
+    def record_open(self, stream: str, epoch: int, partitions: int, delivery: str, commit: str = "end") -> None:
         files = self._files_for(stream, epoch)
-        self._append(files, Record.OPEN, partitions=partitions, delivery=delivery)
+        self._append(files, Record.OPEN, partitions=partitions, delivery=delivery, commit=commit)
         self._sync(files)
 
     def record_batch(self, stream: str, epoch: int, header: bytes, payload: list[Any]) -> None:

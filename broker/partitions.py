@@ -43,32 +43,35 @@ class Partitions(Books):
 
     # ---- epochs -----------------------------------------------------------------------------------------
 
-    def open_epoch(self, name: str, number: int, partitions: int, delivery: str) -> None:
+    def open_epoch(self, name: str, number: int, partitions: int, delivery: str, commit: str = "end") -> None:
         """EPOCH_OPEN. Opening an open epoch again with the same terms changes nothing. ``partitions`` is the
-        epoch's count, or an upper bound on it that EPOCH_CLOSE lowers (see :meth:`close_epoch`).
+        epoch's count, or an upper bound on it that EPOCH_CLOSE lowers (see :meth:`close_epoch`). ``commit``
+        says who commits an attempt of a partition (``protocol.COMMIT_MODES``): its own PARTITION_END, or the
+        driver's PARTITION_COMMIT once Spark declared the attempt successful.
 
         Raises:
-            ProtocolError: numbers out of range, an unknown delivery, an epoch already delivered or open with
-                other terms.
+            ProtocolError: numbers out of range, an unknown delivery or commit, an epoch already delivered or open
+                with other terms.
         """
         if not 0 <= partitions <= MAX_PARTITIONS or number < 0:
             raise ProtocolError(f"epoch {number} with {partitions} partitions is out of range")
-        if delivery not in protocol.DELIVERY_MODES:
-            raise ProtocolError(f"delivery {delivery!r} is not one of {', '.join(protocol.DELIVERY_MODES)}")
+        check_modes(delivery, commit)
         stream = self.stream(name)
         if number in stream.finished or (number in stream.epochs and stream.epochs[number].end_sent):
             raise ProtocolError(f"stream {name!r} has already delivered epoch {number}; "
                                 f"feed a new epoch number or a new stream name")
         ep = stream.epochs.get(number)
         if ep is None:
-            self._open(EpochOpened(name, number, partitions, delivery))
-            log.info("stream %r epoch %d opened: %d partitions, %s delivery", name, number, partitions, delivery)
+            self._open(EpochOpened(name, number, partitions, delivery, commit))
+            log.info("stream %r epoch %d opened: %d partitions, %s delivery, committed by %s", name, number,
+                     partitions, delivery, "the driver" if commit == "driver" else "each task's end")
         elif ep.partitions != partitions or ep.delivery != delivery or ep.closed:
             raise ProtocolError(f"stream {name!r} epoch {number} is already open with {ep.partitions} "
                                 f"partitions and {ep.delivery} delivery")
 
     def _open(self, event: EpochOpened) -> None:
-        self.stream(event.stream).epochs[event.epoch] = EpochState(event.epoch, event.partitions, event.delivery)
+        self.stream(event.stream).epochs[event.epoch] = EpochState(event.epoch, event.partitions, event.delivery,
+                                                                   commit=event.commit)
         self._emit(event)
 
     def close_epoch(self, name: str, number: int, partitions: int, expected: int | None = None) -> list[int]:
@@ -170,7 +173,7 @@ class Partitions(Books):
                 part.diverged = True    # a seq the committed attempt never sent
         pending = part.pending.get(attempt)
         if pending is not None and len(seen) >= pending.batches:
-            return self._commit(PartitionCommitted(stream.name, ep.epoch, number, attempt))
+            return self._attempt_complete(stream, ep, number, attempt)
         return []
 
     def claim_partition(self, h: dict) -> int:
@@ -208,8 +211,69 @@ class Partitions(Books):
         part = ep.part(number)
         part.pending[attempt] = PendingCommit(identity, h["req"], h["batches"], h["rows"])
         if part.committed_attempt is not None or len(part.attempts.get(attempt, ())) >= h["batches"]:
-            return self._commit(PartitionCommitted(stream.name, ep.epoch, number, attempt))
+            return self._attempt_complete(stream, ep, number, attempt)
         return []
+
+    def _attempt_complete(self, stream: StreamState, ep: EpochState, number: int, attempt: int) -> list[Reply]:
+        """Every batch an attempt said it sent is here (or the partition is committed already). In an epoch the
+        tasks commit (``commit="end"``), that commits it; in one the driver commits, it is only *complete*: its
+        input may have been cut short (an executor lost mid-partition ends the Python worker's input as if it were
+        whole), so only Spark's word commits it (:meth:`commit_partitions`), and the task is told it was received."""
+        if ep.commit == "end":
+            return self._commit(PartitionCommitted(stream.name, ep.epoch, number, attempt))
+        part = ep.part(number)
+        pending = part.pending.pop(attempt)
+        got = len(part.attempts.get(attempt, ()))
+        if part.committed_attempt is None and got != pending.batches:
+            return [Reply(pending.identity, Kind.ERROR, {
+                "req": pending.req, "code": ErrorCode.REFUSED, "reason": f"partition {number} of epoch "
+                f"{ep.epoch}: the broker holds {got} batches of attempt {attempt}, the task says it sent "
+                f"{pending.batches}"})]
+        if part.committed_attempt is None:
+            part.complete.add(attempt)
+        elif part.committed_attempt != attempt:
+            ep.superseded += 1           # complete after Spark chose another attempt (a losing speculative copy)
+        return [Reply(pending.identity, Kind.PARTITION_RECEIVED, {"req": pending.req, "stream": stream.name,
+                                                                  "epoch": ep.epoch, "part": number,
+                                                                  "attempt": attempt})]
+
+    def commit_partitions(self, name: str, number: int, parts: list[Any]) -> list[int]:
+        """PARTITION_COMMIT: the driver names, for each partition, the attempt Spark declared successful and the
+        batches it sent (``[part, attempt, batches, ...]``, at most :data:`~broker.protocol.MAX_COMMITS` triplets).
+        Each is committed if every one of those batches is here; a partition committed already (the same attempt
+        again, or, in an epoch the tasks commit, whichever ended first) is left as it is. Returns the partitions
+        not committed because their batches are not all here (a broker that lost them: the driver recovers them).
+
+        Raises:
+            ProtocolError: the epoch is not open, or ``parts`` is not a list of such triplets in range.
+        """
+        stream, ep = self.epoch(name, number)
+        if len(parts) % 3 or len(parts) > 3 * protocol.MAX_COMMITS or any(type(v) is not int for v in parts):
+            raise ProtocolError(f"PARTITION_COMMIT's parts must be at most {protocol.MAX_COMMITS} triplets of ints "
+                                f"[part, attempt, batches]")
+        missing = []
+        for i in range(0, len(parts), 3):
+            part_number, attempt, batches = parts[i:i + 3]
+            if not 0 <= part_number < ep.partitions or attempt < 0 or batches < 0:
+                raise ProtocolError(f"partition {part_number}, attempt {attempt}, {batches} batches: out of range "
+                                    f"for epoch {number}")
+            if ep.recovery is not None and part_number not in ep.recovery.carries:
+                missing.append(part_number)
+                continue
+            part = ep.part(part_number)
+            if part.committed_attempt is not None:
+                if part.committed_attempt != attempt:
+                    log.warning("stream %r epoch %d partition %d: Spark declared attempt %d successful, attempt %d "
+                                "was committed first", name, number, part_number, attempt, part.committed_attempt)
+                continue
+            if len(part.attempts.get(attempt, ())) < batches:
+                missing.append(part_number)
+                continue
+            self._commit(PartitionCommitted(name, number, part_number, attempt))
+        if missing:
+            log.warning("stream %r epoch %d: the driver committed partitions %s whose batches this broker does not "
+                        "hold (all of them): they are fed again", name, number, missing[:10])
+        return missing
 
     def _commit(self, event: PartitionCommitted) -> list[Reply]:
         """Commit ``event.attempt`` of a partition unless one is committed already; answer its PARTITION_END if one
@@ -226,6 +290,9 @@ class Partitions(Books):
                     f"{ep.epoch}: the broker holds {got} batches of attempt {attempt}, the task says it sent "
                     f"{pending.batches}"})]
             part.committed_attempt = attempt
+            part.complete.discard(attempt)
+            ep.superseded += len(part.complete)      # complete too, but Spark chose this one
+            part.complete.clear()
             self._emit(event)
             if ep.delivery == "atomic":
                 recovered = ep.recovery is not None and number in ep.recovery.recovered
@@ -260,4 +327,12 @@ class Partitions(Books):
                         stream, ep.epoch, number)
 
 
-__all__ = ["Partitions", "Rejected", "Reply", "MAX_PARTITIONS"]
+def check_modes(delivery: str, commit: str) -> None:
+    """Raise :class:`ProtocolError` for a delivery or commit mode this broker does not know."""
+    if delivery not in protocol.DELIVERY_MODES:
+        raise ProtocolError(f"delivery {delivery!r} is not one of {', '.join(protocol.DELIVERY_MODES)}")
+    if commit not in protocol.COMMIT_MODES:
+        raise ProtocolError(f"commit {commit!r} is not one of {', '.join(protocol.COMMIT_MODES)}")
+
+
+__all__ = ["Partitions", "Rejected", "Reply", "MAX_PARTITIONS", "check_modes"]

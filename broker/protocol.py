@@ -25,8 +25,9 @@ import msgpack
 
 from .errors import ProtocolError, VersionMismatch
 
-VERSION = 6
+VERSION = 7
 SUPPORTED = (VERSION - 1, VERSION)   # what this side reads and speaks: its own version and the one before
+RECOVERY_VERSION = 6      # the version that brought recovery from lineage and exact resume (RECLAIM, LOST, ...)
 MAX_HEADER_BYTES = 64 * 1024
 MAX_SPLITS = 4096         # small batches in one pack at most
 
@@ -58,6 +59,8 @@ class Kind(IntEnum):
     LOST = 22                 # broker -> rank (ranks): the broker of incarnation `lost` lost `epoch`: send RECLAIM
     EPOCH_RECOVER = 23        # driver -> broker (control): partitions of `epoch` Spark feeds again, a lost broker's
     EPOCH_QUERY = 24          # driver -> broker (control): what the broker has of `epoch` (OK: see PROTOCOL.md)
+    PARTITION_RECEIVED = 25   # broker -> feeder (control): every batch of the attempt arrived; Spark's word commits it
+    PARTITION_COMMIT = 26     # driver -> broker (control): these attempts are the ones Spark declared successful
 
 
 class ErrorCode(IntEnum):
@@ -104,6 +107,8 @@ SCHEMAS: dict[Kind, dict[str, type | tuple[type, ...]]] = {
     Kind.EPOCH_RECOVER: {"req": int, "stream": str, "epoch": int, "partitions": int, "delivery": str,
                          "carries": list, "recovered": list, "lost": list, "reset": bool},
     Kind.EPOCH_QUERY: {"req": int, "stream": str, "epoch": int},
+    Kind.PARTITION_RECEIVED: {"req": int, "stream": str, "epoch": int, "part": int, "attempt": int},
+    Kind.PARTITION_COMMIT: {"req": int, "stream": str, "epoch": int, "parts": list},   # [part, attempt, batches]*
 }
 
 # Fields a header may carry, checked for type when present (additions that older senders leave out).
@@ -116,6 +121,8 @@ OPTIONAL: dict[Kind, dict[str, type]] = {
     Kind.STEPS: {"adopted": int},          # of the rank's count, batches it used from lost brokers (RECLAIM)
     Kind.EPOCH_END: {"steps": int},        # granted streams: the epoch's steps from this broker, the same for all
     Kind.EPOCH_CLOSE: {"expected": int},   # partitions committed at this broker (default: all of them)
+    Kind.EPOCH_OPEN: {"commit": str},      # who commits a partition: "end" (its PARTITION_END) or "driver"
+    Kind.EPOCH_RECOVER: {"commit": str},   # ... for an epoch EPOCH_RECOVER opens
     # a rank's own figures, on the messages it sends anyway: for `sparkbus status` and the metrics
     Kind.ACK: {"wait_s": float, "first_batch_s": float, "consumed": int,
                "upto": list},                  # progress in packs: [e, p, s, stop, ...], batches before stop used
@@ -130,11 +137,17 @@ ADDED: dict[int, tuple[frozenset[Kind], dict[Kind, tuple[str, ...]]]] = {
             Kind.ACK: ("upto",)}),
     6: (frozenset({Kind.RECLAIM, Kind.LOST, Kind.EPOCH_RECOVER, Kind.EPOCH_QUERY}),
         {Kind.HELLO: ("incarnation",), Kind.STEPS: ("adopted",)}),
+    7: (frozenset({Kind.PARTITION_RECEIVED, Kind.PARTITION_COMMIT}),
+        {Kind.EPOCH_OPEN: ("commit",), Kind.EPOCH_RECOVER: ("commit",)}),
 }
 
 _KINDS = {int(k): k for k in Kind}
 ROLES = ("feeder", "rank", "client")
 DELIVERY_MODES = ("stream", "atomic")
+# Who commits a partition's attempt: "end", its own PARTITION_END (a feed without Spark, and every epoch opened by
+# a version-6 driver); "driver", the driver's PARTITION_COMMIT naming the attempt Spark declared successful.
+COMMIT_MODES = ("end", "driver")
+MAX_COMMITS = 1024        # [part, attempt, batches] triplets in one PARTITION_COMMIT (its header stays < 32 KiB)
 
 # Leaf dtypes allowed on the wire (numpy's ``dtype.str``): fixed-size numbers, little-endian or byte-sized,
 # dates and times as datetime64/timedelta64, and the byte strings of binary ("bin") and string ("str") columns.

@@ -26,7 +26,7 @@ from .dispatch import Dispatch
 from .errors import ProtocolError
 from .events import BatchesAcked, EpochOpened
 from .journal import DeliveredEpochs, EpochRanges
-from .partitions import MAX_PARTITIONS, Partitions
+from .partitions import MAX_PARTITIONS, Partitions, check_modes
 from .pieces import cut
 from .protocol import Kind, PartitionRanges
 from .rejoin import MissedEnd
@@ -56,10 +56,10 @@ class Recovery(Partitions, Dispatch):
                 or partitions to recover of an epoch whose end already went out here (without ``reset``).
         """
         name, number, partitions, delivery = h["stream"], h["epoch"], h["partitions"], h["delivery"]
+        commit = h.get("commit", "end")
         if not 0 <= partitions <= MAX_PARTITIONS or number < 0:
             raise ProtocolError(f"epoch {number} with {partitions} partitions is out of range")
-        if delivery not in protocol.DELIVERY_MODES:
-            raise ProtocolError(f"delivery {delivery!r} is not one of {', '.join(protocol.DELIVERY_MODES)}")
+        check_modes(delivery, commit)
         lost = h["lost"]
         if not all(type(loss) is str for loss in lost):
             raise ProtocolError("EPOCH_RECOVER's lost must be a list of incarnations (str)")
@@ -84,7 +84,7 @@ class Recovery(Partitions, Dispatch):
                                     f"can be recovered only with reset (a resume), or at another broker")
             return                        # nothing new for this broker: it carries what it had
         if ep is None:
-            self._open(EpochOpened(name, number, partitions, delivery))
+            self._open(EpochOpened(name, number, partitions, delivery, commit))
             ep = stream.epochs[number]
         rec = ep.recovery
         if rec is None:

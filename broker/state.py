@@ -67,6 +67,7 @@ class PartitionState:
     attempts: dict[int, set[int]] = field(default_factory=dict)          # attempt -> seqs it sent
     held: dict[int, list[HeldBatch]] = field(default_factory=dict)       # atomic: attempt -> batches
     pending: dict[int, PendingCommit] = field(default_factory=dict)      # attempt -> its PARTITION_END
+    complete: set[int] = field(default_factory=set)    # attempts whose every batch arrived ("driver" commits)
     committed_attempt: int | None = None
     diverged: bool = False
 
@@ -99,6 +100,7 @@ class EpochState:
     epoch: int
     partitions: int
     delivery: str = "stream"   # "stream": forward on arrival; "atomic": forward a partition once committed
+    commit: str = "end"        # who commits an attempt: its PARTITION_END ("end") or the driver ("driver")
     parts: dict[int, PartitionState] = field(default_factory=dict)
     committed: set[int] = field(default_factory=set)
     claims: dict[int, int] = field(default_factory=dict)   # partition -> broker index (several brokers, home here)
@@ -125,6 +127,7 @@ class EpochState:
     recovery: EpochRecovery | None = None   # streamed again from Spark after a loss or for a resume
     unassigned: int = 0        # ... batches of partitions it does not carry, dropped (a cancelled task's)
     adopted: int = 0           # ... batches the ranks had used already (their RECLAIM): counted consumed, not sent
+    superseded: int = 0        # attempts that sent all they had but that Spark did not declare successful
 
     @property
     def all_acked(self) -> bool:
@@ -212,7 +215,7 @@ class EpochState:
                 "acked": self.acked, "duplicates": self.duplicates, "redelivered": self.redelivered,
                 "given_twice": self.given_twice, "diverged": self.diverged, "steps": self.steps,
                 "dropped": sum(self.dropped.values()), "moved": self.moved, "unassigned": self.unassigned,
-                "adopted": self.adopted,
+                "adopted": self.adopted, "commit": self.commit, "superseded": self.superseded,
                 "held": len(self.recovery.held) if self.recovery is not None else 0}
 
 

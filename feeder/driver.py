@@ -20,13 +20,15 @@ from broker.partitions import MAX_PARTITIONS
 from broker.protocol import Kind
 
 from .columns import partition_messages, record_batches_from_rows
+from .commits import AccumulatorReports, Committer, ReportChannel, StreamedReports
 from .recovery import EpochFeed, FeedJob, JobCancel, Loss, Outcome, taken_figures
 from .routes import Routes
 from .task import DEFAULT_PACK_BYTES, PartitionReport, attempt_id, stream_messages
 
 log = logging.getLogger("sparkbus.feeder")
 DEFAULT_MAX_BATCH_BYTES = 16 << 20
-REPORT_SCHEMA = "partition long, batches long, rows long, bytes long, seconds double, broker long"
+REPORT_SCHEMA = ("partition long, batches long, rows long, bytes long, seconds double, broker long, attempt long, "
+                 "messages long")
 # EPOCH_OPEN's partitions when the count is known only once the job has run (Spark Connect): the broker's limit,
 # an upper bound that EPOCH_CLOSE lowers to the count of the job's reports (docs/PROTOCOL.md)
 UNKNOWN_PARTITIONS = MAX_PARTITIONS
@@ -179,9 +181,12 @@ def _feed(data: Any, address: str | Sequence[str] | None, stream: str, epoch: in
             arrow_rows = arrow_rows_for(batch_size) if arrow_batch_rows is None else arrow_batch_rows
             if arrow_rows:      # Spark reads it when it plans the job: set before, restored after the job
                 stack.enter_context(_spark_conf(data.sparkSession, ARROW_BATCH_CONF, str(arrow_rows)))
-            job = _spark_job(data, lambda run, routes: _dataframe_job(data, columns, cutting, run, settings, routes))
+            job = _spark_job(data, lambda run, routes, channel: _dataframe_job(data, columns, cutting, run, settings,
+                                                                               channel, routes))
         else:
             job = _rdd_job(data, cutting, settings)
+        if job.reports is not None:
+            stack.callback(job.reports.close)
         clients = [stack.enter_context(ControlClient(c, timeout, key=key, broker_key=broker_key)) for c in controls]
         without = [] if losses or resume else [loss for loss in without if loss.gone]
         gone = {loss.broker for loss in [*losses, *without] if loss.gone}
@@ -195,14 +200,17 @@ def _feed(data: Any, address: str | Sequence[str] | None, stream: str, epoch: in
         if not resume and not losses:      # a resume's EPOCH_RECOVER(reset) opens the epoch
             for i, client in enumerate(clients):
                 if i not in gone:
-                    client.request(Kind.EPOCH_OPEN, stream=stream, epoch=epoch, partitions=opened, delivery=delivery)
+                    client.request(Kind.EPOCH_OPEN, stream=stream, epoch=epoch, partitions=opened, delivery=delivery,
+                                   commit="driver")
+        # Spark's word commits each partition (feeder.commits): from the running job, to the broker that streamed it
+        committer = stack.enter_context(Committer(controls, stream, epoch, timeout, job.reports, key, broker_key))
         if recover or resume or losses:
             connect = is_connect_dataframe(data)
             session = data.sparkSession if connect else \
                 data.sparkSession.sparkContext if _is_dataframe(data) else data.context
             cancel = stack.enter_context(JobCancel(session, connect))
             watched = EpochFeed(clients, brokers, stream, epoch, delivery, timeout, cancel, key, broker_key,
-                                losses=[*losses, *without], on_recovery=on_recovery)
+                                losses=[*losses, *without], on_recovery=on_recovery, committer=committer)
             try:
                 outcome = watched.run(job, resume=resume, fed=bool(losses), around=bool(without))
             except (BrokerError, FeedError, ValueError):
@@ -210,7 +218,7 @@ def _feed(data: Any, address: str | Sequence[str] | None, stream: str, epoch: in
             except Exception as exc:
                 raise FeedError(_explain_job_failure(exc, stream, epoch)) from exc
         else:
-            outcome = _feed_unwatched(job, clients, brokers, stream, epoch)
+            outcome = _feed_unwatched(job, clients, brokers, stream, epoch, committer)
     partitions, reports, shares, diverged, held, taken = outcome
     produced = sum(r.rows for r in reports)
     if held is not None and held != produced:
@@ -238,13 +246,15 @@ def _feed(data: Any, address: str | Sequence[str] | None, stream: str, epoch: in
 
 
 def _feed_unwatched(job: FeedJob, clients: list[ControlClient], brokers: list[dict], stream: str,
-                    epoch: int) -> Outcome:
+                    epoch: int, committer: Committer) -> Outcome:
     """``recover=False``: the job, then the close; a broker that restarted without a journal fails the feed."""
     try:
         reports = [PartitionReport(*r) for r in job.collect()]
     except Exception as exc:
         _raise_if_a_broker_restarted(clients, brokers, stream, epoch, exc)
         raise FeedError(_explain_job_failure(exc, stream, epoch)) from exc
+    committer.add(reports)
+    committer.flush()
     partitions = len(reports) if job.partitions is None else job.partitions     # a report per task
     shares = [sum(1 for r in reports if r.broker == i) for i in range(len(clients))]
     held = sum(taken_figures(client, stream, epoch)[1] for client in clients)
@@ -328,8 +338,8 @@ def with_partitions(df: Any, partitions: int) -> Any:
     return df
 
 
-def _spark_job(data: Any, make: Callable[[int, Routes | None], Any]) -> FeedJob:
-    """The feed's DataFrame (``make(run, routes)``: the job's DataFrame), run by ``collect()``; on a classic
+def _spark_job(data: Any, make: Callable[[int, Routes | None, ReportChannel], Any]) -> FeedJob:
+    """The feed's DataFrame (``make(run, routes, channel)``: the job's DataFrame), run by ``collect()``; on a classic
     session through its RDD, whose partition count Spark knows before the job runs.
 
     On a classic session the count comes from the very RDD that is then collected: with adaptive query
@@ -338,20 +348,32 @@ def _spark_job(data: Any, make: Callable[[int, Routes | None], Any]) -> FeedJob:
     (Counting first, e.g. ``spark_partition_id()`` over the DataFrame, would be a second pass over all of its
     lineage: as costly as the feed itself for a DataFrame that is not cached.)
 
+    The tasks' reports reach the driver while the job runs (:mod:`feeder.commits`): on a classic session through
+    an accumulator, on Spark Connect as the job's results, streamed (``toLocalIterator``).
+
     The recovery job (``rerun``) is the same DataFrame with fixed routes and a new run (its attempts must not
     look like the first job's): on a classic session over the re-fed partitions only (``SparkContext.runJob``),
     on Spark Connect over every partition, the others sending nothing.
     """
-    first = make(secrets.randbits(31), None)
-    if is_connect_dataframe(first):
-        return FeedJob(None, first.collect, lambda routes: make(secrets.randbits(31), routes).collect())
-    rdd = first.rdd
+    if is_connect_dataframe(data):
+        streamed = StreamedReports()
+
+        def collect_streaming(routes: Routes | None) -> list:
+            rows = []
+            for row in make(secrets.randbits(31), routes, streamed).toLocalIterator():
+                rows.append(tuple(row))
+                streamed.put(PartitionReport(*row))
+            return rows
+
+        return FeedJob(None, lambda: collect_streaming(None), collect_streaming, streamed)
     context = data.sparkSession.sparkContext
+    channel = AccumulatorReports(context)
+    rdd = make(secrets.randbits(31), None, channel).rdd
 
     def rerun(routes: Routes) -> list:
-        return context.runJob(make(secrets.randbits(31), routes).rdd, _listed, routes.partitions())
+        return context.runJob(make(secrets.randbits(31), routes, channel).rdd, _listed, routes.partitions())
 
-    return FeedJob(rdd.getNumPartitions(), rdd.collect, rerun)
+    return FeedJob(rdd.getNumPartitions(), rdd.collect, rerun, channel)
 
 
 def _listed(rows: Iterator[Any]) -> list:
@@ -359,12 +381,14 @@ def _listed(rows: Iterator[Any]) -> list:
 
 
 def _dataframe_job(df: Any, columns: Sequence[str] | None, cutting: dict, run: int, settings: dict,
-                   routes: Routes | None = None):
+                   channel: ReportChannel, routes: Routes | None = None):
     import pyarrow as pa
 
     prepared = prepare_dataframe(df, columns, cutting["ragged"], cutting["bucket_by"])
     report_schema = pa.schema([("partition", pa.int64()), ("batches", pa.int64()), ("rows", pa.int64()),
-                               ("bytes", pa.int64()), ("seconds", pa.float64()), ("broker", pa.int64())])
+                               ("bytes", pa.int64()), ("seconds", pa.float64()), ("broker", pa.int64()),
+                               ("attempt", pa.int64()), ("messages", pa.int64())])
+    accumulated = channel if isinstance(channel, AccumulatorReports) else None
     epoch = settings["epoch"]
 
     def stream_arrow_partition(record_batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -375,8 +399,10 @@ def _dataframe_job(df: Any, columns: Sequence[str] | None, cutting: dict, run: i
             report = PartitionReport(part, -1, 0, 0, 0.0, -1)
         else:
             messages = partition_messages(record_batches, seed=(epoch, part), **cutting)
-            report = stream_messages(messages, partition=part, attempt=attempt_id(run, task.attemptNumber()),
+            report = stream_messages(messages, partition=part, attempt=attempt_id(run, task.taskAttemptId()),
                                      route=route, **settings)
+            if accumulated is not None:
+                accumulated.add(report)     # merged at the driver only if Spark declares this attempt successful
         yield pa.RecordBatch.from_pylist([report._asdict()], schema=report_schema)
 
     return prepared.mapInArrow(stream_arrow_partition, REPORT_SCHEMA)
@@ -388,16 +414,19 @@ def _rdd_job(rdd: Any, cutting: dict, settings: dict) -> FeedJob:
                         f"(of a classic session only: Spark Connect has no RDDs; make a DataFrame of the rows, "
                         f"e.g. spark.createDataFrame), not {type(rdd).__name__}")
     epoch = settings["epoch"]
+    channel = AccumulatorReports(rdd.context)
 
     def mapped(run: int, routes: Routes | None) -> Any:
         def stream_rows(index: int, rows: Iterator[Any]) -> list[tuple]:
             route = None if routes is None else routes.route(index)
             if routes is not None and route is None:
                 return [tuple(PartitionReport(index, -1, 0, 0, 0.0, -1))]
-            attempt = attempt_id(run, _task_context().attemptNumber())
+            attempt = attempt_id(run, _task_context().taskAttemptId())
             record_batches = record_batches_from_rows(rows, cutting["batch_size"])
             messages = partition_messages(record_batches, seed=(epoch, index), **cutting)
-            return [tuple(stream_messages(messages, partition=index, attempt=attempt, route=route, **settings))]
+            report = stream_messages(messages, partition=index, attempt=attempt, route=route, **settings)
+            channel.add(report)             # merged at the driver only if Spark declares this attempt successful
+            return [tuple(report)]
 
         return rdd.mapPartitionsWithIndex(stream_rows)
 
@@ -406,7 +435,7 @@ def _rdd_job(rdd: Any, cutting: dict, settings: dict) -> FeedJob:
     def rerun(routes: Routes) -> list:
         return rdd.context.runJob(mapped(secrets.randbits(31), routes), _listed, routes.partitions())
 
-    return FeedJob(job.getNumPartitions(), job.collect, rerun)
+    return FeedJob(job.getNumPartitions(), job.collect, rerun, channel)
 
 
 def _task_context() -> Any:

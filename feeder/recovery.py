@@ -29,6 +29,7 @@ from broker.client import ControlClient
 from broker.errors import BrokerError, FeedError
 from broker.protocol import ErrorCode, Kind
 
+from .commits import Committer, ReportChannel
 from .routes import (
     BrokerEpoch,
     Partitions,
@@ -282,11 +283,13 @@ class JobCancel:
 
 class FeedJob(NamedTuple):
     """A feed's Spark job as the recovery needs it: the partition count if Spark knows it before the job,
-    the first job, and the recovery job over fixed routes (either returns the tasks' report rows)."""
+    the first job, and the recovery job over fixed routes (either returns the tasks' report rows), and where the
+    reports of successful tasks come from while a job runs (``feeder.commits``; None: only from its rows)."""
 
     partitions: int | None
     collect: Callable[[], list]
     rerun: Callable[[Routes], list]
+    reports: ReportChannel | None = None
 
 
 class Outcome(NamedTuple):
@@ -313,7 +316,7 @@ class EpochFeed:
     def __init__(self, clients: Sequence[ControlClient], welcomes: Sequence[Mapping[str, Any]], stream: str,
                  epoch: int, delivery: str, timeout: float, cancel: JobCancel, key: str | None = None,
                  broker_key: str | None = None, interval: float = WATCH_INTERVAL, losses: Sequence[Loss] = (),
-                 on_recovery: Callable[[list[Loss]], None] | None = None) -> None:
+                 on_recovery: Callable[[list[Loss]], None] | None = None, committer: Committer | None = None) -> None:
         self.clients = list(clients)
         self.controls = [c.address for c in clients]
         self.stream, self.epoch, self.delivery, self.timeout = stream, epoch, delivery, timeout
@@ -321,6 +324,7 @@ class EpochFeed:
         self.watch = BrokerWatch(self.controls, welcomes, stream, timeout, key, broker_key, interval)
         self.watch.adopt(losses)
         self.on_recovery = on_recovery
+        self.committer = committer         # None: the epoch's tasks commit (an epoch opened without commit="driver")
         self.partitions: int | None = None
         self.reports: dict[int, PartitionReport] = {}
         self.recovered: dict[int, Partitions] = {}
@@ -353,6 +357,7 @@ class EpochFeed:
                 failure: Exception | None = None
             except Exception as exc:
                 failure = exc
+                self._commit(strict=False)    # what Spark declared successful before the job failed or was cancelled
             if not self.watch.sweep(self.clients) and len(self.watch.losses) == known:
                 if failure is not None:
                     raise failure
@@ -455,6 +460,7 @@ class EpochFeed:
         try:
             rows = job.rerun(plan.routes)
         except Exception as exc:
+            self._commit(strict=False)
             self.watch.sweep(self.clients)
             if len(self.watch.losses) > losses:
                 return False
@@ -465,6 +471,7 @@ class EpochFeed:
         return True
 
     def _query(self, live: Sequence[int]) -> dict[int, BrokerEpoch] | None:
+        self._commit(strict=False)
         states = {}
         for i in live:
             try:
@@ -526,8 +533,25 @@ class EpochFeed:
         for report in reports:
             if report.batches >= 0:
                 self.reports[report.partition] = report
+        if self.committer is not None:
+            self.committer.add(reports)
+        self._commit()
+
+    def _commit(self, strict: bool = True) -> None:
+        """Every partition Spark declared successful so far, committed at the live broker that streamed it. Not
+        ``strict``: a broker that does not take them is left to the sweep that follows (a loss, recovered)."""
+        if self.committer is None:
+            return
+        try:
+            self.committer.flush(self.watch.live())
+        except BrokerError as exc:
+            if strict:
+                raise
+            log.warning("%s; the brokers are asked what they have", exc)
 
     def _request(self, index: int, kind: Kind, **fields: Any) -> dict[str, Any]:
+        if kind == Kind.EPOCH_RECOVER and self.committer is not None:
+            fields["commit"] = "driver"      # an epoch it opens (a resume's) is committed as EPOCH_OPEN's are
         try:
             return self.clients[index].request(kind, **fields)
         except BrokerError as exc:

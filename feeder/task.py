@@ -25,14 +25,16 @@ PUSH_SNDHWM = 8
 DEFAULT_PACK_BYTES = 1 << 20
 
 
-def attempt_id(run: int, spark_attempt: int) -> int:
-    """The attempt identity a task sends: its feed run in the high bits, Spark's attempt number in the low 16.
+def attempt_id(run: int, task_attempt: int) -> int:
+    """The attempt identity a task sends: its feed run in the high bits, Spark's task attempt id in the low 32.
 
-    Spark numbers attempts from 0 in every job, so a second driver re-feeding an epoch that was left half fed
-    would otherwise look like the same attempt sending its batches twice; with the run in it, the broker sees
-    another attempt and compares checksums, as for any retry.
+    Spark's ``TaskContext.taskAttemptId()`` is unique within an application (``attemptNumber()`` is not: it starts
+    at 0 again when a stage is resubmitted after a fetch failure, and such a new attempt would look like one
+    that sent its batches twice). A second driver (another application) re-feeding an epoch that was left half fed
+    numbers its tasks from 0 again: with the run in it, the broker sees another attempt and compares checksums, as
+    for any retry.
     """
-    return (run << 16) | (spark_attempt & 0xFFFF)
+    return (run << 32) | (task_attempt & 0xFFFFFFFF)
 
 
 class PartitionReport(NamedTuple):
@@ -44,6 +46,8 @@ class PartitionReport(NamedTuple):
     bytes: int
     seconds: float
     broker: int = 0         # which of the feed's brokers streamed it (an index in its list)
+    attempt: int = -1       # the attempt identity it streamed with (:func:`attempt_id`); -1: it streamed nothing
+    messages: int = 0       # the messages it sent (a pack of small batches is one): its PARTITION_END's count
 
 
 def stream_partition(batches: Iterable[dict], feed_address: str | Sequence[str],
@@ -66,6 +70,11 @@ def stream_messages(messages: Iterable[Message] | Iterable[tuple[dict[str, Any],
                     epoch: int, partition: int, attempt: int, timeout: float, key: str | None = None,
                     broker_key: str | None = None, route: int | None = None) -> PartitionReport:
     """Push every message of one partition, then return only once the broker confirms all of them arrived.
+
+    Who commits the partition is the epoch's (its opener's) choice: ``feed()`` opens epochs that the driver commits
+    from Spark's word (:mod:`feeder.commits`), so that an attempt whose input was cut short never commits; an epoch
+    opened without ``commit="driver"`` (a caller streaming partitions without Spark) is committed by this call's
+    ``PARTITION_END``, since nobody else can say that the partition's iterator was whole.
 
     With several brokers, the partition goes to one of them, chosen when its first attempt starts and recorded by
     the partition's home broker (``partition % len(brokers)``), so that every later attempt (a retry, a speculative
@@ -122,7 +131,8 @@ def stream_messages(messages: Iterable[Message] | Iterable[tuple[dict[str, Any],
                             batches=messages_sent, rows=rows)
         finally:
             push.close(linger=0)    # after the commit nothing is left in it; on failure Spark retries
-    return PartitionReport(partition, count, rows, nbytes, time.monotonic() - started, index)
+    return PartitionReport(partition, count, rows, nbytes, time.monotonic() - started, index, attempt,
+                           messages_sent)
 
 
 def _rows(columns: dict[str, Any]) -> int:

@@ -271,7 +271,7 @@ class BrokerConnection:
         self._refusal = ""
         self._last_heard = time.monotonic()
         if resume is not None:
-            if self.version < 6:
+            if self.version < protocol.RECOVERY_VERSION:
                 raise BrokerError(f"the broker at {self.address} speaks protocol version {self.version}, which "
                                   f"cannot resume an epoch exactly: upgrade it, or resume at an epoch boundary "
                                   f"without resume=", code=ErrorCode.VERSION)

@@ -238,26 +238,29 @@ def old(kind: Kind, **fields) -> bytes:
 
 
 def test_a_header_of_the_version_before_is_read_as_it_defined_it():
-    assert protocol.SUPPORTED == (protocol.VERSION - 1, protocol.VERSION) == (5, 6)
-    h = protocol.unpack_header(old(Kind.HELLO, **hello(2, 4, resume=True), grants=True, incarnation="gone"))
-    assert h["v"] == 5 and "incarnation" not in h and h["grants"] is True     # v5 had no recovery
-    assert protocol.unpack_header(protocol.pack_header(Kind.HELLO, **hello(), incarnation="x"))["incarnation"] == "x"
-    with pytest.raises(protocol.ProtocolError, match="RECLAIM is not a message of protocol version 5"):
-        protocol.unpack_header(old(Kind.RECLAIM, stream="s", epoch=0, lost="x", entries=0))
-    with pytest.raises(protocol.ProtocolError, match="EPOCH_QUERY is not a message of protocol version 5"):
-        protocol.unpack_header(old(Kind.EPOCH_QUERY, req=1, stream="s", epoch=0))
-    with pytest.raises(protocol.VersionMismatch, match="peer speaks 4"):
-        protocol.unpack_header(protocol.pack_header(Kind.HEARTBEAT, v=4))
-    assert protocol.negotiated(5) == 5 and protocol.negotiated(6) == 6
-    assert protocol.negotiated(4) is None and protocol.negotiated(7) is None and protocol.negotiated(True) is None
+    assert protocol.SUPPORTED == (protocol.VERSION - 1, protocol.VERSION) == (6, 7)
+    h = protocol.unpack_header(old(Kind.EPOCH_OPEN, req=1, stream="s", epoch=0, partitions=2, delivery="stream",
+                                   commit="driver"))
+    assert h["v"] == 6 and "commit" not in h and h["partitions"] == 2     # v6 had no commit by the driver
+    assert protocol.unpack_header(protocol.pack_header(Kind.EPOCH_OPEN, req=1, stream="s", epoch=0, partitions=2,
+                                                       delivery="stream", commit="driver"))["commit"] == "driver"
+    with pytest.raises(protocol.ProtocolError, match="PARTITION_COMMIT is not a message of protocol version 6"):
+        protocol.unpack_header(old(Kind.PARTITION_COMMIT, req=1, stream="s", epoch=0, parts=[]))
+    with pytest.raises(protocol.ProtocolError, match="PARTITION_RECEIVED is not a message of protocol version 6"):
+        protocol.unpack_header(old(Kind.PARTITION_RECEIVED, req=1, stream="s", epoch=0, part=0, attempt=0))
+    with pytest.raises(protocol.VersionMismatch, match="peer speaks 5"):
+        protocol.unpack_header(protocol.pack_header(Kind.HEARTBEAT, v=5))
+    assert protocol.negotiated(6) == 6 and protocol.negotiated(7) == 7
+    assert protocol.negotiated(5) is None and protocol.negotiated(8) is None and protocol.negotiated(True) is None
 
 
 def test_a_forwarded_header_is_re_encoded_in_the_older_version_without_its_newer_fields():
-    new = protocol.pack_header(Kind.STEPS, stream="s", epoch=3, steps=7, adopted=2)
-    again = protocol.unpack_header(protocol.reencode(new, 5))
-    assert (again["v"], again["epoch"], again["steps"], "adopted" in again) == (5, 3, 7, False)
-    assert protocol.reencode(new, 6) == new
-    assert protocol.reencode(memoryview(old(Kind.HEARTBEAT)), 5) == old(Kind.HEARTBEAT)
+    new = protocol.pack_header(Kind.EPOCH_OPEN, req=1, stream="s", epoch=3, partitions=7, delivery="stream",
+                               commit="driver")
+    again = protocol.unpack_header(protocol.reencode(new, 6))
+    assert (again["v"], again["epoch"], again["partitions"], "commit" in again) == (6, 3, 7, False)
+    assert protocol.reencode(new, 7) == new
+    assert protocol.reencode(memoryview(old(Kind.HEARTBEAT)), 6) == old(Kind.HEARTBEAT)
 
 
 def test_the_broker_remembers_only_older_peers_and_forgets_them():
@@ -275,8 +278,8 @@ def test_the_broker_remembers_only_older_peers_and_forgets_them():
 
 
 def test_a_rank_of_the_version_before_is_served_in_its_version(start_broker_thread, sockets):
-    """Everything a v5 rank gets is a v5 header: WELCOME, BATCH (re-encoded, payload frames the same), EPOCH_END,
-    heartbeats; a v6 rank on the same broker gets v6 headers and the batch's frames untouched."""
+    """Everything a v6 rank gets is a v6 header: WELCOME, BATCH (re-encoded, payload frames the same), EPOCH_END,
+    heartbeats; a v7 rank on the same broker gets v7 headers and the batch's frames untouched."""
     import numpy as np
 
     from broker import codec
@@ -284,25 +287,25 @@ def test_a_rank_of_the_version_before_is_served_in_its_version(start_broker_thre
     broker = start_broker_thread(heartbeat=0.2)
     control = sockets(zmq.DEALER, broker.config.control)
     push = sockets(zmq.PUSH, broker.config.feed)
-    ranks = {v: sockets(zmq.DEALER, broker.config.ranks) for v in (5, 6)}
+    ranks = {v: sockets(zmq.DEALER, broker.config.ranks) for v in (6, 7)}
     for v, sock in ranks.items():
         stream = f"s{v}"
         sock.send(protocol.pack_header(Kind.HELLO, v=v, **hello(stream=stream, session=f"x{v}")))
         welcome = recv_header(sock)[0]
-        assert (welcome["kind"], welcome["v"], welcome["broker"]) == (Kind.WELCOME, v, "sparkbus/6")
+        assert (welcome["kind"], welcome["v"], welcome["broker"]) == (Kind.WELCOME, v, "sparkbus/7")
         sock.send(protocol.pack_header(Kind.CREDIT, v=v, window=4, window_bytes=0))
         control.send(protocol.pack_header(Kind.EPOCH_OPEN, v=v, req=1, stream=stream, epoch=0, partitions=1,
                                           delivery="stream"))
         assert recv_header(control)[0]["v"] == v
-    frames = {v: codec.encode_batch(f"s{v}", 0, 0, 0, {"x": np.arange(5, dtype="<i8")}) for v in (5, 6)}
-    for v in (5, 6):
+    frames = {v: codec.encode_batch(f"s{v}", 0, 0, 0, {"x": np.arange(5, dtype="<i8")}) for v in (6, 7)}
+    for v in (6, 7):
         push.send_multipart(frames[v])
     for v, sock in ranks.items():
         header, payload = recv_header(sock)
         assert (header["kind"], header["v"], header["seq"]) == (Kind.BATCH, v, 0)
         assert payload == [bytes(f) for f in frames[v][1:]]
-        if v == 6:
-            assert header == protocol.unpack_header(frames[6][0])
+        if v == 7:
+            assert header == protocol.unpack_header(frames[7][0])
         beat = recv_header(sock, heartbeats=True)[0]
         while beat["kind"] != Kind.HEARTBEAT:
             beat = recv_header(sock, heartbeats=True)[0]
@@ -317,12 +320,12 @@ def test_a_rank_of_the_version_before_is_served_in_its_version(start_broker_thre
         assert (end["kind"], end["v"], end["epoch"], end["batches"]) == (Kind.EPOCH_END, v, 0, 1)
     send(control, Kind.STATS_REQUEST, req=9)
     figures = recv_header(control)[0]["stats"]["broker"]
-    # the v5 rank; the control connection spoke 5, then 6: it is answered in 6 now
-    assert (figures["versions"], figures["older_peers"]) == ([5, 6], {"5": 1})
-    control.send(protocol.pack_header(Kind.HEARTBEAT, v=4))
+    # the v6 rank; the control connection spoke 6, then 7: it is answered in 7 now
+    assert (figures["versions"], figures["older_peers"]) == ([6, 7], {"6": 1})
+    control.send(protocol.pack_header(Kind.HEARTBEAT, v=5))
     refused = recv_header(control)[0]
-    assert (refused["kind"], refused["code"], refused["v"]) == (Kind.ERROR, ErrorCode.VERSION, 6)
-    assert "peer speaks 4" in refused["reason"]
+    assert (refused["kind"], refused["code"], refused["v"]) == (Kind.ERROR, ErrorCode.VERSION, 7)
+    assert "peer speaks 5" in refused["reason"]
 
 
 def test_a_journal_of_more_streams_than_the_limit_replays_and_still_refuses_their_delivered_epochs(tmp_path,

@@ -20,7 +20,8 @@ from broker.metrics import MetricsExporter
 def epoch(**figures):
     base = {"partitions": 4, "delivery": "stream", "committed": 0, "closed": False, "ended": False, "queued": 0,
             "batches_in": 0, "bytes_in": 0, "rows_in": 0, "batches_out": 0, "bytes_out": 0, "acked": 0,
-            "duplicates": 0, "redelivered": 0, "diverged": [], "adopted": 0, "unassigned": 0, "held": 0}
+            "duplicates": 0, "redelivered": 0, "diverged": [], "adopted": 0, "unassigned": 0, "held": 0,
+            "commit": "driver", "superseded": 0}
     return {**base, **figures}
 
 
@@ -42,7 +43,7 @@ STATS = {
                   "earlier": {"epochs": 3, "batches_in": 300, "bytes_in": 307200, "rows_in": 30000,
                               "batches_out": 300, "bytes_out": 307200, "rows_out": 30000, "acked": 300,
                               "duplicates": 7, "redelivered": 1, "given_twice": 0, "diverged": 1, "dropped": 0,
-                              "moved": 0, "unassigned": 0, "adopted": 0},
+                              "moved": 0, "unassigned": 0, "adopted": 0, "superseded": 0},
                   "epochs": {"0": epoch(committed=4, closed=True, ended=True, batches_in=40, bytes_in=40960,
                                         rows_in=4000, batches_out=40, bytes_out=40960, acked=40, duplicates=5,
                                         redelivered=2, diverged=[1, 3]),

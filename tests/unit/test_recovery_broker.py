@@ -479,20 +479,17 @@ def test_a_rank_naming_a_lost_incarnation_joins_as_new_and_its_ids_are_not_taken
     assert stats["epochs"]["0"]["given_twice"] == 0 and stats["epochs"]["0"]["acked"] == 0
 
 
-def test_a_version_5_rank_keeps_a_stream_from_recovering_and_never_gets_lost(start_broker_thread, sockets):
+def test_a_rank_of_a_version_before_recovery_is_refused_at_its_hello_saying_which_versions_met(start_broker_thread,
+                                                                                           sockets):
+    """Version 5 ranks could not say what they used; since version 7 a broker serves 6 and 7 only, so such a rank
+    never joins a stream that may recover (it used to be turned away from recovering streams only)."""
     broker = start_broker_thread()
-    control = sockets(zmq.DEALER, broker.config.control)
     old = sockets(zmq.DEALER, broker.config.ranks)
-    _hello(old, v=5, session="old", stream="s5")
-    refused = _request(control, Kind.EPOCH_RECOVER, **_recover_fields(stream="s5"))
-    assert (refused["kind"], refused["code"]) == (Kind.ERROR, ErrorCode.REFUSED)
-    assert "older protocol version" in refused["reason"]
-    # a stream that is recovering turns a version-5 rank away: it could not say what it used
-    assert _request(control, Kind.EPOCH_RECOVER, **_recover_fields())["kind"] == Kind.OK
-    late = sockets(zmq.DEALER, broker.config.ranks)
-    late.send(protocol.pack_header(Kind.HELLO, v=5, **hello(session="late")))
-    turned = recv_header(late)[0]
-    assert (turned["kind"], turned["v"], turned["code"]) == (Kind.ERROR, 5, ErrorCode.REFUSED)
+    old.send(protocol.pack_header(Kind.HELLO, v=5, **hello(session="old", stream="s5")))
+    refused = recv_header(old)[0]
+    assert (refused["kind"], refused["code"]) == (Kind.ERROR, ErrorCode.VERSION)
+    assert "peer speaks 5" in refused["reason"] and "6 and 7" in refused["reason"]
+    assert protocol.RECOVERY_VERSION == protocol.SUPPORTED[0]
 
 
 def test_sparkbus_status_shows_an_epochs_recovery_figures_once_it_has_any():
@@ -535,7 +532,7 @@ def test_epoch_query_of_a_delivered_epoch_and_of_one_whose_figures_are_gone():
     assert ledger.query_epoch("nobody", 0)["known"] is False
 
 
-def test_kinds_and_fields_of_version_6_are_never_sent_to_a_version_5_rank():
+def test_kinds_and_fields_of_a_newer_version_are_never_sent_to_a_rank_of_the_version_before():
     from broker.books import Outcome
     from broker.config import BrokerConfig
     from broker.daemon import Broker
@@ -549,16 +546,20 @@ def test_kinds_and_fields_of_version_6_are_never_sent_to_a_version_5_rank():
 
     broker = Broker(BrokerConfig(feed="inproc://f", ranks="inproc://r", control="inproc://c"))
     ranks = broker._ranks = Ranks()
-    broker.peers.heard("ranks", b"old", 5, 0.0)
+    broker.peers.heard("ranks", b"old", 6, 0.0)
+    newer = protocol.pack_header(Kind.PARTITION_RECEIVED, req=1, stream=STREAM, epoch=0, part=0, attempt=1)
+    opened = protocol.pack_header(Kind.EPOCH_OPEN, req=1, stream=STREAM, epoch=0, partitions=3, delivery="stream",
+                                  commit="driver")
     lost = protocol.pack_header(Kind.LOST, stream=STREAM, epoch=0, lost="x")
-    steps = protocol.pack_header(Kind.STEPS, stream=STREAM, epoch=0, steps=3, adopted=2)
-    assert broker._transmit(b"old", [lost]) is Outcome.SENT and ranks.sent == []      # dropped, not sent
-    assert broker._transmit(b"old", [steps]) is Outcome.SENT
-    assert broker._transmit(b"new", [lost]) is Outcome.SENT
-    (who, old_steps), (other, new_lost) = ranks.sent
-    header = protocol.unpack_header(old_steps)
-    assert (who, header["v"], header["steps"], "adopted" in header) == (b"old", 5, 3, False)
-    assert (other, new_lost) == (b"new", lost)
+    assert broker._transmit(b"old", [newer]) is Outcome.SENT and ranks.sent == []      # dropped, not sent
+    assert broker._transmit(b"old", [opened]) is Outcome.SENT
+    assert broker._transmit(b"new", [newer]) is Outcome.SENT
+    assert broker._transmit(b"old", [lost]) is Outcome.SENT
+    (who, old_open), (other, new_kind), (_, old_lost) = ranks.sent
+    header = protocol.unpack_header(old_open)
+    assert (who, header["v"], header["partitions"], "commit" in header) == (b"old", 6, 3, False)
+    assert (other, new_kind) == (b"new", newer)
+    assert protocol.unpack_header(old_lost)["v"] == 6          # version 6 has LOST: re-encoded, not dropped
 
 
 def test_a_broker_just_restarted_holds_independent_consumers_for_the_grace(monkeypatch):
