@@ -1,7 +1,7 @@
 """Versions that last (docs/PROTOCOL.md "Versions"): a broker serves clients of its protocol version and of the one
 before, and a client falls back to an older broker's version, both ways through real processes.
 
-"Old" is the real previous release, protocol version 5: commit :data:`OLD` of this repository, unpacked by
+"Old" is the real previous release, protocol version 6: commit :data:`OLD` of this repository, unpacked by
 ``git archive`` into a temporary directory and run from there (``PYTHONPATH`` at that tree, the working directory
 elsewhere, so that its ``broker``, ``feeder`` and ``worker`` packages are the ones imported). Without the git
 history (a source tarball), the tests are skipped.
@@ -23,7 +23,7 @@ from launch.broker import BrokerProcess
 pytestmark = [pytest.mark.timeout(120)]
 
 ROOT = Path(__file__).resolve().parents[2]
-OLD = "946f326"               # the last commit of protocol version 5 on main
+OLD = "b241a19"               # the last commit of protocol version 6 on main
 FEED = ROOT / "tests" / "integration" / "slurm_feed.py"     # a Spark-free feed that runs on either release
 EPOCHS, PARTITIONS, ROWS = 2, 3, 200
 
@@ -52,16 +52,16 @@ print(json.dumps({"version": broker.protocol.VERSION, "broker": figures["broker"
 
 @pytest.fixture(scope="module")
 def old_tree(tmp_path_factory):
-    """The previous release's source tree (protocol version 5), from this repository's history."""
+    """The previous release's source tree (protocol version 6), from this repository's history."""
     try:
         subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--verify", f"{OLD}^{{commit}}"], check=True,
                        capture_output=True, timeout=30)
     except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired):
         pytest.skip(f"no git history here (commit {OLD}, the previous protocol version, is needed)")
-    tree = tmp_path_factory.mktemp("sparkbus-v5")
+    tree = tmp_path_factory.mktemp("sparkbus-v6")
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", OLD], check=True, capture_output=True, timeout=60)
     subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True, timeout=60)
-    assert "VERSION = 5\n" in (tree / "broker" / "protocol.py").read_text()
+    assert "VERSION = 6\n" in (tree / "broker" / "protocol.py").read_text()
     return tree
 
 
@@ -93,59 +93,55 @@ def start(tree: Path, workdir: Path, name: str) -> BrokerProcess:
 
 
 def test_old_feeders_ranks_and_status_on_a_new_broker(old_tree, tmp_path):
-    """A v6 broker started by its CLI serves v5 feeders, v5 ranks (the batches of a v6 feeder re-encoded for them)
-    and a v5 `sparkbus status`, beside v6 clients: every id once."""
+    """A v7 broker started by its CLI serves v6 feeders (their epochs committed by their tasks' ends, as v6 did), v6
+    ranks (the batches of a v7 feeder re-encoded for them) and a v6 `sparkbus status`, beside v7 clients: every id
+    once."""
     broker = start(ROOT, tmp_path, "new-broker")
     try:
-        feed(old_tree, tmp_path, broker, "old-fed")          # v5 feeder -> v6 broker
-        feed(ROOT, tmp_path, broker, "new-fed")              # v6 feeder -> v6 broker
+        feed(old_tree, tmp_path, broker, "old-fed")          # v6 feeder -> v7 broker
+        feed(ROOT, tmp_path, broker, "new-fed")              # v7 feeder -> v7 broker
         for stream, tree in [("old-fed", old_tree), ("new-fed", old_tree)]:
-            got, _ = consume(tree, tmp_path, broker, stream)   # v5 ranks, the second of v6 batches
-            assert (got["version"], got["module"]) == (5, str(old_tree / "broker" / "__init__.py"))
+            got, _ = consume(tree, tmp_path, broker, stream)   # v6 ranks, the second of v7 batches
+            assert (got["version"], got["module"]) == (6, str(old_tree / "broker" / "__init__.py"))
             assert got["ids"] == expected(), stream
         feed(old_tree, tmp_path, broker, "old-to-new")
-        got, _ = consume(ROOT, tmp_path, broker, "old-to-new")  # v5 batches to a v6 rank, unchanged
+        got, _ = consume(ROOT, tmp_path, broker, "old-to-new")  # v6 batches to a v7 rank, unchanged
         assert got["version"] == protocol.VERSION and got["ids"] == expected()
         status = json.loads(run(old_tree, tmp_path, ["-c", STATUS, broker.control]).splitlines()[-1])
-        assert status["version"] == 5 and status["broker"]["version"] == protocol.VERSION
-        assert status["broker"]["versions"] == [5, 6]
+        assert status["version"] == 6 and status["broker"]["version"] == protocol.VERSION
+        assert status["broker"]["versions"] == [6, 7]
         assert status["streams"] == ["new-fed", "old-fed", "old-to-new"]
     finally:
         assert broker.stop() == 0
 
 
 def test_new_ranks_and_status_fall_back_on_an_old_broker_and_a_new_feeder_says_to_upgrade_it(old_tree, tmp_path):
-    """A v6 rank and `sparkbus status` speak v5 to a v5 broker; a v6 feeder and a rank that resumes exactly from a
-    checkpoint (which v5 cannot) fail at once with a message saying what to do."""
+    """A v7 rank and `sparkbus status` speak v6 to a v6 broker; a v7 feeder (whose epochs the driver commits, which
+    v6 cannot) fails at once with a message saying what to do."""
     from broker.client import ControlClient, fetch_stats
     from broker.errors import BrokerError
     from broker.protocol import ErrorCode
-    from worker import BatchStream
-
     broker = start(old_tree, tmp_path, "old-broker")
     try:
         feed(old_tree, tmp_path, broker, "s")
         got, log = consume(ROOT, tmp_path, broker, "s")
         assert got["version"] == protocol.VERSION and got["ids"] == expected()
-        assert "speaks protocol version 5; rank 0 speaks it too" in log
-        figures = fetch_stats(broker.control, 10)            # this process's client, v6, falls back
-        assert figures["broker"]["version"] == 5 and sorted(figures["streams"]) == ["s"]
+        assert "speaks protocol version 6; rank 0 speaks it too" in log
+        figures = fetch_stats(broker.control, 10)            # this process's client, v7, falls back
+        assert figures["broker"]["version"] == 6 and sorted(figures["streams"]) == ["s"]
         with ControlClient(broker.control, 10) as client:
-            with pytest.raises(BrokerError, match="speaks protocol version 5, older than this feeder's 6: "
+            with pytest.raises(BrokerError, match="speaks protocol version 6, older than this feeder's 7: "
                                                   "upgrade the broker first") as refused:
                 client.hello("feeder", "s")
         assert refused.value.code == ErrorCode.VERSION
-        state = {"format": 1, "stream": "g", "rank": 0, "size": 1, "epoch": 0, "steps": 1,
-                 "used": [[0, 0, 0, 1, 7]]}
-        with pytest.raises(BrokerError, match="speaks protocol version 5, which cannot resume an epoch exactly"):
-            BatchStream(broker.ranks, stream="g", timeout=10, resume=state)
     finally:
         assert broker.stop() == 0
 
 
 def test_a_broker_upgraded_on_its_journal_delivers_what_the_old_one_held_to_an_old_rank(old_tree, tmp_path):
-    """The upgrade path of docs/OPERATIONS.md: a v5 broker with --journal holds two fed epochs and stops; the v6
-    broker started on the same journal replays them (v5 batch headers) and a v5 rank reads every id once."""
+    """The upgrade path of docs/OPERATIONS.md: a v6 broker with --journal holds two fed epochs and stops; the v7
+    broker started on the same journal replays them (v6 batch headers, open records without a commit mode) and a
+    v6 rank reads every id once."""
     journal = tmp_path / "journal"
     old = BrokerProcess(tmp_path / "old.log", "--journal", str(journal), env={"PYTHONPATH": str(old_tree)},
                         cwd=tmp_path).start(timeout=30)
@@ -157,6 +153,6 @@ def test_a_broker_upgraded_on_its_journal_delivers_what_the_old_one_held_to_an_o
                         cwd=tmp_path).start(timeout=30)
     try:
         got, _ = consume(old_tree, tmp_path, new, "kept")
-        assert got["version"] == 5 and got["ids"] == expected()
+        assert got["version"] == 6 and got["ids"] == expected()
     finally:
         assert new.stop() == 0
