@@ -92,6 +92,7 @@ def test_a_commit_naming_batches_the_broker_does_not_hold_is_missing_and_the_epo
     bus.request(Kind.EPOCH_OPEN, stream="s", epoch=0, partitions=2, delivery="stream", commit="driver")
     for seq in range(3):
         bus.batch(seq, RETRY)
+    wait_for(lambda: bus.epoch()["batches_in"] == 3, 10, "the broker to hold the 3 batches")
     assert bus.request(Kind.PARTITION_COMMIT, stream="s", epoch=0, parts=[0, RETRY, 4, 1, RETRY, 1])["missing"] == \
         [0, 1]
     assert bus.request(Kind.PARTITION_COMMIT, stream="s", epoch=0, parts=[0, RETRY, 3])["missing"] == []
