@@ -29,12 +29,21 @@ feed ended is not injected, and counted so):
 * ``rank_group``: the consumers a group of 2; one SIGKILLed and a new process started with its rank number.
 * ``executor``: the Python worker running a feeding task (Spark's ``pyspark.daemon`` forks one per task slot;
   the task writes its pid) SIGKILLed mid-partition; Spark retries the task.
+* ``cluster_executor``: on a real standalone cluster (``benchmarks/faults_cluster.py``: a Master and two Workers
+  on 127.0.0.1 and 127.0.0.2, one core each, ``spark.task.maxFailures=4``), the feed reading a DataFrame made in
+  the executors' JVMs, the JVM of an executor running a feeding task SIGKILLed; its Python worker, held (it
+  ignores its daemon's SIGHUP), reads its input cut short as a whole partition and ends that prefix; Spark
+  re-runs the task on the other executor or the new one the Master starts on that Worker.
+* ``cluster_host``: the same cluster, a host lost: its Worker's JVM and its executor's SIGKILLed at once, not
+  started again during that feed (one loss a feed, ``faults`` feeds; the Worker started again between them).
+* ``cluster_executor_atomic``, ``cluster_host_atomic``: the same two with ``delivery="atomic"``.
 * ``link``: where root allows network namespaces (``launch.netns.Network``), the broker and its feeder on one
   host, the consumers on another; the consumers' link cut (their bridge port down) for 1-4 s and restored
   (``--dead-after 2s``: the longer cuts outlive it). Skipped with the reason elsewhere.
 
 ``SPARKBUS_BENCH_FAULTS_SEED``, ``..._ROWS``, ``..._FAULTS`` (per kind) and ``..._KINDS`` (a comma-separated
-subset) change the defaults; ``--quick`` runs a tiny version (a fault per kind, a feed of a few seconds).
+subset) change the defaults; ``--quick`` runs a tiny version (a fault per kind, a feed of a few seconds) without
+the cluster kinds (listed as skipped) unless ``..._KINDS`` names them.
 """
 
 from __future__ import annotations
@@ -50,30 +59,41 @@ from pathlib import Path
 import numpy as np
 
 from launch.broker import BrokerProcess
-from launch.processes import wait_for
+from launch.processes import LaunchError, wait_for
 
 from .common import ROOT, BenchError
+from .faults_cluster import HOSTS, ClusterRig
 from .faults_processes import TRAIN_SECONDS, Consumers, Feeder, NetworkChild
 from .report import num, table
 from .sections import Context, Run, Section
 
 KINDS = ("none", "broker_journal", "broker_journal_group", "broker_no_journal", "broker_no_journal_group", "rank",
-         "rank_group", "executor", "link")
+         "rank_group", "executor", "cluster_executor", "cluster_executor_atomic", "cluster_host", "cluster_host_atomic",
+         "link")
+# The rows fed from a standalone cluster (faults_cluster.py): not in --quick unless SPARKBUS_BENCH_FAULTS_KINDS asks
+CLUSTER_KINDS = ("cluster_executor", "cluster_executor_atomic", "cluster_host", "cluster_host_atomic")
 LABELS = {"none": "no fault (baseline)", "broker_journal": "broker SIGKILL, `--journal`, restart",
           "broker_journal_group": "the same, the consumers a group of 2 (granted steps)",
           "broker_no_journal": "broker SIGKILL, no journal, restart (recomputed from lineage)",
           "broker_no_journal_group": "no journal, the consumers a group of 2 (granted steps)",
           "rank": "consumer SIGKILL, a new one started",
           "rank_group": "a rank of a group of 2 SIGKILLed, a new process takes its number",
-          "executor": "Spark Python worker SIGKILL mid-partition", "link": "consumers' link cut 1-4 s (namespaces)"}
+          "executor": "Spark Python worker SIGKILL mid-partition",
+          "cluster_executor": "executor JVM SIGKILL mid-partition (standalone cluster; the Worker starts a new one)",
+          "cluster_executor_atomic": "the same, `delivery=\"atomic\"`",
+          "cluster_host": "a Worker host lost mid-partition (Worker and executor JVMs SIGKILLed; one a feed)",
+          "cluster_host_atomic": "the same, `delivery=\"atomic\"`",
+          "link": "consumers' link cut 1-4 s (namespaces)"}
 # What docs/GUARANTEES.md says of each (its failure table), for the reading of the table.
 PROMISES = {"none": "every row once", "broker_journal": "0 lost, 0 twice", "broker_journal_group": "0 lost, 0 twice",
             "broker_no_journal": "0 lost, 0 twice (recomputed)",
             "broker_no_journal_group": "0 lost, 0 twice (recomputed)",
             "rank": "0 lost; twice at most the batch in hand per kill",
             "rank_group": "0 lost; twice at most the batch in hand per kill",
-            "executor": "0 lost, 0 twice (task retried)", "link": "0 lost, 0 twice"}
+            "executor": "0 lost, 0 twice (task retried)", "link": "0 lost, 0 twice",
+            **{kind: "0 lost, 0 twice (task retried)" for kind in CLUSTER_KINDS}}
 CONSUMERS = 2
+WIDTH = 256                    # the cluster rows' x: float32s a row (a 100-row batch is 100 KiB, see faults_feeder)
 GAP = 2.5                      # seconds between two faults of a run, at least
 BATCH = 100
 
@@ -90,6 +110,7 @@ class Plan:
     kinds: tuple[str, ...]
     timeout: float             # bound on a run's feed and its consumers
     broker_timeout: float = 4.0   # feed(timeout=) where the broker is killed: a task waits that long for it
+    skipped: dict[str, str] = field(default_factory=dict)     # kinds not run, and why
 
     @property
     def feed_seconds(self) -> float:
@@ -118,6 +139,8 @@ class FaultRun:
     seconds: float = 0.0
     planned: int = 0               # faults planned in this run
     faults: list[dict] = field(default_factory=list)     # injected: at_s, what, seconds
+    delivery: str = "stream"
+    held: int = 0                  # cluster rows: Python workers of lost executors still running after the feed
     broker: dict = field(default_factory=dict)           # the broker's figures of the epoch at the end, if reachable
     twice_ids: list[str] = field(default_factory=list)   # the first runs of ids trained twice, and who had them
     lost_ids: list[str] = field(default_factory=list)    # the first runs of ids lost
@@ -164,7 +187,11 @@ def plan_of(quick: bool, timeout: float) -> Plan:
     unknown = set(kinds) - set(KINDS)
     if unknown:
         raise BenchError(f"SPARKBUS_BENCH_FAULTS_KINDS: unknown kinds {sorted(unknown)}; choose from {KINDS}")
-    return Plan(seed, rows, base["partitions"], base["pause"], faults, kinds, timeout, base["broker_timeout"])
+    skipped = {} if env("SPARKBUS_BENCH_FAULTS_KINDS") or not quick else {
+        kind: "not in --quick (a standalone cluster of its own, about a minute more); "
+              "SPARKBUS_BENCH_FAULTS_KINDS runs it" for kind in CLUSTER_KINDS if kind in kinds}
+    return Plan(seed, rows, base["partitions"], base["pause"], faults, kinds, timeout, base["broker_timeout"],
+                skipped)
 
 
 def fault_times(rng: random.Random, n: int, length: float) -> list[float]:
@@ -227,7 +254,8 @@ def one_run(ctx: Context, plan: Plan, kind: str, times: list[float], rng: random
     stream = f"{kind}-{index}"
     work = ctx.work / "faults" / stream
     work.mkdir(parents=True, exist_ok=True)
-    run = FaultRun(kind, plan.rows, planned=len(times))
+    request = where.get("request", {})      # the cluster rows: source="dataframe", delivery
+    run = FaultRun(kind, plan.rows, planned=len(times), delivery=request.get("delivery", "stream"))
     broker = ctx.children.add(BrokerProcess(ctx.children.log(f"faults-broker-{stream}"), "--max-buffer", "64MiB",
                                             "--log-level", "WARNING", *broker_flags(kind, work / "journal"),
                                             host=where.get("host", "127.0.0.1"), prefix=where.get("broker", ()),
@@ -242,7 +270,7 @@ def one_run(ctx: Context, plan: Plan, kind: str, times: list[float], rng: random
         feed_timeout = plan.broker_timeout if kind.startswith("broker") else 15.0
         started = time.monotonic()
         answer = feeder.submit(rows=plan.rows, partitions=plan.partitions, batch_size=BATCH, pause=plan.pause,
-                               address=broker.feed, stream=stream, timeout=feed_timeout, pack_bytes=0)
+                               address=broker.feed, stream=stream, timeout=feed_timeout, pack_bytes=0, **request)
         # The faults' clock starts at the first row a consumer yielded (the Spark job's start is not the feed's).
         reply = wait_for(lambda: feeder.answered(answer) or consumers.yielded_any(), plan.timeout,
                          f"the first row of {stream} at a consumer")
@@ -274,12 +302,14 @@ def one_run(ctx: Context, plan: Plan, kind: str, times: list[float], rng: random
             if not where.get("broker"):
                 run.broker = {k: v for k, v in broker.stats(5.0)["streams"].get(stream, {}).get("epochs", {})
                               .get("0", {}).items() if k in ("batches_in", "duplicates", "redelivered",
-                                                              "given_twice", "acked")}
+                                                              "given_twice", "acked", "superseded")}
         except Exception:
             pass
     finally:
         consumers.finish(0)
         ctx.children.discard(broker)
+        if "rig" in where:
+            run.held = where["rig"].release_held()
     count(run, consumers.ids(), plan.rows, consumers.ids("dropped"))
     ctx.log(f"  faults: {stream}: {run.outcome}, {len(run.faults)}/{run.planned} faults, {run.yielded:,} rows yielded "
             f"of {run.rows_fed:,}: {run.lost:,} lost, {run.twice:,} twice ({run.seconds:.1f} s)")
@@ -317,6 +347,21 @@ def inject(kind: str, rng: random.Random, broker: BrokerProcess, consumers: Cons
         except ProcessLookupError:
             return None
         return {"what": f"Python worker pid {pid} (of {len(pids)} running tasks) SIGKILLed", "seconds": 0.0}
+    if kind in CLUSTER_KINDS:
+        rig, port = where["rig"], int(broker.feed.rsplit(":", 1)[1])
+        try:        # an executor lost a moment ago may not be back (or warm) yet: wait for one that streams
+            hosts = rig.streaming_hosts(port) or wait_for(lambda: rig.streaming_hosts(port), 15.0,
+                                                          "an executor streaming a partition", interval=0.05)
+        except TimeoutError:
+            return None
+        host = rng.choice(hosts)
+        if kind.startswith("cluster_executor"):
+            pid = rig.kill_executor(host)
+            what = f"executor JVM pid {pid} on {host} SIGKILLed ({len(hosts)} of {len(HOSTS)} executors streaming)"
+        else:
+            worker, pid = rig.kill_host(host)
+            what = f"host {host} lost: its Worker JVM pid {worker} and executor JVM pid {pid} SIGKILLed"
+        return {"what": what, "host": host, "seconds": round(time.monotonic() - began, 2)}
     if kind == "link":
         network, length = where["network"], rng.uniform(1.0, 4.0)
         network.cut("ranks")
@@ -336,6 +381,7 @@ def run(ctx: Context, plan: Plan, name: str = "faults") -> FaultTable:
     from launch import netns
 
     result = ctx.results[name] = FaultTable(plan)
+    result.skipped.update(plan.skipped)
     rng = random.Random(plan.seed)
     started = time.monotonic()
     ctx.log(f"  faults: seed {plan.seed}, {plan.rows:,} rows in {plan.partitions} partitions a feed (~"
@@ -357,12 +403,20 @@ def run(ctx: Context, plan: Plan, name: str = "faults") -> FaultTable:
         linked = Feeder(ctx.children, ctx.work / "faults" / "feeder-link",
                         ["ip", "netns", "exec", network.namespace("broker")], {"SPARKBUS_INSECURE": "1"})
     feeder = Feeder(ctx.children, ctx.work / "faults" / "feeder")
+    rig: ClusterRig | None = None
     try:
         feeder.ready(120)
-        for kind in plan.kinds:
+        for position, kind in enumerate(plan.kinds):
             if kind in result.skipped:
                 continue
-            if kind == "none":
+            if kind in CLUSTER_KINDS:
+                rig = rig or start_rig(ctx, result)
+                if rig is not None:
+                    cluster_runs(ctx, plan, kind, rng, rig, result)
+                    if not any(k in CLUSTER_KINDS and k not in result.skipped for k in plan.kinds[position + 1:]):
+                        ctx.children.discard(rig)       # its JVMs are not needed for the kinds left
+                        rig = None
+            elif kind == "none":
                 result.runs.append(one_run(ctx, plan, kind, [], rng, 0, feeder, {}))
             elif kind == "link":
                 assert network is not None and linked is not None
@@ -377,12 +431,57 @@ def run(ctx: Context, plan: Plan, name: str = "faults") -> FaultTable:
                 result.runs.append(one_run(ctx, plan, kind, times, rng, 0, feeder, {}))
     finally:
         feeder.stop()
+        if rig is not None:
+            ctx.children.discard(rig)
         if linked is not None:
             linked.stop()
         if held is not None:
             ctx.children.discard(held)      # its processes ended, the namespaces deleted
     result.seconds = time.monotonic() - started
     return result
+
+
+def start_rig(ctx: Context, result: FaultTable) -> ClusterRig | None:
+    """The standalone cluster and its driver; None, with the cluster kinds skipped and why, if they cannot start."""
+    began = time.monotonic()
+    ctx.log(f"  faults: a standalone cluster (Workers on {', '.join(HOSTS)}, one core each) and its driver starting")
+    rig = None
+    try:
+        rig = ClusterRig(ctx.children, ctx.work / "faults" / "cluster")
+        rig.ready(180)
+    except (BenchError, LaunchError, OSError) as exc:
+        if rig is not None:
+            ctx.children.discard(rig)
+        for kind in CLUSTER_KINDS:
+            result.skipped.setdefault(kind, f"the standalone cluster did not start: {str(exc).splitlines()[0][:200]}")
+        ctx.log(f"  faults: the standalone cluster did not start: {exc}")
+        return None
+    ctx.log(f"  faults: the cluster and its driver up, both executors warm, in {time.monotonic() - began:.1f} s")
+    return rig
+
+
+def cluster_runs(ctx: Context, plan: Plan, kind: str, rng: random.Random, rig: ClusterRig,
+                 result: FaultTable) -> None:
+    """The runs of a cluster kind, into ``result``: the feed reads a DataFrame made in the executors' JVMs.
+
+    An executor killed: one feed with ``plan.faults`` faults (the Master starts a new executor each time). A host
+    lost: ``plan.faults`` feeds of one fault each, since a second host lost would leave no executor; its Worker is
+    started again before the next feed (of this kind or the next), never during one."""
+    where = {"rig": rig, "request": {"source": "dataframe", "width": WIDTH,
+                                     "delivery": "atomic" if kind.endswith("_atomic") else "stream"}}
+    feeds = plan.faults if kind.startswith("cluster_host") else 1
+    for index in range(feeds):
+        began = time.monotonic()
+        restored = rig.restore()            # a host lost in the feed before: its Worker back
+        if restored:
+            ctx.log(f"  faults: a Worker started again on {', '.join(restored)}")
+        rig.warm()
+        ctx.log(f"  faults: both executors registered and warm ({time.monotonic() - began:.1f} s)")
+        times = fault_times(rng, 1 if kind.startswith("cluster_host") else plan.faults, plan.feed_seconds)
+        run = one_run(ctx, plan, kind, times, rng, index, rig.feeder, where)
+        result.runs.append(run)
+        if run.held:
+            ctx.log(f"  faults: {run.held} Python worker(s) of lost executors still ran after the feed: killed")
 
 
 def cells(row: dict) -> list[str]:
@@ -420,8 +519,20 @@ class FaultsSection(Section[FaultTable]):
                  f"{TRAIN_SECONDS * 1000:g} ms a batch) that write down every id their loop yielded. "
                  f"{p.faults} fault(s) per kind at random times (at least {GAP:g} s apart). Rows lost = fed - "
                  "yielded (as sets; a group's rows dropped for equal steps count as delivered); trained twice = "
-                 "yielded copies beyond the first. A report, not an assertion.",
-                 "", table(HEADER, [cells(r) for r in result.rows()]), ""]
+                 "yielded copies beyond the first. A report, not an assertion."]
+        if any(r.kind in CLUSTER_KINDS for r in result.runs):
+            lines += ["", f"The cluster rows: a standalone cluster (`launch.cluster`: a Master and two Workers on "
+                      f"{' and '.join(HOSTS)}, one core and one executor each) and a driver of its own "
+                      f"(`spark.task.maxFailures=4`) feeding a DataFrame made in the executors' JVMs (`spark.range`, "
+                      f"`x` the id as {WIDTH} float32s, one {BATCH}-row Arrow batch at a time, the same pause as a "
+                      "sleep in the JVM), so that an executor JVM killed mid-partition cuts its Python worker's input "
+                      "short at a batch boundary. That worker is held (a test-only `sitecustomize` on the executors' "
+                      "`PYTHONPATH` makes it ignore its daemon's SIGHUP) so that it ends the prefix, which the broker "
+                      "counts `superseded`. An executor killed: one feed of "
+                      f"{p.faults} kills (the Master starts a new executor on that Worker); a host lost: {p.faults} "
+                      "feeds of one loss each (its Worker and executor JVMs SIGKILLed at once; a new Worker started "
+                      "after the feed, never during it)."]
+        lines += ["", table(HEADER, [cells(r) for r in result.rows()]), ""]
         lines.append("Faults injected (seconds after the first row a consumer yielded):")
         lines.append("")
         for r in result.runs:
@@ -431,7 +542,10 @@ class FaultsSection(Section[FaultTable]):
                              + (f" ({r.error}); {r.yielded:,} rows yielded by then" if r.error else "")
                              + (f"; the broker counted {r.broker}" if r.broker else "")
                              + (f"; {r.dropped:,} rows dropped for equal steps (counted)" if r.dropped else "")
-                             + (f"; trained twice: {'; '.join(r.twice_ids)}" if r.twice_ids else ""))
+                             + (f"; trained twice: {'; '.join(r.twice_ids)}" if r.twice_ids else "")
+                             + (f"; lost: ids {', '.join(r.lost_ids)}" if r.lost_ids else "")
+                             + (f"; {r.held} held Python worker(s) of lost executors still ran after the feed "
+                                "(killed)" if r.held else ""))
         lines.append(f"\nThe section took {result.seconds:.0f} s.")
         return lines
 

@@ -1,20 +1,33 @@
-"""The Spark driver of the fault table (``benchmarks/faults.py``): a local SparkSession that feeds on request.
+"""The Spark driver of the fault table (``benchmarks/faults.py``): a SparkSession that feeds on request.
 
-    python benchmarks/faults_feeder.py --dir DIR [--master local[2,4]]
+    python benchmarks/faults_feeder.py --dir DIR [--master local[2,4]] [--conf KEY=VALUE ...] [--executors N]
 
 Starts a SparkSession (``local[2,4]`` by default: two task slots, and a failed task is retried up to 3 times, as a
-cluster would), touches ``DIR/ready``, then answers requests given as files: ``DIR/req-N.json`` is answered by
-``DIR/res-N.json`` (written whole, by a rename), each request in a thread of its own. It leaves when
-``DIR/stop`` exists (or its parent dies). Files, not a socket, so that the section can drive a driver that runs in
-a network namespace of its own.
+cluster would; or a standalone cluster's ``spark://`` URL with its settings as ``--conf``, and ``--executors N``:
+it waits for N executors and warms their Python workers), touches ``DIR/ready``, then answers requests given as
+files: ``DIR/req-N.json`` is answered by ``DIR/res-N.json`` (written whole, by a rename), each request in a thread
+of its own. It leaves when ``DIR/stop`` exists (or its parent dies). Files, not a socket, so that the section can
+drive a driver that runs in a network namespace of its own.
 
 A request ``{"rows": R, "partitions": P, "batch_size": B, "pause": S, "address": ..., "stream": ..., "timeout":
-T, "pack_bytes": 0}`` runs :func:`feeder.feed` of an RDD of rows ``{"id": i, "x": float32(i)}``, i in 0..R-1, whose
-tasks sleep S seconds after each batch's worth of rows (so the feed lasts and a fault lands mid-partition). Each
-task attempt writes ``DIR/pids/<stream>-p<partition>-a<attempt>.pid`` (the pid of the Python worker running it:
-the process to kill for an executor fault) when it starts and a ``.end`` beside it once it has produced its
-rows. The answer is ``{"ok": true, "report": FeedReport as a dict, "seconds"}`` or ``{"ok": false, "type",
-"error", "seconds"}``.
+T, "pack_bytes": 0, "delivery": "stream", "source": "rows"}`` runs :func:`feeder.feed` of ids 0..R-1, each task
+pausing S seconds after each batch's worth of rows (so the feed lasts and a fault lands mid-partition):
+
+* ``source="rows"``: an RDD of rows ``{"id": i, "x": float32(i)}`` made in Python, in the feeding task's own Python
+  worker. Each task attempt writes ``DIR/pids/<stream>-p<partition>-a<attempt>.pid`` (the pid of the Python worker
+  running it: the process to kill for a Python worker fault) when it starts and a ``.end`` beside it once it has
+  produced its rows.
+* ``source="dataframe"``: ``spark.range`` with ``x`` the id as ``width`` float32s (default 256), made in the
+  executor's JVM, the pause a ``reflect('java.lang.Thread', 'sleep', ...)`` filter there too, handed to the feeding
+  task through ``mapInArrow`` one batch (``arrow_batch_rows``) at a time. The JVM streams the partition to the
+  Python worker while it makes it, so when the executor's JVM dies mid-partition the worker's input ends at a
+  record batch boundary: the input cut short that the commit by Spark's word is there for. A batch is 100 KiB at
+  the default width, more than the JVM's 64 KiB output buffer, so each batch reaches the worker as it is made.
+
+The answer is ``{"ok": true, "report": FeedReport as a dict, "seconds"}`` or ``{"ok": false, "type", "error",
+"seconds"}``. Another request, ``{"cmd": "warm", "executors": N, "timeout": T}``, waits for N executors and runs a
+task on each (a barrier stage, one task per slot, through ``mapInArrow`` and importing the feeder), answering the
+executors' ids.
 """
 
 from __future__ import annotations
@@ -28,6 +41,9 @@ import time
 import traceback
 from pathlib import Path
 from typing import Any
+
+# Thread.sleep before every batch's first row, in the JVM (reflect answers "null": the filter keeps every row)
+PACE = "reflect('java.lang.Thread', 'sleep', if(id % {batch} = 0, {ms}L, 0L)) != 'never'"
 
 
 def _rows(spark: Any, r: dict, pids: str) -> Any:
@@ -49,45 +65,98 @@ def _rows(spark: Any, r: dict, pids: str) -> Any:
     return spark.sparkContext.parallelize(range(rows), r["partitions"]).mapPartitionsWithIndex(produce)
 
 
+def _frame(spark: Any, r: dict) -> Any:
+    """ids 0..rows-1 made in the JVM, ``x`` the id ``width`` times, paced by a sleep in the JVM before each batch."""
+    frame = spark.range(0, r["rows"], numPartitions=r["partitions"])
+    if r.get("pause"):
+        frame = frame.where(PACE.format(batch=r["batch_size"], ms=round(r["pause"] * 1000)))
+    return frame.selectExpr("id", f"array_repeat(cast(id as float), {r.get('width', 256)}) as x")
+
+
 def _feed(spark: Any, r: dict, pids: str) -> dict:
     import warnings
 
     from feeder import feed
 
+    if r.get("source", "rows") == "dataframe":
+        data, more = _frame(spark, r), {"arrow_batch_rows": r["batch_size"]}
+    else:
+        data, more = _rows(spark, r, pids), {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        report = feed(_rows(spark, r, pids), r["address"], stream=r["stream"], batch_size=r["batch_size"],
-                      timeout=r["timeout"], pack_bytes=r.get("pack_bytes", 0))
+        report = feed(data, r["address"], stream=r["stream"], batch_size=r["batch_size"], timeout=r["timeout"],
+                      pack_bytes=r.get("pack_bytes", 0), delivery=r.get("delivery", "stream"), **more)
     return {**report._asdict(), "warnings": [str(w.message) for w in caught]}
+
+
+def warm(spark: Any, wanted: int, timeout: float) -> list[str]:
+    """Wait for ``wanted`` executors, then run a task on each at once (a barrier stage: one per slot, never
+    speculated), through ``mapInArrow`` as a feed does, importing the feeder (numpy, pyarrow, zmq) in its Python
+    worker: a cold worker would take seconds on the first task of a feed. Returns the executors' ids."""
+    context = spark.sparkContext._jsc.sc()
+    deadline = time.monotonic() + timeout
+    while context.getExecutorIds().size() < wanted:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{wanted} executors did not register within {timeout:g} s "
+                               f"({context.getExecutorIds().size()} did)")
+        time.sleep(0.2)
+
+    def executor_of(batches: Any) -> Any:
+        import importlib
+
+        import pyarrow as pa
+
+        importlib.import_module("feeder")
+        for _ in batches:
+            pass
+        yield pa.RecordBatch.from_pydict({"executor": [os.path.basename(os.getcwd())]})
+
+    found = [row.executor for row in spark.range(0, wanted, numPartitions=wanted)
+             .mapInArrow(executor_of, "executor string", barrier=True).collect()]
+    if len(set(found)) != wanted:
+        raise RuntimeError(f"the warm-up's {wanted} tasks ran on executors {found}")
+    return sorted(found)
+
+
+def answer(spark: Any, r: dict, pids: str) -> dict:
+    command = r.get("cmd", "feed")
+    if command == "warm":
+        return {"executors": warm(spark, r["executors"], r.get("timeout", 120.0))}
+    return {"report": _feed(spark, r, pids)}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", type=Path, required=True)
     parser.add_argument("--master", default="local[2,4]")
+    parser.add_argument("--conf", action="append", default=[], help="a Spark setting, KEY=VALUE")
+    parser.add_argument("--executors", type=int, default=0, help="executors to wait for and warm before ready")
     args = parser.parse_args()
     sys.path[0] = str(Path(__file__).resolve().parent.parent)      # the checkout's root (launch/)
     from launch.spark import local_session
 
     pids = args.dir / "pids"
     pids.mkdir(parents=True, exist_ok=True)
-    spark = local_session(args.master, "sparkbus-bench-faults")
-    # a first job: the Python workers' start and imports, off the clock of the first feed
-    spark.sparkContext.parallelize(range(4), 2).map(lambda x: __import__("numpy").float32(x)).collect()
+    spark = local_session(args.master, "sparkbus-bench-faults", dict(item.split("=", 1) for item in args.conf))
+    if args.executors:
+        warm(spark, args.executors, 180.0)
+    else:
+        # a first job: the Python workers' start and imports, off the clock of the first feed
+        spark.sparkContext.parallelize(range(4), 2).map(lambda x: __import__("numpy").float32(x)).collect()
     (args.dir / "ready").touch()
     handled: set[Path] = set()
 
     def serve(path: Path) -> None:
         started = time.monotonic()
         try:
-            reply = {"ok": True, "report": _feed(spark, json.loads(path.read_text()), str(pids))}
+            reply = {"ok": True, **answer(spark, json.loads(path.read_text()), str(pids))}
         except Exception as exc:        # answered, not fatal: the section reports it
             reply = {"ok": False, "type": type(exc).__name__, "error": str(exc),
                      "traceback": traceback.format_exc()}
         reply["seconds"] = time.monotonic() - started
-        answer = path.with_name(path.name.replace("req-", "res-"))
-        answer.with_suffix(".tmp").write_text(json.dumps(reply))
-        answer.with_suffix(".tmp").rename(answer)
+        answer_path = path.with_name(path.name.replace("req-", "res-"))
+        answer_path.with_suffix(".tmp").write_text(json.dumps(reply))
+        answer_path.with_suffix(".tmp").rename(answer_path)
 
     try:
         while not (args.dir / "stop").exists():

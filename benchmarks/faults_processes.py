@@ -26,12 +26,12 @@ TRAIN_SECONDS = 0.005          # a consumer's step
 class Feeder:
     """``faults_feeder.py`` (a Spark driver) as a child; requests and answers are files in ``dir``."""
 
-    def __init__(self, children: Children, dir: Path, prefix: list[str] = (), env: dict | None = None):
+    def __init__(self, children: Children, dir: Path, prefix: list[str] = (), env: dict | None = None,
+                 args: list[str] = (), name: str = "faults-feeder"):
         self.dir, self.children = dir, children
         dir.mkdir(parents=True, exist_ok=True)
-        command = [*prefix, sys.executable, str(HERE / "faults_feeder.py"), "--dir", str(dir)]
-        self.child = children.add(ChildProcess("faults-feeder", command, children.log("faults-feeder"), env=env,
-                                               cwd=ROOT))
+        command = [*prefix, sys.executable, str(HERE / "faults_feeder.py"), "--dir", str(dir), *args]
+        self.child = children.add(ChildProcess(name, command, children.log(name), env=env, cwd=ROOT))
         self._number = 0
 
     def ready(self, timeout: float) -> None:
@@ -53,6 +53,16 @@ class Feeder:
         if self.child.poll() is not None:
             raise BenchError(f"the fault table's Spark driver exited ({self.child.poll()}):\n{self.child.tail()}")
         return None
+
+    def request(self, wait: float, **request: Any) -> dict:
+        """A request answered at once (``cmd="warm"``) and its answer, waited for ``wait`` s at
+        most; BenchError if it failed."""
+        answer = self.submit(**request)
+        reply = wait_for(lambda: self.answered(answer), wait, f"the Spark driver's answer to {request}",
+                         interval=0.02)
+        if not reply["ok"]:
+            raise BenchError(f"the Spark driver could not answer {request}: {reply['type']}: {reply['error']}")
+        return reply
 
     def running_tasks(self, stream: str) -> list[int]:
         """Pids of the Python workers running a task of ``stream`` now (started, rows not all produced)."""

@@ -1,0 +1,269 @@
+"""The Spark standalone cluster of the fault table's executor-loss rows (``benchmarks/faults.py``).
+
+A Master and two Workers on 127.0.0.1 and 127.0.0.2, one core each (``launch.cluster.StandaloneCluster``), and a
+driver of the section's own against it (``faults_feeder.py --master spark://...``: ``spark.task.maxFailures=4``,
+one executor per Worker) whose feeds read a DataFrame made in the executors' JVMs (``source="dataframe"``).
+
+**Held Python workers.** When an executor's JVM dies, its ``pyspark.daemon`` reads the end of its stdin and sends
+SIGHUP to its process group; a forked Python worker resets SIGHUP to the default action, so it usually dies before
+it reads the end of its input. On a loaded machine, or a real one, it may not: it then reads its input, cut short at
+a record batch boundary, as a whole partition, streams that prefix and ends it, and only the commit by Spark's word
+keeps the prefix from being committed. To inject that fault every time, the executors' ``PYTHONPATH`` starts with
+a directory holding a test-only ``sitecustomize.py`` which, when ``SPARKBUS_BENCH_HOLD_DIR`` is set (only this
+driver's executors have it), makes the daemon's forked workers ignore SIGHUP and write their pid (and start time)
+into that directory. :meth:`ClusterRig.release_held` SIGKILLs those still running once their executor is gone.
+
+Executors are found as processes: each Worker's descendant whose command line is Spark's
+``CoarseGrainedExecutorBackend``; one streams a partition now if one of its Python workers holds a TCP connection
+to the broker's feed port.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+from launch.cluster import QUICK_START_JAVA_OPTS, WORKER_CLASS, StandaloneCluster, spark_home
+from launch.processes import ChildProcess, descendants
+
+from .common import BenchError, Children
+from .faults_processes import Feeder
+
+HOSTS = ("127.0.0.1", "127.0.0.2")
+EXECUTOR_CLASS = "org.apache.spark.executor.CoarseGrainedExecutorBackend"
+HOLD_ENV = "SPARKBUS_BENCH_HOLD_DIR"
+# The driver's settings over StandaloneCluster.app_conf(): a failed task retried (up to 3 times, as the local
+# driver's local[2,4]), and both executors registered before the first job.
+DRIVER_CONF = {
+    "spark.task.maxFailures": "4",
+    "spark.scheduler.minRegisteredResourcesRatio": "1.0",
+    "spark.scheduler.maxRegisteredResourcesWaitingTime": "120s",
+    "spark.executor.extraJavaOptions": " ".join(QUICK_START_JAVA_OPTS),
+}
+# The daemons' (-D): a Worker that stopped answering is declared lost after 10 s, not 60, should the Master miss
+# the end of its connection (a lost host's Worker is restarted after its feed: its executor must be gone by then).
+CLUSTER_CONF = {"spark.worker.timeout": "10"}
+
+SITECUSTOMIZE = '''"""Test-only (sparkbus's fault table): with SPARKBUS_BENCH_HOLD_DIR set, pyspark.daemon's
+forked Python workers ignore SIGHUP, so that one whose executor JVM died reads its input to the end, and write
+their pid there."""
+import os
+
+_hold = os.environ.get("SPARKBUS_BENCH_HOLD_DIR")
+if _hold:
+    import signal as _signal_module
+
+    _signal = _signal_module.signal
+
+    def _held(signum, handler):
+        # pyspark.daemon's worker() resets SIGHUP to SIG_DFL in each forked worker, at each task
+        if signum == _signal_module.SIGHUP and handler == _signal_module.SIG_DFL:
+            handler = _signal_module.SIG_IGN
+            try:
+                with open(f"/proc/{os.getpid()}/stat") as stat:
+                    started = stat.read().rsplit(")", 1)[1].split()[19]
+                with open(os.path.join(_hold, str(os.getpid())), "w") as mark:
+                    mark.write(started)
+            except OSError:
+                pass
+        return _signal(signum, handler)
+
+    _signal_module.signal = _held
+'''
+
+
+def _start_time(pid: int) -> str | None:
+    """The start time of a live process (/proc/PID/stat field 22), None if it is gone or a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else fields[19]
+
+
+def _connections_to(port: int) -> set[str]:
+    """The socket inodes of this network namespace's established IPv4 TCP connections to ``port``."""
+    found = set()
+    with open("/proc/net/tcp") as table:
+        next(table)
+        for line in table:
+            fields = line.split()
+            if fields[3] == "01" and int(fields[2].rsplit(":", 1)[1], 16) == port:      # ESTABLISHED
+                found.add(f"socket:[{fields[9]}]")
+    return found
+
+
+def _sockets(pid: int) -> set[str]:
+    """What the open file descriptors of ``pid`` point to (``socket:[inode]`` for sockets)."""
+    found = set()
+    try:
+        descriptors = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return found
+    for fd in descriptors:
+        try:
+            found.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:
+            pass
+    return found
+
+
+def _command(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+class ClusterRig:
+    """The cluster, its driver, and the faults done to them. Registered in ``children``: stopped with them.
+
+    Constructing it starts the Master, the Workers and the driver (which waits for its two executors and warms
+    them); :meth:`ready` waits for all that.
+    """
+
+    name = "fault cluster"
+
+    def __init__(self, children: Children, work: Path):
+        self.children, self.work = children, work
+        self.site, self.hold = work / "site", work / "held"
+        for folder in (self.site, self.hold):
+            folder.mkdir(parents=True, exist_ok=True)
+        (self.site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+        self.restarts = 0
+        self.killed_held = 0
+        self.feeder: Feeder | None = None
+        self.cluster = StandaloneCluster(work / "cluster", HOSTS, cores=1, memory="1g",
+                                         java_opts=QUICK_START_JAVA_OPTS, conf=CLUSTER_CONF)
+        children.add(self)
+        self.cluster.start(timeout=120, wait=False)
+        conf = {**self.cluster.app_conf(executor_memory="512m"), **DRIVER_CONF,
+                "spark.executorEnv.PYTHONPATH": str(self.site), f"spark.executorEnv.{HOLD_ENV}": str(self.hold)}
+        self.feeder = Feeder(children, work / "driver", env={"SPARK_LOCAL_IP": HOSTS[0]},
+                             args=["--master", self.cluster.master_url, "--executors", str(len(HOSTS)),
+                                   *(f"--conf={key}={value}" for key, value in conf.items())],
+                             name="faults-cluster-driver")
+
+    def ready(self, timeout: float) -> None:
+        assert self.feeder is not None
+        self.cluster.wait_ready(timeout)
+        self.feeder.ready(timeout)
+
+    # ---- what runs where ------------------------------------------------------------------------------------
+
+    def executor_pid(self, host: str) -> int | None:
+        """The pid of the executor JVM under ``host``'s Worker now (None: none, or the Worker is gone)."""
+        worker = self.cluster.workers[HOSTS.index(host)]
+        if worker.poll() is not None:
+            return None
+        found = [pid for pid, _ in descendants(worker.pid) if EXECUTOR_CLASS in _command(pid)]
+        return found[0] if found else None
+
+    def streaming_hosts(self, feed_port: int) -> list[str]:
+        """The hosts whose executor streams a partition now: one of its Python workers has a TCP connection to the
+        broker's feed port (a feeding task opens it once its worker is up, and closes it at its end), so a kill
+        lands mid-partition, not in a fresh executor's cold start."""
+        connected = _connections_to(feed_port)
+        hosts = []
+        for host in HOSTS:
+            pid = self.executor_pid(host)
+            if pid is not None and any(_sockets(child) & connected for child, _ in descendants(pid)):
+                hosts.append(host)
+        return hosts
+
+    def warm(self, timeout: float = 180.0) -> list[str]:
+        """Both executors registered and their Python workers warm (a feed's first tasks are then not cold)."""
+        return self.feeder.request(timeout + 10, cmd="warm", executors=len(HOSTS), timeout=timeout)["executors"]
+
+    # ---- faults ---------------------------------------------------------------------------------------------
+
+    def kill_executor(self, host: str) -> int:
+        """SIGKILL the executor JVM on ``host`` (its Worker stays, and the Master starts a new executor there)."""
+        pid = self.executor_pid(host)
+        if pid is None:
+            raise BenchError(f"no executor runs on {host}")
+        os.kill(pid, signal.SIGKILL)
+        return pid
+
+    def kill_host(self, host: str) -> tuple[int, int | None]:
+        """SIGKILL ``host``'s Worker JVM and its executor JVM at once (the host lost; :meth:`restore` brings a
+        Worker back). Returns their pids."""
+        worker = self.cluster.workers[HOSTS.index(host)]
+        executor = self.executor_pid(host)
+        worker.proc.send_signal(signal.SIGKILL)
+        if executor is not None:
+            try:
+                os.kill(executor, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        worker.proc.wait(10)
+        return worker.pid, executor
+
+    def restore(self) -> list[str]:
+        """Start a new Worker on each host whose Worker is gone, as ``StandaloneCluster.start`` does (same work
+        dir, settings and Master); returns those hosts. The driver's next :meth:`warm` waits for its executor."""
+        restored = []
+        cluster = self.cluster
+        for index, (host, worker) in enumerate(zip(HOSTS, cluster.workers)):
+            if worker.poll() is None:
+                continue
+            worker.stop(0)              # gone already: closes its log
+            self.restarts += 1
+            home = spark_home()
+            env = {"SPARK_HOME": str(home), "SPARK_LOCAL_IP": host, "SPARK_CONF_DIR": str(cluster.workdir / "conf"),
+                   **cluster.env, "SPARK_WORKER_DIR": str(cluster.workdir / f"worker-{index}"),
+                   "SPARK_WORKER_OPTS": " ".join(f"-D{key}={value}" for key, value in cluster.conf.items())}
+            if cluster.java_opts:
+                env["SPARK_DAEMON_JAVA_OPTS"] = " ".join(cluster.java_opts)
+            cluster.workers[index] = ChildProcess(
+                f"worker-{index}", ["bash", str(home / "bin" / "spark-class"), WORKER_CLASS, cluster.master_url,
+                                    "--cores", str(cluster.cores), "--memory", cluster.memory, "--host", host,
+                                    "--port", "0", "--webui-port", "0"],
+                cluster.workdir / f"worker-{index}-restart-{self.restarts}.log", env=env, cwd=cluster.workdir)
+            restored.append(host)
+        return restored
+
+    def release_held(self, everything: bool = False) -> int:
+        """SIGKILL the held Python workers still running whose executor is gone (``everything``: all of them);
+        returns how many were."""
+        live = set()
+        if not everything:
+            for worker in self.cluster.workers:
+                if worker.poll() is None:
+                    live.update(pid for pid, _ in descendants(worker.pid))
+        killed = 0
+        for mark in self.hold.iterdir():
+            try:
+                pid, started = int(mark.name), mark.read_text().strip()
+            except (ValueError, OSError):
+                continue
+            if _start_time(pid) != started:
+                mark.unlink(missing_ok=True)       # ended (or its pid is another process's now)
+                continue
+            if pid in live:
+                continue
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+            except ProcessLookupError:
+                pass
+            mark.unlink(missing_ok=True)
+        self.killed_held += killed
+        return killed
+
+    def stop(self) -> None:
+        """The driver (its application ends), the cluster, then any held worker left."""
+        try:
+            if self.feeder is not None:
+                self.feeder.stop()
+        finally:
+            try:
+                self.cluster.stop()
+            finally:
+                deadline = time.monotonic() + 5
+                while self.release_held(everything=True) and time.monotonic() < deadline:
+                    time.sleep(0.1)
