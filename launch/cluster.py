@@ -9,6 +9,10 @@ Workers on different loopback addresses (127.0.0.1, 127.0.0.2, ...) are differen
 That matters for speculation: Spark never starts a speculative copy on a host that already runs an attempt of
 the task, so copies need a second host.
 
+Faults, for tests: :meth:`StandaloneCluster.kill_executors` SIGKILLs the executor JVMs a Worker started (its Python
+daemon and workers are left to notice it, as on a real machine), :meth:`StandaloneCluster.kill_worker` a Worker and
+its executors at once (a host lost), and :meth:`StandaloneCluster.restart_worker` brings a killed Worker back.
+
     with StandaloneCluster(tmp, hosts=["127.0.0.1", "127.0.0.2"], cores=1) as cluster:
         spark = SparkSession.builder.master(cluster.master_url).config(map=cluster.app_conf()).getOrCreate()
 """
@@ -17,7 +21,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
+import signal
 import sys
 import urllib.error
 import urllib.request
@@ -25,10 +31,11 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from launch.processes import ChildProcess, LaunchError, wait_for
+from launch.processes import ChildProcess, LaunchError, descendants, wait_for
 
 MASTER_CLASS = "org.apache.spark.deploy.master.Master"
 WORKER_CLASS = "org.apache.spark.deploy.worker.Worker"
+EXECUTOR_CLASS = "org.apache.spark.executor.CoarseGrainedExecutorBackend"
 
 # JVM flags for daemons that must start fast and do little (tests): the C1 compiler only and a serial GC spend
 # less CPU while three JVMs start at once on two cores.
@@ -95,14 +102,14 @@ class StandaloneCluster:
         self.workers: list[ChildProcess] = []
 
     def _daemon(self, name: str, main_class: str, args: Sequence[str], host: str,
-                extra_env: Mapping[str, str]) -> ChildProcess:
+                extra_env: Mapping[str, str], append: bool = False) -> ChildProcess:
         home = spark_home()
         env = {"SPARK_HOME": str(home), "SPARK_LOCAL_IP": host, "SPARK_CONF_DIR": str(self.workdir / "conf"),
                **self.env, **{key: value for key, value in extra_env.items() if value}}
         if self.java_opts:
             env["SPARK_DAEMON_JAVA_OPTS"] = _java_opts({}, self.java_opts)
         return ChildProcess(name, ["bash", str(home / "bin" / "spark-class"), main_class, *args],
-                            self.workdir / f"{name}.log", env=env, cwd=self.workdir)
+                            self.workdir / f"{name}.log", env=env, cwd=self.workdir, append=append)
 
     def start(self, timeout: float = 120.0, wait: bool = True) -> str:
         """Start the Master, then the Workers, and wait until the Master lists every Worker ALIVE.
@@ -126,20 +133,24 @@ class StandaloneCluster:
         (self.workdir / "conf").mkdir(parents=True, exist_ok=True)     # no spark-defaults.conf from elsewhere
         try:
             self._start_master(timeout)
-            for i, host in enumerate(self.hosts):
-                work = self.workdir / f"worker-{i}"
-                work.mkdir(exist_ok=True)
-                self.workers.append(self._daemon(
-                    f"worker-{i}", WORKER_CLASS,
-                    [self.master_url, "--cores", str(self.cores), "--memory", self.memory, "--host", host,
-                     "--port", "0", "--webui-port", "0"], host,
-                    {"SPARK_WORKER_DIR": str(work), "SPARK_WORKER_OPTS": _java_opts(self.conf, ())}))
+            for i in range(len(self.hosts)):
+                self.workers.append(self._worker(i))
         except BaseException:
             self.stop()
             raise
         if wait:
             self.wait_ready(timeout)
         return self.master_url
+
+    def _worker(self, index: int, append: bool = False) -> ChildProcess:
+        host = self.hosts[index]
+        work = self.workdir / f"worker-{index}"
+        work.mkdir(exist_ok=True)
+        return self._daemon(
+            f"worker-{index}", WORKER_CLASS,
+            [self.master_url, "--cores", str(self.cores), "--memory", self.memory, "--host", host,
+             "--port", "0", "--webui-port", "0"], host,
+            {"SPARK_WORKER_DIR": str(work), "SPARK_WORKER_OPTS": _java_opts(self.conf, ())}, append=append)
 
     def wait_ready(self, timeout: float = 120.0) -> None:
         """Wait until the Master lists every Worker ALIVE.
@@ -211,6 +222,61 @@ class StandaloneCluster:
                 "spark.executor.cores": str(self.cores), "spark.executor.memory": executor_memory,
                 "spark.driver.host": host, "spark.driver.bindAddress": host}
 
+    # ---- faults (tests) ---------------------------------------------------------------------------------------
+
+    def worker_index(self, host: str) -> int:
+        """The index of the (first) Worker on ``host``.
+
+        Raises:
+            ValueError: no Worker runs on ``host``.
+        """
+        return self.hosts.index(host)
+
+    def executor_pids(self, worker: int) -> list[int]:
+        """The executor JVMs (``CoarseGrainedExecutorBackend``) Worker ``worker`` started and that still run."""
+        if worker >= len(self.workers) or self.workers[worker].returncode is not None:
+            return []
+        return [pid for pid, _ in descendants(self.workers[worker].pid) if EXECUTOR_CLASS in _cmdline(pid)]
+
+    def kill_executors(self, worker: int) -> list[int]:
+        """SIGKILL the executor JVMs of Worker ``worker`` (not what they started: a JVM killed by the kernel's OOM
+        killer leaves its Python daemon and workers to notice it). Returns their pids.
+
+        Raises:
+            LaunchError: the Worker runs no executor.
+        """
+        pids = self.executor_pids(worker)
+        if not pids:
+            raise LaunchError(f"Spark worker-{worker} ({self.hosts[worker]}) runs no executor")
+        for pid in pids:
+            _kill(pid)
+        return pids
+
+    def kill_worker(self, worker: int) -> list[int]:
+        """A host lost: SIGKILL Worker ``worker``'s JVM and its executor JVMs at once (their Python daemons and
+        workers are left to notice it). Returns the pids killed, the Worker's first. :meth:`restart_worker`
+        starts it again."""
+        daemon = self.workers[worker]
+        pids = [daemon.pid, *self.executor_pids(worker)]
+        for pid in pids:
+            _kill(pid)
+        daemon.proc.wait(10)
+        daemon.stop()          # reaps it, closes its log; nothing of its group is left to stop
+        return pids
+
+    def restart_worker(self, worker: int, timeout: float = 120.0) -> None:
+        """Start Worker ``worker`` again (after :meth:`kill_worker`), on its host and work dir, and wait until the
+        Master lists every Worker ALIVE (the killed one's registration gone, the new one's made).
+
+        Raises:
+            LaunchError: the Worker is still running, or a daemon exited (as :meth:`wait_ready`).
+            WaitTimeout: not ready within ``timeout`` seconds (the cluster has then been stopped).
+        """
+        if self.workers[worker].returncode is None:
+            raise LaunchError(f"Spark worker-{worker} is still running")
+        self.workers[worker] = self._worker(worker, append=True)
+        self.wait_ready(timeout)
+
     def stop(self, grace: float = 10.0) -> None:
         """Stop the Workers (and their executors and Python workers) together, then the Master; SIGKILL what
         does not exit within ``grace`` seconds. Safe to call twice."""
@@ -226,6 +292,21 @@ class StandaloneCluster:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:
