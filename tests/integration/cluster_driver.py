@@ -15,6 +15,11 @@ and answers JSON requests on a ZeroMQ REP socket at ``control``:
   ``feeder.feed`` as epoch 0 of stream S,
   and answers ``{"report": FeedReport, "tasks": [...]}``, the feed job's tasks as Spark's event log has them
   (partition, attempt, executor, host, speculative, launch and finish times, end reason), or ``{"error": ...}``.
+  Optional: ``"delivery"`` (feed()'s, default ``"stream"``), ``"arrow_batch_rows"`` (feed()'s), ``"hold": DIR``
+  (the feed's Python workers outlive their daemon: held_workers/sitecustomize.py, recorded in ``DIR``), and for
+  the ``generated`` and ``shuffle`` sources ``"delay"`` (seconds per batch) and ``"cut"`` (below).
+  The answer also has ``"executors"`` (those the warm-up found) and ``"stages"`` (each stage attempt of the feed's
+  jobs: stage, attempt, name, tasks).
 * ``{"cmd": "stop"}`` stops the session and the process.
 
 ``dataframe`` is ``spark.range`` (rows made in the JVM, the feeder's ``mapInArrow`` the only Python). ``rdd`` makes
@@ -35,6 +40,19 @@ would not mean that N rows had reached the feeder.
 Every attempt writes markers ``DIR/p{partition}-a{attempt}-{event}.json`` (``start``, ``fail``, ``stall``,
 ``saw-copy``, ``resume``, ``done``) with its executor id (its working directory, which the standalone Worker makes
 per executor), its host (``SPARK_LOCAL_IP``, inherited from the Worker) and the time.
+
+``generated`` and ``shuffle`` put a Python UDF upstream of the feed, in a Python worker of its own (a
+``mapInArrow`` of its own, ``gate``), as a user's pipeline would: ``generated`` makes each partition's ids there
+(rows of ``width`` float32s, 1 KiB at 256, in Arrow batches of ``arrow_batch_rows``); ``shuffle`` makes the rows in
+the JVM (``spark.range``, two map partitions), shuffles them (``repartition(partitions, "id")``, then, with
+``"sorted": true``, ``sortWithinPartitions("id")``, so that every attempt of a reducer sees its rows in one order)
+and the gate passes them on. The gate sleeps ``delay`` seconds a batch, and ``cut`` ``{"partition": p, "after": K,
+"how": "stall" | "fail"}`` cuts the first attempt of partition ``p`` (if not cut yet) after ``K``
+batches, once the broker holds ``K`` batches (the feeding task sent them): ``fail`` raises (marker ``fail``);
+``stall`` (marker ``stall``, with the executor JVM's pid) waits until the file ``DIR/cut`` exists, which the test
+writes once it has killed that executor. The first attempts of the other partitions wait for ``DIR/cut`` before
+their first batch, so that until the cut what the broker holds is partition ``p``'s alone. Gate markers are
+``p{partition}-t{task attempt id}-{event}.json`` (a stage resubmitted numbers its attempts from 0 again).
 """
 
 from __future__ import annotations
@@ -56,11 +74,13 @@ from launch.processes import announce_ready
 
 log = logging.getLogger("sparkbus.tests.cluster_driver")
 WAIT_LIMIT = 60.0         # seconds a misbehaving attempt waits for the broker or for its copy before going on
+LAG = 4                   # batches the gate yields past a cut's ``after`` before it waits for the broker to hold them
 
 
 def mark(markers: str, info: dict, event: str, **more) -> None:
     """Record one event of a task attempt as a small JSON file, written whole."""
-    path = Path(markers) / f"p{info['partition']}-a{info['attempt']}-{event}.json"
+    name = f"t{info['task']}" if info.get("gate") else f"a{info['attempt']}"
+    path = Path(markers) / f"p{info['partition']}-{name}-{event}.json"
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({**info, "event": event, "time": time.time(), **more}))
     tmp.rename(path)
@@ -139,6 +159,112 @@ def id_frame(spark, rows: int, partitions: int, width: int):
         "id", F.array_repeat(F.col("id").cast("float"), width).alias("x"))
 
 
+def broker_figures(broker: dict) -> dict:
+    """What the broker holds of the epoch: batches taken (first copies; in atomic delivery only at a commit) and
+    the bytes it buffers (atomic: every attempt's batches, held until its commit)."""
+    from broker.client import fetch_stats
+
+    stats = fetch_stats(broker["control"], 5.0)
+    epoch = stats["streams"].get(broker["stream"], {}).get("epochs", {}).get("0", {})
+    return {"batches_in": epoch.get("batches_in", 0), "rows_in": epoch.get("rows_in", 0),
+            "buffered_bytes": stats["broker"]["buffered_bytes"]}
+
+
+def holds(broker: dict, delivery: str, batches: int, batch_bytes: int) -> dict | None:
+    """The broker's figures once it holds ``batches`` batches of the one partition streaming, else None."""
+    figures = broker_figures(broker)
+    if delivery == "atomic":
+        return figures if figures["buffered_bytes"] >= batches * batch_bytes else None
+    return figures if figures["batches_in"] >= batches else None
+
+
+def gated_frame(spark, request: dict, broker: dict):
+    """The ``generated`` or ``shuffle`` source: rows through the ``gate`` UDF (see the module's docstring)."""
+    import pyarrow as pa
+
+    rows, partitions, width = request["rows"], request["partitions"], request.get("width", 64)
+    batch, markers, delay = request["arrow_batch_rows"], request["markers"], request.get("delay", 0.0)
+    delivery, cut = request.get("delivery", "stream"), request.get("cut") or {}
+    per_partition = rows // partitions
+    batch_bytes = batch * (8 + 4 * width)        # a batch's payload: the ids and the floats
+
+    def generated(part: int):
+        import numpy as np
+
+        for start in range(part * per_partition, (part + 1) * per_partition, batch):
+            ids = np.arange(start, min(start + batch, (part + 1) * per_partition), dtype=np.int64)
+            values = pa.array(np.repeat(ids.astype(np.float32), width))
+            offsets = pa.array(np.arange(0, (len(ids) + 1) * width, width, dtype=np.int32))
+            yield pa.RecordBatch.from_arrays([pa.array(ids), pa.ListArray.from_arrays(offsets, values)],
+                                             ["id", "x"])
+
+    def gate(batches):
+        from pyspark import TaskContext
+
+        task = TaskContext.get()
+        part = task.partitionId()
+        daemon = os.getppid()
+        info = {"gate": True, "partition": part, "attempt": task.attemptNumber(), "stage": task.stageId(),
+                "task": task.taskAttemptId(), "executor": os.path.basename(os.getcwd()),
+                "host": os.environ.get("SPARK_LOCAL_IP", "?"), "pid": os.getpid(), "daemon": daemon,
+                "jvm": parent_of(daemon)}
+        mark(markers, info, "start")
+        # Before the cut only: a stage resubmitted after a fetch failure numbers its attempts from 0 again
+        cut_file = Path(markers, "cut")
+        first = task.attemptNumber() == 0 and bool(cut) and not cut_file.exists()
+        victim = first and part == cut["partition"]
+        if first and not victim:
+            # until the victim's attempt is cut: what the broker holds until then is the victim's alone
+            mark(markers, info, "wait", cut=poll(cut_file.exists, WAIT_LIMIT))
+        if request["source"] == "generated":
+            for _ in batches:           # the one row of spark.range: read to its end (the worker is reused)
+                pass
+            batches = generated(part)
+        sent = 0
+        for record_batch in batches:
+            # Cut once the broker holds ``after`` batches. Batches yielded are not all there yet: the last ones
+            # may wait in this worker's output buffer or in the JVM, so go on yielding (a few) while none of the
+            # partition's batches waits on the feeding worker's input, then wait
+            held = None
+            if victim and sent >= cut["after"]:
+                held = holds(broker, delivery, cut["after"], batch_bytes) if sent < cut["after"] + LAG else \
+                    poll(lambda: holds(broker, delivery, cut["after"], batch_bytes), WAIT_LIMIT) or \
+                    {"timed_out": True, **broker_figures(broker)}
+            if held is not None:
+                victim = False
+                if cut["how"] == "fail":
+                    mark(markers, info, "fail", batches=sent, broker=held)
+                    cut_file.touch()
+                    raise RuntimeError(f"injected failure upstream of the feed in partition {part} after {sent} "
+                                       f"batches")
+                mark(markers, info, "stall", batches=sent, broker=held)
+                poll(cut_file.exists, WAIT_LIMIT)       # the test kills this executor meanwhile
+                mark(markers, info, "resume")
+            if delay:
+                time.sleep(delay)
+            yield record_batch
+            sent += 1
+        mark(markers, info, "done", batches=sent)
+
+    schema = "id long, x array<float>"
+    if request["source"] == "generated":
+        return spark.range(partitions, numPartitions=partitions).mapInArrow(gate, schema)
+    shuffled = id_frame(spark, rows, 2, width).repartition(partitions, "id")
+    if request.get("sorted"):
+        shuffled = shuffled.sortWithinPartitions("id")
+    return shuffled.mapInArrow(gate, schema)
+
+
+def parent_of(pid: int) -> int:
+    """The parent of ``pid`` (/proc), 0 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return 0
+    return int(text[text.rindex(")") + 2:].split()[1])
+
+
 def warm_up(spark, source: str, executors: int) -> list[str]:
     """Run one task of the feed's kind on every executor, importing the feeder; return the executors' ids.
 
@@ -158,11 +284,17 @@ def warm_up(spark, source: str, executors: int) -> list[str]:
             pass
         yield pa.RecordBatch.from_pydict({"executor": [executor_of()]})
 
+    def passed_on(batches):
+        importlib.import_module("feeder")
+        yield from batches
+
     if source == "rdd":
         rdd = spark.sparkContext.parallelize(range(executors), executors).barrier()
         found = rdd.mapPartitions(lambda _: [executor_of()]).collect()
     else:
         frame = id_frame(spark, 100 * executors, executors, 1)
+        if source in ("generated", "shuffle"):      # two Python workers a task: the gate's and the feed's
+            frame = frame.mapInArrow(passed_on, frame.schema)
         found = [row.executor for row in
                  frame.mapInArrow(arrow_executor, "executor string", barrier=True).collect()]
     if len(set(found)) != executors:
@@ -197,38 +329,80 @@ def task_records(events: Path, group: str, timeout: float) -> list[dict]:
             elif kind in ("SparkListenerTaskStart", "SparkListenerTaskEnd") and event["Stage ID"] in stages:
                 info = event["Task Info"]
                 record = tasks.setdefault(info["Task ID"], {"reason": None})
-                record.update(stage=event["Stage ID"], partition=info["Index"], attempt=info["Attempt"],
+                record.update(stage=event["Stage ID"], stage_attempt=event["Stage Attempt ID"],
+                              partition=info["Index"], attempt=info["Attempt"], task=info["Task ID"],
                               executor=info["Executor ID"], host=info["Host"], speculative=info["Speculative"],
                               launch=info["Launch Time"] / 1000, finish=info["Finish Time"] / 1000 or None)
                 if kind == "SparkListenerTaskEnd":
                     record["reason"] = event["Task End Reason"]["Reason"]
+                    record["type"] = event["Task Type"]
         if (jobs and ended == jobs) or time.monotonic() > deadline:
-            return sorted(tasks.values(), key=lambda t: (t["partition"], t["attempt"]))
+            return sorted(tasks.values(), key=lambda t: (t["stage"], t["stage_attempt"], t["partition"],
+                                                         t["attempt"]))
         time.sleep(0.1)
+
+
+HELD_WORKERS = Path(__file__).parent / "held_workers"     # its sitecustomize.py holds workers past their daemon
 
 
 def run_feed(spark, request: dict, events: Path, executors: int) -> dict:
     """One ``feed`` request (see the module's docstring)."""
     source, stream, width = request.get("source", "dataframe"), request["stream"], request.get("width", 64)
-    warm_up(spark, source, executors)         # a Python worker idle for a minute is ended: warm them again
-    if source == "rdd":
-        Path(request["markers"]).mkdir(parents=True, exist_ok=True)
-        broker = {"control": control_address(request["feed"]), "stream": stream}
-        data = faulty_rdd(spark.sparkContext, request["rows"], request["partitions"], width, request["markers"],
-                          broker, request.get("fail"), request.get("slow"))
-    elif request.get("fail") or request.get("slow"):
-        raise ValueError("fail and slow need the rdd source")
-    else:
-        data = id_frame(spark, request["rows"], request["partitions"], width)
+    context = spark.sparkContext
+    # an executor killed by an earlier test is replaced by its Worker: wait for it (the warm-up needs every slot)
+    wait_for_executors(spark, executors, 120.0)
+    environment = dict(context.environment)
+    if request.get("hold"):
+        # Python functions made from here on carry these variables; Spark starts a pyspark daemon of their own
+        context.environment.update({"PYTHONPATH": str(HELD_WORKERS), "SPARKBUS_TEST_HOLD_WORKERS": request["hold"]})
     group = f"feed-{stream}"
-    spark.sparkContext.setJobGroup(group, f"feed stream {stream}")
     try:
+        found = warm_up(spark, source, executors)     # a Python worker idle for a minute is ended: warm them again
+        if request.get("markers"):
+            Path(request["markers"]).mkdir(parents=True, exist_ok=True)
+        broker = {"control": control_address(request["feed"]), "stream": stream}
+        if source == "rdd":
+            data = faulty_rdd(context, request["rows"], request["partitions"], width, request["markers"], broker,
+                              request.get("fail"), request.get("slow"))
+        elif request.get("fail") or request.get("slow"):
+            raise ValueError("fail and slow need the rdd source")
+        elif source in ("generated", "shuffle"):
+            data = gated_frame(spark, request, broker)
+        else:
+            data = id_frame(spark, request["rows"], request["partitions"], width)
+        context.setJobGroup(group, f"feed stream {stream}")
         # one batch a message (no packs): the tests count what the broker holds, and its duplicates, in batches
         report = feed(data, request["feed"], stream=stream, batch_size=request["batch_size"],
-                      timeout=request.get("timeout", 30.0), pack_bytes=0)
+                      timeout=request.get("timeout", 30.0), pack_bytes=0,
+                      delivery=request.get("delivery", "stream"), arrow_batch_rows=request.get("arrow_batch_rows"))
     finally:
-        spark.sparkContext.setJobGroup("", "")
-    return {"report": report._asdict(), "tasks": task_records(events, group, 30.0)}
+        context.setJobGroup("", "")
+        context.environment.clear()
+        context.environment.update(environment)
+    return {"report": report._asdict(), "tasks": task_records(events, group, 30.0), "executors": found,
+            "stages": stage_records(events, group)}
+
+
+def stage_records(events: Path, group: str) -> list[dict]:
+    """Each attempt of each stage of the jobs of ``group`` (read after :func:`task_records` found them ended)."""
+    jobs, stages, found = set(), set(), {}
+    for line in events.read_text().splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        kind = event["Event"]
+        if kind == "SparkListenerJobStart" and event.get("Properties", {}).get("spark.jobGroup.id") == group:
+            jobs.add(event["Job ID"])
+            stages.update(event["Stage IDs"])
+        elif kind in ("SparkListenerStageSubmitted", "SparkListenerStageCompleted"):
+            info = event["Stage Info"]
+            if info["Stage ID"] in stages:
+                found[info["Stage ID"], info["Stage Attempt ID"]] = {
+                    "stage": info["Stage ID"], "attempt": info["Stage Attempt ID"], "name": info["Stage Name"],
+                    "tasks": info["Number of Tasks"],
+                    "failure": (info.get("Failure Reason") or "").split("\n", 1)[0] or None}
+    return [found[key] for key in sorted(found)]
 
 
 def serve(spark, control: zmq.Socket, events: Path, executors: int) -> None:
