@@ -356,7 +356,10 @@ def inject(kind: str, rng: random.Random, broker: BrokerProcess, consumers: Cons
             return None
         host = rng.choice(hosts)
         if kind.startswith("cluster_executor"):
-            pid = rig.kill_executor(host)
+            try:
+                pid = rig.kill_executor(host)
+            except LaunchError:        # it died on its own a moment ago
+                return None
             what = f"executor JVM pid {pid} on {host} SIGKILLed ({len(hosts)} of {len(HOSTS)} executors streaming)"
         else:
             worker, pid = rig.kill_host(host)

@@ -13,9 +13,8 @@ a directory holding a test-only ``sitecustomize.py`` which, when ``SPARKBUS_BENC
 driver's executors have it), makes the daemon's forked workers ignore SIGHUP and write their pid (and start time)
 into that directory. :meth:`ClusterRig.release_held` SIGKILLs those still running once their executor is gone.
 
-Executors are found as processes: each Worker's descendant whose command line is Spark's
-``CoarseGrainedExecutorBackend``; one streams a partition now if one of its Python workers holds a TCP connection
-to the broker's feed port.
+The faults are ``launch.cluster``'s (``kill_executors``, ``kill_worker``, ``restart_worker``). An executor streams a
+partition now if one of its Python workers holds a TCP connection to the broker's feed port.
 """
 
 from __future__ import annotations
@@ -25,14 +24,13 @@ import signal
 import time
 from pathlib import Path
 
-from launch.cluster import QUICK_START_JAVA_OPTS, WORKER_CLASS, StandaloneCluster, spark_home
-from launch.processes import ChildProcess, descendants
+from launch.cluster import QUICK_START_JAVA_OPTS, StandaloneCluster
+from launch.processes import descendants
 
-from .common import BenchError, Children
+from .common import Children
 from .faults_processes import Feeder
 
 HOSTS = ("127.0.0.1", "127.0.0.2")
-EXECUTOR_CLASS = "org.apache.spark.executor.CoarseGrainedExecutorBackend"
 HOLD_ENV = "SPARKBUS_BENCH_HOLD_DIR"
 # The driver's settings over StandaloneCluster.app_conf(): a failed task retried (up to 3 times, as the local
 # driver's local[2,4]), and both executors registered before the first job.
@@ -43,7 +41,8 @@ DRIVER_CONF = {
     "spark.executor.extraJavaOptions": " ".join(QUICK_START_JAVA_OPTS),
 }
 # The daemons' (-D): a Worker that stopped answering is declared lost after 10 s, not 60, should the Master miss
-# the end of its connection (a lost host's Worker is restarted after its feed: its executor must be gone by then).
+# the end of its connection (a lost host's Worker is started again before the next feed, once the Master lists it
+# gone).
 CLUSTER_CONF = {"spark.worker.timeout": "10"}
 
 SITECUSTOMIZE = '''"""Test-only (sparkbus's fault table): with SPARKBUS_BENCH_HOLD_DIR set, pyspark.daemon's
@@ -111,14 +110,6 @@ def _sockets(pid: int) -> set[str]:
     return found
 
 
-def _command(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
 class ClusterRig:
     """The cluster, its driver, and the faults done to them. Registered in ``children``: stopped with them.
 
@@ -134,7 +125,6 @@ class ClusterRig:
         for folder in (self.site, self.hold):
             folder.mkdir(parents=True, exist_ok=True)
         (self.site / "sitecustomize.py").write_text(SITECUSTOMIZE)
-        self.restarts = 0
         self.killed_held = 0
         self.feeder: Feeder | None = None
         self.cluster = StandaloneCluster(work / "cluster", HOSTS, cores=1, memory="1g",
@@ -156,11 +146,8 @@ class ClusterRig:
     # ---- what runs where ------------------------------------------------------------------------------------
 
     def executor_pid(self, host: str) -> int | None:
-        """The pid of the executor JVM under ``host``'s Worker now (None: none, or the Worker is gone)."""
-        worker = self.cluster.workers[HOSTS.index(host)]
-        if worker.poll() is not None:
-            return None
-        found = [pid for pid, _ in descendants(worker.pid) if EXECUTOR_CLASS in _command(pid)]
+        """The pid of the executor JVM of ``host``'s Worker now (None: none, or the Worker is gone)."""
+        found = self.cluster.executor_pids(HOSTS.index(host))
         return found[0] if found else None
 
     def streaming_hosts(self, feed_port: int) -> list[str]:
@@ -182,49 +169,27 @@ class ClusterRig:
     # ---- faults ---------------------------------------------------------------------------------------------
 
     def kill_executor(self, host: str) -> int:
-        """SIGKILL the executor JVM on ``host`` (its Worker stays, and the Master starts a new executor there)."""
-        pid = self.executor_pid(host)
-        if pid is None:
-            raise BenchError(f"no executor runs on {host}")
-        os.kill(pid, signal.SIGKILL)
-        return pid
+        """SIGKILL the executor JVM on ``host`` (its Worker stays, and the Master starts a new executor there).
+
+        Raises:
+            LaunchError: no executor runs there (it died a moment ago)."""
+        return self.cluster.kill_executors(HOSTS.index(host))[0]
 
     def kill_host(self, host: str) -> tuple[int, int | None]:
         """SIGKILL ``host``'s Worker JVM and its executor JVM at once (the host lost; :meth:`restore` brings a
         Worker back). Returns their pids."""
-        worker = self.cluster.workers[HOSTS.index(host)]
-        executor = self.executor_pid(host)
-        worker.proc.send_signal(signal.SIGKILL)
-        if executor is not None:
-            try:
-                os.kill(executor, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        worker.proc.wait(10)
-        return worker.pid, executor
+        pids = self.cluster.kill_worker(HOSTS.index(host))
+        return pids[0], (pids[1] if len(pids) > 1 else None)
 
-    def restore(self) -> list[str]:
-        """Start a new Worker on each host whose Worker is gone, as ``StandaloneCluster.start`` does (same work
-        dir, settings and Master); returns those hosts. The driver's next :meth:`warm` waits for its executor."""
+    def restore(self, timeout: float = 120.0) -> list[str]:
+        """Start a Worker again on each host whose Worker was lost (``StandaloneCluster.restart_worker``: same work
+        dir, settings and Master, waited for until the Master lists it ALIVE); returns those hosts. The driver's
+        next :meth:`warm` waits for its executor."""
         restored = []
-        cluster = self.cluster
-        for index, (host, worker) in enumerate(zip(HOSTS, cluster.workers)):
-            if worker.poll() is None:
-                continue
-            worker.stop(0)              # gone already: closes its log
-            self.restarts += 1
-            home = spark_home()
-            env = {"SPARK_HOME": str(home), "SPARK_LOCAL_IP": host, "SPARK_CONF_DIR": str(cluster.workdir / "conf"),
-                   **cluster.env, "SPARK_WORKER_DIR": str(cluster.workdir / f"worker-{index}"),
-                   "SPARK_WORKER_OPTS": " ".join(f"-D{key}={value}" for key, value in cluster.conf.items())}
-            if cluster.java_opts:
-                env["SPARK_DAEMON_JAVA_OPTS"] = " ".join(cluster.java_opts)
-            cluster.workers[index] = ChildProcess(
-                f"worker-{index}", ["bash", str(home / "bin" / "spark-class"), WORKER_CLASS, cluster.master_url,
-                                    "--cores", str(cluster.cores), "--memory", cluster.memory, "--host", host,
-                                    "--port", "0", "--webui-port", "0"],
-                cluster.workdir / f"worker-{index}-restart-{self.restarts}.log", env=env, cwd=cluster.workdir)
-            restored.append(host)
+        for index, (host, worker) in enumerate(zip(HOSTS, self.cluster.workers)):
+            if worker.returncode is not None:
+                self.cluster.restart_worker(index, timeout)
+                restored.append(host)
         return restored
 
     def release_held(self, everything: bool = False) -> int:
