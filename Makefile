@@ -28,9 +28,13 @@ test: setup
 	$(PY) -m pytest $(ARGS)
 	$(if $(ARGS),,SPARKBUS_TEST_AUTH=1 $(PY) -m pytest tests/integration/test_fuzz.py tests/integration/test_guarantees.py)
 
-# ruff over the whole tree, mypy over the library (the parts and launch/); both configured in pyproject.toml
+# ruff over the whole tree, mypy over the library (the parts and launch/); both configured in pyproject.toml. mypy
+# reads the package as installed: build/mypy/sparkbus, links to the folders that pyproject.toml maps under sparkbus
 lint: setup
 	$(VENV)/bin/ruff check .
+	rm -rf build/mypy && mkdir -p build/mypy/sparkbus
+	ln -s $(CURDIR)/sparkbus/*.py build/mypy/sparkbus/
+	for part in feeder broker worker wire launch; do ln -s $(CURDIR)/$$part build/mypy/sparkbus/$$part; done
 	$(VENV)/bin/mypy
 
 bench: setup

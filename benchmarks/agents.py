@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from launch.processes import die_with_parent
+from sparkbus.launch.processes import die_with_parent
 
 from .common import agent_loop
 
@@ -53,18 +53,18 @@ def sender(conn: Any) -> None:
 
 def _send_job(conn: Any, job: dict) -> dict:
     if job.get("no_checksum"):     # investigation only (profile_hop.py --no-checksum): what the checksum costs
-        import broker.protocol
+        from sparkbus.wire import protocol
 
         for name in ("batch_checksum", "batch_crc"):       # whichever this protocol version has
-            if hasattr(broker.protocol, name):
-                setattr(broker.protocol, name, lambda buffers: 0)
+            if hasattr(protocol, name):
+                setattr(protocol, name, lambda buffers: 0)
     columns = payload(job["size"])
     clock: dict = {}
     batches = _timed(columns, job["seconds"], job["min_batches"], job.get("max_batches"), clock)
     if job["mode"] == "zmq":
         _send_zmq(job, batches)
     else:
-        from feeder.task import stream_partition
+        from sparkbus.feeder.task import stream_partition
 
         more = {"pack_bytes": job["pack_bytes"]} if "pack_bytes" in job else {}     # a diagnostic's setting
         more |= {k: job[k] for k in ("key", "broker_key") if k in job}              # CURVE (a broker with --auth)
@@ -77,7 +77,7 @@ def _send_job(conn: Any, job: dict) -> dict:
 def _send_zmq(job: dict, batches) -> None:
     import zmq
 
-    from broker.codec import encode_batch
+    from sparkbus.wire.codec import encode_batch
 
     ctx: Any = zmq.Context.instance()
     push = ctx.socket(zmq.PUSH)
@@ -141,7 +141,7 @@ def _receive_zmq(conn: Any, job: dict) -> dict:
 
 
 def _receive_sparkbus(conn: Any, job: dict) -> dict:
-    from worker import BatchStream
+    from sparkbus.worker import BatchStream
 
     keys = {k: job[k] for k in ("key", "broker_key") if k in job}                  # CURVE (a broker with --auth)
     with BatchStream(job["ranks"], stream=job["stream"], comm=None, prefetch=job.get("prefetch", 4),
@@ -166,7 +166,7 @@ def proxy(conn: Any, hwm: int) -> None:
     Its context has as many I/O threads as the broker's, so that the two hops copy bytes on as many threads."""
     import zmq
 
-    from broker.daemon import IO_THREADS
+    from sparkbus.broker.daemon import IO_THREADS
 
     die_with_parent()
     ctx = zmq.Context(io_threads=IO_THREADS)

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from benchmarks import common, report, spark_configs
     from benchmarks.sections import Context, Dataset, Run
-    from broker.config import parse_size
+    from sparkbus.broker.config import parse_size
 
     sizes = common.QUICK if args.quick else common.FULL
     try:
@@ -195,7 +195,7 @@ class SparkPrep:
     def _run(self) -> None:
         try:
             from benchmarks import spark_data
-            from launch.spark import local_session
+            from sparkbus.launch.spark import local_session
 
             self.log("starting Spark (local[2])" + (" and caching the DataFrame" if self.frame else ""))
             started = time.monotonic()

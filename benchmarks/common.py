@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launch.broker import BrokerProcess
-from launch.mpi import loopback_env, mpiexec_python
-from launch.processes import ChildProcess, die_with_parent, wait_for
+from sparkbus.launch.broker import BrokerProcess
+from sparkbus.launch.mpi import loopback_env, mpiexec_python
+from sparkbus.launch.processes import ChildProcess, die_with_parent, wait_for
 
 from .rank_files import figures_path, ready_path
 
@@ -182,10 +182,10 @@ class Children:
 
     def broker(self, max_buffer: int | str = "256MiB", timeout: float = 20.0, *flags: str,
                prefix: Sequence[str] = ()) -> BrokerProcess:
-        """``python -m broker`` on loopback ports it picks itself; returns once it is listening.
+        """``python -m sparkbus.broker`` on loopback ports it picks itself; returns once it is listening.
 
-        ``flags``: more ``python -m broker`` flags, e.g. ``"--auth", DIR``. ``prefix``: argv that execs the broker,
-        e.g. :func:`on_cpus` to pin it.
+        ``flags``: more ``python -m sparkbus.broker`` flags, e.g. ``"--auth", DIR``. ``prefix``: argv that execs the
+        broker, e.g. :func:`on_cpus` to pin it.
         """
         broker = BrokerProcess(self.log("broker"), "--max-buffer", str(max_buffer), "--log-level", "WARNING",
                                *flags, cwd=ROOT, prefix=prefix)
@@ -249,7 +249,7 @@ def run_ranks(children: Children, name: str, n: int, script: str, out: Path, arg
 
 def open_epoch(client: Any, stream: str, epoch: int, partitions: int) -> dict:
     """``EPOCH_OPEN`` as ``feeder.feed`` sends it (plain streaming delivery; brokers ignore fields they lack)."""
-    from broker.protocol import Kind
+    from sparkbus.wire.protocol import Kind
 
     return client.request(Kind.EPOCH_OPEN, stream=stream, epoch=epoch, partitions=partitions, delivery="stream")
 

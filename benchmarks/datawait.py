@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from launch.processes import wait_for
+from sparkbus.launch.processes import wait_for
 
 from . import spark_data
 from .common import BenchError, Children, MiB, Sizes, median, run_ranks
@@ -93,7 +93,7 @@ def run(children: Children, spark: Any, main_df: Any, main_rows: int, sizes: Siz
 
 def _one(children: Children, broker, df: Any, compute: float, work: Path, timeout: float, even: bool,
          steps: str = "broker") -> dict:
-    from feeder import feed
+    from sparkbus.feeder import feed
 
     n = next(_runs)
     stream, out = f"wait-{n}", work / f"wait-{n}"

@@ -1,6 +1,6 @@
 """Figure 2, end to end from Spark: a cached DataFrame to MPI ranks, three ways.
 
-* ``sparkbus``: ``python -m broker`` + ``feeder.feed(df, ...)`` + ``mpiexec -n 2 rank_consumer.py``.
+* ``sparkbus``: ``python -m sparkbus.broker`` + ``feeder.feed(df, ...)`` + ``mpiexec -n 2 rank_consumer.py``.
 * ``parquet``: Spark writes Parquet to a temporary directory; then ``mpiexec -n 2 parquet_reader.py`` ranks read
   their share of the files with pyarrow.
 * ``limit``: the same cached DataFrame handed to Python through ``mapInArrow`` and dropped there (no sink),
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launch.broker import BrokerProcess
+from sparkbus.launch.broker import BrokerProcess
 
 from . import spark_data
 from .common import BenchError, Children, Sizes, median, run_ranks
@@ -100,7 +100,7 @@ def run_sparkbus(children: Children, broker: BrokerProcess | Sequence[BrokerProc
     ``steps``: how the ranks keep equal steps (``BatchStream(steps=...)``: granted by the broker, or agreed over
     MPI).
     """
-    from feeder import feed
+    from sparkbus.feeder import feed
 
     brokers = [broker] if isinstance(broker, BrokerProcess) else list(broker)
 
@@ -177,7 +177,7 @@ def run_parquet(children: Children, df: Any, rows: int, ranks: int, work: Path, 
 
 def warm_up_feed(df: Any, broker: BrokerProcess) -> None:
     """Feed a few thousand rows on every Python worker into a stream no rank reads (they stay in the broker)."""
-    from feeder import feed
+    from sparkbus.feeder import feed
 
     small = df.limit(4 * BATCH_SIZE).repartition(2)
     feed(small, broker.feed, stream="warm-up", epoch=0, batch_size=BATCH_SIZE, timeout=60.0)

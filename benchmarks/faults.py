@@ -4,7 +4,7 @@ per fault kind the rows lost and the rows trained twice. A report, not an assert
 Every run is one epoch of ``rows`` rows (ids 0..rows-1, ``{"id": int64, "x": float32}``) fed by ``feeder.feed``
 from a Spark driver of the section's own (``benchmarks/faults_feeder.py``, ``local[2,4]``: two task slots and a
 failed task retried, as a cluster would; not the bench's ``local[2]`` session, which retries nothing) whose tasks
-sleep ``pause`` s after each batch so the feed lasts, through one broker (``python -m broker``, ``launch``'s
+sleep ``pause`` s after each batch so the feed lasts, through one broker (``python -m sparkbus.broker``, ``launch``'s
 ``BrokerProcess``), to independent consumers (``benchmarks/faults_consumer.py``, ``BatchStream(comm=None)``,
 windows of 4 batches, a short sleep per batch) that write down every id their loop yielded, right after it was
 yielded. One batch per message (``pack_bytes=0``), so that a fault lands between batches. A run's figures:
@@ -58,8 +58,8 @@ from pathlib import Path
 
 import numpy as np
 
-from launch.broker import BrokerProcess
-from launch.processes import LaunchError, wait_for
+from sparkbus.launch.broker import BrokerProcess
+from sparkbus.launch.processes import LaunchError, wait_for
 
 from .common import ROOT, BenchError
 from .faults_cluster import HOSTS, ClusterRig
@@ -381,7 +381,7 @@ def inject(kind: str, rng: random.Random, broker: BrokerProcess, consumers: Cons
 def run(ctx: Context, plan: Plan, name: str = "faults") -> FaultTable:
     """Every kind of ``plan``; the table is in ``ctx.results[name]`` from the start, so that a failure part-way
     still reports the runs measured."""
-    from launch import netns
+    from sparkbus.launch import netns
 
     result = ctx.results[name] = FaultTable(plan)
     result.skipped.update(plan.skipped)

@@ -24,8 +24,8 @@ import signal
 import time
 from pathlib import Path
 
-from launch.cluster import QUICK_START_JAVA_OPTS, StandaloneCluster
-from launch.processes import descendants
+from sparkbus.launch.cluster import QUICK_START_JAVA_OPTS, StandaloneCluster
+from sparkbus.launch.processes import descendants
 
 from .common import Children
 from .faults_processes import Feeder

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from worker import BatchStream
+from sparkbus.worker import BatchStream
 
 
 def main() -> None:

@@ -76,7 +76,7 @@ def _frame(spark: Any, r: dict) -> Any:
 def _feed(spark: Any, r: dict, pids: str) -> dict:
     import warnings
 
-    from feeder import feed
+    from sparkbus.feeder import feed
 
     if r.get("source", "rows") == "dataframe":
         data, more = _frame(spark, r), {"arrow_batch_rows": r["batch_size"]}
@@ -106,7 +106,7 @@ def warm(spark: Any, wanted: int, timeout: float) -> list[str]:
 
         import pyarrow as pa
 
-        importlib.import_module("feeder")
+        importlib.import_module("sparkbus.feeder")
         for _ in batches:
             pass
         yield pa.RecordBatch.from_pydict({"executor": [os.path.basename(os.getcwd())]})
@@ -133,7 +133,7 @@ def main() -> int:
     parser.add_argument("--executors", type=int, default=0, help="executors to wait for and warm before ready")
     args = parser.parse_args()
     sys.path[0] = str(Path(__file__).resolve().parent.parent)      # the checkout's root (launch/)
-    from launch.spark import local_session
+    from sparkbus.launch.spark import local_session
 
     pids = args.dir / "pids"
     pids.mkdir(parents=True, exist_ok=True)

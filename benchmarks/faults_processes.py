@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from launch.processes import ChildProcess, wait_for
+from sparkbus.launch.processes import ChildProcess, wait_for
 
 from .common import HERE, ROOT, BenchError, Children
 

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from broker.client import ControlClient
-from broker.protocol import Kind
+from sparkbus.broker.client import ControlClient
+from sparkbus.wire.protocol import Kind
 
 from . import agents
 from .common import Agent, BenchError, Children, KiB, MiB, Sizes, median, open_epoch
@@ -115,9 +115,9 @@ def _measure(sender: Agent, receiver: Agent, send_job: dict, receive_job: dict, 
 
 def feeder_pack_bytes() -> int | None:
     """The feeder's default pack size if this version packs consecutive small batches into one message, else None."""
-    import feeder.task
+    from sparkbus.feeder import task
 
-    return getattr(feeder.task, "DEFAULT_PACK_BYTES", None)
+    return getattr(task, "DEFAULT_PACK_BYTES", None)
 
 
 def diagnostics() -> list[tuple[str, int, dict[str, Any]]]:
@@ -149,7 +149,7 @@ def make_curve_keys(root: Path) -> CurveKeys:
     The clients' pairs stay in ``root/clients``; only their public ``.key`` files are copied into the broker's
     ``feeders/`` and ``ranks/`` folders.
     """
-    from broker.auth import create_keypair
+    from sparkbus.broker.auth import create_keypair
 
     auth, clients = root / "auth", root / "clients"
     for folder in (auth / "feeders", auth / "ranks", clients):
@@ -293,7 +293,7 @@ class HopSection(Section[list[HopResult]]):
                  "MB/s = 10^6 bytes of payload per second, from the sender's first send to the receiver's last "
                  "receive; b/s = batches per second. Each batch is one float32 column of the given size. "
                  "`direct`: raw pyzmq PUSH -> PULL; `zmq.proxy`: through `zmq.proxy(PULL, PUSH)` in a third "
-                 "process; `sparkbus`: `python -m broker`, fed by `feeder.task.stream_partition`, consumed by "
+                 "process; `sparkbus`: `python -m sparkbus.broker`, fed by `feeder.task.stream_partition`, consumed by "
                  "`BatchStream(comm=None)` (its defaults: prefetch 4, checksum verified)." + _packing_note(), ""]
         hop = {(h.mode, h.size): h for h in result}
         rows = []
@@ -356,7 +356,7 @@ def _packing_note() -> str:
 
 def _cpu_markdown(result: list[HopResult]) -> list[str]:
     """CPU seconds per GB of payload in each process of the three hops (medians), where they were measured."""
-    from broker.daemon import IO_THREADS
+    from sparkbus.broker.daemon import IO_THREADS
 
     by = {(h.mode, h.size): h for h in result}
     roles = ("sender", "middle", "receiver")

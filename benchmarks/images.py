@@ -41,9 +41,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from launch.broker import BrokerProcess
-from launch.mpi import loopback_env, mpiexec_python
-from launch.processes import ChildProcess, wait_for
+from sparkbus.launch.broker import BrokerProcess
+from sparkbus.launch.mpi import loopback_env, mpiexec_python
+from sparkbus.launch.processes import ChildProcess, wait_for
 
 from .end_to_end import CpuMeter
 from .rank_files import figures_path, ready_path
@@ -197,7 +197,7 @@ class Runner:
                 "decode_seconds": sum(f["decode_seconds"] for f in figures), **clock}
 
     def sparkbus(self) -> dict:
-        from feeder import feed
+        from sparkbus.feeder import feed
 
         self.count += 1
         stream = f"images-{self.count}"
@@ -335,7 +335,7 @@ def first_task_seconds(df: Any) -> float:
 def _warm_up(df: Any, broker: BrokerProcess, work: Path) -> None:
     """Outside any timing: a full scan of the cache, a small Parquet write (the session's first is slow), and a
     small feed into a stream no rank reads (the Python workers import sparkbus)."""
-    from feeder import feed
+    from sparkbus.feeder import feed
 
     df.selectExpr("sum(length(image))").collect()
     df.limit(1000).write.mode("overwrite").parquet(str(work / "warm-up.parquet"))
@@ -421,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     images = args.images or (QUICK_IMAGES if args.quick else IMAGES)
     reps = args.reps or (QUICK_REPS if args.quick else REPS)
 
-    from launch.spark import local_session
+    from sparkbus.launch.spark import local_session
 
     spark = local_session("local[2]", "sparkbus-bench-images", conf={"spark.driver.memory": "2g"})
     try:

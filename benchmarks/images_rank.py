@@ -105,7 +105,7 @@ class Tally:
 
 
 def from_bus(args, comm, out: Path) -> tuple[Tally, dict]:
-    from worker import BatchStream
+    from sparkbus.worker import BatchStream
 
     tally, pool = Tally(out, comm.rank), ThreadPoolExecutor(args.threads, thread_name_prefix="decode")
     try:

@@ -84,7 +84,7 @@ def measure(df: Any, column: str = "tokens", *, batch_size: int = 64, bucket_win
         column: the column to pad and bucket by.
         batch_size: rows per batch; bucket_window: ``feed``'s window, in batches' worth of rows.
         feed_address, ranks_address: a running broker's addresses (both or neither). Neither: a broker is
-            started for the measurement (``python -m broker`` on loopback) and stopped after it.
+            started for the measurement (``python -m sparkbus.broker`` on loopback) and stopped after it.
         stream, first_epoch: where on the broker (a stream with these epochs unfed, no other reader).
         timeout: bounds every wait of the feed and of the reader, and the whole read at the end.
         feed_kwargs: more :func:`feeder.feed` arguments (``partitions`` is not one: repartition ``df``).
@@ -100,7 +100,7 @@ def measure(df: Any, column: str = "tokens", *, batch_size: int = 64, bucket_win
     if (feed_address is None) != (ranks_address is None):
         raise ValueError("give both feed_address and ranks_address, or neither (a broker is then started)")
     if feed_address is None:
-        from launch.broker import BrokerProcess
+        from sparkbus.launch.broker import BrokerProcess
 
         with tempfile.TemporaryDirectory(prefix="sparkbus-padding-") as tmp:
             broker = BrokerProcess(Path(tmp) / "broker.log").start(timeout=30)
@@ -111,8 +111,8 @@ def measure(df: Any, column: str = "tokens", *, batch_size: int = 64, bucket_win
             finally:
                 broker.stop()
 
-    from feeder import feed
-    from worker import BatchStream
+    from sparkbus.feeder import feed
+    from sparkbus.worker import BatchStream
 
     lengths: list[list[np.ndarray]] = [[], []]
     failure: list[BaseException] = []
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(HERE.parent / "examples"))
     from train_text import text_frame
 
-    from launch.spark import local_session
+    from sparkbus.launch.spark import local_session
 
     spark = local_session("local[2]", "sparkbus-padding")
     try:

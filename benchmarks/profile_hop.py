@@ -3,7 +3,7 @@
     .venv/bin/pip install py-spy            # not a sparkbus dependency; for this investigation only
     .venv/bin/python benchmarks/profile_hop.py [--size 1KiB] [--seconds 5] [--prefetch 4] [--top 15]
 
-Runs the sparkbus hop of ``bench.py`` (``python -m broker``, ``feeder.task.stream_partition`` in one process,
+Runs the sparkbus hop of ``bench.py`` (``python -m sparkbus.broker``, ``feeder.task.stream_partition`` in one process,
 ``BatchStream(comm=None)`` in another) for ``--seconds`` while ``py-spy record --idle`` samples each of the three
 processes, then prints per process the share of wall time waiting (in ``poll``/``recv`` with nothing to do) and
 the functions with the most samples, inclusive and self. The raw collapsed stacks stay in ``--out``.
@@ -76,9 +76,9 @@ def summarize(path: Path, top: int) -> str:
 def main() -> int:
     from benchmarks import agents, hop
     from benchmarks.common import Children, open_epoch
-    from broker.client import ControlClient
-    from broker.config import parse_size
-    from broker.protocol import Kind
+    from sparkbus.broker.client import ControlClient
+    from sparkbus.broker.config import parse_size
+    from sparkbus.wire.protocol import Kind
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="1KiB")

@@ -21,8 +21,8 @@ from pathlib import Path
 from mpi4py import MPI
 from rank_files import ready_path, run_or_abort, wait_for_go, write_figures
 
-import worker
-from worker import BatchStream
+from sparkbus import worker
+from sparkbus.worker import BatchStream
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--ranks", required=True)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from launch.processes import wait_for
+from sparkbus.launch.processes import wait_for
 
 
 def ready_path(out: Path, rank: int) -> Path:

@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from broker.client import ControlClient
-from broker.protocol import Kind
+from sparkbus.broker.client import ControlClient
+from sparkbus.wire.protocol import Kind
 
 from . import agents, end_to_end
 from .common import BenchError, Children, MiB, Sizes, median, open_epoch, rss_sampler, vm_hwm

@@ -55,7 +55,7 @@ def _rss(pid: int) -> int:
 def _sample(broker: Any, epoch: int) -> dict:
     import msgpack
 
-    from broker.client import fetch_stats
+    from sparkbus.broker.client import fetch_stats
 
     figures = fetch_stats(broker.control, 10.0)
     with urllib.request.urlopen(figures["broker"]["endpoints"]["metrics"], timeout=10) as response:
@@ -70,8 +70,8 @@ def _sample(broker: Any, epoch: int) -> dict:
 def _feed_epoch(broker: Any, client: Any, epoch: int, timeout: float) -> None:
     import numpy as np
 
-    from broker.protocol import Kind
-    from feeder.task import stream_partition
+    from sparkbus.feeder.task import stream_partition
+    from sparkbus.wire.protocol import Kind
 
     open_epoch(client, STREAM, epoch, PARTITIONS)
     for part in range(PARTITIONS):
@@ -84,8 +84,8 @@ def _feed_epoch(broker: Any, client: Any, epoch: int, timeout: float) -> None:
 
 
 def run(children: Children, epochs: int, work: Path, timeout: float, log=print) -> Soak:
-    from broker.client import ControlClient
-    from launch.processes import ChildProcess
+    from sparkbus.broker.client import ControlClient
+    from sparkbus.launch.processes import ChildProcess
 
     result = Soak(epochs, PARTITIONS * ROWS)
     # the start (10 epochs), the figures' list just full (--keep-epochs), then every quarter to the end
@@ -122,7 +122,7 @@ def run(children: Children, epochs: int, work: Path, timeout: float, log=print) 
 
 
 def _wait_delivered(broker: Any, epochs: int, timeout: float) -> None:
-    from broker.client import fetch_stats
+    from sparkbus.broker.client import fetch_stats
 
     deadline = time.monotonic() + timeout
     while fetch_stats(broker.control, 10.0)["streams"].get(STREAM, {}).get("delivered", 0) < epochs:
@@ -140,7 +140,7 @@ def rank_main(argv: list[str] | None = None) -> int:
     parser.add_argument("--release", type=Path, required=True, help="leave once this file exists")
     parser.add_argument("--timeout", type=float, default=60.0)
     args = parser.parse_args(argv)
-    from worker import BatchStream
+    from sparkbus.worker import BatchStream
 
     rows = 0
     with BatchStream(args.ranks, stream=STREAM, timeout=args.timeout) as stream:

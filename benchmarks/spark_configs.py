@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from launch.cluster import QUICK_START_JAVA_OPTS, StandaloneCluster
-from launch.processes import ChildProcess, LaunchError, wait_for
-from launch.spark import LOCAL_CONF
+from sparkbus.launch.cluster import QUICK_START_JAVA_OPTS, StandaloneCluster
+from sparkbus.launch.processes import ChildProcess, LaunchError, wait_for
+from sparkbus.launch.spark import LOCAL_CONF
 
 from . import end_to_end
 from .common import HERE, ROOT, BenchError, Children, Sizes

@@ -155,7 +155,7 @@ def warm_up_feed(df: Any, rows: int, feed_address: str | list[str], stream: str,
     Every task of ``df`` runs, so every executor slot that will feed gets a Python worker that has imported
     sparkbus (a cold one pays seconds of imports on its first task). About 16 batches in all.
     """
-    from feeder import feed
+    from sparkbus.feeder import feed
 
     fraction = min(1.0, 16 * batch_size / max(1, rows))
     feed(df.sample(fraction=fraction, seed=1), feed_address, stream=stream, epoch=0, batch_size=batch_size,
@@ -167,7 +167,7 @@ def timed_feed(df: Any, feed_address: str | list[str], stream: str, batch_size: 
     """``feeder.feed`` of ``df`` as epoch 0 of ``stream``: (wall-clock start, wall-clock end, FeedReport as dict).
 
     ``options``: more ``feed`` arguments (``max_batch_bytes``, ...)."""
-    from feeder import feed
+    from sparkbus.feeder import feed
 
     started = time.time()
     report = feed(df, feed_address, stream=stream, epoch=0, batch_size=batch_size, timeout=timeout, **options)

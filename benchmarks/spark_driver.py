@@ -41,7 +41,7 @@ import traceback
 
 import zmq
 
-from launch.processes import announce_ready
+from sparkbus.launch.processes import announce_ready
 
 try:                                  # a module of the benchmarks package (the local[2] set-up of figure 6)
     from . import spark_data
@@ -98,8 +98,7 @@ def where_tasks_run(spark) -> dict:
     def where(_):
         import os
 
-        import broker
-        import feeder
+        from sparkbus import broker, feeder
 
         yield os.path.dirname(feeder.__file__), os.path.dirname(broker.__file__), sorted(os.sched_getaffinity(0))
 

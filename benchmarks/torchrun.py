@@ -110,9 +110,9 @@ def _feed(broker: Any, stream: str, timeout: float) -> None:
     """The epoch the ranks will read, held by the broker before they start (1 partition, 32 batches)."""
     import numpy as np
 
-    from broker.client import ControlClient
-    from broker.protocol import Kind
-    from feeder.task import stream_partition
+    from sparkbus.broker.client import ControlClient
+    from sparkbus.feeder.task import stream_partition
+    from sparkbus.wire.protocol import Kind
 
     features = np.ones((BATCH_ROWS, FEATURES), np.float32)
     batches = ({"id": np.arange(i * BATCH_ROWS, (i + 1) * BATCH_ROWS, dtype=np.int64), "x": features}
@@ -124,8 +124,8 @@ def _feed(broker: Any, stream: str, timeout: float) -> None:
 
 
 def _one(children: Children, broker: Any, way: str, work: Path, timeout: float) -> dict:
-    from launch.mpi import loopback_env
-    from launch.processes import ChildProcess
+    from sparkbus.launch.mpi import loopback_env
+    from sparkbus.launch.processes import ChildProcess
 
     n = next(_runs)
     stream, out = f"first-{n}", work / f"first-{n}"
@@ -196,7 +196,7 @@ def rank_main(argv: list[str] | None = None) -> int:
     else:
         how = {"rank": "auto"}
     t_ready = time.time()
-    from worker import BatchStream
+    from sparkbus.worker import BatchStream
 
     t_stream = time.time()
     with BatchStream(args.ranks, stream=args.stream, timeout=args.timeout, **how) as stream:

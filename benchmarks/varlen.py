@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from broker.errors import FeedError
+from sparkbus.wire.errors import FeedError
 
 from . import end_to_end, spark_data
 from .cluster import not_measured

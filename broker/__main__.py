@@ -1,10 +1,10 @@
-"""``python -m broker``: the broker daemon, with the same flags as ``sparkbus broker``."""
+"""``python -m sparkbus.broker``: the broker daemon, with the same flags as ``sparkbus broker``."""
 
 import argparse
 import sys
 
-from .cli import add_broker_arguments, run_broker
+from sparkbus.broker.cli import add_broker_arguments, run_broker
 
-parser = argparse.ArgumentParser(prog="python -m broker", description="the sparkbus broker daemon")
+parser = argparse.ArgumentParser(prog="python -m sparkbus.broker", description="the sparkbus broker daemon")
 add_broker_arguments(parser)
 sys.exit(run_broker(parser.parse_args()))

@@ -42,7 +42,7 @@ import zmq
 import zmq.auth
 from zmq.utils import z85
 
-from .errors import AuthError
+from sparkbus.wire.errors import AuthError
 
 log = logging.getLogger("sparkbus.auth")
 

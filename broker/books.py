@@ -14,10 +14,10 @@ from collections.abc import Callable, Iterable
 from enum import Enum
 from typing import Any
 
-from .errors import ProtocolError
-from .events import BatchesAcked, EpochRetired, Event, Observer
-from .journal import RETIRED_KEEP_STATS, DeliveredEpochs, EpochRanges, Journal
-from .state import EpochState, HeldBatch, RankState, StreamState
+from sparkbus.broker.events import BatchesAcked, EpochRetired, Event, Observer
+from sparkbus.broker.journal import RETIRED_KEEP_STATS, DeliveredEpochs, EpochRanges, Journal
+from sparkbus.broker.state import EpochState, HeldBatch, RankState, StreamState
+from sparkbus.wire.errors import ProtocolError
 
 log = logging.getLogger("sparkbus.broker")
 

@@ -11,8 +11,14 @@ import sys
 from pathlib import Path
 from typing import cast
 
-from .config import BROKER_SETTINGS, broker_config, is_loopback_endpoint, parse_duration, resolve_settings
-from .errors import AuthError
+from sparkbus.broker.config import (
+    BROKER_SETTINGS,
+    broker_config,
+    is_loopback_endpoint,
+    parse_duration,
+    resolve_settings,
+)
+from sparkbus.wire.errors import AuthError
 
 log = logging.getLogger("sparkbus.broker")
 
@@ -29,7 +35,7 @@ def _argument_type(parse):
 
 
 def add_broker_arguments(parser: argparse.ArgumentParser) -> None:
-    """The daemon's flags, shared by ``sparkbus broker`` and ``python -m broker``.
+    """The daemon's flags, shared by ``sparkbus broker`` and ``python -m sparkbus.broker``.
 
     Every flag defaults to None here: :func:`broker.config.resolve_settings` then takes the variable, the config
     file or the default, in that order (so a flag given on the command line always wins).
@@ -56,15 +62,15 @@ def run_broker(args: argparse.Namespace) -> int:
                                     config_file=args.config)
         config = broker_config(settings)
         if config.auth:
-            from .auth import KeyAuthority
+            from sparkbus.broker.auth import KeyAuthority
             KeyAuthority(config.auth)          # a bad key directory is a usage error now, not a failed start
         if config.metrics_port is not None:
-            from . import metrics  # noqa: F401  (prometheus-client, sparkbus[broker]: missing is a usage error)
+            from sparkbus.broker import metrics  # noqa: F401  (prometheus-client, sparkbus[broker]: missing is a usage error)
     except (ValueError, AuthError, ImportError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
 
-    from .daemon import Broker
+    from sparkbus.broker.daemon import Broker
 
     # Until the daemon applies the keys (Broker.serves_curve), --auth must not start a broker that is open while its
     # operator believes it is closed.
@@ -93,12 +99,12 @@ def run_broker(args: argparse.Namespace) -> int:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    from .address import broker_addresses
-    from .auth import BROKER_KEY_ENV, KEY_ENV, load_key_pair, load_public_key
-    from .client import fetch_stats
-    from .errors import BrokerError
-    from .figures import Figures
-    from .status import render_stats, render_totals, totals
+    from sparkbus.broker.auth import BROKER_KEY_ENV, KEY_ENV, load_key_pair, load_public_key
+    from sparkbus.broker.client import fetch_stats
+    from sparkbus.broker.figures import Figures
+    from sparkbus.broker.status import render_stats, render_totals, totals
+    from sparkbus.wire.address import broker_addresses
+    from sparkbus.wire.errors import BrokerError
 
     def fetch(address: str) -> Figures:
         return cast("Figures", fetch_stats(address, args.timeout))
@@ -121,7 +127,7 @@ def run_status(args: argparse.Namespace) -> int:
         except ImportError:
             print("sparkbus status: error: --watch needs rich: pip install 'sparkbus[broker]'", file=sys.stderr)
             return 2
-        from .status import watch
+        from sparkbus.broker.status import watch
         try:
             watch(lambda: {address: fetch(address) for address in addresses}, args.interval)
         except BrokerError as exc:
@@ -164,7 +170,7 @@ A key in feeders/ may feed but not consume, one in ranks/ may consume but not fe
 
 
 def run_keys(args: argparse.Namespace) -> int:
-    from .auth import create_keypair
+    from sparkbus.broker.auth import create_keypair
 
     try:
         public, secret = create_keypair(args.path)

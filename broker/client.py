@@ -16,17 +16,17 @@ from typing import Any
 
 import zmq
 
-from .auth import client_socket
-from .errors import BrokerError, ProtocolError
-from .protocol import VERSION, ErrorCode, Kind, negotiated, pack_header, unpack_header
-from .status import merge_pages
+from sparkbus.broker.auth import client_socket
+from sparkbus.broker.status import merge_pages
+from sparkbus.wire.errors import BrokerError, ProtocolError
+from sparkbus.wire.protocol import VERSION, ErrorCode, Kind, negotiated, pack_header, unpack_header
 
 
 class ControlClient:
     """Request/reply to the broker's control (or ranks) socket, each wait bounded by ``timeout``.
 
     Args:
-        address: the broker's control endpoint (see :func:`broker.address.control_address`).
+        address: the broker's control endpoint (see :func:`sparkbus.wire.address.control_address`).
         timeout: seconds to wait for each reply.
         context: ZeroMQ context; the process-wide instance by default.
         key, broker_key: this client's ``.key_secret`` file and the broker's ``.key`` file, for a broker run with

@@ -28,19 +28,19 @@ from typing import Any
 
 import zmq
 
-from . import protocol
-from .address import control_address
-from .books import Outcome
-from .config import BrokerConfig
-from .errors import ProtocolError, VersionMismatch
-from .figures import Figures
-from .guard import Guard
-from .journal import Journal
-from .ledger import Ledger, MissedEnd, Rejected, Reply
-from .protocol import ErrorCode, Kind, pack_header, unpack_header
-from .state import StreamState
-from .status import paginate
-from .versions import PeerVersions
+from sparkbus.broker.books import Outcome
+from sparkbus.broker.config import BrokerConfig
+from sparkbus.broker.figures import Figures
+from sparkbus.broker.guard import Guard
+from sparkbus.broker.journal import Journal
+from sparkbus.broker.ledger import Ledger, MissedEnd, Rejected, Reply
+from sparkbus.broker.state import StreamState
+from sparkbus.broker.status import paginate
+from sparkbus.broker.versions import PeerVersions
+from sparkbus.wire import protocol
+from sparkbus.wire.address import control_address
+from sparkbus.wire.errors import ProtocolError, VersionMismatch
+from sparkbus.wire.protocol import ErrorCode, Kind, pack_header, unpack_header
 
 log = logging.getLogger("sparkbus.broker")
 
@@ -131,7 +131,7 @@ class Broker:
             ranks.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(self.config.dead_after * 1000))
             self._bind(socks)
             if self.config.metrics_port is not None:
-                from .metrics import MetricsExporter  # prometheus-client only when metrics are asked for
+                from sparkbus.broker.metrics import MetricsExporter  # prometheus-client only when metrics are asked for
                 metrics = MetricsExporter(self.config.metrics_port, self.config.metrics_host)
                 self.endpoints["metrics"] = f"http://{self.config.metrics_host}:{metrics.start()}/metrics"
             self._announce()

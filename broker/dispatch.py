@@ -12,13 +12,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from . import protocol
-from .books import Outcome, Transmit
-from .errors import ProtocolError
-from .grants import Grants
-from .pieces import cut
-from .protocol import ErrorCode, Kind
-from .state import MAX_WINDOW, EpochState, HeldBatch, RankState, StreamState
+from sparkbus.broker.books import Outcome, Transmit
+from sparkbus.broker.grants import Grants
+from sparkbus.broker.pieces import cut
+from sparkbus.broker.state import MAX_WINDOW, EpochState, HeldBatch, RankState, StreamState
+from sparkbus.wire import protocol
+from sparkbus.wire.errors import ProtocolError
+from sparkbus.wire.protocol import ErrorCode, Kind
 
 log = logging.getLogger("sparkbus.broker")
 

@@ -12,9 +12,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from . import protocol
-from .figures import EpochFigures
-from .journal import Journal, Record, ReplayedEpoch
+from sparkbus.broker.figures import EpochFigures
+from sparkbus.broker.journal import Journal, Record, ReplayedEpoch
+from sparkbus.wire import protocol
 
 
 @dataclass(frozen=True, slots=True)

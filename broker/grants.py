@@ -24,13 +24,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
-from . import protocol
-from .books import Outcome, Transmit
-from .errors import ProtocolError
-from .pieces import cut
-from .protocol import Kind
-from .rejoin import MissedEnd, Rejoin
-from .state import BatchId, EpochState, HeldBatch, RankState, StreamState
+from sparkbus.broker.books import Outcome, Transmit
+from sparkbus.broker.pieces import cut
+from sparkbus.broker.rejoin import MissedEnd, Rejoin
+from sparkbus.broker.state import BatchId, EpochState, HeldBatch, RankState, StreamState
+from sparkbus.wire import protocol
+from sparkbus.wire.errors import ProtocolError
+from sparkbus.wire.protocol import Kind
 
 log = logging.getLogger("sparkbus.broker")
 

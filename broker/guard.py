@@ -17,8 +17,8 @@ from collections.abc import Callable
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from .auth import ZAP_ENDPOINT, KeyAuthority, handshake_refusal, make_curve_server, zap_reply
-from .errors import AuthError
+from sparkbus.broker.auth import ZAP_ENDPOINT, KeyAuthority, handshake_refusal, make_curve_server, zap_reply
+from sparkbus.wire.errors import AuthError
 
 log = logging.getLogger("sparkbus.broker")
 

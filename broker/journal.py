@@ -43,8 +43,8 @@ from typing import Any
 
 import msgpack
 
-from .figures import fold, no_earlier
-from .protocol import PartitionRanges
+from sparkbus.broker.figures import fold, no_earlier
+from sparkbus.wire.protocol import PartitionRanges
 
 log = logging.getLogger("sparkbus.journal")
 _PREFIX = struct.Struct("<II")      # body length, CRC-32 of the body

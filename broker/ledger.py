@@ -23,8 +23,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from .dispatch import MAX_WINDOW_BYTES
-from .events import (
+from sparkbus.broker.dispatch import MAX_WINDOW_BYTES
+from sparkbus.broker.events import (
     Applied,
     BatchArrived,
     BatchesAcked,
@@ -35,11 +35,11 @@ from .events import (
     PartitionCommitted,
     replayed_events,
 )
-from .journal import DeliveredEpochs, Journal
-from .partitions import MAX_PARTITIONS, Rejected, Reply
-from .recovery import Recovery
-from .rejoin import MissedEnd
-from .state import HeldBatch
+from sparkbus.broker.journal import DeliveredEpochs, Journal
+from sparkbus.broker.partitions import MAX_PARTITIONS, Rejected, Reply
+from sparkbus.broker.recovery import Recovery
+from sparkbus.broker.rejoin import MissedEnd
+from sparkbus.broker.state import HeldBatch
 
 log = logging.getLogger("sparkbus.broker")
 

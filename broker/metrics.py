@@ -34,7 +34,7 @@ except ImportError as exc:     # the daemon imports this module only for --metri
     raise ImportError(f"the broker's --metrics-port needs prometheus-client ({exc}): "
                       "pip install 'sparkbus[broker]'") from exc
 
-from .figures import (
+from sparkbus.broker.figures import (
     BROKER_METRICS,
     EPOCH_METRICS,
     HIGH_WATER,

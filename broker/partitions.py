@@ -10,12 +10,12 @@ import itertools
 import logging
 from typing import Any, NamedTuple
 
-from . import protocol
-from .books import Books
-from .errors import ProtocolError
-from .events import BatchTaken, EpochClosed, EpochOpened, PartitionClaimed, PartitionCommitted
-from .protocol import ErrorCode, Kind
-from .state import EpochState, HeldBatch, PendingCommit, StreamState
+from sparkbus.broker.books import Books
+from sparkbus.broker.events import BatchTaken, EpochClosed, EpochOpened, PartitionClaimed, PartitionCommitted
+from sparkbus.broker.state import EpochState, HeldBatch, PendingCommit, StreamState
+from sparkbus.wire import protocol
+from sparkbus.wire.errors import ProtocolError
+from sparkbus.wire.protocol import ErrorCode, Kind
 
 log = logging.getLogger("sparkbus.broker")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import msgpack
 
-from .state import HeldBatch
+from sparkbus.broker.state import HeldBatch
 
 
 def cut(piece: HeldBatch, first: int) -> tuple[HeldBatch, HeldBatch]:

@@ -20,17 +20,17 @@ from collections.abc import Iterable
 from itertools import groupby
 from typing import Any
 
-from . import protocol
-from .books import Outcome, Transmit
-from .dispatch import Dispatch
-from .errors import ProtocolError
-from .events import BatchesAcked, EpochOpened
-from .journal import DeliveredEpochs, EpochRanges
-from .partitions import MAX_PARTITIONS, Partitions, check_modes
-from .pieces import cut
-from .protocol import Kind, PartitionRanges
-from .rejoin import MissedEnd
-from .state import BatchId, EpochRecovery, EpochState, HeldBatch, RankState, Reclaimed, StreamState
+from sparkbus.broker.books import Outcome, Transmit
+from sparkbus.broker.dispatch import Dispatch
+from sparkbus.broker.events import BatchesAcked, EpochOpened
+from sparkbus.broker.journal import DeliveredEpochs, EpochRanges
+from sparkbus.broker.partitions import MAX_PARTITIONS, Partitions, check_modes
+from sparkbus.broker.pieces import cut
+from sparkbus.broker.rejoin import MissedEnd
+from sparkbus.broker.state import BatchId, EpochRecovery, EpochState, HeldBatch, RankState, Reclaimed, StreamState
+from sparkbus.wire import protocol
+from sparkbus.wire.errors import ProtocolError
+from sparkbus.wire.protocol import Kind, PartitionRanges
 
 log = logging.getLogger("sparkbus.broker")
 

@@ -13,12 +13,12 @@ from collections import deque
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from . import protocol
-from .books import Books, Outcome, Transmit
-from .errors import ProtocolError
-from .pieces import cut
-from .protocol import ErrorCode, Kind
-from .state import BatchId, HeldBatch, Orphan, RankState, StreamState
+from sparkbus.broker.books import Books, Outcome, Transmit
+from sparkbus.broker.pieces import cut
+from sparkbus.broker.state import BatchId, HeldBatch, Orphan, RankState, StreamState
+from sparkbus.wire import protocol
+from sparkbus.wire.errors import ProtocolError
+from sparkbus.wire.protocol import ErrorCode, Kind
 
 log = logging.getLogger("sparkbus.broker")
 

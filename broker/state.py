@@ -13,9 +13,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from .figures import REPORTED, EpochFigures, OrphanFigures, RankFigures, StreamFigures, no_earlier
-from .journal import DeliveredEpochs
-from .protocol import PartitionRanges
+from sparkbus.broker.figures import REPORTED, EpochFigures, OrphanFigures, RankFigures, StreamFigures, no_earlier
+from sparkbus.broker.journal import DeliveredEpochs
+from sparkbus.wire.protocol import PartitionRanges
 
 BatchId = tuple[int, int, int]   # (epoch, partition, seq)
 

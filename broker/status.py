@@ -9,8 +9,8 @@ from typing import Any, TypedDict
 
 import msgpack
 
-from .figures import Figures
-from .protocol import MAX_HEADER_BYTES
+from sparkbus.broker.figures import Figures
+from sparkbus.wire.protocol import MAX_HEADER_BYTES
 
 PAGE_BYTES = MAX_HEADER_BYTES - 1024     # of figures per STATS_REPLY: room for the rest of the header
 

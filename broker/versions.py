@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from .protocol import VERSION
+from sparkbus.wire.protocol import VERSION
 
 MAX_OLDER_PEERS = 16384       # connections of older versions remembered (about 150 bytes each)
 FORGET_AFTER = 600.0          # seconds: longer than a feeder task waits for its partition's commit

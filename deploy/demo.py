@@ -2,7 +2,7 @@
 
     sparkbus demo [--quick] [--rows N] [--epochs E] [--features K] [--batch-size B] [--partitions P] ...
 
-Starts ``python -m broker`` on three free loopback ports, ``mpiexec -n 2 python deploy/train.py`` and
+Starts ``python -m sparkbus.broker`` on three free loopback ports, ``mpiexec -n 2 python deploy/train.py`` and
 ``spark-submit --master local[2] deploy/feed_job.py``; shows the broker's live figures while they run and a
 summary at the end. ``sparkbus demo --images [--quick] [--decode rank|spark]`` runs examples/train_images.py
 instead, on both sides: digits as PNG bytes in Spark, a small CNN on the ranks, decoded where
@@ -26,12 +26,12 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from broker.client import fetch_stats
-from broker.errors import BrokerError
-from launch.broker import BrokerProcess
-from launch.mpi import loopback_env, mpiexec_python
-from launch.processes import ChildProcess, LaunchError
-from launch.spark import local_env, submit_command
+from sparkbus.broker.client import fetch_stats
+from sparkbus.launch.broker import BrokerProcess
+from sparkbus.launch.mpi import loopback_env, mpiexec_python
+from sparkbus.launch.processes import ChildProcess, LaunchError
+from sparkbus.launch.spark import local_env, submit_command
+from sparkbus.wire.errors import BrokerError
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import synthetic
 
-from feeder import epoch_order, feed
+from sparkbus.feeder import epoch_order, feed
 
 HERE = Path(__file__).resolve().parent
 

@@ -25,8 +25,8 @@ import numpy as np  # noqa: E402
 import synthetic  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
-from worker import BatchStream  # noqa: E402
-from worker.collectives import allreduce, gather  # noqa: E402
+from sparkbus.worker import BatchStream  # noqa: E402
+from sparkbus.worker.collectives import allreduce, gather  # noqa: E402
 
 # Per rank and epoch, the figures gathered to rank 0 for the summary, in this order.
 FIGURES = ("batches", "rows", "bytes", "dropped_batches", "dropped_rows", "wait_seconds", "seconds")

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from worker import BatchStream
+from sparkbus.worker import BatchStream
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -92,7 +92,7 @@ def run_feed(args: argparse.Namespace) -> int:
     from pyspark.sql import SparkSession
     from train_torch import synthetic_frame  # examples/train_torch.py, beside this file
 
-    from feeder import feed_epochs
+    from sparkbus.feeder import feed_epochs
 
     spark = (SparkSession.builder.master(args.master).appName("sparkbus-train-ddp-feed")
              .config("spark.ui.showConsoleProgress", "false").getOrCreate())
@@ -126,10 +126,10 @@ def feed_numpy_epoch(address: str, control: str | None, stream: str, epoch: int,
     Returns:
         ``(rows, batches, seconds)`` fed.
     """
-    from broker.address import feed_and_control_addresses
-    from broker.client import ControlClient
-    from broker.protocol import Kind
-    from feeder import stream_partition
+    from sparkbus.broker.client import ControlClient
+    from sparkbus.feeder import stream_partition
+    from sparkbus.wire.address import feed_and_control_addresses
+    from sparkbus.wire.protocol import Kind
 
     started = time.monotonic()
     (feed,), (ctl,) = feed_and_control_addresses(address, control)
@@ -163,7 +163,7 @@ def run_ranks(args: argparse.Namespace) -> int:
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader
 
-    from worker.torch_data import StreamDataset
+    from sparkbus.worker.torch_data import StreamDataset
 
     torch.set_num_threads(args.threads)
     # A bounded collective timeout: a rank left alone in an allreduce fails instead of waiting for 30 minutes.

@@ -49,9 +49,9 @@ from typing import Any
 
 import numpy as np
 
-from feeder import epoch_order, feed  # none of these imports pyspark, torch or MPI
-from worker import BatchStream
-from worker.collectives import allreduce, gather
+from sparkbus.feeder import epoch_order, feed  # none of these imports pyspark, torch or MPI
+from sparkbus.worker import BatchStream
+from sparkbus.worker.collectives import allreduce, gather
 
 # Spark's tasks import this file by name (feed_images ships it with addPyFile): run as a script, it is __main__
 # on the driver, and cloudpickle would otherwise try to find __main__'s functions in the executors' own __main__.

@@ -37,9 +37,9 @@ from typing import Any
 
 import numpy as np
 
-from feeder import feed, feed_epochs  # none of these imports pyspark, torch or MPI
-from worker import BatchStream, pad
-from worker.collectives import allreduce, wait
+from sparkbus.feeder import feed, feed_epochs  # none of these imports pyspark, torch or MPI
+from sparkbus.worker import BatchStream, pad
+from sparkbus.worker.collectives import allreduce, wait
 
 PAD = 0                                               # the padding token: the tokenizer never makes it
 
@@ -358,7 +358,7 @@ def run_ranks(args: argparse.Namespace) -> int:
     from mpi4py import MPI
     from torch.utils.data import DataLoader
 
-    from worker.torch_data import StreamDataset, pad_collate
+    from sparkbus.worker.torch_data import StreamDataset, pad_collate
 
     torch.set_num_threads(args.threads)
     comm = MPI.COMM_WORLD

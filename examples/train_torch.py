@@ -41,10 +41,10 @@ from typing import Any
 
 import numpy as np
 
-from feeder import feed, feed_epochs  # none of these imports pyspark, torch or MPI
-from worker import BatchStream
-from worker.collectives import allreduce, wait
-from worker.torch_data import to_tensors
+from sparkbus.feeder import feed, feed_epochs  # none of these imports pyspark, torch or MPI
+from sparkbus.worker import BatchStream
+from sparkbus.worker.collectives import allreduce, wait
+from sparkbus.worker.torch_data import to_tensors
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -336,7 +336,7 @@ def run_ranks(args: argparse.Namespace) -> int:
     from mpi4py import MPI
     from torch.utils.data import DataLoader
 
-    from worker.torch_data import StreamDataset
+    from sparkbus.worker.torch_data import StreamDataset
 
     torch.set_num_threads(args.threads)
     comm = MPI.COMM_WORLD

@@ -6,11 +6,10 @@ classic SparkSession or a Spark Connect one (DataFrames only: Connect has no RDD
 Importing this package starts nothing; it imports pyspark only when ``feed`` is called.
 """
 
-from broker.errors import BrokerError, FeedError, FeedTimeout, SparkbusError
-
-from .driver import DivergedPartitionsWarning, FeedReport, feed, is_connect_dataframe, prepare_dataframe
-from .epochs import default_partitions, epoch_order, feed_epochs
-from .task import PartitionReport, stream_partition
+from sparkbus.feeder.driver import DivergedPartitionsWarning, FeedReport, feed, is_connect_dataframe, prepare_dataframe
+from sparkbus.feeder.epochs import default_partitions, epoch_order, feed_epochs
+from sparkbus.feeder.task import PartitionReport, stream_partition
+from sparkbus.wire.errors import BrokerError, FeedError, FeedTimeout, SparkbusError
 
 __all__ = ["feed", "feed_epochs", "epoch_order", "FeedReport", "FeedError", "FeedTimeout", "BrokerError",
            "SparkbusError", "DivergedPartitionsWarning", "PartitionReport", "prepare_dataframe", "stream_partition",

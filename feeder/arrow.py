@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import pyarrow as pa
 
-from broker.ragged import WireColumn, bitmap_slice, unpack_bits
+from sparkbus.wire.ragged import WireColumn, bitmap_slice, unpack_bits
 
 _TIME_UNITS = ("s", "ms", "us", "ns")
 

@@ -25,9 +25,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from broker.ragged import WireColumn
-
-from .arrow import ColumnPlan, UnsupportedColumn, check_type, flatten_structs
+from sparkbus.feeder.arrow import ColumnPlan, UnsupportedColumn, check_type, flatten_structs
+from sparkbus.wire.ragged import WireColumn
 
 Columns = dict[str, np.ndarray]
 Message = tuple[dict[str, WireColumn], "list[int] | None"]

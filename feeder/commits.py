@@ -26,11 +26,10 @@ import time
 from collections.abc import Collection, Iterable
 from typing import Any
 
-from broker.client import ControlClient
-from broker.errors import BrokerError
-from broker.protocol import MAX_COMMITS, Kind
-
-from .task import PartitionReport
+from sparkbus.broker.client import ControlClient
+from sparkbus.feeder.task import PartitionReport
+from sparkbus.wire.errors import BrokerError
+from sparkbus.wire.protocol import MAX_COMMITS, Kind
 
 log = logging.getLogger("sparkbus.feeder")
 

@@ -13,17 +13,16 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any, NamedTuple
 
-from broker.address import feed_and_control_addresses
-from broker.client import ControlClient
-from broker.errors import BrokerError, FeedError
-from broker.partitions import MAX_PARTITIONS
-from broker.protocol import Kind
-
-from .columns import partition_messages, record_batches_from_rows
-from .commits import AccumulatorReports, Committer, ReportChannel, StreamedReports
-from .recovery import EpochFeed, FeedJob, JobCancel, Loss, Outcome, taken_figures
-from .routes import Routes
-from .task import DEFAULT_PACK_BYTES, PartitionReport, attempt_id, stream_messages
+from sparkbus.broker.client import ControlClient
+from sparkbus.broker.partitions import MAX_PARTITIONS
+from sparkbus.feeder.columns import partition_messages, record_batches_from_rows
+from sparkbus.feeder.commits import AccumulatorReports, Committer, ReportChannel, StreamedReports
+from sparkbus.feeder.recovery import EpochFeed, FeedJob, JobCancel, Loss, Outcome, taken_figures
+from sparkbus.feeder.routes import Routes
+from sparkbus.feeder.task import DEFAULT_PACK_BYTES, PartitionReport, attempt_id, stream_messages
+from sparkbus.wire.address import feed_and_control_addresses
+from sparkbus.wire.errors import BrokerError, FeedError
+from sparkbus.wire.protocol import Kind
 
 log = logging.getLogger("sparkbus.feeder")
 DEFAULT_MAX_BATCH_BYTES = 16 << 20

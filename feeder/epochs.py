@@ -35,14 +35,13 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from broker.address import feed_and_control_addresses
-from broker.client import ControlClient
-from broker.errors import BrokerError
-from broker.protocol import Kind
-
-from .driver import FeedReport, feed, feed_watched, is_connect_dataframe, with_partitions
-from .recovery import CANNOT_RECOVER, WATCH_INTERVAL, BrokerWatch, Loss
-from .routes import read_query
+from sparkbus.broker.client import ControlClient
+from sparkbus.feeder.driver import FeedReport, feed, feed_watched, is_connect_dataframe, with_partitions
+from sparkbus.feeder.recovery import CANNOT_RECOVER, WATCH_INTERVAL, BrokerWatch, Loss
+from sparkbus.feeder.routes import read_query
+from sparkbus.wire.address import feed_and_control_addresses
+from sparkbus.wire.errors import BrokerError
+from sparkbus.wire.protocol import Kind
 
 log = logging.getLogger("sparkbus.feeder")
 

@@ -25,12 +25,9 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from broker.client import ControlClient
-from broker.errors import BrokerError, FeedError
-from broker.protocol import ErrorCode, Kind
-
-from .commits import Committer, ReportChannel
-from .routes import (
+from sparkbus.broker.client import ControlClient
+from sparkbus.feeder.commits import Committer, ReportChannel
+from sparkbus.feeder.routes import (
     BrokerEpoch,
     Partitions,
     Plan,
@@ -41,7 +38,9 @@ from .routes import (
     resume_plan,
     spread_plan,
 )
-from .task import PartitionReport
+from sparkbus.feeder.task import PartitionReport
+from sparkbus.wire.errors import BrokerError, FeedError
+from sparkbus.wire.protocol import ErrorCode, Kind
 
 log = logging.getLogger("sparkbus.feeder")
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from broker.partitions import MAX_PARTITIONS
-from broker.protocol import pack_ranges, unpack_ranges
+from sparkbus.broker.partitions import MAX_PARTITIONS
+from sparkbus.wire.protocol import pack_ranges, unpack_ranges
 
 
 class Partitions(NamedTuple):

@@ -9,15 +9,14 @@ from typing import Any, NamedTuple
 
 import zmq
 
-from broker.address import feed_and_control_addresses
-from broker.auth import client_socket
-from broker.client import ControlClient
-from broker.codec import encode_batch
-from broker.errors import BrokerError, FeedTimeout
-from broker.protocol import Kind
-from broker.ragged import WireColumn
-
-from .columns import Message, pack_small
+from sparkbus.broker.auth import client_socket
+from sparkbus.broker.client import ControlClient
+from sparkbus.feeder.columns import Message, pack_small
+from sparkbus.wire.address import feed_and_control_addresses
+from sparkbus.wire.codec import encode_batch
+from sparkbus.wire.errors import BrokerError, FeedTimeout
+from sparkbus.wire.protocol import Kind
+from sparkbus.wire.ragged import WireColumn
 
 # Batches a task may have queued in its own PUSH socket. Past this, send blocks: that is the backpressure
 # that holds the Spark task (and so Spark's scheduling) back while the broker is full.
@@ -56,7 +55,7 @@ def stream_partition(batches: Iterable[dict], feed_address: str | Sequence[str],
                      broker_key: str | None = None) -> PartitionReport:
     """Push every batch of one partition, then return only once the broker confirms all of them arrived.
 
-    Batches are dicts of columns in any form :func:`broker.codec.encode_batch` takes (numpy arrays, for
+    Batches are dicts of columns in any form :func:`sparkbus.wire.codec.encode_batch` takes (numpy arrays, for
     example); consecutive small numpy batches travel as packs (:func:`feeder.columns.pack_small`). ``feed()``
     itself streams Arrow record batches through :func:`stream_messages`; this is the same for other callers.
     See :func:`stream_messages` for the arguments and errors.

@@ -1,4 +1,5 @@
-"""A sparkbus broker as a child process: ``python -m broker`` on ports it picks itself, ready when it says so."""
+"""A sparkbus broker as a child process: ``python -m sparkbus.broker`` on ports it picks itself, ready when it says
+so."""
 
 from __future__ import annotations
 
@@ -7,18 +8,20 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from launch.processes import ChildProcess, LaunchError, wait_for
+from sparkbus.launch.processes import ChildProcess, LaunchError, wait_for
 
 
 class BrokerProcess:
-    """``python -m broker --feed tcp://HOST:* --ranks tcp://HOST:* --ready-file F [flags]`` as a child process.
+    """``python -m sparkbus.broker --feed tcp://HOST:* --ranks tcp://HOST:* --ready-file F [flags]`` as a child process.
 
     Constructing it only records the command; :meth:`start` runs it and returns once the broker has written
     its ready file (the endpoints it bound). :meth:`restart` runs it again on the same endpoints.
 
     Args:
         log: file for the broker's stdout and stderr (a restart appends to it).
-        flags: more ``python -m broker`` flags, e.g. ``"--max-buffer", "8MiB"``.
+        flags: more ``python -m sparkbus.broker`` flags, e.g. ``"--max-buffer", "8MiB"``.
+        module: the module run with ``python -m`` (``broker``: a release before 0.3.0, whose parts were top-level
+            packages; the version tests start one).
         host: the address the broker binds on (default loopback).
         ready_file: where the broker writes its endpoints (default: ``log`` with the suffix ``.ready.json``).
         env: variables set over this process's own environment.
@@ -35,11 +38,11 @@ class BrokerProcess:
 
     def __init__(self, log: Path, *flags: str, host: str = "127.0.0.1", ready_file: Path | None = None,
                  env: Mapping[str, str] | None = None, prefix: Sequence[str] = (), cwd: Path | str | None = None,
-                 name: str = "broker"):
+                 name: str = "broker", module: str = "sparkbus.broker"):
         self.name, self.log = name, Path(log)
         self.ready_file = Path(ready_file) if ready_file else self.log.with_suffix(".ready.json")
         self.env, self.cwd = dict(env or {}), cwd
-        self.command = [*prefix, sys.executable, "-m", "broker", "--feed", f"tcp://{host}:*",
+        self.command = [*prefix, sys.executable, "-m", module, "--feed", f"tcp://{host}:*",
                         "--ranks", f"tcp://{host}:*", "--ready-file", str(self.ready_file), *flags]
         self.child: ChildProcess | None = None
         self.feed = self.ranks = self.control = ""
@@ -111,6 +114,6 @@ class BrokerProcess:
         Raises:
             broker.protocol.BrokerError: no reply within ``timeout`` seconds.
         """
-        from broker.client import fetch_stats
+        from sparkbus.broker.client import fetch_stats
 
         return fetch_stats(self.control, timeout)

@@ -31,7 +31,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from launch.processes import ChildProcess, LaunchError, descendants, wait_for
+from sparkbus.launch.processes import ChildProcess, LaunchError, descendants, wait_for
 
 MASTER_CLASS = "org.apache.spark.deploy.master.Master"
 WORKER_CLASS = "org.apache.spark.deploy.worker.Worker"
@@ -310,7 +310,7 @@ def _kill(pid: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m launch.cluster [--hosts 127.0.0.1,127.0.0.2] [--cores 1] [--memory 1g] [--dir DIR]``:
+    """``python -m sparkbus.launch.cluster [--hosts 127.0.0.1,127.0.0.2] [--cores 1] [--memory 1g] [--dir DIR]``:
     run a cluster until Ctrl-C, printing the master URL."""
     import argparse
     import tempfile

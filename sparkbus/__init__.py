@@ -9,14 +9,22 @@ wire protocol both sides import) and ``worker`` (the rank side). Importing this 
 imports neither pyspark, mpi4py nor torch; those are imported where they are used.
 """
 
-from broker.config import BrokerConfig
-from broker.errors import AuthError, BrokerError, FeedError, FeedTimeout, ProtocolError, SparkbusError, VersionMismatch
-from broker.protocol import VERSION
-from broker.ragged import RaggedColumn, pad
-from feeder import DivergedPartitionsWarning, FeedReport, epoch_order, feed, feed_epochs
-from worker import BatchStream, EpochStats, ShuffleBuffer, StreamStats, shuffled
+from sparkbus.broker.config import BrokerConfig
+from sparkbus.feeder import DivergedPartitionsWarning, FeedReport, epoch_order, feed, feed_epochs
+from sparkbus.wire.errors import (
+           AuthError,
+           BrokerError,
+           FeedError,
+           FeedTimeout,
+           ProtocolError,
+           SparkbusError,
+           VersionMismatch,
+)
+from sparkbus.wire.protocol import VERSION
+from sparkbus.wire.ragged import RaggedColumn, pad
+from sparkbus.worker import BatchStream, EpochStats, ShuffleBuffer, StreamStats, shuffled
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = ["AuthError", "BatchStream", "BrokerConfig", "BrokerError", "DivergedPartitionsWarning", "EpochStats",
            "FeedError", "FeedReport", "FeedTimeout", "ProtocolError", "RaggedColumn", "ShuffleBuffer",

@@ -14,7 +14,7 @@ def _keys_for_every_broker_and_client() -> None:
     """SPARKBUS_TEST_AUTH=1: every broker a test starts runs with --auth, and every client (the driver, Spark's
     executors, mpiexec ranks, in-process streams) holds a key allowed in both roles. Set before any test starts
     Spark or a broker, through the variables the broker and the clients read."""
-    from broker.auth import create_keypair
+    from sparkbus.broker.auth import create_keypair
 
     directory = Path(tempfile.mkdtemp(prefix="sparkbus-test-keys-"))
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
@@ -42,3 +42,17 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if "integration" in item.path.parts:
             item.add_marker(pytest.mark.integration)
+
+
+# One import name (pyproject.toml, package-dir): the folders feeder/, broker/, worker/, wire/ and launch/ are the
+# packages sparkbus.*. A bare `import broker` from the repository root would load a folder a second time as another
+# module (two BrokerError classes: an `except BrokerError` that misses), so after a whole session none may be there.
+BARE_NAMES = ("broker", "feeder", "worker", "wire", "launch")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    bare = sorted(name for name in sys.modules if name.split(".")[0] in BARE_NAMES)
+    if bare:
+        session.config.pluginmanager.get_plugin("terminalreporter").write_line(
+            f"FAILED: modules imported by their bare folder names, not as sparkbus.*: {bare[:10]}", red=True)
+        session.exitstatus = 1

@@ -6,8 +6,8 @@ processes through these, and teardown fails the test that leaves something behin
 - ``sockets``: ``sockets(type, address)``, a connected socket closed after the test.
 - ``start_broker_thread``: ``start_broker_thread(**config)``, a :class:`broker.daemon.Broker` in a thread of this
   process on fresh ``inproc://`` endpoints (unit tests).
-- ``start_broker_process``: ``start_broker_process(*flags)``, ``python -m broker`` as a child process on loopback
-  ports it picks itself (:class:`launch.broker.BrokerProcess`; integration tests).
+- ``start_broker_process``: ``start_broker_process(*flags)``, ``python -m sparkbus.broker`` as a child process on
+  loopback ports it picks itself (:class:`launch.broker.BrokerProcess`; integration tests).
 - ``children``: child processes started by :func:`launch.processes.spawn`, waited for boundedly, and killed with
   all they started if still running at the end of the test; :func:`run_child` runs one to its end (a CLI call).
 
@@ -28,8 +28,8 @@ from typing import Any
 import pytest
 import zmq
 
-from launch.broker import BrokerProcess
-from launch.processes import kill_tree, spawn
+from sparkbus.launch.broker import BrokerProcess
+from sparkbus.launch.processes import kill_tree, spawn
 
 TERM_SECONDS = 5.0      # a context whose sockets are all closed terminates at once; this only bounds a hang
 
@@ -123,8 +123,8 @@ def start_broker_thread(context):
     ``tcp=True``: on free loopback ports instead, for clients that make contexts of their own (the feeder's task
     code, a ``BatchStream`` without ``context=``).
     """
-    from broker.config import BrokerConfig
-    from broker.daemon import Broker
+    from sparkbus.broker.config import BrokerConfig
+    from sparkbus.broker.daemon import Broker
 
     from helpers import free_port_triple
 
@@ -155,8 +155,8 @@ def start_broker_thread(context):
 
 @pytest.fixture
 def start_broker_process(tmp_path):
-    """``start_broker_process(*flags)``: ``python -m broker`` on loopback ports it picks itself, ready when it says
-    so.
+    """``start_broker_process(*flags)``: ``python -m sparkbus.broker`` on loopback ports it picks itself, ready when
+    it says so.
 
     The :class:`launch.broker.BrokerProcess` has ``feed``, ``ranks``, ``control``, ``proc``, ``log``,
     ``stats()`` and ``restart()``; each must stop on SIGTERM at the end of the test.

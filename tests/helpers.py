@@ -9,10 +9,10 @@ import time
 
 import zmq
 
-from broker import codec, protocol
-from broker.books import Outcome
-from broker.protocol import Kind, pack_header, unpack_header
-from launch.processes import wait_for
+from sparkbus.broker.books import Outcome
+from sparkbus.launch.processes import wait_for
+from sparkbus.wire import codec, protocol
+from sparkbus.wire.protocol import Kind, pack_header, unpack_header
 
 # wait_for: the tests' bounded wait, the one the benchmark and the demo use (WaitTimeout says what it awaited)
 __all__ = ["FakeBroker", "Wire", "free_port_triple", "hello", "joined", "key_directory", "recv_header", "send",
@@ -49,7 +49,7 @@ def key_directory(directory, clients, roles):
     Returns:
         Each client's ``(public, secret)`` key paths, by name.
     """
-    from broker.auth import create_keypair
+    from sparkbus.broker.auth import create_keypair
 
     for folder in (directory / "feeders", directory / "ranks", clients):
         folder.mkdir(parents=True)
@@ -193,7 +193,7 @@ class FakeBroker:
 def joined(broker, address, context, **options):
     """A BatchStream (``options`` passed on) whose HELLO the fake broker answers (from a thread: the
     constructor waits for WELCOME)."""
-    from worker import BatchStream
+    from sparkbus.worker import BatchStream
 
     welcomer = threading.Thread(target=broker.welcome)
     welcomer.start()

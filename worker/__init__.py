@@ -5,11 +5,10 @@ length).
 Importing this package starts nothing (no MPI initialisation, no sockets).
 """
 
-from broker.errors import BrokerError, ProtocolError, SparkbusError
-from broker.ragged import RaggedColumn, pad
-
-from .shuffle import ShuffleBuffer, shuffled
-from .stream import BatchStream, EpochStats, StreamStats
+from sparkbus.wire.errors import BrokerError, ProtocolError, SparkbusError
+from sparkbus.wire.ragged import RaggedColumn, pad
+from sparkbus.worker.shuffle import ShuffleBuffer, shuffled
+from sparkbus.worker.stream import BatchStream, EpochStats, StreamStats
 
 __all__ = ["BatchStream", "BrokerError", "EpochStats", "ProtocolError", "RaggedColumn", "SparkbusError",
            "StreamStats", "ShuffleBuffer", "pad", "shuffled"]

@@ -29,12 +29,11 @@ from typing import Any
 
 import zmq
 
-from broker import protocol
-from broker.auth import client_socket
-from broker.errors import BrokerError
-from broker.protocol import ErrorCode, Kind, UsedEntry, pack_header, unpack_header
-
-from .used import UsedBatches
+from sparkbus.broker.auth import client_socket
+from sparkbus.wire import protocol
+from sparkbus.wire.errors import BrokerError
+from sparkbus.wire.protocol import ErrorCode, Kind, UsedEntry, pack_header, unpack_header
+from sparkbus.worker.used import UsedBatches
 
 log = logging.getLogger("sparkbus.worker")
 

@@ -24,15 +24,14 @@ from collections import deque
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING
 
-from broker.errors import ProtocolError
-from broker.protocol import Kind
-
-from .connection import BrokerConnection
-from .intake import Batch, Intake, Item
-from .steps import Step
+from sparkbus.wire.errors import ProtocolError
+from sparkbus.wire.protocol import Kind
+from sparkbus.worker.connection import BrokerConnection
+from sparkbus.worker.intake import Batch, Intake, Item
+from sparkbus.worker.steps import Step
 
 if TYPE_CHECKING:                     # pragma: no cover
-    from .stream import EpochStats
+    from sparkbus.worker.stream import EpochStats
 
 log = logging.getLogger("sparkbus.worker")
 

@@ -25,16 +25,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import zmq
 
-from broker import protocol
-from broker.codec import decode_batch
-from broker.errors import BrokerError
-from broker.protocol import Kind, UsedEntry
-
-from .connection import WHAT_TO_DO, BatchId, BrokerConnection, BrokerSilent
-from .used import UsedBatches
+from sparkbus.wire import protocol
+from sparkbus.wire.codec import decode_batch
+from sparkbus.wire.errors import BrokerError
+from sparkbus.wire.protocol import Kind, UsedEntry
+from sparkbus.worker.connection import WHAT_TO_DO, BatchId, BrokerConnection, BrokerSilent
+from sparkbus.worker.used import UsedBatches
 
 if TYPE_CHECKING:                     # pragma: no cover
-    from .stream import EpochStats, StreamStats
+    from sparkbus.worker.stream import EpochStats, StreamStats
 
 Batch = dict[str, Any]                # numpy arrays, masked arrays and RaggedColumns
 Item = tuple[dict, Batch]             # a batch's header (its "rows", "nbytes", id fields) and its columns

@@ -13,10 +13,9 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from broker import codec, protocol
-from broker.protocol import Kind
-
-from .collectives import wait, wait_until
+from sparkbus.wire import codec, protocol
+from sparkbus.wire.protocol import Kind
+from sparkbus.worker.collectives import wait, wait_until
 
 _TAG_BATCH = 0x5B5
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from broker.ragged import RaggedColumn, concat_ragged
+from sparkbus.wire.ragged import RaggedColumn, concat_ragged
 
 Batch = dict[str, Any]
 

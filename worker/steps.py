@@ -18,11 +18,11 @@ from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
-from . import collectives, rebalance
-from .intake import Batch, Intake, Item
+from sparkbus.worker import collectives, rebalance
+from sparkbus.worker.intake import Batch, Intake, Item
 
 if TYPE_CHECKING:                     # pragma: no cover
-    from .stream import EpochStats
+    from sparkbus.worker.stream import EpochStats
 
 ROUND_BATCHES = 8       # even ranks short of data wait for a round of this many batches, or half a byte window,
 ROUND_LINGER = 0.02     # ... but no longer than this (seconds)

@@ -22,14 +22,13 @@ from typing import Any
 
 import zmq
 
-from broker.address import broker_addresses
-from broker.protocol import UsedEntry
-
-from .connection import BrokerConnection
-from .grants import GrantedSteps
-from .intake import Batch, Intake
-from .launcher import launcher_rank
-from .steps import EvenRounds, IndependentSteps, StepPlan
+from sparkbus.wire.address import broker_addresses
+from sparkbus.wire.protocol import UsedEntry
+from sparkbus.worker.connection import BrokerConnection
+from sparkbus.worker.grants import GrantedSteps
+from sparkbus.worker.intake import Batch, Intake
+from sparkbus.worker.launcher import launcher_rank
+from sparkbus.worker.steps import EvenRounds, IndependentSteps, StepPlan
 
 log = logging.getLogger("sparkbus.worker")
 

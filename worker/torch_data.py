@@ -20,12 +20,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from broker.ragged import RaggedColumn, pad
-
-from .shuffle import shuffled
+from sparkbus.wire.ragged import RaggedColumn, pad
+from sparkbus.worker.shuffle import shuffled
 
 if TYPE_CHECKING:                     # pragma: no cover
-    from .stream import BatchStream
+    from sparkbus.worker.stream import BatchStream
 
 Batch = dict[str, Any]
 

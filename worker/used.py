@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from broker.protocol import UsedEntry
+from sparkbus.wire.protocol import UsedEntry
 
 
 class UsedBatches:

@@ -68,9 +68,9 @@ from pathlib import Path
 
 import zmq
 
-from broker.address import control_address
-from feeder import feed
-from launch.processes import announce_ready
+from sparkbus.feeder import feed
+from sparkbus.launch.processes import announce_ready
+from sparkbus.wire.address import control_address
 
 log = logging.getLogger("sparkbus.tests.cluster_driver")
 WAIT_LIMIT = 60.0         # seconds a misbehaving attempt waits for the broker or for its copy before going on
@@ -97,7 +97,7 @@ def poll(condition, timeout: float):
 
 
 def epoch_stats(broker: dict) -> dict:
-    from broker.client import fetch_stats
+    from sparkbus.broker.client import fetch_stats
 
     stream = fetch_stats(broker["control"], 5.0)["streams"].get(broker["stream"], {})
     return stream.get("epochs", {}).get("0", {})
@@ -162,7 +162,7 @@ def id_frame(spark, rows: int, partitions: int, width: int):
 def broker_figures(broker: dict) -> dict:
     """What the broker holds of the epoch: batches taken (first copies; in atomic delivery only at a commit) and
     the bytes it buffers (atomic: every attempt's batches, held until its commit)."""
-    from broker.client import fetch_stats
+    from sparkbus.broker.client import fetch_stats
 
     stats = fetch_stats(broker["control"], 5.0)
     epoch = stats["streams"].get(broker["stream"], {}).get("epochs", {}).get("0", {})
@@ -274,7 +274,7 @@ def warm_up(spark, source: str, executors: int) -> list[str]:
     executor as cold as before (a killed task's Python worker is not reused).
     """
     def executor_of() -> str:
-        importlib.import_module("feeder")          # numpy, pyarrow, zmq and sparkbus, once per Python worker
+        importlib.import_module("sparkbus.feeder")          # numpy, pyarrow, zmq and sparkbus, once per Python worker
         return os.path.basename(os.getcwd())
 
     def arrow_executor(batches):
@@ -285,7 +285,7 @@ def warm_up(spark, source: str, executors: int) -> list[str]:
         yield pa.RecordBatch.from_pydict({"executor": [executor_of()]})
 
     def passed_on(batches):
-        importlib.import_module("feeder")
+        importlib.import_module("sparkbus.feeder")
         yield from batches
 
     if source == "rdd":

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from launch.mpi import loopback_env, mpiexec_python
-from launch.processes import wait_for
-from launch.spark import local_session
+from sparkbus.launch.mpi import loopback_env, mpiexec_python
+from sparkbus.launch.processes import wait_for
+from sparkbus.launch.spark import local_session
 
 from harness import Children, start_broker_process  # noqa: F401
 
@@ -187,7 +187,7 @@ def killed_inside_a_pack(start_ranks):
     survivor (5 ms a batch) trains on to the end. Returns ``(victim, survivor)``, both finished."""
 
     def run(broker, stream: str, make_frame, *flags: str) -> tuple[Ranks, Ranks]:
-        from feeder import feed
+        from sparkbus.feeder import feed
 
         from helpers import wait_for
 

@@ -35,8 +35,8 @@ from pathlib import Path
 
 import zmq
 
-from launch.processes import announce_ready
-from launch.spark import LOCAL_CONF, local_env
+from sparkbus.launch.processes import announce_ready
+from sparkbus.launch.spark import LOCAL_CONF, local_env
 
 HERE = Path(__file__).parent
 log = logging.getLogger("sparkbus.tests.connect_driver")
@@ -60,7 +60,7 @@ def source(spark, spec: dict):
 
 
 def answer(spark, request: dict) -> dict:
-    from feeder import feed, feed_epochs
+    from sparkbus.feeder import feed, feed_epochs
 
     started = time.monotonic()
     data = source(spark, request["source"])

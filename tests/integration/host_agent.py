@@ -150,7 +150,7 @@ def _feed(spark: Any, r: dict) -> dict:
     import inspect
     import warnings
 
-    from feeder import feed
+    from sparkbus.feeder import feed
 
     # One message per batch: a feeder that packs small batches into one message would send a partition of
     # these whole, and a fault could not land between its batches.
@@ -176,7 +176,7 @@ def main() -> None:
             if request["op"] == "ping":
                 reply = {"ok": True, "result": "pong"}       # answered once the SparkSession is up
             elif request["op"] == "stats":
-                from broker.client import fetch_stats
+                from sparkbus.broker.client import fetch_stats
                 reply = {"ok": True, "result": fetch_stats(request["address"], request.get("timeout", 5.0))}
             elif request["op"] == "feed" and spark is not None:
                 reply = {"ok": True, "result": _feed(spark, request)}

@@ -24,7 +24,7 @@ HERE = Path(__file__).resolve().parent
 if str(HERE.parents[1]) not in sys.path:        # run as a script from anywhere
     sys.path.insert(0, str(HERE.parents[1]))
 
-from launch.processes import ChildProcess, WaitTimeout, wait_for  # noqa: E402
+from sparkbus.launch.processes import ChildProcess, WaitTimeout, wait_for  # noqa: E402
 
 PROGRAMS = {"munged": "munge", "mungekey": "munge", "slurmctld": "slurmctld", "slurmd": "slurmd",
             "sinfo": "slurm-client", "sbatch": "slurm-client", "srun": "slurm-client", "squeue": "slurm-client",

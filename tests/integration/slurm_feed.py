@@ -13,9 +13,16 @@ import os
 
 import numpy as np
 
-from broker.client import ControlClient
-from broker.protocol import Kind
-from feeder.task import stream_partition
+# isort: off
+try:    # a release before 0.3.0 (tests/integration/test_versions.py runs one): top-level packages, on PYTHONPATH
+    from broker.protocol import Kind  # noqa: TID251   (0.3.0 has no broker/protocol.py: the ImportError is here)
+    from broker.client import ControlClient  # noqa: TID251
+    from feeder.task import stream_partition  # noqa: TID251
+except ImportError:
+    from sparkbus.broker.client import ControlClient
+    from sparkbus.feeder.task import stream_partition
+    from sparkbus.wire.protocol import Kind
+# isort: on
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--stream", default="train")

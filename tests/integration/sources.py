@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 
-from worker import BatchStream
+from sparkbus.worker import BatchStream
 
 
 def labelled_frame(spark, rows: int, partitions: int, first_id: int = 0):
@@ -135,7 +135,7 @@ def failing_frame(spark, rows, partitions, *, fail, fail_after, control, stream,
         import pyarrow as pa
         from pyspark import TaskContext
 
-        from broker.client import fetch_stats
+        from sparkbus.broker.client import fetch_stats
 
         def held() -> int:
             epochs = fetch_stats(control, 5.0)["streams"].get(stream, {}).get("epochs", {})

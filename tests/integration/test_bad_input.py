@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import zmq
 
-from broker import codec, protocol
-from broker.protocol import ErrorCode, Kind
-from feeder import feed
-from worker import BatchStream
+from sparkbus.feeder import feed
+from sparkbus.wire import codec, protocol
+from sparkbus.wire.protocol import ErrorCode, Kind
+from sparkbus.worker import BatchStream
 
 from helpers import hello, wait_for
 from sources import labelled_frame

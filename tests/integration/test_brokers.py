@@ -7,8 +7,8 @@ import threading
 import numpy as np
 import pytest
 
-from broker.errors import BrokerError
-from feeder import feed
+from sparkbus.feeder import feed
+from sparkbus.wire.errors import BrokerError
 
 from harness import run_child
 from helpers import wait_for
@@ -60,13 +60,14 @@ def test_status_shows_each_broker_and_the_totals(spark, start_broker_process):
     brokers = [start_broker_process(), start_broker_process()]
     feed(labelled_frame(spark, rows=1_000, partitions=2), [b.feed for b in brokers], stream="st",
          batch_size=100, timeout=60)
-    out = run_child([sys.executable, "-m", "broker.cli", "status", ",".join(b.control for b in brokers), "--json"],
+    out = run_child([sys.executable, "-m", "sparkbus.broker.cli", "status", ",".join(b.control for b in brokers),
+                     "--json"],
                     timeout=30, check=True).stdout
     figures = json.loads(out)
     assert set(figures["brokers"]) == {b.control for b in brokers}
     assert figures["totals"]["streams"]["st"]["rows_in"] == 1_000
     assert figures["totals"]["brokers"] == 2
-    text = run_child([sys.executable, "-m", "broker.cli", "status", ",".join(b.control for b in brokers)],
+    text = run_child([sys.executable, "-m", "sparkbus.broker.cli", "status", ",".join(b.control for b in brokers)],
                      timeout=30, check=True).stdout
     assert "all 2 brokers" in text and all(b.control in text for b in brokers)
 

@@ -6,8 +6,8 @@ import numpy as np
 import psutil
 import pytest
 
-from feeder import feed
-from feeder.task import DEFAULT_PACK_BYTES
+from sparkbus.feeder import feed
+from sparkbus.feeder.task import DEFAULT_PACK_BYTES
 
 from helpers import wait_for
 from sources import check_values, labelled_frame

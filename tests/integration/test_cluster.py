@@ -28,8 +28,8 @@ import numpy as np
 import pytest
 import zmq
 
-from launch.cluster import QUICK_START_JAVA_OPTS, StandaloneCluster
-from launch.processes import ChildProcess, LaunchError, wait_for
+from sparkbus.launch.cluster import QUICK_START_JAVA_OPTS, StandaloneCluster
+from sparkbus.launch.processes import ChildProcess, LaunchError, wait_for
 
 HERE = Path(__file__).parent
 HOSTS = ("127.0.0.1", "127.0.0.2")      # two hosts to Spark's scheduler: a speculative copy needs another one

@@ -19,9 +19,9 @@ import psutil
 import pytest
 import zmq
 
-from broker.errors import FeedError
-from feeder import feed
-from launch.processes import ChildProcess, LaunchError, wait_for
+from sparkbus.feeder import feed
+from sparkbus.launch.processes import ChildProcess, LaunchError, wait_for
+from sparkbus.wire.errors import FeedError
 
 from helpers import free_port_triple
 from sources import Collector, check_values, failing_frame, labelled_frame

@@ -12,7 +12,7 @@ import threading
 import numpy as np
 import pytest
 
-from feeder import feed
+from sparkbus.feeder import feed
 
 from helpers import wait_for
 from sources import staged_frame

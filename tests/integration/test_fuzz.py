@@ -12,11 +12,11 @@ import zmq
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from broker import protocol
-from broker.auth import client_socket
-from broker.client import ControlClient
-from broker.protocol import Kind
-from feeder import stream_partition
+from sparkbus.broker.auth import client_socket
+from sparkbus.broker.client import ControlClient
+from sparkbus.feeder import stream_partition
+from sparkbus.wire import protocol
+from sparkbus.wire.protocol import Kind
 
 from sources import Collector
 

@@ -10,10 +10,10 @@ import warnings
 import numpy as np
 import pytest
 
-from broker.client import ControlClient
-from broker.errors import BrokerError
-from broker.protocol import Kind
-from feeder import DivergedPartitionsWarning, feed, stream_partition
+from sparkbus.broker.client import ControlClient
+from sparkbus.feeder import DivergedPartitionsWarning, feed, stream_partition
+from sparkbus.wire.errors import BrokerError
+from sparkbus.wire.protocol import Kind
 
 from helpers import wait_for
 from sources import Collector, staged_frame, staged_rdd

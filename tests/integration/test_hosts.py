@@ -2,7 +2,7 @@
 
 The hosts are network namespaces on a bridge (launch/netns.py): ``spark`` 10.213.0.1 runs Spark in local mode
 and the feeder (a child process, tests/integration/host_agent.py, one for the module), ``broker`` 10.213.0.2
-runs ``python -m broker`` (and an agent that asks it for its figures), ``ranks`` 10.213.0.3 runs
+runs ``python -m sparkbus.broker`` (and an agent that asks it for its figures), ``ranks`` 10.213.0.3 runs
 ``mpiexec -n 2 rank_main.py``, ``broker2`` 10.213.0.4 a second broker when one stream is served by two. Every
 sparkbus connection crosses two interfaces and the bridge; MPI stays on
 the ranks' loopback. A link is cut by setting the host's bridge port down; a firewall that forgot the
@@ -27,8 +27,8 @@ import numpy as np
 import pytest
 from host_agent import AgentError, HostAgent
 
-from launch import netns
-from launch.mpi import LOOPBACK_MPI
+from sparkbus.launch import netns
+from sparkbus.launch.mpi import LOOPBACK_MPI
 
 from helpers import wait_for
 
@@ -76,7 +76,7 @@ def agents(net, tmp_path_factory):
 
 
 class Broker:
-    """``python -m broker`` on a host, on ports it picks itself."""
+    """``python -m sparkbus.broker`` on a host, on ports it picks itself."""
 
     def __init__(self, net, host: str, log: Path, flags: tuple[str, ...]):
         ready = log.with_suffix(".json")
@@ -84,7 +84,7 @@ class Broker:
         self.log = log
         with open(log, "w") as err:
             # Bound to the host's own address, on a network private to the test: no keys (SPARKBUS_INSECURE).
-            self.proc = net.popen(host, [sys.executable, "-m", "broker", "--feed", f"tcp://{address}:*",
+            self.proc = net.popen(host, [sys.executable, "-m", "sparkbus.broker", "--feed", f"tcp://{address}:*",
                                          "--ranks", f"tcp://{address}:*", "--ready-file", str(ready), *flags],
                                   env={**os.environ, "SPARKBUS_INSECURE": "1"}, stdout=subprocess.DEVNULL,
                                   stderr=err)

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from launch.mpi import loopback_env, mpiexec_python
+from sparkbus.launch.mpi import loopback_env, mpiexec_python
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 

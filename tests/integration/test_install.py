@@ -23,7 +23,7 @@ import pytest
 from packaging.requirements import Requirement  # pytest's own dependency
 from packaging.utils import canonicalize_name
 
-from launch.broker import BrokerProcess
+from sparkbus.launch.broker import BrokerProcess
 
 from harness import run_child
 
@@ -75,9 +75,9 @@ print(json.dumps({"ids": ids, "steps": steps,
 FEEDER = '''
 import sys
 import numpy as np
-from broker.client import ControlClient
-from broker.protocol import Kind
-from feeder.task import stream_partition
+from sparkbus.broker.client import ControlClient
+from sparkbus.wire.protocol import Kind
+from sparkbus.feeder.task import stream_partition
 
 feed, control, epochs, partitions, rows = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
 with ControlClient(control, 30) as driver:
@@ -95,19 +95,20 @@ with ControlClient(control, 30) as driver:
 ABSENT = '''
 import importlib, json, sys
 import pkgutil
-import broker, feeder, launch, sparkbus, worker
+import sparkbus
+from sparkbus import broker, feeder, launch, wire, worker
 
 failed = {}
-for package in (broker, feeder, launch, sparkbus, worker):
+for package in (broker, feeder, launch, sparkbus, wire, worker):
     for module in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
-        if module.name.endswith("__main__"):            # python -m broker: it would run the daemon
+        if module.name.endswith("__main__"):            # python -m sparkbus.broker: it would run the daemon
             continue
         try:
             importlib.import_module(module.name)
         except ImportError as exc:
             failed[module.name] = str(exc)
 try:
-    from launch.spark import local_session
+    from sparkbus.launch.spark import local_session
     local_session()
 except ImportError as exc:
     failed["local_session()"] = str(exc)
@@ -138,7 +139,7 @@ def core_distributions() -> set[str]:
 def refused_modules() -> list[str]:
     """Every top-level module of an installed distribution outside the core (this project's own excepted)."""
     core = core_distributions()
-    ours = {"sparkbus", "feeder", "broker", "worker", "launch"}
+    ours = {"sparkbus"}
     installed = metadata.packages_distributions()
     refused = {module for module, dists in installed.items() if module not in ours and not module.startswith("_")
                and not core & {canonicalize_name(d) for d in dists}}
@@ -180,7 +181,7 @@ def test_the_refuser_refuses_what_an_absent_extra_would(core_only):
 
 @pytest.mark.parametrize("group", [[], [0, 2]], ids=["independent", "rank-and-size"])
 def test_the_rank_side_consumes_every_row_with_only_the_core(core_only, children, tmp_path, group):
-    """A broker (``python -m broker``), a Spark-free feed and the ranks, all with only the core's distributions
+    """A broker (``python -m sparkbus.broker``), a Spark-free feed and the ranks, all with only the core's distributions
     importable: each epoch's ids arrive exactly once. ``BatchStream(address, rank=r, size=n)``: two ranks, equal
     steps granted by the broker, no mpi4py."""
     _, env = core_only
@@ -215,16 +216,16 @@ def test_every_module_imports_with_only_the_core_except_where_an_extra_is_named(
     run, _ = core_only
     seen = run(ABSENT)
     assert seen["loaded"] == []
-    # broker.metrics is prometheus-client's module (only --metrics-port loads it); local_session needs pyspark
-    assert set(seen["failed"]) == {"broker.metrics", "local_session()"}, seen["failed"]
-    assert "pip install 'sparkbus[broker]'" in seen["failed"]["broker.metrics"]
+    # sparkbus.broker.metrics is prometheus-client's module (only --metrics-port loads it); local_session needs pyspark
+    assert set(seen["failed"]) == {"sparkbus.broker.metrics", "local_session()"}, seen["failed"]
+    assert "pip install 'sparkbus[broker]'" in seen["failed"]["sparkbus.broker.metrics"]
     assert "pip install 'sparkbus[spark]'" in seen["failed"]["local_session()"]
 
 
 @pytest.mark.parametrize("command, extra", [
-    (["-m", "broker", "--feed", "tcp://127.0.0.1:*", "--ranks", "tcp://127.0.0.1:*", "--metrics-port", "0"],
+    (["-m", "sparkbus.broker", "--feed", "tcp://127.0.0.1:*", "--ranks", "tcp://127.0.0.1:*", "--metrics-port", "0"],
      "sparkbus[broker]"),
-    (["-m", "broker.cli", "status", "--watch", "tcp://127.0.0.1:1"], "sparkbus[broker]"),
+    (["-m", "sparkbus.broker.cli", "status", "--watch", "tcp://127.0.0.1:1"], "sparkbus[broker]"),
 ])
 def test_a_missing_extra_is_a_usage_error_that_names_it(core_only, command, extra):
     _, env = core_only

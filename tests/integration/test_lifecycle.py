@@ -8,9 +8,9 @@ import time
 import numpy as np
 import pytest
 
-from broker.errors import BrokerError
-from feeder import feed
-from worker import BatchStream
+from sparkbus.feeder import feed
+from sparkbus.wire.errors import BrokerError
+from sparkbus.worker import BatchStream
 
 from harness import run_child
 from helpers import free_port_triple
@@ -37,7 +37,7 @@ def test_sigterm_stops_the_broker_promptly_without_a_traceback(start_broker_proc
 def test_a_port_in_use_is_a_clear_error(start_broker_process, tmp_path):
     broker = start_broker_process()
     port = int(broker.feed.rsplit(":", 1)[1])
-    result = run_child([sys.executable, "-m", "broker", "--feed", f"tcp://127.0.0.1:{port}",
+    result = run_child([sys.executable, "-m", "sparkbus.broker", "--feed", f"tcp://127.0.0.1:{port}",
                         "--ranks", f"tcp://127.0.0.1:{free_port_triple()}"], timeout=20)
     assert result.returncode == 2
     assert f"cannot bind the feed socket to tcp://127.0.0.1:{port}" in result.stderr
@@ -114,11 +114,11 @@ def test_status_prints_live_figures(spark, start_broker_process):
         consumer.start()
         feed(labelled_frame(spark, 1_000, 2), broker.feed, stream="st", batch_size=100)
         consumer.join(30)
-        result = run_child([sys.executable, "-m", "broker.cli", "status", broker.control], timeout=30)
+        result = run_child([sys.executable, "-m", "sparkbus.broker.cli", "status", broker.control], timeout=30)
     assert result.returncode == 0, result.stderr
     assert "stream 'st': 1 of 1 ranks" in result.stdout
     assert "epoch 0 (ended): partitions 2/2, in 10 batches" in result.stdout
     assert "rank 0/1: window 3 / 8.0 MiB, in flight 0, batches 10" in result.stdout
-    unreachable = run_child([sys.executable, "-m", "broker.cli", "status", f"tcp://127.0.0.1:{free_port_triple()}",
+    unreachable = run_child([sys.executable, "-m", "sparkbus.broker.cli", "status", f"tcp://127.0.0.1:{free_port_triple()}",
                              "--timeout", "1s"], timeout=30)
     assert unreachable.returncode == 1 and "no reply from the sparkbus broker" in unreachable.stderr

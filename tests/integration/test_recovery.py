@@ -17,7 +17,7 @@ import warnings
 import numpy as np
 import pytest
 
-from feeder import DivergedPartitionsWarning, feed, feed_epochs
+from sparkbus.feeder import DivergedPartitionsWarning, feed, feed_epochs
 
 from helpers import wait_for
 from sources import staged_frame

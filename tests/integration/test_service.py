@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from broker.client import ControlClient, fetch_stats
-from broker.errors import BrokerError
-from feeder import feed
-from worker import BatchStream
+from sparkbus.broker.client import ControlClient, fetch_stats
+from sparkbus.feeder import feed
+from sparkbus.wire.errors import BrokerError
+from sparkbus.worker import BatchStream
 
 from helpers import key_directory
 from sources import labelled_frame
@@ -133,7 +133,7 @@ def test_status_watch_redraws_each_rank_until_interrupted(spark, start_broker_pr
         feed(labelled_frame(spark, rows=1_000, partitions=1), broker.feed, stream="looked", batch_size=100,
              timeout=60)
         consumer.join(60)
-        watcher = children.spawn([sys.executable, "-m", "broker.cli", "status", "--watch", "--interval", "0.2",
+        watcher = children.spawn([sys.executable, "-m", "sparkbus.broker.cli", "status", "--watch", "--interval", "0.2",
                                   broker.control], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                  env={"COLUMNS": "160"})
         time.sleep(1.0)               # the behaviour under test: it keeps redrawing (5 intervals) until Ctrl-C

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from launch.processes import WaitTimeout
+from sparkbus.launch.processes import WaitTimeout
 
 from helpers import free_port_triple, wait_for
 from slurm_cluster import OneNodeSlurm, SlurmUnavailable, free_ports, unavailable

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from launch.mpi import loopback_env, mpiexec_python
+from sparkbus.launch.mpi import loopback_env, mpiexec_python
 
 pytestmark = pytest.mark.timeout(150)
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from feeder.epochs import epoch_order, feed_epochs
-from launch.mpi import loopback_env, mpiexec_python
+from sparkbus.feeder.epochs import epoch_order, feed_epochs
+from sparkbus.launch.mpi import loopback_env, mpiexec_python
 
 from harness import Children
 from helpers import wait_for

@@ -9,8 +9,8 @@ import threading
 import numpy as np
 import pytest
 
-from feeder import feed
-from worker import BatchStream
+from sparkbus.feeder import feed
+from sparkbus.worker import BatchStream
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -54,7 +54,7 @@ def expected_by_id(df):
     """What Spark hands over, structs flattened to ``parent.child``, as the ranks record it: ``{id: {col: v}}``."""
     import pyarrow as pa
 
-    from feeder.columns import flatten_record_batch
+    from sparkbus.feeder.columns import flatten_record_batch
 
     def serialize(batches):
         for batch in batches:
@@ -228,7 +228,7 @@ def test_a_task_failing_midway_through_ragged_packs_is_retried_and_each_row_arri
 
 
 def test_a_feed_asks_for_whole_batches_per_arrow_batch_and_restores_the_setting(spark, start_broker_process):
-    from feeder.driver import ARROW_BATCH_CONF, arrow_rows_for
+    from sparkbus.feeder.driver import ARROW_BATCH_CONF, arrow_rows_for
 
     assert [arrow_rows_for(n) for n in (1024, 128, 16, 20_000)] == [8192, 1024, 128, 20_000]
     broker = start_broker_process()

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from broker import protocol
-from launch.broker import BrokerProcess
+from sparkbus.launch.broker import BrokerProcess
+from sparkbus.wire import protocol
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -27,25 +27,36 @@ OLD = "b241a19"               # the last commit of protocol version 6 on main
 FEED = ROOT / "tests" / "integration" / "slurm_feed.py"     # a Spark-free feed that runs on either release
 EPOCHS, PARTITIONS, ROWS = 2, 3, 200
 
-CONSUME = """
+# Run on either release. The release before 0.3.0 first: its top-level packages (the tree on PYTHONPATH), whose
+# broker/protocol.py 0.3.0 no longer has (with 0.3.0 installed, sparkbus.* would import the installed code)
+IMPORTS = """
+try:
+    from broker import protocol
+    import broker
+    from broker.client import fetch_stats
+    from worker import BatchStream
+except ImportError:
+    from sparkbus import broker
+    from sparkbus.wire import protocol
+    from sparkbus.worker import BatchStream
+    from sparkbus.broker.client import fetch_stats
+"""
+
+CONSUME = IMPORTS + """
 import json, sys
-import broker, broker.protocol
-from worker import BatchStream
 address, stream, epochs, out = sys.argv[1:5]
 ids = []
 with BatchStream(address, stream=stream, timeout=30) as batches:
     for _ in range(int(epochs)):
         ids.append(sorted(int(i) for batch in batches.epoch() for i in batch["id"]))
 with open(out, "w") as f:
-    json.dump({"ids": ids, "version": broker.protocol.VERSION, "module": broker.__file__}, f)
+    json.dump({"ids": ids, "version": protocol.VERSION, "module": broker.__file__}, f)
 """
 
-STATUS = """
+STATUS = IMPORTS + """
 import json, sys
-import broker.protocol
-from broker.client import fetch_stats
 figures = fetch_stats(sys.argv[1], 10)
-print(json.dumps({"version": broker.protocol.VERSION, "broker": figures["broker"],
+print(json.dumps({"version": protocol.VERSION, "broker": figures["broker"],
                   "streams": sorted(figures["streams"])}))
 """
 
@@ -88,8 +99,14 @@ def expected() -> list[list[int]]:
     return [list(range(e * PARTITIONS * ROWS, (e + 1) * PARTITIONS * ROWS)) for e in range(EPOCHS)]
 
 
+def module(tree: Path) -> str:
+    """The broker's module in ``tree``: ``broker`` before 0.3.0, ``sparkbus.broker`` since."""
+    return "sparkbus.broker" if tree == ROOT else "broker"
+
+
 def start(tree: Path, workdir: Path, name: str) -> BrokerProcess:
-    return BrokerProcess(workdir / f"{name}.log", env={"PYTHONPATH": str(tree)}, cwd=workdir).start(timeout=30)
+    return BrokerProcess(workdir / f"{name}.log", env={"PYTHONPATH": str(tree)}, cwd=workdir,
+                         module=module(tree)).start(timeout=30)
 
 
 def test_old_feeders_ranks_and_status_on_a_new_broker(old_tree, tmp_path):
@@ -118,9 +135,9 @@ def test_old_feeders_ranks_and_status_on_a_new_broker(old_tree, tmp_path):
 def test_new_ranks_and_status_fall_back_on_an_old_broker_and_a_new_feeder_says_to_upgrade_it(old_tree, tmp_path):
     """A v7 rank and `sparkbus status` speak v6 to a v6 broker; a v7 feeder (whose epochs the driver commits, which
     v6 cannot) fails at once with a message saying what to do."""
-    from broker.client import ControlClient, fetch_stats
-    from broker.errors import BrokerError
-    from broker.protocol import ErrorCode
+    from sparkbus.broker.client import ControlClient, fetch_stats
+    from sparkbus.wire.errors import BrokerError
+    from sparkbus.wire.protocol import ErrorCode
     broker = start(old_tree, tmp_path, "old-broker")
     try:
         feed(old_tree, tmp_path, broker, "s")
@@ -144,7 +161,7 @@ def test_a_broker_upgraded_on_its_journal_delivers_what_the_old_one_held_to_an_o
     v6 rank reads every id once."""
     journal = tmp_path / "journal"
     old = BrokerProcess(tmp_path / "old.log", "--journal", str(journal), env={"PYTHONPATH": str(old_tree)},
-                        cwd=tmp_path).start(timeout=30)
+                        cwd=tmp_path, module=module(old_tree)).start(timeout=30)
     try:
         feed(old_tree, tmp_path, old, "kept")
     finally:

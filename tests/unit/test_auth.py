@@ -20,9 +20,9 @@ import zmq.auth
 from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
-from broker import auth
-from broker.auth import KeyAuthority, create_keypair, make_curve_client, make_curve_server, zap_reply
-from broker.errors import AuthError, SparkbusError
+from sparkbus.broker import auth
+from sparkbus.broker.auth import KeyAuthority, create_keypair, make_curve_client, make_curve_server, zap_reply
+from sparkbus.wire.errors import AuthError, SparkbusError
 
 from harness import run_child
 from helpers import key_directory

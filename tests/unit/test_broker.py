@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import zmq
 
-from broker import codec, protocol
-from broker.protocol import Kind
+from sparkbus.wire import codec, protocol
+from sparkbus.wire.protocol import Kind
 
 from helpers import recv_header, send, send_hello, wait_for
 
@@ -249,7 +249,7 @@ def test_feed_stops_being_read_at_the_buffer_bound(bus):
 
 def test_a_loop_that_breaks_out_of_an_epoch_can_go_on_with_the_next(bus):
     """Leaving an epoch early acknowledges the batch in hand; the next epoch() skips the rest of the old one."""
-    from worker import BatchStream
+    from sparkbus.worker import BatchStream
 
     for epoch in (0, 1):
         bus.request(Kind.EPOCH_OPEN, stream="s", epoch=epoch, partitions=1)
@@ -268,7 +268,7 @@ def test_a_loop_that_breaks_out_of_an_epoch_can_go_on_with_the_next(bus):
 
 def test_a_second_driver_refeeding_a_half_fed_epoch_is_checked_like_a_retry(bus):
     """Spark numbers attempts from 0 in every job; the feed run in the attempt identity keeps runs apart."""
-    from feeder.task import attempt_id
+    from sparkbus.feeder.task import attempt_id
 
     first, second = attempt_id(1, 0), attempt_id(2, 0)
     assert first != second and first & 0xFFFF == second & 0xFFFF == 0
@@ -287,7 +287,7 @@ def test_a_second_driver_refeeding_a_half_fed_epoch_is_checked_like_a_retry(bus)
 
 def test_each_error_reply_carries_the_code_clients_act_on(bus):
     """Clients decide on ``code`` (protocol.ErrorCode), never on the words of ``reason``."""
-    from broker.protocol import ErrorCode
+    from sparkbus.wire.protocol import ErrorCode
 
     ranks = bus.broker.config.ranks
     stranger = bus.sockets(zmq.DEALER, ranks)
@@ -307,9 +307,9 @@ def test_each_error_reply_carries_the_code_clients_act_on(bus):
 
 
 def test_a_broker_error_carries_the_code_of_the_refusal(bus):
-    from broker.client import ControlClient
-    from broker.errors import BrokerError
-    from broker.protocol import ErrorCode
+    from sparkbus.broker.client import ControlClient
+    from sparkbus.wire.errors import BrokerError
+    from sparkbus.wire.protocol import ErrorCode
 
     with ControlClient(bus.broker.config.control, timeout=5, context=bus.context) as client:
         with pytest.raises(BrokerError) as refused:

@@ -12,10 +12,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker import codec, protocol
-from broker.ragged import RaggedColumn
-from feeder.arrow import UnsupportedColumn, wire_column
-from feeder.columns import RecordBatchPlan, cut, flatten_record_batch, partition_messages, record_batches_from_rows
+from sparkbus.feeder.arrow import UnsupportedColumn, wire_column
+from sparkbus.feeder.columns import (
+    RecordBatchPlan,
+    cut,
+    flatten_record_batch,
+    partition_messages,
+    record_batches_from_rows,
+)
+from sparkbus.wire import codec, protocol
+from sparkbus.wire.ragged import RaggedColumn
 
 
 def wire(columns, splits=None):

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import zmq
 
-from broker import codec
-from broker.ledger import Ledger
-from broker.protocol import ErrorCode, Kind
-from broker.state import HeldBatch
+from sparkbus.broker.ledger import Ledger
+from sparkbus.broker.state import HeldBatch
+from sparkbus.wire import codec
+from sparkbus.wire.protocol import ErrorCode, Kind
 
 from helpers import recv_header, send, wait_for
 
@@ -144,8 +144,8 @@ def test_a_losing_copy_that_completes_after_the_commit_is_superseded_and_answere
 
 def test_a_commit_after_a_restart_from_the_journal_commits_the_replayed_batches(tmp_path):
     """The task's batches were journalled as they came; the broker restarted before the driver's commit."""
-    from broker.journal import Journal
-    from broker.protocol import unpack_header
+    from sparkbus.broker.journal import Journal
+    from sparkbus.wire.protocol import unpack_header
 
     def batch(seq: int, attempt: int) -> tuple[dict, list]:
         frames = codec.encode_batch("s", 0, 0, seq, {"id": np.arange(10) + 10 * seq}, attempt=attempt)

@@ -1,6 +1,6 @@
 import pytest
 
-from broker.config import from_env, parse_duration, parse_size
+from sparkbus.broker.config import from_env, parse_duration, parse_size
 
 
 @pytest.mark.parametrize("text, value", [("1GiB", 1 << 30), ("512MiB", 512 << 20), ("64k", 64000),

@@ -1,8 +1,8 @@
 """Broker settings from flags, SPARKBUS_* variables and --config broker.toml (broker/config.py, broker/cli.py).
 
 Precedence: flag > environment > file > default. Bad values anywhere are usage errors (exit code 2, a message,
-no traceback), tested through real ``python -m broker`` and ``sparkbus status`` processes with timeouts. Without
---auth a broker binds loopback only unless --insecure.
+no traceback), tested through real ``python -m sparkbus.broker`` and ``sparkbus status`` processes with timeouts.
+Without --auth a broker binds loopback only unless --insecure.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from broker.config import (
+from sparkbus.broker.config import (
     BROKER_SETTINGS,
     BrokerConfig,
     broker_config,
@@ -23,7 +23,7 @@ from broker.config import (
     read_config_file,
     resolve_settings,
 )
-from launch.broker import BrokerProcess
+from sparkbus.launch.broker import BrokerProcess
 
 RUN_SECONDS = 30
 SPARKBUS = Path(sys.executable).with_name("sparkbus")
@@ -197,19 +197,19 @@ def run(command, env=None, cwd=None):
     ([], {"SPARKBUS_CONFIG": "/nonexistent/broker.toml"}, "cannot read the config file"),
 ])
 def test_bad_broker_settings_are_usage_errors(args, variables, message):
-    result = run([sys.executable, "-m", "broker", *args], env=clean_environ(**variables))
+    result = run([sys.executable, "-m", "sparkbus.broker", *args], env=clean_environ(**variables))
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and "error:" in result.stderr
 
 
 def test_a_bad_config_file_is_a_usage_error(tmp_path):
     path = write(tmp_path / "broker.toml", 'heartbeat = "often"\n')
-    result = run([sys.executable, "-m", "broker", "--config", str(path)])
+    result = run([sys.executable, "-m", "sparkbus.broker", "--config", str(path)])
     assert result.returncode == 2 and f"{path}: heartbeat = 'often': not a duration" in result.stderr
 
 
 def test_an_unusable_key_directory_is_a_usage_error(tmp_path):
-    result = run([sys.executable, "-m", "broker", "--auth", str(tmp_path)])
+    result = run([sys.executable, "-m", "sparkbus.broker", "--auth", str(tmp_path)])
     assert result.returncode == 2 and "broker.key_secret" in result.stderr
 
 

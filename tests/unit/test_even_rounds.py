@@ -8,9 +8,9 @@ posted and how many batches the loop had been given by then.
 import numpy as np
 import pytest
 
-from broker import codec
-from broker.protocol import Kind
-from worker.steps import ROUND_BATCHES
+from sparkbus.wire import codec
+from sparkbus.wire.protocol import Kind
+from sparkbus.worker.steps import ROUND_BATCHES
 
 from helpers import FakeBroker, joined
 
@@ -129,7 +129,7 @@ def test_a_loop_that_leaves_while_an_agreement_is_posted_completes_it_and_skips_
 def test_a_rank_short_of_data_holds_on_for_a_round_or_the_epochs_end_before_it_agrees(context, monkeypatch):
     import threading
 
-    from worker import steps
+    from sparkbus.worker import steps
 
     monkeypatch.setattr(steps, "ROUND_LINGER", 30.0)      # only a round's worth or the end frees it
     broker = FakeBroker(context, "inproc://even-short")

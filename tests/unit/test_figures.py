@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from broker.books import Outcome
-from broker.config import BrokerConfig
-from broker.daemon import Broker
-from broker.figures import (
+from sparkbus.broker.books import Outcome
+from sparkbus.broker.config import BrokerConfig
+from sparkbus.broker.daemon import Broker
+from sparkbus.broker.figures import (
     BROKER_METRICS,
     EPOCH_METRICS,
     METRICS,
@@ -27,7 +27,7 @@ from broker.figures import (
     RankFigures,
     StreamFigures,
 )
-from broker.metrics import MetricsExporter
+from sparkbus.broker.metrics import MetricsExporter
 
 from test_ledger import STREAM, end, hello, join, push, window
 
@@ -145,8 +145,8 @@ def test_the_table_parsers_see_a_missing_metric_and_field():
 
 
 def test_what_a_rank_reports_is_what_ack_and_heartbeat_may_carry():
-    from broker.figures import REPORTED
-    from broker.protocol import OPTIONAL, Kind
+    from sparkbus.broker.figures import REPORTED
+    from sparkbus.wire.protocol import OPTIONAL, Kind
 
     assert set(REPORTED) == set(OPTIONAL[Kind.ACK]) - {"upto"} == set(OPTIONAL[Kind.HEARTBEAT]) == \
         RankFigures.__optional_keys__       # ACK's upto is progress in packs, not a figure

@@ -8,8 +8,7 @@ from harness import run_child
 
 
 def test_the_public_api_is_importable_from_sparkbus():
-    import feeder
-    import worker
+    from sparkbus import feeder, worker
 
     assert sparkbus.feed is feeder.feed and sparkbus.feed_epochs is feeder.feed_epochs
     assert sparkbus.BatchStream is worker.BatchStream and sparkbus.RaggedColumn is worker.RaggedColumn

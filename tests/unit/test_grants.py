@@ -8,11 +8,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from broker import codec, protocol
-from broker.errors import ProtocolError
-from broker.events import BatchesAcked
-from broker.ledger import Ledger
-from broker.protocol import Kind
+from sparkbus.broker.events import BatchesAcked
+from sparkbus.broker.ledger import Ledger
+from sparkbus.wire import codec, protocol
+from sparkbus.wire.errors import ProtocolError
+from sparkbus.wire.protocol import Kind
 
 from helpers import FakeBroker, Wire, hello, joined
 from test_ledger import STREAM, end, feed, join, push

@@ -17,11 +17,11 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from broker import protocol
-from broker.errors import ProtocolError
-from broker.journal import Journal, Record
-from broker.ledger import Ledger, Rejected
-from broker.protocol import Kind
+from sparkbus.broker.journal import Journal, Record
+from sparkbus.broker.ledger import Ledger, Rejected
+from sparkbus.wire import protocol
+from sparkbus.wire.errors import ProtocolError
+from sparkbus.wire.protocol import Kind
 
 from helpers import Wire, hello
 from test_ledger import STREAM, ack, batch_frames, end, join, nbytes, window

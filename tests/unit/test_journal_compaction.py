@@ -11,11 +11,11 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from broker import codec, protocol
-from broker.books import Outcome
-from broker.errors import ProtocolError
-from broker.journal import DeliveredEpochs, EpochRanges, Journal
-from broker.ledger import Ledger, Rejected
+from sparkbus.broker.books import Outcome
+from sparkbus.broker.journal import DeliveredEpochs, EpochRanges, Journal
+from sparkbus.broker.ledger import Ledger, Rejected
+from sparkbus.wire import codec, protocol
+from sparkbus.wire.errors import ProtocolError
 
 PREFIX = struct.Struct("<II")
 

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from worker import BatchStream
-from worker.launcher import launcher_rank
-from worker.stream import _group
+from sparkbus.worker import BatchStream
+from sparkbus.worker.launcher import launcher_rank
+from sparkbus.worker.stream import _group
 
 
 def test_the_launchers_variables_are_tried_in_the_documented_order():

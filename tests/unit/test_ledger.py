@@ -11,11 +11,11 @@ import logging
 import numpy as np
 import pytest
 
-from broker import codec, protocol
-from broker.errors import ProtocolError
-from broker.ledger import MAX_WINDOW_BYTES, Ledger, Rejected
-from broker.protocol import Kind
-from broker.state import MAX_WINDOW, EpochState
+from sparkbus.broker.ledger import MAX_WINDOW_BYTES, Ledger, Rejected
+from sparkbus.broker.state import MAX_WINDOW, EpochState
+from sparkbus.wire import codec, protocol
+from sparkbus.wire.errors import ProtocolError
+from sparkbus.wire.protocol import Kind
 
 from helpers import Wire, hello
 

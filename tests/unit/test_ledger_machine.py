@@ -38,13 +38,13 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from broker import codec, protocol
-from broker.books import Outcome
-from broker.errors import ProtocolError
-from broker.journal import Journal
-from broker.ledger import Ledger, Rejected
-from broker.protocol import Kind
-from broker.state import MAX_WINDOW
+from sparkbus.broker.books import Outcome
+from sparkbus.broker.journal import Journal
+from sparkbus.broker.ledger import Ledger, Rejected
+from sparkbus.broker.state import MAX_WINDOW
+from sparkbus.wire import codec, protocol
+from sparkbus.wire.errors import ProtocolError
+from sparkbus.wire.protocol import Kind
 
 from test_ledger import STREAM, batch_frames, hello
 

@@ -13,15 +13,15 @@ import msgpack
 import pytest
 import zmq
 
-from broker import protocol
-from broker.books import Outcome
-from broker.config import BrokerConfig
-from broker.daemon import Broker
-from broker.figures import no_earlier
-from broker.ledger import Ledger
-from broker.protocol import ErrorCode, Kind
-from broker.status import PAGE_BYTES, merge_pages, paginate
-from broker.versions import PeerVersions
+from sparkbus.broker.books import Outcome
+from sparkbus.broker.config import BrokerConfig
+from sparkbus.broker.daemon import Broker
+from sparkbus.broker.figures import no_earlier
+from sparkbus.broker.ledger import Ledger
+from sparkbus.broker.status import PAGE_BYTES, merge_pages, paginate
+from sparkbus.broker.versions import PeerVersions
+from sparkbus.wire import protocol
+from sparkbus.wire.protocol import ErrorCode, Kind
 
 from helpers import hello, recv_header, send
 from test_ledger import push
@@ -117,7 +117,7 @@ def test_a_delivered_epoch_is_refused_again_long_after_its_figures_were_summed()
 
 
 def test_unused_streams_retire_and_a_broker_takes_more_than_4096_streams_over_time():
-    from broker.books import MAX_STREAMS
+    from sparkbus.broker.books import MAX_STREAMS
 
     ledger, sent = Ledger(), Sent()
     for i in range(MAX_STREAMS + 500):
@@ -161,7 +161,7 @@ def test_a_stream_in_use_or_named_by_a_message_is_not_retired_and_a_retired_one_
 
 
 def test_at_the_stream_limit_a_new_stream_retires_the_one_unused_longest_and_is_refused_only_if_all_are_used():
-    from broker.books import MAX_STREAMS
+    from sparkbus.broker.books import MAX_STREAMS
 
     ledger = Ledger()
     for i in range(MAX_STREAMS):
@@ -218,8 +218,8 @@ def test_figures_too_large_for_a_header_come_in_pages_that_merge_back(streams, r
 
 
 def test_a_status_reply_larger_than_a_header_reaches_the_client_whole(start_broker_thread, context):
-    from broker.client import fetch_stats
-    from broker.status import render_stats
+    from sparkbus.broker.client import fetch_stats
+    from sparkbus.broker.status import render_stats
 
     broker = start_broker_thread(tcp=True)          # the client makes a context of its own
     for i in range(400):                                    # about 400 bytes a stream: some 160 KB of figures
@@ -282,7 +282,7 @@ def test_a_rank_of_the_version_before_is_served_in_its_version(start_broker_thre
     heartbeats; a v7 rank on the same broker gets v7 headers and the batch's frames untouched."""
     import numpy as np
 
-    from broker import codec
+    from sparkbus.wire import codec
 
     broker = start_broker_thread(heartbeat=0.2)
     control = sockets(zmq.DEALER, broker.config.control)
@@ -332,10 +332,10 @@ def test_a_journal_of_more_streams_than_the_limit_replays_and_still_refuses_thei
                                                                                                 monkeypatch):
     """Retired streams stay in the journal's retired.log: a restart replays more streams than a broker tracks at
     once (here the limit is made 8), retiring the least recent ones early; none of their epochs is fed again."""
-    import broker.books
-    from broker.journal import Journal
+    from sparkbus.broker import books
+    from sparkbus.broker.journal import Journal
 
-    monkeypatch.setattr(broker.books, "MAX_STREAMS", 8)
+    monkeypatch.setattr(books, "MAX_STREAMS", 8)
     journal = Journal(tmp_path)
     ledger, sent = Ledger(journal), Sent()
     for i in range(12):

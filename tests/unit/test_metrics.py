@@ -13,8 +13,8 @@ import urllib.request
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from broker.figures import no_earlier
-from broker.metrics import MetricsExporter
+from sparkbus.broker.figures import no_earlier
+from sparkbus.broker.metrics import MetricsExporter
 
 
 def epoch(**figures):
@@ -183,7 +183,7 @@ def test_a_requeued_batch_does_not_make_the_out_counters_go_back(exporter):
 def test_an_epoch_folded_into_the_earlier_sums_leaves_the_counters_where_they_were(exporter):
     """Bounded history: when an epoch's figures leave the list for the stream's ``earlier`` sums, no counter moves,
     and the series stay one per stream."""
-    from broker.figures import fold
+    from sparkbus.broker.figures import fold
 
     exporter.publish(STATS)
     before = scrape(exporter)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from broker import codec, protocol
-from broker.events import BatchesAcked
-from broker.ledger import Ledger
-from broker.protocol import Kind
+from sparkbus.broker.events import BatchesAcked
+from sparkbus.broker.ledger import Ledger
+from sparkbus.wire import codec, protocol
+from sparkbus.wire.protocol import Kind
 
 from helpers import FakeBroker, Wire, hello, joined
 from test_ledger import STREAM, end, join, push

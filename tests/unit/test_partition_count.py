@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from broker import codec, protocol
-from broker.errors import ProtocolError
-from broker.ledger import MAX_PARTITIONS, Ledger
-from broker.protocol import Kind
+from sparkbus.broker.ledger import MAX_PARTITIONS, Ledger
+from sparkbus.wire import codec, protocol
+from sparkbus.wire.errors import ProtocolError
+from sparkbus.wire.protocol import Kind
 
 from helpers import Wire, hello
 

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker import address, codec, protocol
-from broker.errors import ProtocolError, VersionMismatch
-from broker.protocol import Kind
+from sparkbus.wire import address, codec, protocol
+from sparkbus.wire.errors import ProtocolError, VersionMismatch
+from sparkbus.wire.protocol import Kind
 
 DTYPES = sorted(protocol.WIRE_DTYPES - protocol.BYTE_STRINGS)     # the bytes of binary and strings: test_columns
 SHAPES = [(0,), (7,), (7, 3), (7, 2, 3), (1, 1)]

@@ -3,7 +3,7 @@
 import re
 from pathlib import Path
 
-from broker.protocol import OPTIONAL, SCHEMAS, Kind
+from sparkbus.wire.protocol import OPTIONAL, SCHEMAS, Kind
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "PROTOCOL.md"
 ROW = re.compile(r"^\| (\d+) \| `(\w+)` \| [^|]+ \| ([^|]+) \|")

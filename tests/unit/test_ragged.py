@@ -4,11 +4,11 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from broker import codec, protocol
-from broker.errors import ProtocolError
-from broker.ragged import RaggedColumn, pad
-from feeder.columns import wire_columns
-from worker import rebalance
+from sparkbus.feeder.columns import wire_columns
+from sparkbus.wire import codec, protocol
+from sparkbus.wire.errors import ProtocolError
+from sparkbus.wire.ragged import RaggedColumn, pad
+from sparkbus.worker import rebalance
 
 
 def decoded(**arrays):
@@ -97,7 +97,7 @@ def test_offsets_that_do_not_rise_are_refused_on_the_rank():
 
 
 def test_take_and_concat_keep_every_value_nested_and_null():
-    from broker.ragged import concat_ragged
+    from sparkbus.wire.ragged import concat_ragged
 
     source = [[[1], [2, None]], None, [[]], [[3, 4, 5]], []]
     nested = decoded(n=pa.array(source, pa.list_(pa.list_(pa.int64()))))["n"]

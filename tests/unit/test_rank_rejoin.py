@@ -4,8 +4,8 @@ consumed, and redeliveries of batches it has, which it does not yield again."""
 import numpy as np
 import pytest
 
-from broker import codec, protocol
-from broker.protocol import ErrorCode, Kind, pack_header, unpack_header
+from sparkbus.wire import codec, protocol
+from sparkbus.wire.protocol import ErrorCode, Kind, pack_header, unpack_header
 
 from helpers import FakeBroker, joined
 

@@ -5,9 +5,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from broker import codec, protocol
-from broker.errors import ProtocolError
-from worker.rebalance import pack_batch, plan_transfers, unpack_batch
+from sparkbus.wire import codec, protocol
+from sparkbus.wire.errors import ProtocolError
+from sparkbus.worker.rebalance import pack_batch, plan_transfers, unpack_batch
 
 
 @given(st.lists(st.integers(0, 40), min_size=1, max_size=8))

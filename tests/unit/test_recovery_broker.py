@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import zmq
 
-from broker import codec, protocol
-from broker.errors import ProtocolError
-from broker.events import BatchesAcked
-from broker.ledger import Ledger, Rejected
-from broker.partitions import MAX_PARTITIONS
-from broker.protocol import ErrorCode, Kind
-from broker.recovery import MAX_RECLAIM_EPOCHS
+from sparkbus.broker.events import BatchesAcked
+from sparkbus.broker.ledger import Ledger, Rejected
+from sparkbus.broker.partitions import MAX_PARTITIONS
+from sparkbus.broker.recovery import MAX_RECLAIM_EPOCHS
+from sparkbus.wire import codec, protocol
+from sparkbus.wire.errors import ProtocolError
+from sparkbus.wire.protocol import ErrorCode, Kind
 
 from helpers import Wire, hello, recv_header, send
 from test_ledger import STREAM, batch_frames, end, join, push
@@ -493,9 +493,9 @@ def test_a_rank_of_a_version_before_recovery_is_refused_at_its_hello_saying_whic
 
 
 def test_sparkbus_status_shows_an_epochs_recovery_figures_once_it_has_any():
-    from broker.config import BrokerConfig
-    from broker.daemon import Broker
-    from broker.status import render_stats
+    from sparkbus.broker.config import BrokerConfig
+    from sparkbus.broker.daemon import Broker
+    from sparkbus.broker.status import render_stats
 
     broker = Broker(BrokerConfig(feed="inproc://f", ranks="inproc://r", control="inproc://c"))
     ledger = broker.ledger
@@ -533,9 +533,9 @@ def test_epoch_query_of_a_delivered_epoch_and_of_one_whose_figures_are_gone():
 
 
 def test_kinds_and_fields_of_a_newer_version_are_never_sent_to_a_rank_of_the_version_before():
-    from broker.books import Outcome
-    from broker.config import BrokerConfig
-    from broker.daemon import Broker
+    from sparkbus.broker.books import Outcome
+    from sparkbus.broker.config import BrokerConfig
+    from sparkbus.broker.daemon import Broker
 
     class Ranks:                          # the ranks socket: what was sent on it
         def __init__(self):
@@ -566,7 +566,7 @@ def test_a_broker_just_restarted_holds_independent_consumers_for_the_grace(monke
     """Independent consumers cannot say how many they are: after a restart, the recomputed batches wait for
     --rejoin-grace, however many consumers have reclaimed, so that one still reconnecting is not passed over."""
     clock = [1000.0]
-    monkeypatch.setattr("broker.recovery.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("sparkbus.broker.recovery.time.monotonic", lambda: clock[0])
     ledger = Ledger(rejoin_grace=10.0)
     ledger.started = 1000.0
     wire = Wire(ledger)

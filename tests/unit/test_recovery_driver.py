@@ -11,12 +11,10 @@ import msgpack
 import pytest
 import zmq
 
-from broker.client import ControlClient
-from broker.errors import BrokerError
-from broker.protocol import Kind, pack_header, pack_ranges, unpack_header
-from feeder.epochs import feed_epochs, resumed_epoch
-from feeder.recovery import BrokerWatch, EpochFeed, FeedJob, Loss, all_lost_error
-from feeder.routes import (
+from sparkbus.broker.client import ControlClient
+from sparkbus.feeder.epochs import feed_epochs, resumed_epoch
+from sparkbus.feeder.recovery import BrokerWatch, EpochFeed, FeedJob, Loss, all_lost_error
+from sparkbus.feeder.routes import (
     BrokerEpoch,
     Partitions,
     Routes,
@@ -26,6 +24,8 @@ from feeder.routes import (
     spread_plan,
     takeover_brokers,
 )
+from sparkbus.wire.errors import BrokerError
+from sparkbus.wire.protocol import Kind, pack_header, pack_ranges, unpack_header
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -442,13 +442,13 @@ def test_feed_epochs_refuses_a_resume_outside_the_epochs_it_feeds():
 # ---- epochs fed before ----------------------------------------------------------------------------------------
 
 def test_epochs_fed_before_are_fed_again_after_a_loss_until_every_broker_delivered_them(fakes, monkeypatch):
-    import feeder.epochs
+    from sparkbus.feeder import epochs
 
     (one, two), _ = fakes("a0", "b0")
     refed = []
-    monkeypatch.setattr(feeder.epochs, "feed_watched", lambda data, address, stream, epoch, losses, **kw: refed.append(
+    monkeypatch.setattr(epochs, "feed_watched", lambda data, address, stream, epoch, losses, **kw: refed.append(
         (data, stream, epoch, losses, kw)))
-    fed = feeder.epochs.FedEpochs([one.address, two.address], "s", {"control": [one.address, two.address],
+    fed = epochs.FedEpochs([one.address, two.address], "s", {"control": [one.address, two.address],
                                                                      "timeout": 5.0})
     try:
         fed.add(0, "frame 0")

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import zmq
 
-from broker import codec, protocol
-from broker.errors import BrokerError
-from broker.protocol import ErrorCode, Kind, pack_header, unpack_header
-from worker import BatchStream, shuffled
+from sparkbus.wire import codec, protocol
+from sparkbus.wire.errors import BrokerError
+from sparkbus.wire.protocol import ErrorCode, Kind, pack_header, unpack_header
+from sparkbus.worker import BatchStream, shuffled
 
 from helpers import FakeBroker, recv_header, send, wait_for
 
@@ -374,7 +374,7 @@ def test_a_broker_lost_for_good_is_taken_over_and_every_row_is_trained_once(star
 def test_a_batch_pooled_from_another_rank_is_recorded_as_the_batch_of_its_message_it_was():
     """At an MPI epoch's end batches move between ranks re-encoded: the one that trains it records it under the
     message's index and checksum as it first arrived, as RECLAIM and state_dict need."""
-    from worker.rebalance import pack_batch, unpack_batch
+    from sparkbus.worker.rebalance import pack_batch, unpack_batch
 
     frames = codec.encode_batch("s", 0, 3, 7, {"id": np.arange(6)}, splits=[2, 4])
     arrived = unpack_header(frames[0])

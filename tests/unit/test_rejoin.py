@@ -7,12 +7,12 @@ where every batch id ends up.
 import numpy as np
 import pytest
 
-from broker import codec
-from broker.books import Outcome
-from broker.errors import ProtocolError
-from broker.journal import Journal
-from broker.ledger import Ledger
-from broker.protocol import Kind, unpack_header
+from sparkbus.broker.books import Outcome
+from sparkbus.broker.journal import Journal
+from sparkbus.broker.ledger import Ledger
+from sparkbus.wire import codec
+from sparkbus.wire.errors import ProtocolError
+from sparkbus.wire.protocol import Kind, unpack_header
 
 from helpers import Wire
 from helpers import hello as rank_hello

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import zmq
 
-from broker import codec, protocol
-from broker.errors import ProtocolError
-from broker.protocol import Kind
-from broker.state import MAX_WINDOW, RankState
-from feeder.columns import pack_small
+from sparkbus.broker.state import MAX_WINDOW, RankState
+from sparkbus.feeder.columns import pack_small
+from sparkbus.wire import codec, protocol
+from sparkbus.wire.errors import ProtocolError
+from sparkbus.wire.protocol import Kind
 
 from helpers import FakeBroker, Wire, joined, recv_header, send, send_hello
 
@@ -143,7 +143,7 @@ def test_until_every_rank_has_stated_its_window_ranks_get_batches_by_their_batch
     from test_rejoin import feed as feed_epoch
     from test_rejoin import hello as hello_rank
 
-    from broker.ledger import Ledger
+    from sparkbus.broker.ledger import Ledger
 
     ledger = Ledger()
     feed_epoch(ledger, 10)

@@ -5,13 +5,13 @@ import sys
 import numpy as np
 import pytest
 
-from broker import codec, protocol
-from broker.client import ControlClient
-from broker.protocol import Kind
-from feeder.task import stream_partition
-from worker import BatchStream
-from worker.shuffle import ShuffleBuffer, shuffled
-from worker.torch_data import to_tensors
+from sparkbus.broker.client import ControlClient
+from sparkbus.feeder.task import stream_partition
+from sparkbus.wire import codec, protocol
+from sparkbus.wire.protocol import Kind
+from sparkbus.worker import BatchStream
+from sparkbus.worker.shuffle import ShuffleBuffer, shuffled
+from sparkbus.worker.torch_data import to_tensors
 
 from harness import run_child
 
@@ -160,7 +160,7 @@ def test_each_iteration_of_the_dataset_is_one_epoch():
     pytest.importorskip("torch")
     from torch.utils.data import DataLoader
 
-    from worker.torch_data import StreamDataset
+    from sparkbus.worker.torch_data import StreamDataset
 
     stream = FakeStream([[received(0, 10), received(10, 10)], [received(20, 5)]])
     seen = []
@@ -173,7 +173,7 @@ def test_each_iteration_of_the_dataset_is_one_epoch():
 
 def test_dataset_shuffle_is_seeded_per_epoch_and_keeps_counts():
     pytest.importorskip("torch")
-    from worker.torch_data import StreamDataset
+    from sparkbus.worker.torch_data import StreamDataset
 
     def epoch_ids(epoch_number):
         stream = FakeStream([[received(20 * i, 20) for i in range(5)]])
@@ -188,7 +188,7 @@ def test_dataset_shuffle_is_seeded_per_epoch_and_keeps_counts():
 
 def test_dataset_refuses_to_run_in_a_loader_worker(monkeypatch):
     torch = pytest.importorskip("torch")
-    from worker.torch_data import StreamDataset
+    from sparkbus.worker.torch_data import StreamDataset
 
     # What a DataLoader worker process sees (a real one would fork this process, MPI and all).
     monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: object())
@@ -201,7 +201,7 @@ def test_a_real_stream_through_a_dataloader_stays_zero_copy(start_broker_thread)
     torch = pytest.importorskip("torch")
     from torch.utils.data import DataLoader
 
-    from worker.torch_data import StreamDataset
+    from sparkbus.worker.torch_data import StreamDataset
 
     config = start_broker_thread(tcp=True).config
     feed, ranks, control = config.feed, config.ranks, config.control
@@ -229,7 +229,7 @@ def received_text(first_id: int, rows: int) -> dict:
     nullable score; each value derives from the id."""
     import pyarrow as pa
 
-    from feeder.columns import wire_columns
+    from sparkbus.feeder.columns import wire_columns
 
     ids = list(range(first_id, first_id + rows))
     batch = pa.record_batch({
@@ -242,7 +242,7 @@ def received_text(first_id: int, rows: int) -> dict:
 
 
 def test_shuffle_mixes_ragged_and_masked_columns_keeping_rows_whole():
-    from worker import RaggedColumn
+    from sparkbus.worker import RaggedColumn
 
     inputs = [received_text(20 * i, 20) for i in range(5)]
     out = list(shuffled(inputs, 3, seed=2))
@@ -268,8 +268,8 @@ def test_shuffle_says_to_declare_a_column_that_changes_form():
 
 def test_ragged_columns_pass_through_to_tensors_and_pad_collate_pads_them():
     torch = pytest.importorskip("torch")
-    from worker import RaggedColumn
-    from worker.torch_data import pad_collate
+    from sparkbus.worker import RaggedColumn
+    from sparkbus.worker.torch_data import pad_collate
 
     batch = received_text(0, 6)
     tensors = to_tensors(batch)

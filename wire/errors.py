@@ -11,7 +11,7 @@ class SparkbusError(Exception):
 
 class ProtocolError(SparkbusError, ValueError):
     """A message that does not follow the protocol, or a request the broker refuses. ``reason`` is fit to send
-    back to the peer; ``code`` (a ``broker.protocol.ErrorCode``, None: the receiver's default) goes with it."""
+    back to the peer; ``code`` (a ``sparkbus.wire.protocol.ErrorCode``, None: the receiver's default) goes with it."""
 
     def __init__(self, reason: str, code: int | None = None):
         super().__init__(reason)
@@ -33,7 +33,8 @@ class VersionMismatch(ProtocolError):
 class BrokerError(SparkbusError, RuntimeError):
     """The broker refused a request, or could not be reached in time.
 
-    ``code`` is the ``broker.protocol.ErrorCode`` of the broker's ``ERROR`` reply, or None when no broker answered.
+    ``code`` is the ``sparkbus.wire.protocol.ErrorCode`` of the broker's ``ERROR`` reply, or None when no broker
+    answered.
     """
 
     def __init__(self, message: str, code: int | None = None):

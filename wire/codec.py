@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from .errors import ProtocolError
-from .protocol import BYTE_STRINGS, WIRE_DTYPES, Kind, batch_id, check_batch_frames, pack_header
-from .ragged import RaggedColumn, WireColumn, pack_bits
+from sparkbus.wire.errors import ProtocolError
+from sparkbus.wire.protocol import BYTE_STRINGS, WIRE_DTYPES, Kind, batch_id, check_batch_frames, pack_header
+from sparkbus.wire.ragged import RaggedColumn, WireColumn, pack_bits
 
 Column = Any      # numpy array, numpy masked array, RaggedColumn or WireColumn
 
@@ -36,7 +36,7 @@ def wire_array(name: str, array: np.ndarray) -> np.ndarray:
     """``array`` as it goes on the wire: little-endian, C-contiguous, at least 1-D (copies only if needed).
 
     Raises:
-        ValueError: a scalar, or a dtype that is not in :data:`broker.protocol.WIRE_DTYPES`.
+        ValueError: a scalar, or a dtype that is not in :data:`sparkbus.wire.protocol.WIRE_DTYPES`.
     """
     array = np.asarray(array)
     if array.ndim == 0:

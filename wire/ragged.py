@@ -24,7 +24,7 @@ class WireColumn(NamedTuple):
     """A column as it goes on the wire: its spec beyond the name, and its buffers in frame order.
 
     ``levels`` is a list of ``[count, offset_width, has_validity]`` (outermost first), ``nulls`` says whether the
-    leaf has a validity bitmap; see :func:`broker.protocol.column_frame_sizes`.
+    leaf has a validity bitmap; see :func:`sparkbus.wire.protocol.column_frame_sizes`.
     """
 
     dtype: str
@@ -68,7 +68,7 @@ def bitmap_slice(bitmap: np.ndarray, start: int, count: int) -> np.ndarray:
 class RaggedColumn:
     """Rows of variable length: binary or string values, or arrays (nested to any depth), with nulls.
 
-    Made by the decoder from a batch's frames (:func:`broker.codec.decode_batch`); read-only and zero-copy.
+    Made by the decoder from a batch's frames (:func:`sparkbus.wire.codec.decode_batch`); read-only and zero-copy.
 
     * ``len(col)``; ``col[i]``: row ``i``, or None for a null row. A row is a ``memoryview`` of its bytes for a
       binary column, a ``str`` for a string column, a read-only numpy view for an array of numbers (a masked

@@ -6,9 +6,9 @@ the wire is ever pickled. The prose contract is ``docs/PROTOCOL.md``; this modul
 two must say the same thing (a unit test compares the document's message table with :data:`SCHEMAS`). A refusal
 is an ``ERROR`` whose ``code`` (:class:`ErrorCode`) clients act on.
 
-The rest of the contract lives beside this module, one role each: :mod:`broker.codec` turns columns into
-batch frames and back, :mod:`broker.ragged` is the rank's view of a variable-length column,
-:mod:`broker.address` derives endpoints, :mod:`broker.errors` holds the errors.
+The rest of the contract lives beside this module, one role each: :mod:`sparkbus.wire.codec` turns columns into
+batch frames and back, :mod:`sparkbus.wire.ragged` is the rank's view of a variable-length column,
+:mod:`sparkbus.wire.address` derives endpoints, :mod:`sparkbus.wire.errors` holds the errors.
 This module needs no numpy: the broker validates batches from their headers and frame lengths alone.
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 
 import msgpack
 
-from .errors import ProtocolError, VersionMismatch
+from sparkbus.wire.errors import ProtocolError, VersionMismatch
 
 VERSION = 7
 SUPPORTED = (VERSION - 1, VERSION)   # what this side reads and speaks: its own version and the one before
