@@ -15,10 +15,11 @@ import time
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from sparkbus.broker.auth import client_socket
 from sparkbus.broker.status import merge_pages
-from sparkbus.wire.errors import BrokerError, ProtocolError
+from sparkbus.wire.errors import BrokerError, BrokerUnreachable, ProtocolError
 from sparkbus.wire.protocol import VERSION, ErrorCode, Kind, negotiated, pack_header, unpack_header
 
 
@@ -31,17 +32,26 @@ class ControlClient:
         context: ZeroMQ context; the process-wide instance by default.
         key, broker_key: this client's ``.key_secret`` file and the broker's ``.key`` file, for a broker run with
             ``--auth`` (default: the variables ``SPARKBUS_KEY`` and ``SPARKBUS_BROKER_KEY``; neither: no CURVE).
+        refused_after: until a first connection is made, a request whose every connection attempt was refused for
+            this many seconds raises :class:`BrokerUnreachable` instead of waiting for ``timeout`` (ZeroMQ's socket
+            monitor sees the refusals). None: wait for ``timeout`` whatever happens. Once connected, a slow broker
+            always gets ``timeout``.
     Raises:
         AuthError: only one of the two keys is given, or a key file is missing or malformed.
     """
 
     def __init__(self, address: str, timeout: float = 60.0, context: zmq.Context | None = None,
-                 key: str | None = None, broker_key: str | None = None):
+                 key: str | None = None, broker_key: str | None = None, refused_after: float | None = None):
         self.address = address
         self.timeout = timeout
         self._req = itertools.count(1)
         self.version = VERSION         # the broker's, once it said it speaks an older one
         self._sock = client_socket(context or zmq.Context.instance(), zmq.DEALER, key, broker_key)
+        self.refused_after = refused_after
+        self._refused_since: float | None = None      # the first refused attempt since the last connection
+        self._monitor: zmq.Socket | None = None
+        if refused_after is not None:                  # before connect(), or the first events are missed
+            self._monitor = self._sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED)
         self._sock.connect(address)
 
     def request(self, kind: Kind, timeout: float | None = None, **fields: Any) -> dict[str, Any]:
@@ -60,7 +70,7 @@ class ControlClient:
         pages: list[dict[str, Any]] = []
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self._sock.poll(int(remaining * 1000)):     # pyzmq truncates to ms too
+            if remaining <= 0 or not self._poll(remaining, kind):
                 raise BrokerError(f"no reply from the sparkbus broker at {self.address} to {kind.name} within "
                                   f"{self.timeout if timeout is None else timeout:g} s: is it running, and is "
                                   f"this the broker's control address?")
@@ -84,6 +94,48 @@ class ControlClient:
                 reply["stats"] = merge_pages(pages)
             return reply
 
+    def _poll(self, seconds: float, kind: Kind) -> bool:
+        """Whether a reply arrived within ``seconds``; while never connected (``refused_after``), connection
+        attempts refused for ``refused_after`` seconds raise :class:`BrokerUnreachable`."""
+        if self._monitor is None:
+            return bool(self._sock.poll(int(seconds * 1000)))     # pyzmq truncates to ms too
+        deadline = time.monotonic() + seconds
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        while self._monitor is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            ready = dict(poller.poll(int(max(left, 0.001) * 1000)))
+            if self._sock in ready:
+                return True
+            if self._monitor in ready:
+                self._read_monitor()
+            if self._refused_since is not None and self.refused_after is not None and \
+                    time.monotonic() - self._refused_since >= self.refused_after:
+                raise BrokerUnreachable(f"no connection to {self.address} could be made for "
+                                        f"{self.refused_after:g} s (refused: nothing listens there) to send "
+                                        f"{kind.name}", self.address)
+        left = deadline - time.monotonic()
+        return left > 0 and bool(self._sock.poll(int(left * 1000)))
+
+    def _read_monitor(self) -> None:
+        """The socket monitor's events so far: a connection ends the watch; a refused attempt starts the clock."""
+        assert self._monitor is not None
+        while self._monitor is not None and self._monitor.poll(0):
+            event = recv_monitor_message(self._monitor)["event"]
+            if event == zmq.EVENT_CONNECTED:
+                self._stop_monitor()          # connected: from now on, only ``timeout`` counts
+            elif event == zmq.EVENT_CONNECT_RETRIED and self._refused_since is None:
+                self._refused_since = time.monotonic()
+
+    def _stop_monitor(self) -> None:
+        if self._monitor is not None:
+            self._sock.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
+
     def hello(self, role: str, stream: str = "", timeout: float | None = None) -> dict[str, Any]:
         """Version handshake; proves the broker is there. Raises like :meth:`request`, and :class:`BrokerError`
         (code ``VERSION``) for a feeder that meets an older broker: its tasks write batches in this version."""
@@ -96,6 +148,7 @@ class ControlClient:
         return welcome
 
     def close(self) -> None:
+        self._stop_monitor()
         self._sock.close(linger=0)
 
     def __enter__(self) -> ControlClient:
@@ -121,4 +174,4 @@ def fetch_stats(address: str, timeout: float = 5.0, key: str | None = None,
         return client.request(Kind.STATS_REQUEST)["stats"]
 
 
-__all__ = ["ControlClient", "fetch_stats", "BrokerError", "ProtocolError"]
+__all__ = ["ControlClient", "fetch_stats", "BrokerError", "BrokerUnreachable", "ProtocolError"]

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from itertools import groupby
 from typing import Any
 
-from sparkbus.broker.books import Outcome, Transmit
+from sparkbus.broker.books import MAX_STREAM_NAME, Outcome, Transmit
 from sparkbus.broker.dispatch import Dispatch
 from sparkbus.broker.events import BatchesAcked, EpochOpened
 from sparkbus.broker.journal import DeliveredEpochs, EpochRanges
@@ -394,14 +394,18 @@ class Recovery(Partitions, Dispatch):
         """EPOCH_QUERY's answer, but ``incarnation`` and ``journal`` (the daemon's). ``seen``: partitions with a
         batch or a commit here (claims are not counted: this broker does not know its own index in a feed)."""
         stream = self.streams.get(name)
+        if stream is None and not 0 < len(name) <= MAX_STREAM_NAME:     # what EPOCH_OPEN would refuse, said first
+            raise ProtocolError(f"a stream name must have 1 to {MAX_STREAM_NAME} characters")
         ep = stream.epochs.get(number) if stream is not None else None
         if ep is not None:
             seen = {n for n, p in ep.parts.items() if any(p.attempts.values())} | ep.committed
             return {"known": True, "closed": ep.closed, "ended": ep.end_sent, "delivered": False,
                     "partitions": ep.partitions, "committed": protocol.pack_ranges(ep.committed),
                     "seen": protocol.pack_ranges(seen)}
-        if stream is not None and number in stream.finished:
-            figures = dict.get(stream.finished, number)     # None once only the range of it is kept
+        if (stream is not None and number in stream.finished) or \
+                (stream is None and number in self.retired.get(name, ())):     # a retired stream's, by range
+            stream_figures = stream.finished if stream is not None else {}
+            figures = dict.get(stream_figures, number)      # None once only the range of it is kept
             partitions = figures["partitions"] if figures is not None else 0
             every = protocol.pack_ranges(range(partitions))
             return {"known": True, "closed": True, "ended": True, "delivered": True, "partitions": partitions,

@@ -21,8 +21,8 @@ from sparkbus.feeder.recovery import EpochFeed, FeedJob, JobCancel, Loss, Outcom
 from sparkbus.feeder.routes import Routes
 from sparkbus.feeder.task import DEFAULT_PACK_BYTES, PartitionReport, attempt_id, stream_messages
 from sparkbus.wire.address import feed_and_control_addresses
-from sparkbus.wire.errors import BrokerError, FeedError
-from sparkbus.wire.protocol import Kind
+from sparkbus.wire.errors import BrokerError, BrokerUnreachable, FeedError
+from sparkbus.wire.protocol import ErrorCode, Kind
 
 log = logging.getLogger("sparkbus.feeder")
 DEFAULT_MAX_BATCH_BYTES = 16 << 20
@@ -176,6 +176,22 @@ def _feed(data: Any, address: str | Sequence[str] | None, stream: str, epoch: in
     cutting = dict(batch_size=batch_size, max_bytes=max_batch_bytes, pack_bytes=pack_bytes, ragged=tuple(ragged),
                    bucket_by=bucket_by, bucket_window=bucket_window)
     with ExitStack() as stack:
+        if _is_dataframe(data):     # the schema's refusals first: they need neither a broker nor a job
+            prepare_dataframe(data, columns, ragged, bucket_by)
+        elif not hasattr(data, "mapPartitionsWithIndex"):
+            _rdd_job(data, cutting, settings)       # raises the TypeError that says what feed() takes
+        # What can be checked before Spark runs anything is checked first: planning a DataFrame's RDD may already
+        # run its shuffle stages (adaptive execution). An unreachable broker (refused within REFUSED_AFTER), ...
+        clients = [stack.enter_context(ControlClient(c, timeout, key=key, broker_key=broker_key,
+                                                     refused_after=REFUSED_AFTER)) for c in controls]
+        without = [] if losses or resume else [loss for loss in without if loss.gone]
+        gone = {loss.broker for loss in [*losses, *without] if loss.gone}
+        # ... an absent broker (but one already found gone), ...
+        brokers = greet_brokers(clients, feeds, control is None, stream, gone)
+        if not resume and not losses:        # ... an epoch already delivered, a stream name refused
+            for i, client in enumerate(clients):
+                if i not in gone:
+                    check_epoch_unfed(client, stream, epoch)
         if _is_dataframe(data):
             arrow_rows = arrow_rows_for(batch_size) if arrow_batch_rows is None else arrow_batch_rows
             if arrow_rows:      # Spark reads it when it plans the job: set before, restored after the job
@@ -186,11 +202,6 @@ def _feed(data: Any, address: str | Sequence[str] | None, stream: str, epoch: in
             job = _rdd_job(data, cutting, settings)
         if job.reports is not None:
             stack.callback(job.reports.close)
-        clients = [stack.enter_context(ControlClient(c, timeout, key=key, broker_key=broker_key)) for c in controls]
-        without = [] if losses or resume else [loss for loss in without if loss.gone]
-        gone = {loss.broker for loss in [*losses, *without] if loss.gone}
-        # fail fast on an absent broker (but one already found gone)
-        brokers = [{} if i in gone else c.hello("feeder", stream) for i, c in enumerate(clients)]
         if (resume or losses) and job.partitions is None:     # Spark Connect: the count its maker knew, if it said
             job = job._replace(partitions=getattr(data, PARTITIONS_HINT, None))
         opened = UNKNOWN_PARTITIONS if job.partitions is None else job.partitions
@@ -267,6 +278,51 @@ def _feed_unwatched(job: FeedJob, clients: list[ControlClient], brokers: list[di
             raise
         diverged.update(closed.get("diverged", ()))
     return Outcome(partitions, reports, tuple(shares), diverged, held)
+
+
+REFUSED_AFTER = 3.0     # seconds of refused connections after which a feed fails, before any Spark job runs
+
+
+def greet_brokers(clients: list[ControlClient], feeds: list[str], derived: bool, stream: str,
+                  gone: set[int] | frozenset[int] = frozenset()) -> list[dict]:
+    """Every broker's WELCOME (``{}`` for one in ``gone``): a feeder's HELLO, which proves the broker is there.
+
+    Raises:
+        BrokerUnreachable: a control address refused every connection for ``REFUSED_AFTER`` seconds: the message
+            names the feed address as the user gave it and the control address that refused (``derived``: the
+            feed port + 2, not given with ``control=``).
+        BrokerError: as :meth:`ControlClient.hello` (a broker connected but silent for ``timeout``, a refusal).
+    """
+    try:
+        return [{} if i in gone else client.hello("feeder", stream) for i, client in enumerate(clients)]
+    except BrokerUnreachable as exc:
+        i = next(i for i, c in enumerate(clients) if c.address == exc.address)
+        raise BrokerUnreachable(unreachable_message(feeds[i], exc.address, derived, stream), exc.address) from None
+
+
+def unreachable_message(feed_address: str, control: str, derived: bool, stream: str) -> str:
+    """What a feed says when nothing listens at a broker's control address, naming the address the user typed."""
+    if derived:
+        how = "the feed port + 2" if control.startswith("tcp://") else "derived from it"
+        where = (f"no sparkbus broker at {feed_address}: its control address {control} ({how}) refused every "
+                 f"connection for {REFUSED_AFTER:g} s")
+        fix = ("Start the broker (sparkbus broker), or give the feed address it listens on; a broker whose control "
+               "address is not the feed port + 2 is named with control=")
+    else:
+        where = (f"no sparkbus broker at the control address {control} (given with control=, for the feed address "
+                 f"{feed_address}): it refused every connection for {REFUSED_AFTER:g} s")
+        fix = "Start the broker, or give the control address it listens on"
+    return f"{where}, so no Spark job ran for stream {stream!r}. {fix}."
+
+
+def check_epoch_unfed(client: ControlClient, stream: str, epoch: int) -> None:
+    """Refuse, before any Spark job, an epoch the broker has delivered already (``EPOCH_QUERY``) or a stream name
+    it would refuse: the same refusals as ``EPOCH_OPEN``'s, minutes of Spark start-up earlier."""
+    answer = client.request(Kind.EPOCH_QUERY, stream=stream, epoch=epoch)
+    if answer.get("ended") or answer.get("delivered"):
+        raise BrokerError(f"the broker at {client.address} refused EPOCH_OPEN: stream {stream!r} has already "
+                          f"delivered epoch {epoch}; feed a new epoch number or a new stream name (checked before "
+                          f"any Spark job ran)", code=ErrorCode.REFUSED)
 
 
 ARROW_BATCH_CONF = "spark.sql.execution.arrow.maxRecordsPerBatch"

@@ -36,7 +36,15 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from sparkbus.broker.client import ControlClient
-from sparkbus.feeder.driver import FeedReport, feed, feed_watched, is_connect_dataframe, with_partitions
+from sparkbus.feeder.driver import (
+    REFUSED_AFTER,
+    FeedReport,
+    feed,
+    feed_watched,
+    greet_brokers,
+    is_connect_dataframe,
+    with_partitions,
+)
 from sparkbus.feeder.recovery import CANNOT_RECOVER, WATCH_INTERVAL, BrokerWatch, Loss
 from sparkbus.feeder.routes import read_query
 from sparkbus.wire.address import feed_and_control_addresses
@@ -216,12 +224,13 @@ class FedEpochs:
 
     def __init__(self, address: str | Sequence[str] | None, stream: str, feed_kwargs: dict[str, Any]) -> None:
         self.address, self.stream, self.feed_kwargs = address, stream, feed_kwargs
-        _, controls = feed_and_control_addresses(address, feed_kwargs.get("control"))
+        feeds, controls = feed_and_control_addresses(address, feed_kwargs.get("control"))
         timeout = feed_kwargs.get("timeout", 60.0)
         key, broker_key = feed_kwargs.get("key"), feed_kwargs.get("broker_key")
-        self.clients = [ControlClient(c, timeout, key=key, broker_key=broker_key) for c in controls]
-        try:
-            welcomes = [c.hello("feeder", stream) for c in self.clients]
+        self.clients = [ControlClient(c, timeout, key=key, broker_key=broker_key, refused_after=REFUSED_AFTER)
+                        for c in controls]
+        try:      # an address where nothing listens fails the run before any Spark job
+            welcomes = greet_brokers(self.clients, feeds, not feed_kwargs.get("control"), stream)
         except BrokerError:
             self.close()
             raise

@@ -42,6 +42,15 @@ class BrokerError(SparkbusError, RuntimeError):
         self.code = code
 
 
+class BrokerUnreachable(BrokerError):
+    """No connection could be made to the broker's address at all (refused: nothing listens there), as opposed to a
+    broker that is connected but slow. ``address``: the endpoint that refused."""
+
+    def __init__(self, message: str, address: str):
+        super().__init__(message)
+        self.address = address
+
+
 class FeedError(SparkbusError, RuntimeError):
     """The Spark job that streams an epoch failed; the message says why and what to check."""
 
@@ -54,5 +63,5 @@ class AuthError(SparkbusError, ValueError):
     """A CURVE key file or key directory that cannot be used: missing, unreadable, or not a key of that kind."""
 
 
-__all__ = ["SparkbusError", "ProtocolError", "VersionMismatch", "BrokerError", "FeedError", "FeedTimeout",
-           "AuthError"]
+__all__ = ["SparkbusError", "ProtocolError", "VersionMismatch", "BrokerError", "BrokerUnreachable", "FeedError",
+           "FeedTimeout", "AuthError"]
