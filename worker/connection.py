@@ -41,6 +41,9 @@ ACK_MAX = 256          # ids in one ACK at most
 
 BatchId = tuple[int, int, int]
 
+UNANSWERED_WARNING = 5.0     # seconds without a WELCOME before a joining rank warns, naming the address
+UNANSWERED_REPEAT = 30.0     # ... and again this often while it keeps trying until its timeout
+
 WHAT_TO_DO = ("restart the brokers and feed the epoch again, or run the brokers with --journal so that a restarted "
               "broker keeps what it had")
 
@@ -237,12 +240,18 @@ class BrokerConnection:
     def _join(self, resume: tuple[int, list[UsedEntry]] | None) -> None:
         """The first HELLO (and a resuming rank's RECLAIM). A rank number still held by a dead process's connection
         is retried until ``timeout``."""
-        deadline = time.monotonic() + self.timeout
+        started = time.monotonic()
+        deadline, warn_at = started + self.timeout, started + UNANSWERED_WARNING
         self._hello(resume=False)
         while True:
             remaining = deadline - time.monotonic()
-            if remaining <= 0 or not self._sock.poll(int(min(remaining, self.heartbeat) * 1000)):
-                if time.monotonic() < deadline:
+            wait = min(remaining, self.heartbeat, max(warn_at - time.monotonic(), 0.05))
+            if remaining <= 0 or not self._sock.poll(int(wait * 1000)):
+                now = time.monotonic()
+                if now >= warn_at and now < deadline:
+                    warn_at = now + UNANSWERED_REPEAT
+                    self._warn_unanswered(now - started, deadline - now)
+                if now < deadline:
                     continue
                 if self._refusal:
                     raise BrokerError(f"the broker at {self.address} refused rank {self.rank} for "
@@ -276,6 +285,16 @@ class BrokerConnection:
                                   f"without resume=", code=ErrorCode.VERSION)
             self.reclaim(resume[0], "", resume[1])
         self._grant_window()
+
+    def _warn_unanswered(self, waited: float, left: float) -> None:
+        """While joining: nothing has answered for ``waited`` seconds (a wrong address, a broker not started yet)."""
+        if self._refusal:
+            log.warning("rank %d: the broker at %s still refuses it after %.0f s (%s); trying until its timeout "
+                        "(%.0f s left)", self.rank, self.address, waited, self._refusal, left)
+        else:
+            log.warning("rank %d: no answer from a sparkbus broker at %s after %.0f s: is it running, and is this "
+                        "its ranks address (the feed port + 1)? Trying until its timeout (%.0f s left)", self.rank,
+                        self.address, waited, left)
 
     def _fall_back(self, version: int) -> None:
         """HELLO again in the older ``version`` the broker speaks, if this rank needs nothing that version lacks."""

@@ -48,6 +48,9 @@ class EpochStats:
     wait_seconds: float = 0.0   # time the training loop waited for data (and for the other ranks to agree)
     seconds: float = 0.0        # from the first request of the epoch to its end
     resumed_batches: int = 0    # steps of this epoch taken before the checkpoint it resumed from (not in batches)
+    # the wait before the epoch's first batch (-1: none came), included in wait_seconds: in a first epoch, Spark's
+    # start-up and the feed's first partitions; wait_seconds - first_batch_seconds is the wait once data flowed
+    first_batch_seconds: float = -1.0
 
 
 @dataclass
@@ -167,6 +170,9 @@ class BatchStream:
         self._resumed = resumed                   # the state resumed from, until its epoch begins
         if resumed is not None:
             self._intake.resume(resumed["epoch"], resumed["used"])
+            log.info("rank %d of stream %r resumes from its state (resume=) at epoch %d, step %d: the steps before "
+                     "it were taken before the checkpoint, the rest of the epoch comes", self.rank, stream,
+                     resumed["epoch"], resumed["steps"])
 
     def _figures(self) -> tuple[int, float]:
         # What this rank tells its brokers about itself: batches consumed and data-wait, over every epoch so far.
@@ -216,6 +222,8 @@ class BatchStream:
         holding: dict | None = None           # the header of the batch the loop has now (acknowledged on next)
         try:
             for step in steps:
+                if ep.first_batch_seconds < 0:
+                    ep.first_batch_seconds = time.monotonic() - started
                 self._count(ep, step.header, step.batch)
                 self._intake.note_used(step.header)
                 holding = step.header if step.acknowledge else None
