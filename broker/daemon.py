@@ -335,9 +335,13 @@ class Broker:
                 held, consumed = (), ()
                 h.pop("got", None)
             missed = self.ledger.join_rank(identity, h, held, consumed)
+        optional: dict[str, Any] = {}
+        if h["v"] >= 7 and h["stream"]:       # the ranks reading the stream now; a rank: streams no rank reads
+            optional = self._unread_for(identity, self.unread_streams()) if joined else \
+                {"ranks": self.ranks_reading(h["stream"])}
         self._send(sock, identity, Kind.WELCOME, req=h["req"], broker=f"sparkbus/{protocol.VERSION}",
                    incarnation=self.incarnation, journal=self.ledger.journal is not None,
-                   free=max(self.config.max_buffer - self.ledger.buffered, 0))
+                   free=max(self.config.max_buffer - self.ledger.buffered, 0), **optional)
         self.ledger.send_missed(identity, missed, self._transmit)    # what it missed of epochs that ended
         if joined and identity in self.ledger.ranks:
             self.ledger.send_lost(self.streams[h["stream"]], self._transmit, only=identity)
@@ -398,6 +402,16 @@ class Broker:
     def _epoch_close(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
         diverged = self.ledger.close_epoch(h["stream"], h["epoch"], h["partitions"], h.get("expected"))
         self._send(sock, identity, Kind.OK, req=h["req"], diverged=diverged)
+        if not self.ranks_reading(h["stream"]):
+            read = sorted({r.stream for r in self.ledger.ranks.values()})
+            log.warning("stream %r epoch %d is closed, but no rank reads stream %r (ranks read: %s): it waits for "
+                        "ranks of that stream", h["stream"], h["epoch"], h["stream"],
+                        ", ".join(map(repr, read)) or "none")
+
+    def ranks_reading(self, name: str) -> int:
+        """Ranks of the stream ``name``: joined, or lost and awaited."""
+        stream = self.streams.get(name)
+        return 0 if stream is None else len(stream.ranks) + len(stream.orphans)
 
     def _epoch_recover(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
         stream = self.streams.get(h["stream"])
@@ -449,9 +463,28 @@ class Broker:
             return Outcome.FULL
 
     def _heartbeat(self) -> None:
-        """Heartbeat every rank; sending to one whose connection has closed is how its death is noticed."""
+        """Heartbeat every rank; sending to one whose connection has closed is how its death is noticed. A rank whose
+        stream has no epoch under way while others hold data no rank reads is told their names (``unread``)."""
+        unread = self.unread_streams()
         for identity in list(self.ledger.ranks):
-            self._send(self._ranks, identity, Kind.HEARTBEAT)
+            self._send(self._ranks, identity, Kind.HEARTBEAT, **self._unread_for(identity, unread))
+
+    def unread_streams(self) -> list[str]:
+        """Streams holding data of an epoch not yet ended (batches, or an epoch closed) that no rank reads: no rank
+        joined, none lost and awaited. A feed's ``stream=`` that differs from its ranks' is the usual cause."""
+        return sorted(name for name, stream in self.streams.items()
+                      if not stream.ranks and not stream.orphans and
+                      any(not ep.end_sent and (ep.batches_in or ep.closed) for ep in stream.epochs.values()))
+
+    def _unread_for(self, identity: bytes, unread: list[str]) -> dict[str, Any]:
+        """``{"unread": [...]}`` for a rank of version 7 or later whose own stream has nothing under way."""
+        rank = self.ledger.ranks.get(identity)
+        if not unread or rank is None or self.peers.version("ranks", identity) < 7:
+            return {}
+        stream = self.streams.get(rank.stream)
+        if stream is not None and stream.delivering() is not None:
+            return {}
+        return {"unread": unread}
 
     # ---- figures ----------------------------------------------------------------------------------------
 

@@ -6,11 +6,18 @@ classic SparkSession or a Spark Connect one (DataFrames only: Connect has no RDD
 Importing this package starts nothing; it imports pyspark only when ``feed`` is called.
 """
 
-from sparkbus.feeder.driver import DivergedPartitionsWarning, FeedReport, feed, is_connect_dataframe, prepare_dataframe
+from sparkbus.feeder.driver import (
+    DivergedPartitionsWarning,
+    FeedReport,
+    NoRanksWarning,
+    feed,
+    is_connect_dataframe,
+    prepare_dataframe,
+)
 from sparkbus.feeder.epochs import default_partitions, epoch_order, feed_epochs
 from sparkbus.feeder.task import PartitionReport, stream_partition
 from sparkbus.wire.errors import BrokerError, FeedError, FeedTimeout, SparkbusError
 
 __all__ = ["feed", "feed_epochs", "epoch_order", "FeedReport", "FeedError", "FeedTimeout", "BrokerError",
-           "SparkbusError", "DivergedPartitionsWarning", "PartitionReport", "prepare_dataframe", "stream_partition",
-           "is_connect_dataframe", "default_partitions"]
+           "SparkbusError", "DivergedPartitionsWarning", "NoRanksWarning", "PartitionReport", "prepare_dataframe",
+           "stream_partition", "is_connect_dataframe", "default_partitions"]

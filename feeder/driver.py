@@ -37,6 +37,11 @@ class DivergedPartitionsWarning(UserWarning):
     """Spark recomputed partitions differently across task attempts; in stream delivery rows may be off."""
 
 
+class NoRanksWarning(UserWarning):
+    """A feed closed an epoch of a stream that no rank has joined, a grace after the feed started: the epoch waits
+    for ranks of that stream. Right when the ranks start later; otherwise their ``stream=`` differs from the feed's."""
+
+
 class FeedReport(NamedTuple):
     """What :func:`feed` sent: partitions, batches, rows, payload bytes, wall-clock seconds, and the partitions
     whose task attempts produced different batches (see :class:`DivergedPartitionsWarning`)."""
@@ -229,6 +234,8 @@ def _feed(data: Any, address: str | Sequence[str] | None, stream: str, epoch: in
                 raise FeedError(_explain_job_failure(exc, stream, epoch)) from exc
         else:
             outcome = _feed_unwatched(job, clients, brokers, stream, epoch, committer)
+        if not losses:
+            warn_if_no_ranks(clients, gone, stream, epoch, started)
     partitions, reports, shares, diverged, held, taken = outcome
     produced = sum(r.rows for r in reports)
     if held is not None and held != produced:
@@ -313,6 +320,39 @@ def unreachable_message(feed_address: str, control: str, derived: bool, stream: 
                  f"{feed_address}): it refused every connection for {REFUSED_AFTER:g} s")
         fix = "Start the broker, or give the control address it listens on"
     return f"{where}, so no Spark job ran for stream {stream!r}. {fix}."
+
+
+NO_RANKS_GRACE = 5.0    # seconds from a feed's start in which its stream's ranks may still join, before a warning
+
+
+def warn_if_no_ranks(clients: list[ControlClient], gone: set[int], stream: str, epoch: int, started: float) -> None:
+    """Once an epoch is closed: if no rank reads ``stream`` at any live broker (``WELCOME.ranks``), wait until
+    ``NO_RANKS_GRACE`` seconds after the feed ``started`` for one to join, then warn (:class:`NoRanksWarning`),
+    naming the streams the brokers' ranks do read. A broker that does not say (older, or silent) says nothing."""
+    live = [client for i, client in enumerate(clients) if i not in gone]
+    while True:
+        try:
+            counts = [client.hello("feeder", stream, timeout=min(client.timeout, 5.0)).get("ranks") for client in live]
+        except BrokerError:
+            return
+        if not counts or any(count is None or count > 0 for count in counts):
+            return
+        left = started + NO_RANKS_GRACE - time.monotonic()
+        if left <= 0:
+            break
+        time.sleep(min(left, 0.5))
+    read: set[str] = set()
+    for client in live:
+        try:
+            streams = client.request(Kind.STATS_REQUEST, timeout=min(client.timeout, 5.0))["stats"]["streams"]
+        except (BrokerError, KeyError, TypeError):
+            continue
+        read.update(name for name, figures in streams.items() if figures.get("ranks") or figures.get("orphans"))
+    reading = f"ranks read {', '.join(map(repr, sorted(read)))}" if read else "no rank has joined any stream"
+    warnings.warn(f"stream {stream!r} epoch {epoch} is fed, but no rank reads stream {stream!r} at "
+                  f"{', '.join(c.address for c in live)} ({reading}) {NO_RANKS_GRACE:g} s after the feed began: the "
+                  f"epoch waits for ranks of stream {stream!r}. If they start later, ignore this; otherwise give the "
+                  f"ranks and the feed the same stream=", NoRanksWarning, stacklevel=4)
 
 
 def check_epoch_unfed(client: ControlClient, stream: str, epoch: int) -> None:
@@ -609,5 +649,5 @@ def _explain_job_failure(exc: Exception, stream: str, epoch: int) -> str:
     return f"the Spark job feeding stream {stream!r} epoch {epoch} failed: {first.strip()[:500]}{hint}"
 
 
-__all__ = ["feed", "FeedReport", "DivergedPartitionsWarning", "check_spark_type", "prepare_dataframe",
+__all__ = ["feed", "FeedReport", "DivergedPartitionsWarning", "NoRanksWarning", "check_spark_type", "prepare_dataframe",
            "is_connect_dataframe"]

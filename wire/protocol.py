@@ -126,7 +126,10 @@ OPTIONAL: dict[Kind, dict[str, type]] = {
     # a rank's own figures, on the messages it sends anyway: for `sparkbus status` and the metrics
     Kind.ACK: {"wait_s": float, "first_batch_s": float, "consumed": int,
                "upto": list},                  # progress in packs: [e, p, s, stop, ...], batches before stop used
-    Kind.HEARTBEAT: {"wait_s": float, "first_batch_s": float, "consumed": int},
+    Kind.HEARTBEAT: {"wait_s": float, "first_batch_s": float, "consumed": int,
+                     "unread": list},      # broker -> rank whose stream has nothing under way: streams no rank reads
+    Kind.WELCOME: {"ranks": int,           # to a feeder's HELLO naming a stream: the ranks reading it now
+                   "unread": list},        # to a rank's: as HEARTBEAT's
 }
 
 # What each version added to the one before. A header of an older version is read as that version defined it: a
@@ -138,7 +141,8 @@ ADDED: dict[int, tuple[frozenset[Kind], dict[Kind, tuple[str, ...]]]] = {
     6: (frozenset({Kind.RECLAIM, Kind.LOST, Kind.EPOCH_RECOVER, Kind.EPOCH_QUERY}),
         {Kind.HELLO: ("incarnation",), Kind.STEPS: ("adopted",)}),
     7: (frozenset({Kind.PARTITION_RECEIVED, Kind.PARTITION_COMMIT}),
-        {Kind.EPOCH_OPEN: ("commit",), Kind.EPOCH_RECOVER: ("commit",)}),
+        {Kind.EPOCH_OPEN: ("commit",), Kind.EPOCH_RECOVER: ("commit",), Kind.WELCOME: ("ranks", "unread"),
+            Kind.HEARTBEAT: ("unread",)}),
 }
 
 _KINDS = {int(k): k for k in Kind}

@@ -101,6 +101,7 @@ class BrokerConnection:
         self._req = 0
         self._rejoin_since: float | None = None       # when the broker said it no longer knew this rank
         self._refusal = ""
+        self._unread: tuple[str, ...] = ()            # streams no rank reads, last said by the broker (warned once)
         self._sock = client_socket(context, zmq.DEALER, key, broker_key)
         self._sock.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat * 1000))    # transport-level, answered by libzmq
         self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(3 * heartbeat * 1000))
@@ -261,6 +262,7 @@ class BrokerConnection:
             header = unpack_header(self._sock.recv_multipart()[0])
             if header["kind"] == Kind.WELCOME and header["req"] == self._req:
                 self.incarnation, self.journal = header["incarnation"], header["journal"]
+                self._note_unread(header)
                 break
             if header["kind"] == Kind.ERROR and header["code"] == ErrorCode.ALREADY_CONNECTED:
                 # Another process had this rank (a job that died); the broker lets go of it once its connection
@@ -285,6 +287,16 @@ class BrokerConnection:
                                   f"without resume=", code=ErrorCode.VERSION)
             self.reclaim(resume[0], "", resume[1])
         self._grant_window()
+
+    def _note_unread(self, header: dict) -> None:
+        """The broker's ``unread`` (a HEARTBEAT or WELCOME, version 7): this rank's stream has nothing under way,
+        while these streams hold data that no rank reads. Warned once for each new set of names."""
+        unread = tuple(str(name) for name in header.get("unread", ()))
+        if unread and unread != self._unread:
+            log.warning("rank %d waits for an epoch of stream %r at the broker %s, which holds data of streams that "
+                        "no rank reads: %s. Is the feed's stream= the same as the ranks' stream=?", self.rank,
+                        self.stream, self.address, ", ".join(map(repr, unread)))
+        self._unread = unread
 
     def _warn_unanswered(self, waited: float, left: float) -> None:
         """While joining: nothing has answered for ``waited`` seconds (a wrong address, a broker not started yet)."""
@@ -389,5 +401,7 @@ class BrokerConnection:
                                 "restarted": True}, []
             elif kind == Kind.ERROR:
                 raise BrokerError(f"the broker at {self.address} reported: {header['reason']}", code=header["code"])
-            elif kind != Kind.HEARTBEAT:
+            elif kind == Kind.HEARTBEAT:
+                self._note_unread(header)
+            else:
                 log.warning("ignoring unexpected %s from the broker", kind.name)
