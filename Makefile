@@ -1,25 +1,33 @@
-# sparkbus: `make demo` (set up + the end-to-end demo) and `make test` (set up + the whole suite).
+# sparkbus: `make demo` (set up what the demo needs + the end-to-end demo) and `make test` (set up the development
+# tools too + the whole suite). Two stamps: the demo's venv holds the package and its [demo] extra only; the suite's,
+# linters' and benchmark's tools are added by `make test`, `make lint` or `make bench` (the same venv, one step more).
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 
-.PHONY: setup demo test lint unit integration bench bench-quick clean
+.PHONY: setup setup-demo demo test lint unit integration bench bench-quick clean
 
 setup: $(VENV)/.installed
+setup-demo: $(VENV)/.demo-installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.demo-installed: pyproject.toml
 	$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 10) and "sparkbus needs Python >= 3.10")'
 	@command -v java >/dev/null || { echo "sparkbus needs Java 17+ for Spark (java not found)"; exit 1; }
 	$(PYTHON) -m venv $(VENV)
 	# torch pinned first: the CPU build that lies on our machines' disk (an open range would pull a
-	# multi-GB CUDA build from PyPI); the [torch] extra's range (in [all]) is then already satisfied
+	# multi-GB CUDA build from PyPI); the [torch] extra's range (in [demo] and [all]) is then already satisfied
 	$(PY) -m pip install --quiet 'torch==2.13.0'
-	# [all]: every user's extra (Spark, Spark Connect, MPI, torch, the broker's metrics and status --watch), which
-	# the demo and the suite exercise; then the suite's, the benchmark's and the image example's own
-	$(PY) -m pip install --quiet -e '.[all,test,bench,images]'
+	# [demo]: Spark, MPI (mpiexec), rich, torch and the image example's Pillow and scikit-learn
+	$(PY) -m pip install --quiet -e '.[demo]'
 	touch $@
 
-demo: setup
+# [all]: every user's extra (Spark, Spark Connect, MPI, torch, the broker's metrics and status --watch), which the
+# suite exercises; then the suite's, the linters' and the benchmark's own
+$(VENV)/.installed: $(VENV)/.demo-installed
+	$(PY) -m pip install --quiet -e '.[all,demo,test,bench]'
+	touch $@
+
+demo: setup-demo
 	$(VENV)/bin/sparkbus demo $(ARGS)
 
 # The whole suite, then the guarantees and the fuzz test again with every broker run with --auth and every
@@ -28,12 +36,13 @@ test: setup
 	$(PY) -m pytest $(ARGS)
 	$(if $(ARGS),,SPARKBUS_TEST_AUTH=1 $(PY) -m pytest tests/integration/test_fuzz.py tests/integration/test_guarantees.py)
 
-# ruff over the whole tree, mypy over the library (the parts and launch/); both configured in pyproject.toml. mypy
+# ruff over the whole tree, mypy over the library (the parts, launch/ and the demo; not examples/); both configured in pyproject.toml. mypy
 # reads the package as installed: build/mypy/sparkbus, links to the folders that pyproject.toml maps under sparkbus
 lint: setup
 	$(VENV)/bin/ruff check .
 	rm -rf build/mypy && mkdir -p build/mypy/sparkbus
 	ln -s $(CURDIR)/sparkbus/*.py build/mypy/sparkbus/
+	ln -s $(CURDIR)/sparkbus/demo build/mypy/sparkbus/demo
 	for part in feeder broker worker wire launch; do ln -s $(CURDIR)/$$part build/mypy/sparkbus/$$part; done
 	$(VENV)/bin/mypy
 

@@ -1,4 +1,5 @@
-"""``sparkbus`` command line: ``broker`` (the daemon), ``status`` (live figures), ``demo`` (the main job)."""
+"""The sparkbus command line: broker (the daemon), status (live figures), keys (CURVE pairs), demo (the end-to-end
+demo, from the installed package) and bench (the benchmark, from a source checkout)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 from typing import cast
@@ -18,6 +20,7 @@ from sparkbus.broker.config import (
     parse_duration,
     resolve_settings,
 )
+from sparkbus.cli_help import HelpFormatter
 from sparkbus.wire.errors import AuthError
 
 log = logging.getLogger("sparkbus.broker")
@@ -45,6 +48,7 @@ def add_broker_arguments(parser: argparse.ArgumentParser) -> None:
                              "flags, then SPARKBUS_* variables, take precedence over it (default: SPARKBUS_CONFIG)")
     for setting in BROKER_SETTINGS:
         help_text = f"{setting.help} (default {setting.shown or setting.default}; {setting.variable})"
+        help_text = help_text.replace("``", "")           # the settings' help is also docs text
         if setting.flag:
             parser.add_argument(setting.option, dest=setting.name, type=_argument_type(setting.parse),
                                 default=None, help=help_text, metavar=setting.metavar)
@@ -110,7 +114,8 @@ def run_status(args: argparse.Namespace) -> int:
         return cast("Figures", fetch_stats(address, args.timeout))
 
     try:
-        addresses = broker_addresses(args.address, "SPARKBUS_STATUS_ADDRESS")
+        addresses = broker_addresses(args.address or os.environ.get("SPARKBUS_STATUS_ADDRESS") or default_control(),
+                                     "SPARKBUS_STATUS_ADDRESS")
         # the client reads SPARKBUS_KEY / SPARKBUS_BROKER_KEY (broker/auth.py make_curve_client): flags become those
         for value, variable, check in ((args.key, KEY_ENV, load_key_pair),
                                        (args.broker_key, BROKER_KEY_ENV, load_public_key)):
@@ -181,44 +186,90 @@ def run_keys(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_script(relative: str, args: list[str]) -> int:
-    """``sparkbus demo`` and ``sparkbus bench`` run scripts of the source checkout (deploy/, benchmarks/)."""
-    script = Path(__file__).resolve().parent.parent / relative
+def default_control() -> str:
+    """The control address of a broker with the default settings (its feed port + 2: tcp://127.0.0.1:5557)."""
+    from sparkbus.wire.address import control_address
+
+    (feed,) = [s.default for s in BROKER_SETTINGS if s.name == "feed"]
+    return control_address(feed)
+
+
+BENCH_DESCRIPTION = """\
+Run the benchmark: every figure of benchmarks/README.md, section by section, then the tables and each target with
+its measured value; writes RESULTS.md, throughput.png and results.json to --out. The benchmark is part of a source
+checkout (benchmarks/), not of the installed package: git clone the repository, then make bench."""
+
+
+def run_bench(args: list[str]) -> int:
+    """``sparkbus bench``: benchmarks/bench.py of the source checkout this package was installed from (editable)."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
     if not script.exists():
-        print(f"this command runs from a source checkout ({relative} was not found)", file=sys.stderr)
+        print("sparkbus bench: error: the benchmark runs from a source checkout of sparkbus, not from the installed "
+              "package: git clone the repository, then make bench (or .venv/bin/sparkbus bench there)",
+              file=sys.stderr)
         return 2
-    # exec, not a child: Ctrl-C and SIGTERM then reach the demo itself, which stops its processes in order
+    if {"-h", "--help"} & set(args):
+        # bench.py's own help names its file and its sections' classes: say it as this command does
+        shown = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=60,
+                               env={**os.environ, "COLUMNS": os.environ.get("COLUMNS", "100")})
+        if shown.returncode != 0:
+            print(shown.stderr, file=sys.stderr)
+            return shown.returncode
+        usage, _, rest = shown.stdout.partition("\n\n")
+        options = rest[rest.find("options:"):] if "options:" in rest else rest
+        old, new = "usage: benchmarks/bench.py", "usage: sparkbus bench"
+        usage = usage.replace(old, new).replace("\n" + " " * (len(old) + 1), "\n" + " " * (len(new) + 1))
+        print(f"{usage}\n\n{BENCH_DESCRIPTION}\n\n{options}", end="")
+        return 0
+    # exec, not a child: Ctrl-C and SIGTERM then reach the benchmark itself, which stops its processes in order
     os.execv(sys.executable, [sys.executable, str(script), *args])
 
 
+def run_demo(args: list[str]) -> int:
+    """``sparkbus demo``: sparkbus.demo.run in this process (Ctrl-C and SIGTERM reach it; it stops its children)."""
+    from sparkbus.demo.run import main as demo
+
+    return demo(args)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="sparkbus", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    add_broker_arguments(commands.add_parser("broker", help="run the broker daemon"))
-    status = commands.add_parser("status", help="print a broker's live figures")
+    from sparkbus import __version__
+
+    parser = argparse.ArgumentParser(prog="sparkbus", description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"sparkbus {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_broker_arguments(commands.add_parser("broker", help="run the broker daemon",
+                                             description="Run the broker daemon in the foreground until SIGTERM or "
+                                                         "SIGINT. Each setting: the flag, else its SPARKBUS_* "
+                                                         "variable, else --config, else the default shown."))
+    status = commands.add_parser("status", help="print a broker's live figures", formatter_class=HelpFormatter,
+                                 description="Print the live figures of one broker, or of several and their totals.")
     status.add_argument("address", nargs="?", default=None,
                         help="the broker's control or ranks address, e.g. tcp://host:5557; several brokers' as a "
-                             "comma-separated list (default: SPARKBUS_STATUS_ADDRESS)")
+                             "comma-separated list (default: SPARKBUS_STATUS_ADDRESS, else the control address of a "
+                             f"broker with default settings, {default_control()})")
     status.add_argument("--json", action="store_true", help="print the raw figures as JSON")
     status.add_argument("--watch", action="store_true",
                         help="redraw the live figures, with each rank's share of time waiting for data, until Ctrl-C")
-    status.add_argument("--interval", type=_argument_type(parse_duration), default=1.0,
-                        help="seconds between redraws with --watch (default 1s)")
-    status.add_argument("--timeout", type=_argument_type(parse_duration), default=5.0,
-                        help="how long to wait for each broker (default 5s)")
+    status.add_argument("--interval", type=_argument_type(parse_duration), default="1s",
+                        help="time between redraws with --watch")
+    status.add_argument("--timeout", type=_argument_type(parse_duration), default="5s",
+                        help="how long to wait for each broker")
     status.add_argument("--key", help="this client's .key_secret file, for a broker with --auth: a feeder's key "
                                       "at the control address, a rank's at the ranks address (default: SPARKBUS_KEY)")
     status.add_argument("--broker-key", help="the broker's public .key file (default: SPARKBUS_BROKER_KEY)")
     keys = commands.add_parser("keys", help="CURVE key pairs for --auth (sparkbus keys create PATH)")
-    key_commands = keys.add_subparsers(dest="keys_command", required=True)
+    key_commands = keys.add_subparsers(dest="keys_command", required=True, metavar="COMMAND")
     create = key_commands.add_parser("create", help="write PATH.key and PATH.key_secret and say where they go")
     create.add_argument("path", help="the files' name without suffix, e.g. keys/spark-prod")
-    commands.add_parser("demo", help="run the end-to-end demo (sparkbus demo --help)", add_help=False)
-    commands.add_parser("bench", help="run the benchmark (sparkbus bench --help)", add_help=False)
+    commands.add_parser("demo", help="run the end-to-end demo: a broker, Spark and MPI ranks on this machine "
+                                     "(sparkbus demo --help)", add_help=False)
+    commands.add_parser("bench", help="run the benchmark, from a source checkout (sparkbus bench --help)",
+                        add_help=False)
     argv = sys.argv[1:] if argv is None else argv
-    scripts = {"demo": "deploy/demo.py", "bench": "benchmarks/bench.py"}
-    if argv[:1] and argv[0] in scripts:
-        return run_script(scripts[argv[0]], argv[2:] if argv[1:2] == ["--"] else argv[1:])
+    passed = {"demo": run_demo, "bench": run_bench}       # their own parsers read the rest of the line
+    if argv[:1] and argv[0] in passed:
+        return passed[argv[0]](argv[2:] if argv[1:2] == ["--"] else argv[1:])
     args = parser.parse_args(argv)
     if args.command == "broker":
         return run_broker(args)

@@ -38,24 +38,26 @@ from typing import Any
 
 import numpy as np
 
+from sparkbus.cli_help import HelpFormatter
 from sparkbus.worker import BatchStream
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=HelpFormatter)
     side = parser.add_mutually_exclusive_group(required=True)
     side.add_argument("--ranks", help="train: the broker's ranks address (run under torchrun)")
     side.add_argument("--feed", help="feed: the broker's feed address")
     parser.add_argument("--control", help="the broker's control address (default: the feed port + 2)")
-    parser.add_argument("--stream", default="train")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--features", type=int, default=32)
-    parser.add_argument("--classes", type=int, default=4)
+    parser.add_argument("--stream", default="ddp", help="the stream (the same on both sides)")
+    parser.add_argument("--epochs", type=int, default=3, help="epochs (the same on both sides)")
+    parser.add_argument("--features", type=int, default=32, help="float32 features per row")
+    parser.add_argument("--classes", type=int, default=4, help="classes of the synthetic set")
     parser.add_argument("--seed", type=int, default=7, help="data and shuffle seed (feed), weights seed (ranks)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds any single wait may take")
     train = parser.add_argument_group("training (--ranks)")
-    train.add_argument("--hidden", type=int, default=64)
-    train.add_argument("--lr", type=float, default=0.05)
+    train.add_argument("--hidden", type=int, default=64, help="hidden units of the MLP")
+    train.add_argument("--lr", type=float, default=0.05, help="learning rate")
     train.add_argument("--prefetch", type=int, default=4, help="batches in flight to each rank")
     train.add_argument("--shuffle-buffer", type=int, default=0, help="mix rows across this many batches per rank")
     train.add_argument("--threads", type=int, default=1, help="torch threads per rank")
@@ -63,16 +65,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     train.add_argument("--record-ids", action="store_true",
                        help="with --out: also the ids trained on and dropped, per epoch (rank<r>-epoch<e>.npz)")
     train.add_argument("--slow-rank", type=int, default=-1, help="this rank sleeps --slow-seconds every step")
-    train.add_argument("--slow-seconds", type=float, default=0.0)
+    train.add_argument("--slow-seconds", type=float, default=0.0, help="see --slow-rank")
     feeding = parser.add_argument_group("feeding (--feed)")
-    feeding.add_argument("--rows", type=int, default=100_000)
-    feeding.add_argument("--batch-size", type=int, default=256)
-    feeding.add_argument("--partitions", type=int, default=4)
+    feeding.add_argument("--rows", type=int, default=100_000, help="rows of the synthetic set")
+    feeding.add_argument("--batch-size", type=int, default=256, help="rows per batch")
+    feeding.add_argument("--partitions", type=int, default=4, help="Spark partitions of each epoch")
     feeding.add_argument("--no-spark", action="store_true",
                          help="feed numpy batches through the feeder's task code instead of a Spark job")
     feeding.add_argument("--pack-bytes", type=int, default=None,
                          help="pack consecutive small batches up to this many bytes (default: the feeder's)")
-    feeding.add_argument("--master", default=os.environ.get("SPARK_MASTER", "local[2]"))
+    feeding.add_argument("--master", default=os.environ.get("SPARK_MASTER", "local[2]"),
+                         help="Spark master (SPARK_MASTER)")
     return parser.parse_args(argv)
 
 
@@ -86,7 +89,8 @@ def run_feed(args: argparse.Namespace) -> int:
             rows, batches, seconds = feed_numpy_epoch(args.feed, args.control, args.stream, epoch, args.rows,
                                                       args.features, args.classes, args.seed, args.partitions,
                                                       args.batch_size, args.timeout, **cutting)
-            print(f"fed epoch {epoch}: {rows:,} rows in {batches} batches in {seconds:.1f} s", flush=True)
+            print(f"fed epoch {epoch + 1}/{args.epochs}: {rows:,} rows in {batches} batches in {seconds:.1f} s",
+                  flush=True)
         return 0
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
@@ -102,8 +106,8 @@ def run_feed(args: argparse.Namespace) -> int:
         train.count()
         feed_epochs(train, args.feed, args.epochs, stream=args.stream, shuffle_seed=args.seed, key=["id"],
                     batch_size=args.batch_size, timeout=args.timeout, control=args.control,
-                    on_epoch=lambda e, r: print(f"fed epoch {e}: {r.rows:,} rows in {r.batches} batches in "
-                                                f"{r.seconds:.1f} s", flush=True), **cutting)
+                    on_epoch=lambda e, r: print(f"fed epoch {e + 1}/{args.epochs}: {r.rows:,} rows in {r.batches} "
+                                                f"batches in {r.seconds:.1f} s", flush=True), **cutting)
     finally:
         spark.stop()
     return 0

@@ -49,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from sparkbus.cli_help import HelpFormatter
 from sparkbus.feeder import epoch_order, feed  # none of these imports pyspark, torch or MPI
 from sparkbus.worker import BatchStream
 from sparkbus.worker.collectives import allreduce, gather
@@ -61,21 +62,22 @@ HOLDOUT_SHARE = 0.2       # digits kept for validation only: held-out images are
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=HelpFormatter)
     side = parser.add_mutually_exclusive_group(required=True)
     side.add_argument("--ranks", help="train: the broker's ranks address (run under mpiexec)")
     side.add_argument("--feed", help="feed: the broker's feed address (runs the Spark job)")
     parser.add_argument("--decode", choices=("rank", "spark"), default="rank",
                         help="where PNG bytes become pixels (the same on both sides)")
-    parser.add_argument("--stream", default="train")
+    parser.add_argument("--stream", default="train", help="the training stream (the same on both sides)")
     parser.add_argument("--val-stream", default="val", help="the held-out stream ('' for none)")
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=3, help="epochs (the same on both sides)")
     parser.add_argument("--size", type=int, default=32, help="image side in pixels")
     parser.add_argument("--shift", type=int, default=2, help="per-epoch jitter of training images, in pixels")
-    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--seed", type=int, default=7, help="data and shuffle seed (feed), weights seed (ranks)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds any single wait may take")
     train = parser.add_argument_group("training (--ranks)")
-    train.add_argument("--lr", type=float, default=1e-2)
+    train.add_argument("--lr", type=float, default=1e-2, help="learning rate")
     train.add_argument("--channels", type=int, default=8, help="channels of the first convolution (x2 in the second)")
     train.add_argument("--prefetch", type=int, default=4, help="batches in flight to each rank")
     train.add_argument("--decode-threads", type=int, default=2, help="--decode rank: decoding threads per rank")
@@ -87,9 +89,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     feeding = parser.add_argument_group("feeding (--feed)")
     feeding.add_argument("--rows", type=int, default=20_000, help="training images")
     feeding.add_argument("--val-rows", type=int, default=2_000, help="held-out images")
-    feeding.add_argument("--batch-size", type=int, default=128)
-    feeding.add_argument("--partitions", type=int, default=4)
-    feeding.add_argument("--master", default=os.environ.get("SPARK_MASTER", "local[2]"))
+    feeding.add_argument("--batch-size", type=int, default=128, help="images per batch")
+    feeding.add_argument("--partitions", type=int, default=4, help="Spark partitions of each epoch")
+    feeding.add_argument("--master", default=os.environ.get("SPARK_MASTER", "local[2]"),
+                         help="Spark master (SPARK_MASTER)")
     feeding.add_argument("--report", help="write each epoch's FeedReport here as JSON")
     return parser.parse_args(argv)
 
@@ -266,7 +269,7 @@ def feed_images(spark: Any, address: str, epochs: int, *, decode: str = "rank", 
             entry[val_stream] = feed(held, address, stream=val_stream, epoch=epoch, batch_size=batch_size,
                                      timeout=timeout)._asdict()
         fed.append(entry)
-        print(f"fed epoch {epoch}: {report.rows:,} images in {report.batches} batches "
+        print(f"fed epoch {epoch + 1}/{epochs}: {report.rows:,} images in {report.batches} batches "
               f"({report.bytes / 1e6:.1f} MB) in {report.seconds:.1f} s", flush=True)
     return fed
 

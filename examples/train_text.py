@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from sparkbus.cli_help import HelpFormatter
 from sparkbus.feeder import feed, feed_epochs  # none of these imports pyspark, torch or MPI
 from sparkbus.worker import BatchStream, pad
 from sparkbus.worker.collectives import allreduce, wait
@@ -45,39 +46,41 @@ PAD = 0                                               # the padding token: the t
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=HelpFormatter)
     side = parser.add_mutually_exclusive_group(required=True)
     side.add_argument("--ranks", help="train: the broker's ranks address (run under mpiexec)")
     side.add_argument("--feed", help="feed: the broker's feed address (runs the Spark job)")
-    parser.add_argument("--stream", default="text")
+    parser.add_argument("--stream", default="text", help="the training stream (the same on both sides)")
     parser.add_argument("--val-stream", default="text-val", help="the held-out stream")
-    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=3, help="epochs (the same on both sides)")
     parser.add_argument("--plain-epochs", type=int, default=1,
                         help="the first N epochs are fed without bucketing (to compare the padding share)")
-    parser.add_argument("--classes", type=int, default=4)
+    parser.add_argument("--classes", type=int, default=4, help="classes of the sentences")
     parser.add_argument("--vocab", type=int, default=2048, help="token ids are 1 .. vocab - 1 (0 is padding)")
     parser.add_argument("--seed", type=int, default=7, help="data and shuffle seed (feed), weights seed (ranks)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds any single wait may take")
     train = parser.add_argument_group("training (--ranks)")
     train.add_argument("--model", choices=("mean", "gru"), default="mean",
                        help="masked mean of the embeddings + linear, or a GRU over the packed sequences")
-    train.add_argument("--embedding", type=int, default=32)
+    train.add_argument("--embedding", type=int, default=32, help="embedding size")
     train.add_argument("--hidden", type=int, default=32, help="the GRU's hidden size")
-    train.add_argument("--lr", type=float, default=1e-2)
+    train.add_argument("--lr", type=float, default=1e-2, help="learning rate")
     train.add_argument("--prefetch", type=int, default=4, help="batches in flight to each rank")
     train.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     train.add_argument("--summary", help="rank 0 writes the run's figures here as JSON")
     train.add_argument("--dump", help="every rank writes its row ids and tokens per epoch here (npz)")
     feed = parser.add_argument_group("feeding (--feed)")
-    feed.add_argument("--rows", type=int, default=50_000)
-    feed.add_argument("--val-rows", type=int, default=5_000)
+    feed.add_argument("--rows", type=int, default=50_000, help="training sentences")
+    feed.add_argument("--val-rows", type=int, default=5_000, help="held-out sentences")
     feed.add_argument("--median-length", type=float, default=16.0, help="median tokens per sentence")
     feed.add_argument("--length-sigma", type=float, default=0.7, help="sigma of log(length)")
     feed.add_argument("--max-length", type=int, default=128, help="lengths are clipped to 1 .. this")
-    feed.add_argument("--batch-size", type=int, default=64)
+    feed.add_argument("--batch-size", type=int, default=64, help="sentences per batch")
     feed.add_argument("--bucket-window", type=int, default=64, help="bucket within this many batches' rows")
-    feed.add_argument("--partitions", type=int, default=4)
-    feed.add_argument("--master", default=os.environ.get("SPARK_MASTER", "local[2]"))
+    feed.add_argument("--partitions", type=int, default=4, help="Spark partitions of each epoch")
+    feed.add_argument("--master", default=os.environ.get("SPARK_MASTER", "local[2]"),
+                      help="Spark master (SPARK_MASTER)")
     return parser.parse_args(argv)
 
 
@@ -199,7 +202,7 @@ def feed_text_data(spark: Any, address: str, epochs: int, *, stream: str = "text
             entry[val_stream] = feed(val, address, stream=val_stream, epoch=epoch, batch_size=batch_size,
                                      ragged=["tokens"], timeout=timeout, **bucketing)._asdict()
         fed.append(entry)
-        print(f"fed epoch {epoch} ({'bucketed' if bucketed else 'plain'}): {report.rows:,} rows in "
+        print(f"fed epoch {epoch + 1}/{epochs} ({'bucketed' if bucketed else 'plain'}): {report.rows:,} rows in "
               f"{report.batches} batches in {report.seconds:.1f} s", flush=True)
     return fed
 

@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from sparkbus.cli_help import HelpFormatter
 from sparkbus.feeder import feed, feed_epochs  # none of these imports pyspark, torch or MPI
 from sparkbus.worker import BatchStream
 from sparkbus.worker.collectives import allreduce, wait
@@ -48,15 +49,16 @@ from sparkbus.worker.torch_data import to_tensors
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=HelpFormatter)
     side = parser.add_mutually_exclusive_group(required=True)
     side.add_argument("--ranks", help="train: the broker's ranks address (run under mpiexec)")
     side.add_argument("--feed", help="feed: the broker's feed address (runs the Spark job)")
-    parser.add_argument("--stream", default="train")
+    parser.add_argument("--stream", default="train", help="the training stream (the same on both sides)")
     parser.add_argument("--val-stream", help="the validation stream (default: no validation)")
     parser.add_argument("--epochs", type=int, default=3, help="total epochs of the run (resumed ones included)")
-    parser.add_argument("--features", type=int, default=32)
-    parser.add_argument("--classes", type=int, default=4)
+    parser.add_argument("--features", type=int, default=32, help="float32 features per row")
+    parser.add_argument("--classes", type=int, default=4, help="classes of the synthetic set")
     parser.add_argument("--seed", type=int, default=7, help="data and shuffle seed (feed), weights seed (ranks)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds any single wait may take")
     parser.add_argument("--resume-from", metavar="FILE",
@@ -64,8 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "feeds the checkpoint's epoch again (the brokers deliver only what the model has not "
                              "trained) and the epochs after it")
     train = parser.add_argument_group("training (--ranks)")
-    train.add_argument("--hidden", type=int, default=64)
-    train.add_argument("--lr", type=float, default=1e-2)
+    train.add_argument("--hidden", type=int, default=64, help="hidden units of the MLP")
+    train.add_argument("--lr", type=float, default=1e-2, help="learning rate")
     train.add_argument("--prefetch", type=int, default=4, help="batches in flight to each rank")
     train.add_argument("--shuffle-buffer", type=int, default=0,
                        help="mix rows across this many batches per rank (above 1: checkpoints at epoch ends only)")
@@ -78,11 +80,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                             "would not be exact")
     train.add_argument("--summary", help="rank 0 writes the run's figures here as JSON")
     feed = parser.add_argument_group("feeding (--feed)")
-    feed.add_argument("--rows", type=int, default=100_000)
-    feed.add_argument("--val-rows", type=int, default=10_000)
-    feed.add_argument("--batch-size", type=int, default=256)
-    feed.add_argument("--partitions", type=int, default=4)
-    feed.add_argument("--master", default=os.environ.get("SPARK_MASTER", "local[2]"))
+    feed.add_argument("--rows", type=int, default=100_000, help="training rows")
+    feed.add_argument("--val-rows", type=int, default=10_000, help="validation rows (with --val-stream)")
+    feed.add_argument("--batch-size", type=int, default=256, help="rows per batch")
+    feed.add_argument("--partitions", type=int, default=4, help="Spark partitions of each epoch")
+    feed.add_argument("--master", default=os.environ.get("SPARK_MASTER", "local[2]"),
+                      help="Spark master (SPARK_MASTER)")
     args = parser.parse_args(argv)
     if args.checkpoint_every and args.shuffle_buffer > 1:
         parser.error("--checkpoint-every needs --shuffle-buffer 0 or 1: a shuffle buffer holds rows the model has "
@@ -152,6 +155,9 @@ def feed_training_data(spark: Any, address: str, epochs: int, *, stream: str = "
     if val_state is not None and val_stream and val_state["stream"] != val_stream:
         raise ValueError(f"the checkpoint validated on stream {val_state['stream']!r}, not {val_stream!r}")
     val_again = val_state["epoch"] if val_state is not None else -1
+    if resume:
+        print(f"resuming the feed from a checkpoint: epoch {first + 1}/{epochs} again (the brokers deliver what its "
+              f"{resume['train']['steps']} steps did not use), then the epochs after it", flush=True)
     fed = []
     for epoch in range(first, epochs):
         report = feed_epochs(train, address, 1, stream=stream, shuffle_seed=seed, first_epoch=epoch,
@@ -162,8 +168,8 @@ def feed_training_data(spark: Any, address: str, epochs: int, *, stream: str = "
             entry[val_stream] = feed(val, address, stream=val_stream, epoch=epoch, batch_size=batch_size,
                                      timeout=timeout, resume=epoch == val_again)._asdict()
         fed.append(entry)
-        print(f"fed epoch {epoch}: {report.rows:,} rows in {report.batches} batches in {report.seconds:.1f} s",
-              flush=True)
+        print(f"fed epoch {epoch + 1}/{epochs}: {report.rows:,} rows in {report.batches} batches in "
+              f"{report.seconds:.1f} s", flush=True)
     return fed
 
 
@@ -346,6 +352,9 @@ def run_ranks(args: argparse.Namespace) -> int:
     val_resume = position.get("val") if position and args.val_stream else None
     first_epoch = train_resume["epoch"] if train_resume else 0
     history, started = [], time.monotonic()
+    if train_resume and comm.rank == 0:
+        print(f"resumed from {args.resume_from}: epoch {first_epoch + 1}/{args.epochs}, after step "
+              f"{train_resume['steps']} of it", flush=True)
     with ExitStack() as stack:
         train = stack.enter_context(BatchStream(args.ranks, comm=comm, stream=args.stream, prefetch=args.prefetch,
                                                 timeout=args.timeout, resume=train_resume))
