@@ -1,6 +1,10 @@
-"""The main job at its quick size: ``sparkbus demo --quick`` trains a model on Spark data through the broker."""
+"""The command line a user meets first: ``sparkbus --version``, help without markup and with defaults, ``sparkbus
+status`` at the default address, the examples' help, and their own stream names. ``sparkbus demo --quick`` itself
+runs from a built wheel in test_install.py (the same code as from a checkout, and the demo a user runs)."""
 
-import json
+from __future__ import annotations
+
+import re
 import sys
 from pathlib import Path
 
@@ -8,20 +12,81 @@ import pytest
 
 from harness import run_child
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = Path(__file__).resolve().parents[2]
+SPARKBUS = Path(sys.executable).parent / "sparkbus"
+EXAMPLES = ("train_ddp.py", "train_images.py", "train_text.py", "train_torch.py")
 
 
-def test_the_quick_demo_trains_well_above_chance(tmp_path):
-    sparkbus = Path(sys.executable).parent / "sparkbus"
-    result = run_child([sparkbus, "demo", "--quick", "--out", tmp_path, "--timeout", "240"], timeout=280)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    feed = json.loads((tmp_path / "feed-report.json").read_text())
-    ranks = json.loads((tmp_path / "summary.json").read_text())
-    assert len(feed["epochs"]) == len(ranks["epochs"]) == 2
-    assert all(e["rows"] == 20_000 for e in feed["epochs"])
-    for number in range(2):
-        seen = sum(r["epochs"][number]["rows"] + r["epochs"][number]["dropped_rows"] for r in ranks["ranks"])
-        assert seen == 20_000                         # every row reached a rank (or was a counted leftover)
-    assert ranks["final_accuracy"] > 0.5              # 10 classes: chance is 0.1
-    assert ranks["model_spread_across_ranks"] == 0.0  # allreduce kept the ranks' models identical
-    assert "final accuracy" in result.stdout
+def help_of(*command: str | Path) -> str:
+    result = run_child([*command, "--help"], 30)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return result.stdout
+
+
+def test_version():
+    result = run_child([SPARKBUS, "--version"], 30)
+    assert (result.returncode, result.stdout.strip()) == (0, "sparkbus 0.3.0")
+
+
+@pytest.mark.parametrize("command", [[], ["broker"], ["status"], ["keys"], ["demo"], ["bench"]],
+                         ids=["sparkbus", "broker", "status", "keys", "demo", "bench"])
+def test_help_has_no_markup(command):
+    text = help_of(SPARKBUS, *command)
+    assert "``" not in text and ":func:" not in text and ":class:" not in text
+    assert f"usage: sparkbus {' '.join(command)}".strip() in text
+
+
+def test_help_shows_defaults():
+    assert "(default: 5s)" in help_of(SPARKBUS, "status")
+    assert "tcp://127.0.0.1:5557" in help_of(SPARKBUS, "status")
+    assert "(default 256MiB" in help_of(SPARKBUS, "broker") or "(default" in help_of(SPARKBUS, "broker")
+    demo = help_of(SPARKBUS, "demo")
+    assert "(default: 64)" in demo and "(default: local[2])" in demo and "(default: None)" not in demo
+
+
+def test_bench_help_speaks_as_sparkbus_bench():
+    text = help_of(SPARKBUS, "bench")
+    assert "benchmarks/bench.py [" not in text and "usage: benchmarks" not in text
+    assert "sections.Section" not in text and not re.search(r"\b[A-Z][a-z]+[A-Z]\w*\b", text.split("options:")[0])
+    assert "--quick" in text and "source checkout" in " ".join(text.split())
+
+
+def test_status_without_an_address_asks_the_default_control_address():
+    """A broker with default settings may or may not run here: either its figures, or an error naming the address
+    that was asked (``--timeout`` bounds the wait)."""
+    result = run_child([SPARKBUS, "status", "--timeout", "2s"], 30, env={"SPARKBUS_STATUS_ADDRESS": ""})
+    assert "Traceback" not in result.stderr
+    if result.returncode != 0:
+        assert result.returncode == 1 and "tcp://127.0.0.1:5557" in result.stderr, result.stderr
+    else:
+        assert "broker" in result.stdout
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_the_examples_help_shows_defaults(example):
+    text = help_of(sys.executable, ROOT / "examples" / example)
+    assert "``" not in text
+    assert "(default: 3)" in text                         # --epochs
+    assert "(default: None)" not in text and "(default: False)" not in text
+    for line in re.findall(r"^  --(?:stream|batch-size|rows|lr) .*$", text, re.M):
+        assert "default" in line or line.endswith(("STREAM", "BATCH_SIZE", "ROWS", "LR")), line
+
+
+def stream_default(text: str) -> str:
+    """The default of ``--stream`` in a --help text (its help may take several lines)."""
+    entry = re.search(r"^  --stream STREAM(.*(?:\n {6,}.*)*)", text, re.M)
+    assert entry, text
+    default = re.search(r"\(default: ([\w-]+)\)", " ".join(entry.group(1).split()))
+    assert default, entry.group(0)
+    return default.group(1)
+
+
+def test_the_demo_and_the_new_examples_use_streams_of_their_own():
+    from sparkbus.demo.run import STREAMS
+
+    streams = [stream for pair in STREAMS.values() for stream in pair if stream]
+    streams += [stream_default(help_of(sys.executable, ROOT / "examples" / e)) for e in ("train_ddp.py",)]
+    assert len(set(streams)) == len(streams) and "train" not in streams, streams
+    assert stream_default(help_of(sys.executable, ROOT / "examples" / "train_text.py")) == "text"
