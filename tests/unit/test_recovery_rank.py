@@ -240,14 +240,16 @@ def test_state_dict_mid_epoch_names_what_was_used_and_at_a_boundary_the_next_epo
                                        "used": []}
 
 
-def test_a_resumed_rank_reclaims_its_position_before_its_credit_and_yields_the_rest(context):
+def test_a_resumed_rank_reclaims_its_position_before_its_credit_and_yields_the_rest(context, caplog):
     c0, cp = (unpack_header(codec.encode_batch("s", 0, 0, seq, {"id": np.array(ids, dtype=np.int64)},
                                                splits=splits)[0])["checksum"]
               for seq, ids, splits in ((0, [0], None), (1, [10, 11, 12], [1, 1, 1])))
     state = {"format": 1, "stream": "s", "rank": 0, "size": 1, "epoch": 0, "steps": 3,
              "used": [[0, 0, 0, 1, c0], [0, 1, 0, 2, cp]]}
     a = Broker(context, "inproc://recovery-resume", "a2")
-    stream = join(context, [a], resume=json.loads(json.dumps(state)))
+    with caplog.at_level("INFO", logger="sparkbus.worker"):
+        stream = join(context, [a], resume=json.loads(json.dumps(state)))
+    assert "rank 0 of stream 's' resumes from its state (resume=) at epoch 0, step 3" in caplog.text
     with stream:
         (reclaim, frames), (credit, _) = a.after_welcome
         assert (reclaim["kind"], reclaim["epoch"], reclaim["lost"]) == (Kind.RECLAIM, 0, "")
