@@ -1,4 +1,5 @@
 """Install only what each side needs: the core dependencies carry the broker, a Spark-free feed and the rank side.
+And the wheel is the product: built, installed into a fresh venv and run from a directory of the user's own files.
 
 A real venv with only the core would need PyPI (or a wheel cache) at test time. Instead the children here run in
 this venv with every distribution outside the core's dependency closure refused at import time: a
@@ -13,10 +14,14 @@ from __future__ import annotations
 
 import importlib.metadata as metadata
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
+import sysconfig
 import textwrap
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -27,13 +32,13 @@ from sparkbus.launch.broker import BrokerProcess
 
 from harness import run_child
 
-pytestmark = pytest.mark.timeout(90)
+pytestmark = pytest.mark.timeout(90)      # the wheel's tests set their own (the demos take 30-60 s each)
 
 ROOT = Path(__file__).resolve().parents[2]
 # What the issue names: the rank side must import without these (asserted to be among the refused).
 EXTRAS_PACKAGES = ("pyspark", "py4j", "pandas", "mpi4py", "torch", "rich", "prometheus_client", "grpc")
 USER_EXTRAS = {"spark", "connect", "mpi", "torch", "broker"}        # what `all` must hold
-DEVELOPER_EXTRAS = {"test", "bench", "images"}
+DEVELOPER_EXTRAS = {"test", "bench", "images", "demo"}
 
 # sitecustomize for the children: refuse the names in SPARKBUS_TEST_REFUSE (a JSON list) before any other finder.
 REFUSER = '''
@@ -55,7 +60,7 @@ sys.meta_path.insert(0, RefuseExtras())
 # (none). With a rank and a size, one of a group (steps granted by the broker); without, an independent consumer.
 RANK = '''
 import json, sys
-import sparkbus, worker
+import sparkbus, sparkbus.worker
 from sparkbus import BatchStream
 
 address, epochs, *group = sys.argv[1], int(sys.argv[2]), *map(int, sys.argv[3:])
@@ -248,3 +253,133 @@ def test_the_core_is_small_and_all_holds_every_users_extra():
     (everything,) = extras["all"]
     named = re.fullmatch(r"sparkbus\[([a-z,]+)\]", everything)
     assert named and set(named.group(1).split(",")) == USER_EXTRAS
+
+
+# ---- the wheel in a fresh venv --------------------------------------------------------------------------------------
+
+# What a wheel is built from: the project's own files, copied, so that nothing else of the checkout (build/, a stale
+# egg-info) can reach the wheel and the test shows what the wheel needs.
+SOURCES = ("pyproject.toml", "README.md", "sparkbus", "feeder", "broker", "worker", "wire", "launch", "examples")
+USER_FILES = ("worker.py", "broker.py", "feeder.py", "launch.py")      # the user's own, beside their script
+
+# From the user's directory (their worker.py & co. first on sys.path): where each name comes from, and what the
+# checkout would have given (nothing: it is not importable).
+PROBE = '''
+import importlib.util, json, sys
+import sparkbus
+from sparkbus import BatchStream, feed
+from sparkbus.demo import run
+print(json.dumps({"sparkbus": sparkbus.__file__, "version": sparkbus.__version__,
+                  "examples": importlib.util.find_spec("sparkbus.examples").origin,
+                  "checkout": [p for p in sys.path if p.rstrip("/") == sys.argv[1]],
+                  "editable": [m for m in sys.modules if "editable" in m]}))
+'''
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory):
+    """``(python, bin, user_dir)``: a fresh venv with the wheel installed (--no-deps), the test venv's installed
+    distributions importable through a .pth path line, and a directory holding the user's own worker.py & co."""
+    work = tmp_path_factory.mktemp("wheel")
+    source = work / "source"
+    source.mkdir()
+    for name in SOURCES:
+        if (ROOT / name).is_dir():
+            shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            shutil.copy2(ROOT / name, source / name)
+    wheels = work / "dist"
+    built = run_child([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
+                       str(source), "-w", str(wheels)], 120, cwd=work)
+    assert built.returncode == 0, built.stderr[-3000:]
+    (wheel,) = wheels.glob("sparkbus-0.3.0-*.whl")
+    venv = work / "venv"
+    made = run_child([sys.executable, "-m", "venv", "--without-pip", str(venv)], 60)
+    assert made.returncode == 0, made.stderr
+    python = venv / "bin" / "python"
+    site = Path(run_child([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], 30,
+                          check=True).stdout.strip())
+    # A path line, not a site dir: the .pth files there (the editable install's finder of the checkout) stay inert
+    (site / "test-venv-dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # The programs the dependencies installed beside the test venv's python (mpiexec, spark-submit, ...), as pip
+    # would have put them beside this one's
+    ours = Path(sys.executable).parent
+    for program in ours.iterdir():
+        if not program.name.startswith(("python", "pip", "activate", "Activate", "sparkbus")):
+            (venv / "bin" / program.name).symlink_to(program)
+    # and the shared libraries beside its lib/python3.x (the mpich wheel's libmpi, which mpi4py looks for there)
+    for library in (ours.parent / "lib").iterdir():
+        if not library.name.startswith("python"):
+            (venv / "lib" / library.name).symlink_to(library)
+    put = run_child([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--quiet",
+                     str(wheel)], 120)
+    assert put.returncode == 0, put.stderr[-3000:]
+    user = work / "user"
+    user.mkdir()
+    for name in USER_FILES:
+        (user / name).write_text(f"raise ImportError('the user\\'s own {name} was imported')\n")
+    return python, venv / "bin", user, wheel
+
+
+def user_env(bin_dir: Path) -> dict[str, str]:
+    """The user's shell: the fresh venv first on PATH, nothing of the test run's Python settings."""
+    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}", "VIRTUAL_ENV": str(bin_dir.parent),
+            "PYTHONPATH": "", "PYTHONSAFEPATH": ""}
+
+
+@pytest.mark.timeout(120)
+def test_the_wheel_holds_only_sparkbus_and_imports_beside_the_users_own_files(installed):
+    python, bin_dir, user, wheel = installed
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {n.split("/")[0] for n in names} == {"sparkbus", "sparkbus-0.3.0.dist-info"}, sorted(names)[:20]
+    assert "sparkbus/demo/ranks.py" in names and "sparkbus/examples/train_images.py" in names
+    probe = run_child([python, "-c", PROBE, str(ROOT)], 60, cwd=user, env=user_env(bin_dir))
+    assert probe.returncode == 0, probe.stderr[-3000:]
+    seen = json.loads(probe.stdout.strip().splitlines()[-1])
+    site = str(python.parent.parent)
+    assert seen["sparkbus"].startswith(site) and seen["examples"].startswith(site), seen     # the wheel's, not ROOT's
+    assert seen["version"] == "0.3.0"
+    assert seen["checkout"] == [] and seen["editable"] == [], seen
+    version = run_child([bin_dir / "sparkbus", "--version"], 30, cwd=user, env=user_env(bin_dir))
+    assert (version.returncode, version.stdout.strip()) == (0, "sparkbus 0.3.0"), version.stderr
+    bench = run_child([bin_dir / "sparkbus", "bench", "--quick"], 30, cwd=user, env=user_env(bin_dir))
+    assert bench.returncode == 2 and "source checkout" in bench.stderr and "Traceback" not in bench.stderr
+
+
+def run_demo(installed, *flags: str, timeout: float) -> tuple[subprocess.CompletedProcess, Path]:
+    python, bin_dir, user, _ = installed
+    out = user / ("demo-out" + "".join(flags).replace("-", "_"))
+    result = run_child([bin_dir / "sparkbus", "demo", *flags, "--quick", "--out", out, "--timeout", str(timeout - 20)],
+                       timeout, cwd=user, env=user_env(bin_dir))
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
+    assert "demo passed" in result.stdout
+    return result, out
+
+
+@pytest.mark.timeout(150)
+def test_the_quick_demo_runs_from_the_wheel(installed):
+    result, out = run_demo(installed, timeout=130)
+    feed = json.loads((out / "feed-report.json").read_text())
+    ranks = json.loads((out / "summary.json").read_text())
+    assert [e["rows"] for e in feed["epochs"]] == [20_000, 20_000] and len(ranks["epochs"]) == 2
+    for number in range(2):
+        seen = sum(r["epochs"][number]["rows"] + r["epochs"][number]["dropped_rows"] for r in ranks["ranks"])
+        assert seen == 20_000                         # every row reached a rank (or was a counted leftover)
+    assert ranks["final_accuracy"] > 0.5              # 10 classes: chance is 0.1
+    assert ranks["model_spread_across_ranks"] == 0.0  # allreduce kept the ranks' models identical
+    assert "final accuracy" in result.stdout
+    assert "epoch 1/2" in result.stdout and "epoch 0" not in result.stdout     # epochs printed 1-based
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_the_image_demo_runs_from_the_wheel(installed):
+    """Slow (a CNN on the ranks, PNG decoding): about a minute on 2 cores."""
+    run_demo(installed, "--images", timeout=180)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_the_text_demo_runs_from_the_wheel(installed):
+    """Slow (a sequence model on the ranks): about 45 s on 2 cores."""
+    run_demo(installed, "--text", timeout=180)
