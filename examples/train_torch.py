@@ -156,8 +156,7 @@ def feed_training_data(spark: Any, address: str, epochs: int, *, stream: str = "
         raise ValueError(f"the checkpoint validated on stream {val_state['stream']!r}, not {val_stream!r}")
     val_again = val_state["epoch"] if val_state is not None else -1
     if resume:
-        print(f"resuming the feed from a checkpoint: epoch {first + 1}/{epochs} again (the brokers deliver what its "
-              f"{resume['train']['steps']} steps did not use), then the epochs after it", flush=True)
+        print(resumed_line("the feed", resume["train"], epochs), flush=True)
     fed = []
     for epoch in range(first, epochs):
         report = feed_epochs(train, address, 1, stream=stream, shuffle_seed=seed, first_epoch=epoch,
@@ -171,6 +170,12 @@ def feed_training_data(spark: Any, address: str, epochs: int, *, stream: str = "
         print(f"fed epoch {epoch + 1}/{epochs}: {report.rows:,} rows in {report.batches} batches in "
               f"{report.seconds:.1f} s", flush=True)
     return fed
+
+
+def resumed_line(who: str, state: Mapping[str, Any], epochs: int) -> str:
+    """What a resumed side prints first: from which epoch (1-based, as every epoch line) and after which step."""
+    return (f"{who} resumed from a checkpoint: epoch {state['epoch'] + 1}/{epochs}, after its step {state['steps']} "
+            f"(the brokers deliver only what the checkpointed model has not trained)")
 
 
 def load_positions(path: str) -> list[dict]:
@@ -353,8 +358,7 @@ def run_ranks(args: argparse.Namespace) -> int:
     first_epoch = train_resume["epoch"] if train_resume else 0
     history, started = [], time.monotonic()
     if train_resume and comm.rank == 0:
-        print(f"resumed from {args.resume_from}: epoch {first_epoch + 1}/{args.epochs}, after step "
-              f"{train_resume['steps']} of it", flush=True)
+        print(resumed_line(f"the ranks ({args.resume_from})", train_resume, args.epochs), flush=True)
     with ExitStack() as stack:
         train = stack.enter_context(BatchStream(args.ranks, comm=comm, stream=args.stream, prefetch=args.prefetch,
                                                 timeout=args.timeout, resume=train_resume))
