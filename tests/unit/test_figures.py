@@ -148,5 +148,6 @@ def test_what_a_rank_reports_is_what_ack_and_heartbeat_may_carry():
     from sparkbus.broker.figures import REPORTED
     from sparkbus.wire.protocol import OPTIONAL, Kind
 
-    assert set(REPORTED) == set(OPTIONAL[Kind.ACK]) - {"upto"} == set(OPTIONAL[Kind.HEARTBEAT]) == \
-        RankFigures.__optional_keys__       # ACK's upto is progress in packs, not a figure
+    # ACK's upto is progress in packs, not a figure; HEARTBEAT's unread goes the other way (broker -> rank)
+    assert set(REPORTED) == set(OPTIONAL[Kind.ACK]) - {"upto"} == set(OPTIONAL[Kind.HEARTBEAT]) - {"unread"} == \
+        RankFigures.__optional_keys__
