@@ -323,13 +323,18 @@ def unreachable_message(feed_address: str, control: str, derived: bool, stream: 
 
 
 NO_RANKS_GRACE = 5.0    # seconds from a feed's start in which its stream's ranks may still join, before a warning
+_warned_no_ranks: set[tuple[str, ...]] = set()     # (stream, control addresses...): warned once, waited for once
 
 
 def warn_if_no_ranks(clients: list[ControlClient], gone: set[int], stream: str, epoch: int, started: float) -> None:
     """Once an epoch is closed: if no rank reads ``stream`` at any live broker (``WELCOME.ranks``), wait until
     ``NO_RANKS_GRACE`` seconds after the feed ``started`` for one to join, then warn (:class:`NoRanksWarning`),
-    naming the streams the brokers' ranks do read. A broker that does not say (older, or silent) says nothing."""
+    naming the streams the brokers' ranks do read. A broker that does not say (older, or silent) says nothing.
+    Once per stream and brokers in a process: a run that feeds ahead of its ranks waits one grace, not one an epoch."""
     live = [client for i, client in enumerate(clients) if i not in gone]
+    warned = (stream, *(client.address for client in live))
+    if warned in _warned_no_ranks:
+        return
     while True:
         try:
             counts = [client.hello("feeder", stream, timeout=min(client.timeout, 5.0)).get("ranks") for client in live]
@@ -341,6 +346,7 @@ def warn_if_no_ranks(clients: list[ControlClient], gone: set[int], stream: str, 
         if left <= 0:
             break
         time.sleep(min(left, 0.5))
+    _warned_no_ranks.add(warned)
     read: set[str] = set()
     for client in live:
         try:
