@@ -94,7 +94,10 @@ def run_feed(args: argparse.Namespace) -> int:
         return 0
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
-    from train_torch import synthetic_frame  # examples/train_torch.py, beside this file
+    if __package__:     # python -m sparkbus.examples.train_ddp (installed)
+        from sparkbus.examples.train_torch import synthetic_frame
+    else:               # python examples/train_ddp.py: examples/train_torch.py, beside this file
+        from train_torch import synthetic_frame
 
     from sparkbus.feeder import feed_epochs
 
