@@ -30,7 +30,7 @@ from sparkbus.launch.processes import wait_for
 
 from harness import Children, run_child
 
-pytestmark = pytest.mark.timeout(150)
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(150)]
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCUMENTS = ["README.md", "docs/TRAINING.md"]
