@@ -26,7 +26,7 @@ from sparkbus.feeder import epoch_order, feed
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="feed_job.py", description=__doc__.splitlines()[0],
+    parser = argparse.ArgumentParser(prog="sparkbus.demo.feed", description=__doc__.splitlines()[0],
                                      formatter_class=HelpFormatter)
     parser.add_argument("--feed", default="tcp://127.0.0.1:5555", help="the broker's feed address")
     parser.add_argument("--stream", default="demo", help="the stream to feed (the ranks' --stream)")

@@ -136,7 +136,8 @@ class Demo:
         return broker
 
     def start_ranks(self, ranks: str) -> None:
-        """``mpiexec -n NP python train.py`` against the broker's ranks address; rank 0 writes summary.json."""
+        """``mpiexec -n NP python ranks.py`` (or the example) at the broker's ranks address; rank 0 writes
+        summary.json."""
         a = self.args
         common = ("--ranks", ranks, "--stream", a.stream, "--epochs", str(a.epochs), "--seed", str(a.seed),
                   "--summary", str(self.out / "summary.json"))
@@ -151,7 +152,7 @@ class Demo:
                                               env={**loopback_env(), "PYTHONUNBUFFERED": "1"})
 
     def start_feed(self, feed: str) -> None:
-        """``spark-submit feed_job.py`` in local mode, on loopback, with the venv's Python for the executors."""
+        """``spark-submit feed.py`` (or the example), local mode, loopback, the venv's Python on the executors."""
         a = self.args
         common = ("--feed", feed, "--stream", a.stream, "--rows", str(a.rows), "--epochs", str(a.epochs),
                   "--batch-size", str(a.batch_size), "--partitions", str(a.partitions), "--seed", str(a.seed))
