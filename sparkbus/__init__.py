@@ -10,15 +10,16 @@ imports neither pyspark, mpi4py nor torch; those are imported where they are use
 """
 
 from sparkbus.broker.config import BrokerConfig
-from sparkbus.feeder import DivergedPartitionsWarning, FeedReport, epoch_order, feed, feed_epochs
+from sparkbus.feeder import DivergedPartitionsWarning, FeedReport, NoRanksWarning, epoch_order, feed, feed_epochs
 from sparkbus.wire.errors import (
-           AuthError,
-           BrokerError,
-           FeedError,
-           FeedTimeout,
-           ProtocolError,
-           SparkbusError,
-           VersionMismatch,
+    AuthError,
+    BrokerError,
+    BrokerUnreachable,
+    FeedError,
+    FeedTimeout,
+    ProtocolError,
+    SparkbusError,
+    VersionMismatch,
 )
 from sparkbus.wire.protocol import VERSION
 from sparkbus.wire.ragged import RaggedColumn, pad
@@ -26,7 +27,7 @@ from sparkbus.worker import BatchStream, EpochStats, ShuffleBuffer, StreamStats,
 
 __version__ = "0.3.0"
 
-__all__ = ["AuthError", "BatchStream", "BrokerConfig", "BrokerError", "DivergedPartitionsWarning", "EpochStats",
-           "FeedError", "FeedReport", "FeedTimeout", "ProtocolError", "RaggedColumn", "ShuffleBuffer",
-           "SparkbusError", "StreamStats", "VERSION", "VersionMismatch", "epoch_order", "feed", "feed_epochs",
-           "pad", "shuffled"]
+__all__ = ["AuthError", "BatchStream", "BrokerConfig", "BrokerError", "BrokerUnreachable",
+           "DivergedPartitionsWarning", "EpochStats", "FeedError", "FeedReport", "FeedTimeout", "NoRanksWarning",
+           "ProtocolError", "RaggedColumn", "ShuffleBuffer", "SparkbusError", "StreamStats", "VERSION",
+           "VersionMismatch", "epoch_order", "feed", "feed_epochs", "pad", "shuffled"]
