@@ -340,7 +340,7 @@ def warn_if_no_ranks(clients: list[ControlClient], gone: set[int], stream: str, 
             counts = [client.hello("feeder", stream, timeout=min(client.timeout, 5.0)).get("ranks") for client in live]
         except BrokerError:
             return
-        if not counts or any(count is None or count > 0 for count in counts):
+        if not counts or any(count is None or count > 0 for count in counts) or _ended(live, stream, epoch):
             return
         left = started + NO_RANKS_GRACE - time.monotonic()
         if left <= 0:
@@ -359,6 +359,18 @@ def warn_if_no_ranks(clients: list[ControlClient], gone: set[int], stream: str, 
                   f"{', '.join(c.address for c in live)} ({reading}) {NO_RANKS_GRACE:g} s after the feed began: the "
                   f"epoch waits for ranks of stream {stream!r}. If they start later, ignore this; otherwise give the "
                   f"ranks and the feed the same stream=", NoRanksWarning, stacklevel=4)
+
+
+def _ended(clients: list[ControlClient], stream: str, epoch: int) -> bool:
+    """Whether a broker already ended the epoch on its ranks: they read it and left (a short epoch), not absent."""
+    for client in clients:
+        try:
+            state = client.request(Kind.EPOCH_QUERY, timeout=min(client.timeout, 5.0), stream=stream, epoch=epoch)
+        except BrokerError:
+            continue
+        if state.get("ended") or state.get("delivered"):
+            return True
+    return False
 
 
 def check_epoch_unfed(client: ControlClient, stream: str, epoch: int) -> None:

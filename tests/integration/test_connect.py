@@ -227,8 +227,8 @@ def test_an_executor_side_error_is_explained_as_on_a_classic_session(connect, sp
     error = reply["error"]
     assert (error["type"], error["cause_module"]) == ("FeedError", "pyspark.errors.exceptions.connect"), error
     assert error["message"].startswith(
-        f"the Spark job feeding stream 'lost' epoch 0 failed: sparkbus.wire.errors.BrokerError: no reply from the sparkbus "
-        f"broker at {broker.control} to PARTITION_END within 1 s"), error["message"]
+        f"the Spark job feeding stream 'lost' epoch 0 failed: sparkbus.wire.errors.BrokerError: no reply from the "
+        f"sparkbus broker at {broker.control} to PARTITION_END within 1 s"), error["message"]
     with pytest.raises(FeedError) as classic:
         feed(labelled_frame(spark, 10, 1), unreachable, stream="lost", epoch=1, **settings)
     assert error["message"].replace("epoch 0", "epoch 1") == str(classic.value)

@@ -199,3 +199,29 @@ def test_a_feed_on_a_stream_no_rank_reads_warns_after_its_grace(spark, start_bro
         took = time.monotonic() - started
     assert report.rows == 200
     assert 5 <= took < 5 + 2 * PROMPT, took        # the grace, and the job itself
+
+
+def test_ranks_that_read_a_short_epoch_and_left_before_its_close_are_no_mistake(spark, start_broker_process):
+    """An epoch the ranks read whole and left before the feed closed it (nobody reads the stream any more) was
+    delivered: no NoRanksWarning."""
+    import warnings
+
+    from sparkbus.feeder.driver import warn_if_no_ranks
+
+    broker = start_broker_process()
+    ids: list[int] = []
+
+    def read() -> None:
+        with BatchStream(broker.ranks, stream="short", timeout=60) as stream:
+            ids.extend(int(i) for batch in stream.epoch() for i in batch["id"])
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NoRanksWarning)
+        feed(labelled_frame(spark, 200, 2), broker.feed, stream="short", batch_size=50)
+        reader.join(60)
+        assert sorted(ids) == list(range(200))
+        with ControlClient(broker.control, 10) as client:
+            assert client.hello("feeder", "short")["ranks"] == 0          # the reader has left the stream
+            warn_if_no_ranks([client], set(), "short", 0, time.monotonic() - 60)      # past the grace: no warning
