@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
+import shutil
 import signal
 import sys
 import time
@@ -458,6 +460,10 @@ def main(argv: list[str] | None = None) -> int:
                if importlib.util.find_spec(name) is None]
     if missing:
         print(f"sparkbus demo: error: {', '.join(missing)} not installed: pip install 'sparkbus[demo]'",
+              file=sys.stderr)
+        return 2
+    if not shutil.which("java") and not os.environ.get("JAVA_HOME"):
+        print("sparkbus demo: error: Spark needs Java 17 or later (no java on PATH, JAVA_HOME not set)",
               file=sys.stderr)
         return 2
     from rich.console import Console

@@ -231,7 +231,8 @@ def test_every_module_imports_with_only_the_core_except_where_an_extra_is_named(
     (["-m", "sparkbus.broker", "--feed", "tcp://127.0.0.1:*", "--ranks", "tcp://127.0.0.1:*", "--metrics-port", "0"],
      "sparkbus[broker]"),
     (["-m", "sparkbus.broker.cli", "status", "--watch", "tcp://127.0.0.1:1"], "sparkbus[broker]"),
-])
+    (["-m", "sparkbus.broker.cli", "demo", "--quick"], "sparkbus[demo]"),
+], ids=["broker-metrics", "status-watch", "demo"])
 def test_a_missing_extra_is_a_usage_error_that_names_it(core_only, command, extra):
     _, env = core_only
     result = run_child([sys.executable, *command], 30, env=env)
