@@ -453,11 +453,19 @@ def summarize_text(args: argparse.Namespace, console: Console, wall: float) -> N
     if problems:
         raise DemoFailed("; ".join(problems))
 
+def installed(module: str) -> bool:
+    """Whether ``module`` can be imported, without importing it."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:         # an import hook that refuses it, or a parent package that fails
+        return False
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     missing = [name for name in ("rich", "pyspark", "mpi4py", *(("torch",) if args.images or args.text else ()),
                                  *(("PIL", "sklearn") if args.images else ()))
-               if importlib.util.find_spec(name) is None]
+               if not installed(name)]
     if missing:
         print(f"sparkbus demo: error: {', '.join(missing)} not installed: pip install 'sparkbus[demo]'",
               file=sys.stderr)
