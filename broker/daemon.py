@@ -260,6 +260,8 @@ class Broker:
 
     def _send_replies(self, replies: list[Reply]) -> None:
         for reply in replies:
+            if reply.kind == Kind.ERROR:        # a PARTITION_END refused (now, or when its last batch came)
+                self._reject("control", "refused", reply.fields["reason"])
             self._send(self._control, reply.identity, reply.kind, **reply.fields)
 
     # ---- requests on the control and ranks sockets --------------------------------------------------------

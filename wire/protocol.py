@@ -30,6 +30,7 @@ SUPPORTED = (VERSION - 1, VERSION)   # what this side reads and speaks: its own 
 RECOVERY_VERSION = 6      # the version that brought recovery from lineage and exact resume (RECLAIM, LOST, ...)
 MAX_HEADER_BYTES = 64 * 1024
 MAX_SPLITS = 4096         # small batches in one pack at most
+MAX_FRAME_ITEMS = 1 << 48     # values (or offsets) in one column frame at most: far beyond any message size
 
 
 class Kind(IntEnum):
@@ -269,8 +270,8 @@ def check_batch_frames(header: Mapping[str, Any], frame_sizes: Sequence[int]) ->
         ProtocolError: wrong frame count, bad column spec, unsupported dtype, or size mismatch.
     """
     rows = header["rows"]
-    if rows < 0:
-        raise ProtocolError(f"negative row count {rows}")
+    if not 0 <= rows <= MAX_FRAME_ITEMS:
+        raise ProtocolError("negative row count" if rows < 0 else f"row count out of range (at most {MAX_FRAME_ITEMS})")
     expected = []
     for spec in header["cols"]:
         expected.extend(column_frame_sizes(spec, rows))
@@ -280,8 +281,8 @@ def check_batch_frames(header: Mapping[str, Any], frame_sizes: Sequence[int]) ->
         if want != size:
             raise ProtocolError(f"frame {i + 1}: {size} bytes, the header says {want}")
     splits = header.get("splits")
-    if splits is not None and (not splits or len(splits) > MAX_SPLITS or sum(splits) != rows
-                               or not all(type(n) is int and n >= 0 for n in splits)):
+    if splits is not None and (not splits or len(splits) > MAX_SPLITS    # the types first: sum() of str raises
+                               or not all(type(n) is int and n >= 0 for n in splits) or sum(splits) != rows):
         raise ProtocolError(f"a pack's splits must be 1 to {MAX_SPLITS} row counts that add up to its {rows} rows")
     if "take" in header:
         taken_range(header)
@@ -339,6 +340,9 @@ def column_frame_sizes(spec: Any, rows: int) -> list[int]:
             sizes.append((count + 7) // 8)
         sizes.append((count + 1) * width)
     values = math.prod(shape)
+    if values > MAX_FRAME_ITEMS or any(count > MAX_FRAME_ITEMS for count, _, _ in levels):
+        # compared before any arithmetic or message: a product of thousands of digits cannot even be printed
+        raise ProtocolError(f"column {name!r}: a frame of more than {MAX_FRAME_ITEMS} items")
     if leaf_nulls:
         sizes.append((values + 7) // 8)
     sizes.append(values * itemsize)

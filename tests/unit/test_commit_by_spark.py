@@ -170,3 +170,15 @@ def test_a_commit_after_a_restart_from_the_journal_commits_the_replayed_batches(
     third.replay()
     assert third.streams["s"].epochs[0].committed == {0}
     third.journal.close()
+
+
+@pytest.mark.parametrize("commit", ["end", "driver"])
+def test_a_partition_end_refused_for_its_count_is_counted_as_refused(bus, commit):
+    bus.request(Kind.EPOCH_OPEN, stream="s", epoch=0, partitions=1, delivery="stream", commit=commit)
+    for seq in range(2):
+        bus.batch(seq, RETRY)
+    wait_for(lambda: bus.epoch()["batches_in"] == 2, 10, "the broker to hold the 2 batches")
+    refused = bus.request(Kind.PARTITION_END, stream="s", epoch=0, part=0, attempt=RETRY, batches=1, rows=10)
+    assert (refused["kind"], refused["code"]) == (Kind.ERROR, ErrorCode.REFUSED)
+    assert "holds 2 batches of attempt" in refused["reason"]
+    assert bus.broker.stats()["broker"]["rejected"]["control"]["refused"] == 1

@@ -151,3 +151,17 @@ def test_random_maps_raise_only_protocol_errors(fields):
         return
     for name, kind in protocol.SCHEMAS[h["kind"]].items():
         assert isinstance(h[name], kind)
+
+
+@pytest.mark.parametrize("header, sizes, reason", [
+    ({"rows": 4, "cols": [["x", "<i8", [4]]], "splits": ["2", "2"]}, [32], "splits must be"),
+    ({"rows": 4, "cols": [["x", "<i8", [4]]], "splits": [2, None]}, [32], "splits must be"),
+    ({"rows": 4, "cols": [["x", "<i8", [4, 10 ** 5000]]]}, [32], "more than"),
+    ({"rows": 10 ** 5000, "cols": []}, [], "out of range"),
+    ({"rows": -10 ** 5000, "cols": []}, [], "negative row count"),
+])
+def test_hostile_batch_headers_are_refused_as_malformed_not_as_internal_errors(header, sizes, reason):
+    """Element types are checked before arithmetic, and sizes compared before a message prints them: a splits list
+    of strings used to raise TypeError in sum(), a shape of thousands of digits a ValueError in the message."""
+    with pytest.raises(ProtocolError, match=reason):
+        protocol.check_batch_frames(header, sizes)
