@@ -63,8 +63,9 @@ def render_stats(stats: Figures) -> str:
                          f"redelivered {earlier['redelivered']}, diverged partitions {earlier['diverged']}")
         for number, e in sorted(s["epochs"].items(), key=lambda kv: int(kv[0])):
             state = "ended" if e["ended"] else "closed" if e["closed"] else "open"
-            # numbered from 1, as the demo and the examples print epochs; the library's epoch= (and JSON) is 0-based
-            lines.append(f"  epoch {int(number) + 1} ({state}): partitions {e['committed']}/{e['partitions']}, "
+            # the broker's epoch numbers: the epoch= a feed and a rank's state name (0-based), unlike the demo's and
+            # the examples' progress lines ("epoch 1/3")
+            lines.append(f"  epoch {number} ({state}): partitions {e['committed']}/{e['partitions']}, "
                          f"in {e['batches_in']} batches {_mib(e['bytes_in'])} {e['rows_in']} rows, "
                          f"out {e['batches_out']} batches {_mib(e['bytes_out'])} {e.get('rows_out', 0)} rows, "
                          f"acked {e['acked']}, "
@@ -230,7 +231,7 @@ def _watch_table(stats: dict[str, Figures], previous: dict[tuple[str, str, int],
             live = [(n, e) for n, e in s["epochs"].items() if not e["ended"] or e["queued"]] or \
                 list(s["epochs"].items())[-1:]
             for number, e in live:
-                table.add_row(name, str(int(number) + 1), str(e["batches_in"]), str(e["batches_out"]), str(e["acked"]),
+                table.add_row(name, number, str(e["batches_in"]), str(e["batches_out"]), str(e["acked"]),
                               str(e["queued"]), "", "", "", "")
             for r in sorted(s["ranks"], key=lambda r: r["rank"]):
                 key = (address, name, r["rank"])

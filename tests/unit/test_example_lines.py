@@ -24,15 +24,3 @@ def test_epoch_lines_are_numbered_from_one():
     line = train_torch.epoch_line(result, 2)
     assert line.startswith("epoch 1/2: 5 steps (+16 before the checkpoint)")
 
-
-def test_sparkbus_status_numbers_epochs_from_one():
-    from sparkbus.broker.status import render_stats
-
-    epoch = {"ended": True, "closed": True, "committed": 2, "partitions": 2, "batches_in": 4, "bytes_in": 4096,
-             "rows_in": 40, "batches_out": 4, "bytes_out": 4096, "rows_out": 40, "acked": 4, "queued": 0,
-             "duplicates": 0}
-    figures = {"broker": {"version": 7, "pid": 1, "uptime_s": 3.0, "buffered_bytes": 0, "max_buffer": 2**20,
-                          "feed_paused": False, "rejected": {}},
-               "streams": {"demo": {"ranks": [], "expected_ranks": 2, "epochs": {"0": epoch, "1": epoch}}}}
-    text = render_stats(figures)
-    assert "  epoch 1 (ended)" in text and "  epoch 2 (ended)" in text and "epoch 0" not in text
