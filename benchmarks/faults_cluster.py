@@ -4,14 +4,12 @@ A Master and two Workers on 127.0.0.1 and 127.0.0.2, one core each (``launch.clu
 driver of the section's own against it (``faults_feeder.py --master spark://...``: ``spark.task.maxFailures=4``,
 one executor per Worker) whose feeds read a DataFrame made in the executors' JVMs (``source="dataframe"``).
 
-**Held Python workers.** When an executor's JVM dies, its ``pyspark.daemon`` reads the end of its stdin and sends
-SIGHUP to its process group; a forked Python worker resets SIGHUP to the default action, so it usually dies before
-it reads the end of its input. On a loaded machine, or a real one, it may not: it then reads its input, cut short at
-a record batch boundary, as a whole partition, streams that prefix and ends it, and only the commit by Spark's word
-keeps the prefix from being committed. To inject that fault every time, the executors' ``PYTHONPATH`` starts with
-a directory holding a test-only ``sitecustomize.py`` which, when ``SPARKBUS_BENCH_HOLD_DIR`` is set (only this
-driver's executors have it), makes the daemon's forked workers ignore SIGHUP and write their pid (and start time)
-into that directory. :meth:`ClusterRig.release_held` SIGKILLs those still running once their executor is gone.
+**Held Python workers.** When an executor's JVM dies, its ``pyspark.daemon`` SIGHUPs its forked Python workers; on a
+loaded machine one may first read its input, cut short at a record batch boundary, as a whole partition and end
+that prefix, and only the commit by Spark's word keeps the prefix from being committed. To inject that fault every
+time, the executors run with ``launch.cluster.HELD_WORKERS_SITE`` on their ``PYTHONPATH`` (its test-only
+``sitecustomize.py`` holds them past the SIGHUP, recorded in a directory); :meth:`ClusterRig.release_held`
+SIGKILLs those still running once their executor is gone.
 
 The faults are ``launch.cluster``'s (``kill_executors``, ``kill_worker``, ``restart_worker``). An executor streams a
 partition now if one of its Python workers holds a TCP connection to the broker's feed port.
@@ -24,14 +22,19 @@ import signal
 import time
 from pathlib import Path
 
-from sparkbus.launch.cluster import QUICK_START_JAVA_OPTS, StandaloneCluster
+from sparkbus.launch.cluster import (
+    HELD_WORKERS_SITE,
+    HOLD_WORKERS_ENV,
+    QUICK_START_JAVA_OPTS,
+    StandaloneCluster,
+    held_workers,
+)
 from sparkbus.launch.processes import descendants
 
 from .common import Children
 from .faults_processes import Feeder
 
 HOSTS = ("127.0.0.1", "127.0.0.2")
-HOLD_ENV = "SPARKBUS_BENCH_HOLD_DIR"
 # The driver's settings over StandaloneCluster.app_conf(): a failed task retried (up to 3 times, as the local
 # driver's local[2,4]), and both executors registered before the first job.
 DRIVER_CONF = {
@@ -44,44 +47,6 @@ DRIVER_CONF = {
 # the end of its connection (a lost host's Worker is started again before the next feed, once the Master lists it
 # gone).
 CLUSTER_CONF = {"spark.worker.timeout": "10"}
-
-SITECUSTOMIZE = '''"""Test-only (sparkbus's fault table): with SPARKBUS_BENCH_HOLD_DIR set, pyspark.daemon's
-forked Python workers ignore SIGHUP, so that one whose executor JVM died reads its input to the end, and write
-their pid there."""
-import os
-
-_hold = os.environ.get("SPARKBUS_BENCH_HOLD_DIR")
-if _hold:
-    import signal as _signal_module
-
-    _signal = _signal_module.signal
-
-    def _held(signum, handler):
-        # pyspark.daemon's worker() resets SIGHUP to SIG_DFL in each forked worker, at each task
-        if signum == _signal_module.SIGHUP and handler == _signal_module.SIG_DFL:
-            handler = _signal_module.SIG_IGN
-            try:
-                with open(f"/proc/{os.getpid()}/stat") as stat:
-                    started = stat.read().rsplit(")", 1)[1].split()[19]
-                with open(os.path.join(_hold, str(os.getpid())), "w") as mark:
-                    mark.write(started)
-            except OSError:
-                pass
-        return _signal(signum, handler)
-
-    _signal_module.signal = _held
-'''
-
-
-def _start_time(pid: int) -> str | None:
-    """The start time of a live process (/proc/PID/stat field 22), None if it is gone or a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] == "Z" else fields[19]
-
 
 def _connections_to(port: int) -> set[str]:
     """The socket inodes of this network namespace's established IPv4 TCP connections to ``port``."""
@@ -121,18 +86,16 @@ class ClusterRig:
 
     def __init__(self, children: Children, work: Path):
         self.children, self.work = children, work
-        self.site, self.hold = work / "site", work / "held"
-        for folder in (self.site, self.hold):
-            folder.mkdir(parents=True, exist_ok=True)
-        (self.site / "sitecustomize.py").write_text(SITECUSTOMIZE)
-        self.killed_held = 0
+        self.hold = work / "held"
+        self.hold.mkdir(parents=True, exist_ok=True)
         self.feeder: Feeder | None = None
         self.cluster = StandaloneCluster(work / "cluster", HOSTS, cores=1, memory="1g",
                                          java_opts=QUICK_START_JAVA_OPTS, conf=CLUSTER_CONF)
         children.add(self)
         self.cluster.start(timeout=120, wait=False)
         conf = {**self.cluster.app_conf(executor_memory="512m"), **DRIVER_CONF,
-                "spark.executorEnv.PYTHONPATH": str(self.site), f"spark.executorEnv.{HOLD_ENV}": str(self.hold)}
+                "spark.executorEnv.PYTHONPATH": str(HELD_WORKERS_SITE),
+                f"spark.executorEnv.{HOLD_WORKERS_ENV}": str(self.hold)}
         self.feeder = Feeder(children, work / "driver", env={"SPARK_LOCAL_IP": HOSTS[0]},
                              args=["--master", self.cluster.master_url, "--executors", str(len(HOSTS)),
                                    *(f"--conf={key}={value}" for key, value in conf.items())],
@@ -201,23 +164,14 @@ class ClusterRig:
                 if worker.poll() is None:
                     live.update(pid for pid, _ in descendants(worker.pid))
         killed = 0
-        for mark in self.hold.iterdir():
-            try:
-                pid, started = int(mark.name), mark.read_text().strip()
-            except (ValueError, OSError):
-                continue
-            if _start_time(pid) != started:
-                mark.unlink(missing_ok=True)       # ended (or its pid is another process's now)
-                continue
-            if pid in live:
+        for held in held_workers(self.hold):
+            if held["pid"] in live:
                 continue
             try:
-                os.kill(pid, signal.SIGKILL)
+                os.kill(held["pid"], signal.SIGKILL)
                 killed += 1
             except ProcessLookupError:
                 pass
-            mark.unlink(missing_ok=True)
-        self.killed_held += killed
         return killed
 
     def stop(self) -> None:

@@ -294,6 +294,32 @@ class StandaloneCluster:
         self.stop()
 
 
+# Test-only: put on the executors' PYTHONPATH with HOLD_WORKERS_ENV=DIR in their environment, the sitecustomize.py
+# of this folder makes pyspark's forked Python workers outlive their daemon's SIGHUP, each recorded in DIR.
+HELD_WORKERS_SITE = Path(__file__).resolve().parent / "held_workers"
+HOLD_WORKERS_ENV = "SPARKBUS_TEST_HOLD_WORKERS"
+
+
+def held_workers(directory: Path) -> list[dict[str, int]]:
+    """The held Python workers recorded under ``directory`` (at any depth) that still run.
+
+    Returns:
+        ``{"pid", "parent", "ppid"}`` each: ``parent`` as recorded when it was held (its pyspark daemon), ``ppid``
+        now (another once the daemon is gone). A recorded pid now another process's (start time) is left out.
+    """
+    found = []
+    for path in Path(directory).glob("**/held-*.json"):
+        try:
+            record = json.loads(path.read_text())
+            with open(f"/proc/{record['pid']}/stat") as f:
+                stat = f.read().rsplit(")", 1)[1].split()
+        except (OSError, ValueError):
+            continue
+        if stat[0] != "Z" and stat[19] == record["start"]:
+            found.append({"pid": record["pid"], "parent": record["parent"], "ppid": int(stat[1])})
+    return found
+
+
 def _cmdline(pid: int) -> str:
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:

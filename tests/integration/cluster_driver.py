@@ -16,7 +16,7 @@ and answers JSON requests on a ZeroMQ REP socket at ``control``:
   and answers ``{"report": FeedReport, "tasks": [...]}``, the feed job's tasks as Spark's event log has them
   (partition, attempt, executor, host, speculative, launch and finish times, end reason), or ``{"error": ...}``.
   Optional: ``"delivery"`` (feed()'s, default ``"stream"``), ``"arrow_batch_rows"`` (feed()'s), ``"hold": DIR``
-  (the feed's Python workers outlive their daemon: held_workers/sitecustomize.py, recorded in ``DIR``), and for
+  (the feed's Python workers outlive their daemon: launch/held_workers/sitecustomize.py, recorded in ``DIR``), and for
   the ``generated`` and ``shuffle`` sources ``"delay"`` (seconds per batch) and ``"cut"`` (below).
   The answer also has ``"executors"`` (those the warm-up found) and ``"stages"`` (each stage attempt of the feed's
   jobs: stage, attempt, name, tasks).
@@ -69,6 +69,7 @@ from pathlib import Path
 import zmq
 
 from sparkbus.feeder import feed
+from sparkbus.launch.cluster import HELD_WORKERS_SITE, HOLD_WORKERS_ENV
 from sparkbus.launch.processes import announce_ready
 from sparkbus.wire.address import control_address
 
@@ -342,9 +343,6 @@ def task_records(events: Path, group: str, timeout: float) -> list[dict]:
         time.sleep(0.1)
 
 
-HELD_WORKERS = Path(__file__).parent / "held_workers"     # its sitecustomize.py holds workers past their daemon
-
-
 def run_feed(spark, request: dict, events: Path, executors: int) -> dict:
     """One ``feed`` request (see the module's docstring)."""
     source, stream, width = request.get("source", "dataframe"), request["stream"], request.get("width", 64)
@@ -354,7 +352,7 @@ def run_feed(spark, request: dict, events: Path, executors: int) -> dict:
     environment = dict(context.environment)
     if request.get("hold"):
         # Python functions made from here on carry these variables; Spark starts a pyspark daemon of their own
-        context.environment.update({"PYTHONPATH": str(HELD_WORKERS), "SPARKBUS_TEST_HOLD_WORKERS": request["hold"]})
+        context.environment.update({"PYTHONPATH": str(HELD_WORKERS_SITE), HOLD_WORKERS_ENV: request["hold"]})
     group = f"feed-{stream}"
     try:
         found = warm_up(spark, source, executors)     # a Python worker idle for a minute is ended: warm them again

@@ -29,6 +29,7 @@ import pytest
 import zmq
 
 from sparkbus.launch.cluster import QUICK_START_JAVA_OPTS, StandaloneCluster
+from sparkbus.launch.cluster import held_workers as live_held_workers
 from sparkbus.launch.processes import ChildProcess, LaunchError, wait_for
 
 HERE = Path(__file__).parent
@@ -67,8 +68,8 @@ DRIVER_CONF = {
 
 @pytest.fixture(scope="module")
 def held_workers(tmp_path_factory):
-    """Where held Python workers record themselves (held_workers/sitecustomize.py): those still running once the
-    cluster has stopped are killed."""
+    """Where held Python workers record themselves (launch/held_workers/sitecustomize.py): those still running
+    once the cluster has stopped are killed."""
     base = tmp_path_factory.mktemp("held")
     yield base
     release_held(base)
@@ -234,7 +235,7 @@ def test_spark_speculates_a_slow_partition_and_each_row_arrives_once(driver, sta
 # An executor JVM SIGKILLed closes its Python worker's input socket. The gate was stalled, so the feeding worker
 # was waiting on an empty socket: it reads EOF at an Arrow message boundary, which pyarrow takes for the end of
 # the partition. Whether the worker then streams its prefix and ends it (PARTITION_END) before the pyspark daemon's
-# SIGHUP kills it is a race that an idle machine mostly loses; held_workers/sitecustomize.py ("hold") makes the
+# SIGHUP kills it is a race that an idle machine mostly loses; launch/held_workers/sitecustomize.py ("hold") makes the
 # worker ignore that SIGHUP, so the truncated attempt certainly ends, as it did on the loaded cluster of issue 23.
 # The broker counts it in "superseded": complete, never committed, because Spark declared another attempt
 # successful. Every id must still arrive exactly once.
@@ -251,28 +252,15 @@ def release_held(directory: Path, orphans_only: bool = False) -> list[int]:
     """SIGKILL the held Python workers recorded under ``directory`` that still run (``orphans_only``: those whose
     pyspark daemon is gone, i.e. whose executor was killed); returns their pids."""
     killed = []
-    for path in directory.glob("**/held-*.json"):
-        record = json.loads(path.read_text())
-        stat = proc_stat(record["pid"])
-        if stat is None or stat[19] != record["start"] or stat[0] == "Z":
-            continue                    # gone (or its pid reused by another process)
-        if orphans_only and int(stat[1]) == record["parent"]:
+    for worker in live_held_workers(directory):
+        if orphans_only and worker["ppid"] == worker["parent"]:
             continue                    # still its daemon's: a live executor's worker
         try:
-            os.kill(record["pid"], signal.SIGKILL)
-            killed.append(record["pid"])
+            os.kill(worker["pid"], signal.SIGKILL)
+            killed.append(worker["pid"])
         except ProcessLookupError:
             pass
     return killed
-
-
-def proc_stat(pid: int) -> list[str] | None:
-    """/proc/PID/stat's fields after the command name (state, ppid, ..., start time at 19), None if gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return text[text.rindex(")") + 2:].split()
 
 
 @pytest.fixture
