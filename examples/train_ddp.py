@@ -49,7 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     side.add_argument("--ranks", help="train: the broker's ranks address (run under torchrun)")
     side.add_argument("--feed", help="feed: the broker's feed address")
     parser.add_argument("--control", help="the broker's control address (default: the feed port + 2)")
-    parser.add_argument("--stream", default="ddp", help="the stream (the same on both sides)")
+    parser.add_argument("--stream", default="ddp-example",
+                        help="the stream (the same on both sides; each example has its own, so that two on one broker "
+                             "never take each other's batches)")
     parser.add_argument("--epochs", type=int, default=3, help="epochs (the same on both sides)")
     parser.add_argument("--features", type=int, default=32, help="float32 features per row")
     parser.add_argument("--classes", type=int, default=4, help="classes of the synthetic set")

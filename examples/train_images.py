@@ -69,8 +69,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     side.add_argument("--feed", help="feed: the broker's feed address (runs the Spark job)")
     parser.add_argument("--decode", choices=("rank", "spark"), default="rank",
                         help="where PNG bytes become pixels (the same on both sides)")
-    parser.add_argument("--stream", default="train", help="the training stream (the same on both sides)")
-    parser.add_argument("--val-stream", default="val", help="the held-out stream ('' for none)")
+    parser.add_argument("--stream", default="images-example",
+                        help="the training stream (the same on both sides; each example has its own, so that two "
+                             "on one broker never take each other's batches)")
+    parser.add_argument("--val-stream", default="images-example-val", help="the held-out stream ('' for none)")
     parser.add_argument("--epochs", type=int, default=3, help="epochs (the same on both sides)")
     parser.add_argument("--size", type=int, default=32, help="image side in pixels")
     parser.add_argument("--shift", type=int, default=2, help="per-epoch jitter of training images, in pixels")
@@ -231,9 +233,9 @@ def decoded_frame(df: Any, size: int, seed: int, epoch: int, shift: int) -> Any:
     return df.mapInArrow(decode, "id long, pixels array<tinyint>, label int")
 
 
-def feed_images(spark: Any, address: str, epochs: int, *, decode: str = "rank", stream: str = "train",
-                val_stream: str | None = "val", rows: int = 20_000, val_rows: int = 2_000, size: int = 32,
-                shift: int = 2, seed: int = 7, partitions: int = 4, batch_size: int = 128,
+def feed_images(spark: Any, address: str, epochs: int, *, decode: str = "rank", stream: str = "images-example",
+                val_stream: str | None = "images-example-val", rows: int = 20_000, val_rows: int = 2_000,
+                size: int = 32, shift: int = 2, seed: int = 7, partitions: int = 4, batch_size: int = 128,
                 timeout: float = 120.0) -> list[dict]:
     """Make the image sets in Spark, then feed ``epochs`` epochs: training reshuffled, then the held-out set.
 

@@ -51,8 +51,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     side = parser.add_mutually_exclusive_group(required=True)
     side.add_argument("--ranks", help="train: the broker's ranks address (run under mpiexec)")
     side.add_argument("--feed", help="feed: the broker's feed address (runs the Spark job)")
-    parser.add_argument("--stream", default="text", help="the training stream (the same on both sides)")
-    parser.add_argument("--val-stream", default="text-val", help="the held-out stream")
+    parser.add_argument("--stream", default="text-example",
+                        help="the training stream (the same on both sides; each example has its own, so that two "
+                             "on one broker never take each other's batches)")
+    parser.add_argument("--val-stream", default="text-example-val", help="the held-out stream")
     parser.add_argument("--epochs", type=int, default=3, help="epochs (the same on both sides)")
     parser.add_argument("--plain-epochs", type=int, default=1,
                         help="the first N epochs are fed without bucketing (to compare the padding share)")
@@ -162,8 +164,9 @@ def text_frame(spark: Any, rows: int, seed: int, partitions: int, *, classes: in
     return frame if with_text else frame.drop("text")
 
 
-def feed_text_data(spark: Any, address: str, epochs: int, *, stream: str = "text", val_stream: str | None = "text-val",
-                   rows: int = 50_000, val_rows: int = 5_000, seed: int = 7, partitions: int = 4,
+def feed_text_data(spark: Any, address: str, epochs: int, *, stream: str = "text-example",
+                   val_stream: str | None = "text-example-val", rows: int = 50_000, val_rows: int = 5_000,
+                   seed: int = 7, partitions: int = 4,
                    batch_size: int = 64, bucket_window: int = 64, plain_epochs: int = 1, timeout: float = 120.0,
                    **shape: Any) -> list[dict]:
     """Feed epochs ``0 .. epochs - 1`` of the training set, reshuffled per epoch, each followed by the held-out set.

@@ -2,11 +2,11 @@
 
 Ranks (gradients averaged with a non-blocking MPI allreduce every step, validation on a second stream):
 
-    mpiexec -n 2 python examples/train_torch.py --ranks tcp://127.0.0.1:5556 --val-stream val --epochs 3
+    mpiexec -n 2 python examples/train_torch.py --ranks tcp://127.0.0.1:5556 --val-stream torch-example-val --epochs 3
 
 Feed (the Spark side, in any order with the ranks; a synthetic classification set, reshuffled every epoch):
 
-    python examples/train_torch.py --feed tcp://127.0.0.1:5555 --val-stream val --epochs 3 --rows 200000
+    python examples/train_torch.py --feed tcp://127.0.0.1:5555 --val-stream torch-example-val --epochs 3 --rows 200000
 
 Per epoch rank 0 prints loss and accuracy (train and validation) and every rank's data-wait: the time its
 training loop waited for batches, out of the epoch's time. ``--summary FILE`` writes all figures as JSON.
@@ -18,9 +18,10 @@ written with the model in one atomic file. After a crash, stop the old job (rank
 with ``--resume-from FILE`` (the file readable by every rank and by the feed), whether the broker kept running or
 restarted too:
 
-    python examples/train_torch.py --feed tcp://127.0.0.1:5555 --val-stream val --epochs 3 --resume-from ckpt.pt
-    mpiexec -n 2 python examples/train_torch.py --ranks tcp://127.0.0.1:5556 --val-stream val --epochs 3 \
-        --checkpoint ckpt.pt --resume-from ckpt.pt
+    python examples/train_torch.py --feed tcp://127.0.0.1:5555 --val-stream torch-example-val --epochs 3 \
+        --resume-from ckpt.pt
+    mpiexec -n 2 python examples/train_torch.py --ranks tcp://127.0.0.1:5556 --val-stream torch-example-val \
+        --epochs 3 --checkpoint ckpt.pt --resume-from ckpt.pt
 
 The feed re-feeds the checkpoint's epoch (``feed_epochs(..., resume=state)``) and the brokers deliver only what
 the checkpointed model has not trained; each rank starts from its own position (``BatchStream(...,
@@ -54,7 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     side = parser.add_mutually_exclusive_group(required=True)
     side.add_argument("--ranks", help="train: the broker's ranks address (run under mpiexec)")
     side.add_argument("--feed", help="feed: the broker's feed address (runs the Spark job)")
-    parser.add_argument("--stream", default="train", help="the training stream (the same on both sides)")
+    parser.add_argument("--stream", default="torch-example",
+                        help="the training stream (the same on both sides; each example has its own, so that two "
+                             "on one broker never take each other's batches)")
     parser.add_argument("--val-stream", help="the validation stream (default: no validation)")
     parser.add_argument("--epochs", type=int, default=3, help="total epochs of the run (resumed ones included)")
     parser.add_argument("--features", type=int, default=32, help="float32 features per row")
@@ -112,7 +115,7 @@ def synthetic_frame(spark: Any, rows: int, features: int, classes: int, seed: in
     return base.select("id", F.col("x").alias("features"), label.alias("label"))
 
 
-def feed_training_data(spark: Any, address: str, epochs: int, *, stream: str = "train",
+def feed_training_data(spark: Any, address: str, epochs: int, *, stream: str = "torch-example",
                        val_stream: str | None = None, rows: int = 100_000, val_rows: int = 10_000,
                        features: int = 32, classes: int = 4, seed: int = 7, partitions: int = 4,
                        batch_size: int = 256, resume: Mapping[str, Any] | None = None,

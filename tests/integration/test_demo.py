@@ -71,23 +71,29 @@ def test_the_examples_help_shows_defaults(example):
     assert "``" not in text
     assert "(default: 3)" in text                         # --epochs
     assert "(default: None)" not in text and "(default: False)" not in text
-    for line in re.findall(r"^  --(?:stream|batch-size|rows|lr) .*$", text, re.M):
-        assert "default" in line or line.endswith(("STREAM", "BATCH_SIZE", "ROWS", "LR")), line
+    for option in ("--stream", "--batch-size", "--rows", "--lr"):
+        assert help_default(text, option)
 
 
-def stream_default(text: str) -> str:
-    """The default of ``--stream`` in a --help text (its help may take several lines)."""
-    entry = re.search(r"^  --stream STREAM(.*(?:\n {6,}.*)*)", text, re.M)
+def help_default(text: str, option: str) -> str:
+    """The default of ``option`` in a --help text (its help may take several lines, wrapped at a hyphen too)."""
+    entry = re.search(rf"^  {option} [A-Z_]+(.*(?:\n {{6,}}.*)*)", text, re.M)
     assert entry, text
-    default = re.search(r"\(default: ([\w-]+)\)", " ".join(entry.group(1).split()))
+    joined = " ".join(re.sub(r"-\n\s+", "-", entry.group(1)).split())
+    default = re.search(r"\(default: ([^)\s]+)\)", joined)
     assert default, entry.group(0)
     return default.group(1)
 
 
-def test_the_demo_and_the_new_examples_use_streams_of_their_own():
+def test_the_demo_and_the_examples_use_streams_of_their_own():
     from sparkbus.demo.run import STREAMS
 
+    examples = {e: help_of(sys.executable, ROOT / "examples" / e) for e in EXAMPLES}
+    defaults = {e: [help_default(text, "--stream")] for e, text in examples.items()}
+    for e in ("train_images.py", "train_text.py"):                 # the held-out streams (train_torch's: none)
+        defaults[e].append(help_default(examples[e], "--val-stream"))
+    assert defaults == {"train_ddp.py": ["ddp-example"], "train_images.py": ["images-example", "images-example-val"],
+                        "train_text.py": ["text-example", "text-example-val"], "train_torch.py": ["torch-example"]}
     streams = [stream for pair in STREAMS.values() for stream in pair if stream]
-    streams += [stream_default(help_of(sys.executable, ROOT / "examples" / e)) for e in ("train_ddp.py",)]
+    streams += [stream for names in defaults.values() for stream in names]
     assert len(set(streams)) == len(streams) and "train" not in streams, streams
-    assert stream_default(help_of(sys.executable, ROOT / "examples" / "train_text.py")) == "text"

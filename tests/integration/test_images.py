@@ -86,7 +86,7 @@ def test_images_arrive_once_per_epoch_decode_to_what_was_encoded_and_train_a_cnn
                       shift=SHIFT, seed=SEED, partitions=3, batch_size=50, timeout=60)
     summary, records = ranks(timeout=90)
 
-    assert [f["train"]["rows"] for f in fed] == [ROWS] * EPOCHS
+    assert [f["images-example"]["rows"] for f in fed] == [ROWS] * EPOCHS
     samples = {}
     for epoch in range(EPOCHS):
         per_rank = [np.load(records / f"rank{r}-epoch{epoch}.npz") for r in range(2)]

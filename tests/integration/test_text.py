@@ -55,7 +55,7 @@ def test_text_trains_on_ragged_tokens_padded_per_batch_and_bucketing_cuts_the_pa
         ids = np.concatenate([p["id"] for p in parts] + [p["dropped_id"] for p in parts])
         np.testing.assert_array_equal(np.sort(ids), np.arange(rows))
         assert e["batches"][0] == e["batches"][1] and sum(e["dropped_batches"]) <= 1
-        assert sum(e["batches"]) + sum(e["dropped_batches"]) == fed[epoch]["text"]["batches"]
+        assert sum(e["batches"]) + sum(e["dropped_batches"]) == fed[epoch]["text-example"]["batches"]
         assert e["rows"] == sum(len(p["id"]) for p in parts) and e["val_rows"] == DATA["val_rows"]
         for p in parts:                   # each row's tokens, read back from the padded tensors
             for kind in ("", "dropped_"):

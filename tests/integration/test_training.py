@@ -22,6 +22,7 @@ from helpers import wait_for
 pytestmark = pytest.mark.timeout(180)
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+STREAM = "torch-example"     # train_torch.py's training stream, fed and read by default
 sys.path.insert(0, str(EXAMPLES))
 
 
@@ -180,11 +181,11 @@ def test_train_torch_learns_through_the_broker_and_resumes_exactly_from_a_mid_ep
     # at step 16 has not seen steps 17..21, which it trained.
     first = start_training(broker.ranks, *common, "--checkpoint-every", str(every))
     fed = feed_training_data(spark, broker.feed, 1, **data)     # training epoch 0 only
-    share = fed[0]["train"]["batches"] // 2                     # steps a rank takes of an epoch (the data's: 21)
+    share = fed[0][STREAM]["batches"] // 2                      # steps a rank takes of an epoch (the data's: 21)
     last = share // every * every                               # run 1's last checkpoint (16)
     assert 0 < last < share
     wait_for(lambda: checkpoint.exists() and torch.load(checkpoint, weights_only=True)["steps"] == last
-             and broker.stats()["streams"]["train"]["epochs"]["0"]["acked"] == fed[0]["train"]["batches"],
+             and broker.stats()["streams"][STREAM]["epochs"]["0"]["acked"] == fed[0][STREAM]["batches"],
              90, f"run 1 to checkpoint at step {last} and train the whole epoch")
     first.kill()
     saved = torch.load(checkpoint, weights_only=True)
@@ -208,12 +209,12 @@ def test_train_torch_learns_through_the_broker_and_resumes_exactly_from_a_mid_ep
     for e, f in zip(history, fed):
         assert e["batches"][0] == e["batches"][1]                               # equal steps on both ranks
         assert e["steps"] == e["batches"][0] and e["resumed_batches"] == [e["resumed_steps"]] * 2
-        assert sum(e["batches"]) + sum(e["resumed_batches"]) + sum(e["dropped_batches"]) == f["train"]["batches"]
+        assert sum(e["batches"]) + sum(e["resumed_batches"]) + sum(e["dropped_batches"]) == f[STREAM]["batches"]
         assert e["val_rows"] == 1_000                                            # every validation row, once
         assert all(0 <= w <= s for w, s in zip(e["wait_seconds"], e["seconds"]))
     assert [(e["steps"], e["resumed_steps"]) for e in history] == \
-        [(share - last, last), (fed[1]["train"]["batches"] // 2, 0)]            # the rest of the epoch, exactly
-    after = broker.stats()["streams"]["train"]["epochs"]
+        [(share - last, last), (fed[1][STREAM]["batches"] // 2, 0)]             # the rest of the epoch, exactly
+    after = broker.stats()["streams"][STREAM]["epochs"]
     assert after["0"]["adopted"] == 2 * last               # the broker matched the checkpoint's batches, not sent
     assert history[-1]["val_accuracy"] >= 0.8, history                          # chance is 0.25
     assert history[0]["loss"] > history[-1]["loss"]
