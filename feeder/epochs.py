@@ -36,17 +36,12 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from sparkbus.broker.client import ControlClient
-from sparkbus.feeder.driver import (
-    REFUSED_AFTER,
-    FeedReport,
-    feed,
-    feed_watched,
-    greet_brokers,
-    is_connect_dataframe,
-    with_partitions,
-)
-from sparkbus.feeder.recovery import CANNOT_RECOVER, WATCH_INTERVAL, BrokerWatch, Loss
+from sparkbus.feeder.brokers import REFUSED_AFTER, greet_brokers
+from sparkbus.feeder.driver import FeedReport, feed, feed_watched
+from sparkbus.feeder.jobs import is_connect_dataframe, with_partitions
+from sparkbus.feeder.recovery import CANNOT_RECOVER
 from sparkbus.feeder.routes import read_query
+from sparkbus.feeder.watch import WATCH_INTERVAL, BrokerWatch, Loss
 from sparkbus.wire.address import feed_and_control_addresses
 from sparkbus.wire.errors import BrokerError
 from sparkbus.wire.protocol import Kind
@@ -218,7 +213,7 @@ def feed_epochs(df: Any, address: str | Sequence[str] | None, epochs: int, strea
 
 class FedEpochs:
     """The epochs ``feed_epochs`` fed that not every live broker has delivered yet (``EPOCH_QUERY.ended``),
-    watched (:class:`feeder.recovery.BrokerWatch`): a broker lost after an epoch was fed loses that epoch's
+    watched (:class:`feeder.watch.BrokerWatch`): a broker lost after an epoch was fed loses that epoch's
     batches too, and :meth:`check` feeds again what no live broker committed (:func:`feeder.driver.feed_watched`,
     the same ``epoch_order``), as the feed itself does for the epoch it is feeding."""
 
@@ -247,9 +242,9 @@ class FedEpochs:
 
     def lost_another(self) -> bool:
         """Ask every broker once more (a silent one until its timeout is up): whether one more is gone for good."""
-        before = len(self.gone())
+        mark = self.watch.mark()
         self.watch.sweep(self.clients)
-        return len(self.gone()) > before
+        return any(loss.gone for loss in self.watch.losses_since(mark))
 
     def recover(self, losses: list[Loss]) -> None:
         """Re-feed the pending epochs after losses not recovered from yet (each is recovered from once): those

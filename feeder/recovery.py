@@ -1,32 +1,34 @@
-"""A feed that survives losing a broker: the watch, and the loop that re-feeds.
+"""The recovery loop: one epoch fed under the watch, re-fed from Spark after a lost broker, then closed.
 
 docs/design/RECOVERY.md ("The driver") is the contract. In short:
 
-- :class:`BrokerWatch` runs beside a feed's Spark job: a thread with its own control sockets says HELLO to every
-  broker every second. A broker whose incarnation changed without a journal, or that has been silent for the
-  feed's ``timeout``, is **lost**, and the watch cancels the job (:class:`JobCancel`).
+- The watch (:mod:`feeder.watch`) runs beside the epoch's Spark job and cancels it (:mod:`feeder.cancel`) when a
+  broker is lost: restarted without ``--journal``, or silent for the feed's ``timeout``.
 - The driver then asks each live broker what it has of the epoch (``EPOCH_QUERY``), and
   :func:`feeder.routes.plan_recovery` fixes a route for every partition no live broker committed: where it was
   seen, else the takeover broker of the lost one (the restarted broker itself, else the first live broker).
 - ``EPOCH_RECOVER`` tells each live broker what it carries now; the recovery job re-feeds those partitions only
   (classic: ``SparkContext.runJob``; Spark Connect: every partition, the others send nothing). A loss during it
-  goes round again, a bounded number of times (:class:`EpochFeed`).
+  goes round again, a bounded number of times.
 - ``EPOCH_CLOSE`` on every live broker with the partitions it committed.
 
-A resume from a checkpoint (issue 18 §3) is the same path, after an ``EPOCH_RECOVER(reset=True)`` that drops the
-epoch's state at every broker and names the loss ``""`` (:meth:`EpochFeed.run` with ``resume``).
+:class:`EpochFeed` has one entry point per way an epoch is fed: :meth:`EpochFeed.run` (its first job),
+:meth:`EpochFeed.resume` (a resume from a checkpoint: ``EPOCH_RECOVER(reset=True)`` drops the epoch's state at every
+broker and names the loss ``""``, then every partition is fed again), :meth:`EpochFeed.feed_around` (a new epoch
+at the live brokers only, others being gone for good) and :meth:`EpochFeed.recover_fed` (an epoch fed before,
+lost since: only the recovery). All four then recover and close the same way.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from sparkbus.broker.client import ControlClient
-from sparkbus.feeder.commits import Committer, ReportChannel
+from sparkbus.feeder.cancel import JobCancel
+from sparkbus.feeder.commits import Committer
+from sparkbus.feeder.jobs import FeedJob
 from sparkbus.feeder.routes import (
     BrokerEpoch,
     Partitions,
@@ -39,180 +41,15 @@ from sparkbus.feeder.routes import (
     spread_plan,
 )
 from sparkbus.feeder.task import PartitionReport
+from sparkbus.feeder.watch import WATCH_INTERVAL, BrokerWatch, Loss
 from sparkbus.wire.errors import BrokerError, FeedError
 from sparkbus.wire.protocol import ErrorCode, Kind
 
 log = logging.getLogger("sparkbus.feeder")
 
-WATCH_INTERVAL = 1.0        # seconds between the watch's HELLOs to each broker
 RESUMED = ""                # the loss a resume from a checkpoint names (docs/design/RECOVERY.md "Names")
 # Brokers that cannot recover (an older broker) answer EPOCH_QUERY/EPOCH_RECOVER with one of these
 CANNOT_RECOVER = (ErrorCode.UNEXPECTED_KIND, ErrorCode.MALFORMED, ErrorCode.VERSION)
-
-
-class Loss(NamedTuple):
-    """A broker that lost the feed's state: its index in the feed's list, the incarnation lost, and whether it
-    is gone (silent past the timeout) rather than restarted."""
-
-    broker: int
-    incarnation: str
-    gone: bool
-
-
-class BrokerWatch:
-    """Which of a feed's brokers are live, and which incarnations were lost, told by HELLOs.
-
-    :meth:`start` runs a thread that says HELLO to every broker every ``interval`` with its own sockets (ZeroMQ
-    sockets are not thread-safe) and calls ``on_loss`` (any thread may call it) after it saw a new loss;
-    :meth:`sweep` does the same once, in the calling thread, with the caller's clients, waiting for a silent broker
-    until its ``timeout`` is up: what the driver does after a job ended, to know for certain.
-
-    Args:
-        controls: the brokers' control addresses, in the feed's order.
-        welcomes: each broker's WELCOME when the feed began (their incarnations are the ones known).
-        stream: the feed's stream (its HELLOs name it).
-        timeout: seconds of silence after which a broker is gone.
-    """
-
-    def __init__(self, controls: Sequence[str], welcomes: Sequence[Mapping[str, Any]], stream: str,
-                 timeout: float, key: str | None = None, broker_key: str | None = None,
-                 interval: float = WATCH_INTERVAL) -> None:
-        self.controls = list(controls)
-        self.stream = stream
-        self.timeout = timeout
-        self.interval = interval
-        self._keys = (key, broker_key)
-        now = time.monotonic()
-        self._known = [str(w.get("incarnation", "")) for w in welcomes]
-        self._heard = [now] * len(self.controls)
-        self._gone: set[int] = set()
-        self.losses: list[Loss] = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self.on_loss: Callable[[], None] | None = None
-
-    # ---- what the watch knows -----------------------------------------------------------------------------
-
-    def live(self) -> list[int]:
-        """The brokers not gone, in the feed's order (a restarted one is live)."""
-        with self._lock:
-            return [i for i in range(len(self.controls)) if i not in self._gone]
-
-    def lost_incarnations(self) -> list[str]:
-        """Every incarnation lost so far in this feed, in the order they were lost."""
-        with self._lock:
-            return [loss.incarnation for loss in self.losses]
-
-    def lost_brokers(self) -> list[int]:
-        """The brokers that lost the feed's state at least once (restarted or gone), in the feed's order."""
-        with self._lock:
-            return sorted({loss.broker for loss in self.losses})
-
-    def observe(self, index: int, welcome: Mapping[str, Any] | None, now: float | None = None) -> Loss | None:
-        """Take in one broker's answer to a HELLO (or an EPOCH_QUERY), or its silence (None).
-
-        Returns:
-            The new :class:`Loss`, if this answer (or silence) is one.
-        """
-        now = time.monotonic() if now is None else now
-        with self._lock:
-            if index in self._gone:
-                return None
-            if welcome is None:
-                if now - self._heard[index] < self.timeout:
-                    return None
-                self._gone.add(index)
-                loss = Loss(index, self._known[index], True)
-            else:
-                self._heard[index] = now
-                incarnation = str(welcome.get("incarnation", ""))
-                before = self._known[index]
-                if incarnation == before:
-                    return None
-                self._known[index] = incarnation
-                if welcome.get("journal"):
-                    log.info("the broker at %s restarted from its journal", self.controls[index])
-                    return None     # it replayed what it had: not a loss (as before recovery existed)
-                loss = Loss(index, before, False)
-            self.losses.append(loss)
-        log.warning("the broker at %s %s: its partitions of stream %r are fed again from Spark",
-                    self.controls[index], "is silent past the feed's timeout" if loss.gone else
-                    "restarted without a journal", self.stream)
-        return loss
-
-    # ---- asking -------------------------------------------------------------------------------------------
-
-    def sweep(self, clients: Sequence[ControlClient]) -> list[Loss]:
-        """HELLO every live broker once with ``clients`` (the caller's, one per broker), waiting for a silent one
-        until its timeout is up. Returns the new losses."""
-        found = []
-        for index in self.live():
-            with self._lock:
-                wait = max(0.2, self._heard[index] + self.timeout - time.monotonic())
-            loss = self._ask(clients[index], index, wait, final=True)
-            if loss is not None:
-                found.append(loss)
-        return found
-
-    def _ask(self, client: ControlClient, index: int, wait: float, final: bool = False) -> Loss | None:
-        try:
-            welcome = client.hello("feeder", self.stream, timeout=wait)
-        except BrokerError as exc:
-            if exc.code is not None:      # it answered, with a refusal: it is there
-                with self._lock:
-                    self._heard[index] = time.monotonic()
-                return None
-            welcome = None
-        now = None
-        if final and welcome is None:     # a sweep waited for the rest of the broker's timeout: silent past it
-            with self._lock:
-                now = max(time.monotonic(), self._heard[index] + self.timeout)
-        return self.observe(index, welcome, now)
-
-    def adopt(self, losses: Sequence[Loss]) -> None:
-        """Losses found before this watch began (by another watch of the same brokers): a gone broker stays gone."""
-        with self._lock:
-            self.losses.extend(losses)
-            self._gone.update(loss.broker for loss in losses if loss.gone)
-
-    def start(self, on_loss: Callable[[], None] | None = None) -> BrokerWatch:
-        """Start the thread (once); ``on_loss`` is called (from it) after each new loss."""
-        self.on_loss = on_loss
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="sparkbus-broker-watch", daemon=True)
-            self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(self.interval + 5.0)
-
-    def _run(self) -> None:
-        key, broker_key = self._keys
-        clients = [ControlClient(c, self.interval, key=key, broker_key=broker_key) for c in self.controls]
-        try:
-            while not self._stop.wait(self.interval):
-                for index in self.live():
-                    if self._stop.is_set():
-                        break
-                    loss = self._ask(clients[index], index, self.interval)
-                    callback = self.on_loss
-                    if loss is not None and callback is not None:
-                        try:
-                            callback()
-                        except Exception:        # a cancel that failed: the sweep after the job still finds it
-                            log.exception("cancelling the feed's Spark job failed")
-        finally:
-            for client in clients:
-                client.close()
-
-    def __enter__(self) -> BrokerWatch:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def all_lost_error(stream: str, epoch: int, controls: Sequence[str], losses: Sequence[Loss],
@@ -227,68 +64,6 @@ def all_lost_error(stream: str, epoch: int, controls: Sequence[str], losses: Seq
                        f"same epoch again once it answers: it keeps what it holds. If the brokers are gone, restart "
                        f"them and feed the data again as a new epoch (or a new stream), or run the brokers with "
                        f"--journal to survive restarts")
-
-
-# ---- cancelling a feed's Spark job from the watch's thread -----------------------------------------------------
-
-class JobCancel:
-    """Tags the Spark jobs this thread starts while in the ``with`` block, so that :meth:`cancel` (from any
-    thread) stops them and interrupts their tasks.
-
-    Classic session: a job tag (``SparkContext.addJobTag``, which leaves a job group the caller set alone) and
-    ``setInterruptOnCancel(True)``; both are thread-local, as PySpark pins a JVM thread to each Python thread, so
-    they are set in the thread that runs the job. Spark Connect: ``SparkSession.addTag`` / ``interruptTag``.
-
-    Args:
-        session: a classic session's ``SparkContext``, or the Spark Connect ``SparkSession``.
-        connect: which of the two it is.
-    """
-
-    def __init__(self, session: Any, connect: bool) -> None:
-        import secrets
-
-        self.tag = f"sparkbus-feed-{secrets.token_hex(6)}"
-        self._session = session
-        self._connect = connect
-        self._interrupt: Any = None
-
-    def __enter__(self) -> JobCancel:
-        if self._connect:
-            self._session.addTag(self.tag)
-        else:
-            sc = self._session
-            self._interrupt = sc.getLocalProperty("spark.job.interruptOnCancel")
-            sc.addJobTag(self.tag)
-            sc.setInterruptOnCancel(True)
-        return self
-
-    def cancel(self) -> None:
-        log.info("cancelling the feed's Spark job (tag %s): a broker was lost", self.tag)
-        if self._connect:
-            self._session.interruptTag(self.tag)
-        else:
-            self._session.cancelJobsWithTag(self.tag)
-
-    def __exit__(self, *exc: object) -> None:
-        if self._connect:
-            self._session.removeTag(self.tag)
-        else:
-            sc = self._session
-            sc.removeJobTag(self.tag)
-            sc.setLocalProperty("spark.job.interruptOnCancel", self._interrupt)
-
-
-# ---- one epoch, fed under the watch ----------------------------------------------------------------------------
-
-class FeedJob(NamedTuple):
-    """A feed's Spark job as the recovery needs it: the partition count if Spark knows it before the job,
-    the first job, and the recovery job over fixed routes (either returns the tasks' report rows), and where the
-    reports of successful tasks come from while a job runs (``feeder.commits``; None: only from its rows)."""
-
-    partitions: int | None
-    collect: Callable[[], list]
-    rerun: Callable[[Routes], list]
-    reports: ReportChannel | None = None
 
 
 class Outcome(NamedTuple):
@@ -306,10 +81,16 @@ class Outcome(NamedTuple):
 
 
 class EpochFeed:
-    """One epoch of a feed, run under a :class:`BrokerWatch` and recovered from losses (module notes).
+    """One epoch of a feed, run under a :class:`feeder.watch.BrokerWatch` and recovered from losses (module notes).
 
-    The epoch is open at every broker already (``EPOCH_OPEN``), except for a resume (:meth:`run` with
-    ``resume=True``), whose ``EPOCH_RECOVER(reset=True)`` opens it.
+    One entry point per way the epoch is fed (each once per object): :meth:`run`, :meth:`resume`,
+    :meth:`feed_around`, :meth:`recover_fed`. The epoch is open at every live broker already (``EPOCH_OPEN``),
+    except for a resume, whose ``EPOCH_RECOVER(reset=True)`` opens it, and for :meth:`feed_around`, whose
+    ``EPOCH_RECOVER`` at the live brokers does.
+
+    Args:
+        losses: losses found before this feed (by ``feed_epochs``' watch): for :meth:`recover_fed`, those to
+            recover from; for :meth:`feed_around`, the brokers gone for good.
     """
 
     def __init__(self, clients: Sequence[ControlClient], welcomes: Sequence[Mapping[str, Any]], stream: str,
@@ -331,37 +112,51 @@ class EpochFeed:
         self.resumed = False
         self.max_rounds = len(self.clients) + 2
 
-    def run(self, job: FeedJob, resume: bool = False, fed: bool = False, around: bool = False) -> Outcome:
-        """Run the job (or, for a resume, re-feed every partition after a reset), recover from losses, close.
-        ``fed``: the epoch was fed and closed before, and the brokers given to the constructor as ``losses`` lost
-        it since: only the recovery runs. ``around``: a new epoch, open at the live brokers only, while those
-        ``losses`` name brokers gone for good: its partitions are routed over the live ones (:func:`spread_plan`).
+    # ---- the entry points: how the epoch is first fed -------------------------------------------------------
+    # Raises (each): BrokerError: no broker left (:func:`all_lost_error`), or one that cannot recover (an older
+    # broker). FeedError: still losing brokers after ``len(brokers) + 2`` recovery rounds. Exception: the job's own
+    # failure (no broker lost), as Spark raised it.
 
-        Raises:
-            BrokerError: no broker left (:func:`all_lost_error`), or one that cannot recover (an older broker).
-            FeedError: still losing brokers after ``len(brokers) + 2`` recovery rounds.
-            Exception: the job's own failure (no broker lost), as Spark raised it.
-        """
+    def run(self, job: FeedJob) -> Outcome:
+        """Run the epoch's first job (open at every broker), recover from losses, close: from the job's reports
+        if no broker was lost, else from what the brokers say they hold."""
+        return self._watched(job, lambda: self._take(job.collect(), whole=True), queried=False)
+
+    def resume(self, job: FeedJob) -> Outcome:
+        """A resume from a checkpoint: reset the epoch at every broker, re-feed every partition home (only what no
+        rank's checkpoint used is delivered), recover from losses, close."""
+        return self._watched(job, lambda: self._reset(job), queried=True)
+
+    def feed_around(self, job: FeedJob) -> Outcome:
+        """A new epoch, while the ``losses`` given name brokers gone for good: open it at the live brokers only and
+        route its partitions over them (:func:`feeder.routes.spread_plan`), recover from new losses, close."""
+        return self._watched(job, lambda: self._around(job), queried=True)
+
+    def recover_fed(self, job: FeedJob) -> Outcome:
+        """An epoch fed and closed before, whose brokers lost it since (the ``losses`` given): only the recovery of
+        what no live broker committed, then the close."""
+        return self._watched(job, None, queried=True, recovering=True)
+
+    def _watched(self, job: FeedJob, first: Callable[[], None] | None, queried: bool,
+                 recovering: bool = False) -> Outcome:
+        """``first`` under the watch; then recovery rounds if a broker was lost since (or ``recovering``), and the
+        close, from the brokers' EPOCH_QUERY if ``queried`` or recovering."""
         self.partitions = job.partitions
-        known = len(self.watch.losses) if around else 0     # around: the gone brokers, nothing to recover from
+        mark = self.watch.mark()        # losses adopted before (brokers gone for good) are not recovered from
         self.watch.start(on_loss=self.cancel.cancel)
         try:
+            failure: Exception | None = None
             try:
-                if resume:
-                    self._reset(job)
-                elif around:
-                    self._around(job)
-                elif not fed:
-                    self._take(job.collect(), whole=True)
-                failure: Exception | None = None
+                if first is not None:
+                    first()
             except Exception as exc:
                 failure = exc
                 self._commit(strict=False)    # what Spark declared successful before the job failed or was cancelled
-            if not self.watch.sweep(self.clients) and len(self.watch.losses) == known:
-                if failure is not None:
-                    raise failure
-            recovering = len(self.watch.losses) > known
-            return self._settle(job, recovering=recovering, queried=recovering or resume or around)
+            self.watch.sweep(self.clients)
+            recovering = recovering or self.watch.lost_since(mark)
+            if failure is not None and not recovering:
+                raise failure
+            return self._settle(job, recovering=recovering, queried=recovering or queried)
         finally:
             self.watch.stop()
 
@@ -417,22 +212,23 @@ class EpochFeed:
             except BrokerError as exc:
                 if exc.code in CANNOT_RECOVER:
                     raise
-                losses = len(self.watch.losses)
+                mark = self.watch.mark()
                 self.watch.sweep(self.clients)
-                if len(self.watch.losses) == losses:
+                if not self.watch.lost_since(mark):
                     raise       # not a loss: the broker refused the close, as it would have before recovery
                 recovering = True
 
     def _recover_round(self, job: FeedJob) -> bool:
-        """One round: query, plan, EPOCH_RECOVER, the recovery job. False: a broker was lost during it."""
+        """One round: query, plan, EPOCH_RECOVER, the recovery job. False: a broker was lost during it (or went
+        silent: the sweep decides whether it is gone), and the round goes again."""
         if self.on_recovery is not None:
-            self.on_recovery(list(self.watch.losses))
-        losses = len(self.watch.losses)
+            self.on_recovery(self.watch.losses)
+        mark = self.watch.mark()
         live = self.watch.live()
         if not live:
             raise all_lost_error(self.stream, self.epoch, self.controls, self.watch.losses, self.timeout)
         states = self._query(live)
-        if states is None or len(self.watch.losses) > losses:
+        if states is None or self.watch.lost_since(mark):
             return False
         plan = plan_recovery(len(self.clients), self.partitions, live, self.watch.lost_brokers(), states,
                              self.recovered)
@@ -458,13 +254,14 @@ class EpochFeed:
             return True
         try:
             rows = job.rerun(plan.routes)
-        except Exception as exc:
+        except Exception:
             self._commit(strict=False)
             self.watch.sweep(self.clients)
-            if len(self.watch.losses) > losses:
+            if self.watch.lost_since(mark):
                 return False
-            raise exc
-        if self.watch.sweep(self.clients) or len(self.watch.losses) > losses:
+            raise
+        self.watch.sweep(self.clients)
+        if self.watch.lost_since(mark):
             return False
         self._take(rows, whole=self.partitions is None)
         return True

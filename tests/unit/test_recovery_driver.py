@@ -13,7 +13,8 @@ import zmq
 
 from sparkbus.broker.client import ControlClient
 from sparkbus.feeder.epochs import feed_epochs, resumed_epoch
-from sparkbus.feeder.recovery import BrokerWatch, EpochFeed, FeedJob, Loss, all_lost_error
+from sparkbus.feeder.jobs import FeedJob
+from sparkbus.feeder.recovery import EpochFeed, all_lost_error
 from sparkbus.feeder.routes import (
     BrokerEpoch,
     Partitions,
@@ -24,6 +25,7 @@ from sparkbus.feeder.routes import (
     spread_plan,
     takeover_brokers,
 )
+from sparkbus.feeder.watch import BrokerWatch, Loss
 from sparkbus.wire.errors import BrokerError
 from sparkbus.wire.protocol import Kind, pack_header, pack_ranges, unpack_header
 
@@ -412,7 +414,7 @@ def test_a_resume_resets_every_broker_and_re_feeds_every_partition_home(fakes):
         return [(p, 1, 10, 100, 0.1, b) for p, b in routes.fixed.items()]
 
     feed = EpochFeed(clients, welcomes(clients), "s", 0, "stream", 5.0, FakeCancel(), interval=0.05)
-    outcome = feed.run(FeedJob(3, lambda: pytest.fail("no first job"), rerun), resume=True)
+    outcome = feed.resume(FeedJob(3, lambda: pytest.fail("no first job"), rerun))
     recovers = [[(r["carries"], r["recovered"], r["lost"], r["reset"]) for r in b.requests
                  if r["kind"] == Kind.EPOCH_RECOVER] for b in (one, two)]
     assert recovers == [[([0, 1, 2, 3], [0, 1, 2, 3], [""], True)], [([1, 2], [1, 2], [""], True)]]

@@ -1,0 +1,78 @@
+"""Every option of one feed as one typed record, checked once: what :func:`feeder.feed` takes besides the data.
+
+``feed()`` keeps its keyword arguments (they are the public contract, docs/REFERENCE.md) and builds one
+:class:`FeedOptions` of them; the driver, the Spark job and the recovery read that record, and nothing re-lists the
+arguments. The brokers' addresses are resolved once here (``SPARKBUS_FEED_ADDRESS`` when ``address`` is None).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sparkbus.feeder.task import DEFAULT_PACK_BYTES
+from sparkbus.wire.address import feed_and_control_addresses
+
+DEFAULT_MAX_BATCH_BYTES = 16 << 20
+
+
+@dataclass(frozen=True)
+class FeedOptions:
+    """The options of one :func:`feeder.feed` (each as documented there), with the brokers' addresses resolved.
+
+    Raises (on construction):
+        ValueError: an address that does not parse, not as many control addresses as feed addresses, or
+            ``bucket_window`` below 1.
+    """
+
+    address: str | Sequence[str] | None = None
+    stream: str = "train"
+    epoch: int = 0
+    batch_size: int = 1024
+    columns: Sequence[str] | None = None
+    timeout: float = 60.0
+    delivery: str = "stream"
+    control: str | Sequence[str] | None = None
+    max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES
+    pack_bytes: int = DEFAULT_PACK_BYTES
+    ragged: Sequence[str] = ()
+    bucket_by: str | None = None
+    bucket_window: int = 64
+    arrow_batch_rows: int | None = None
+    key: str | None = None
+    broker_key: str | None = None
+    recover: bool = True
+    resume: bool = False
+    # resolved from address and control: the brokers' feed and control addresses, in the same order
+    feeds: tuple[str, ...] = field(init=False)
+    controls: tuple[str, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        feeds, controls = feed_and_control_addresses(self.address, self.control)
+        if self.bucket_window < 1:
+            raise ValueError(f"bucket_window must be at least 1, not {self.bucket_window}")
+        object.__setattr__(self, "feeds", tuple(feeds))
+        object.__setattr__(self, "controls", tuple(controls))
+        object.__setattr__(self, "ragged", tuple(self.ragged))
+        if self.columns is not None:
+            object.__setattr__(self, "columns", tuple(self.columns))
+
+    @property
+    def control_derived(self) -> bool:
+        """Whether the control addresses are the feed ports + 2 (no ``control=``): what an unreachable broker's
+        message says."""
+        return self.control is None
+
+    def cutting(self) -> dict[str, Any]:
+        """How a task cuts its partition into messages (:func:`feeder.columns.partition_messages`' arguments)."""
+        return dict(batch_size=self.batch_size, max_bytes=self.max_batch_bytes, pack_bytes=self.pack_bytes,
+                    ragged=self.ragged, bucket_by=self.bucket_by, bucket_window=self.bucket_window)
+
+    def task_settings(self) -> dict[str, Any]:
+        """Where and how a task streams (:func:`feeder.task.stream_messages`' arguments besides its partition)."""
+        return dict(feed_address=list(self.feeds), control_address=list(self.controls), stream=self.stream,
+                    epoch=self.epoch, timeout=self.timeout, key=self.key, broker_key=self.broker_key)
+
+
+__all__ = ["FeedOptions", "DEFAULT_MAX_BATCH_BYTES"]
