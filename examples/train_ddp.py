@@ -17,11 +17,12 @@ or without Spark, for a quick try (numpy batches pushed by the feeder's task cod
 
 Each rank reads ``BatchStream(address, rank="auto")``: rank and size come from the initialised
 ``torch.distributed`` group, and the broker grants every rank the same number of steps each epoch, so DDP's
-allreduce never waits for a rank that ran out of data. Rank 0 prints per epoch the steps of every rank, the
-loss over all ranks' rows, and every rank's data-wait; at the end it checks that the weights are identical on
-every rank. ``--out DIR`` has every rank write its figures to ``DIR/rank<r>.json`` (and, with
-``--record-ids``, the ids it trained on and those dropped to keep the ranks even, per epoch, to
-``DIR/rank<r>-epoch<e>.npz``).
+allreduce never waits for a rank that ran out of data. Rank 0 prints per epoch (``epoch 0 (1 of 3)``, numbered
+as the API numbers epochs) the steps of every rank, the loss over all ranks' rows, every rank's start-up (its wait
+for the epoch's first batch: in the first epoch, Spark's) and its data wait after the first batch; at the end it
+checks that the weights are identical on every rank. ``--out DIR`` has every rank write its figures to
+``DIR/rank<r>.json`` (and, with ``--record-ids``, the ids it trained on and those dropped to keep the ranks even,
+per epoch, to ``DIR/rank<r>-epoch<e>.npz``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from sparkbus.cli_help import HelpFormatter
+from sparkbus.progress import EpochTimes, epoch_label
 from sparkbus.worker import BatchStream
 
 
@@ -91,7 +93,7 @@ def run_feed(args: argparse.Namespace) -> int:
             rows, batches, seconds = feed_numpy_epoch(args.feed, args.control, args.stream, epoch, args.rows,
                                                       args.features, args.classes, args.seed, args.partitions,
                                                       args.batch_size, args.timeout, **cutting)
-            print(f"fed epoch {epoch + 1}/{args.epochs}: {rows:,} rows in {batches} batches in {seconds:.1f} s",
+            print(f"fed {epoch_label(epoch, args.epochs)}: {rows:,} rows in {batches} batches in {seconds:.1f} s",
                   flush=True)
         return 0
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -111,8 +113,8 @@ def run_feed(args: argparse.Namespace) -> int:
         train.count()
         feed_epochs(train, args.feed, args.epochs, stream=args.stream, shuffle_seed=args.seed, key=["id"],
                     batch_size=args.batch_size, timeout=args.timeout, control=args.control,
-                    on_epoch=lambda e, r: print(f"fed epoch {e + 1}/{args.epochs}: {r.rows:,} rows in {r.batches} "
-                                                f"batches in {r.seconds:.1f} s", flush=True), **cutting)
+                    on_epoch=lambda e, r: print(f"fed {epoch_label(e, args.epochs)}: {r.rows:,} rows in "
+                                                f"{r.batches} batches in {r.seconds:.1f} s", flush=True), **cutting)
     finally:
         spark.stop()
     return 0
@@ -211,12 +213,14 @@ def run_ranks(args: argparse.Namespace) -> int:
                     time.sleep(args.slow_seconds)
             ep = train.stats.epochs[-1]
             dist.all_reduce(totals)
-            per_rank = torch.tensor([steps, ep.dropped_batches, ep.wait_seconds, ep.seconds], dtype=torch.float64)
+            per_rank = torch.tensor([steps, ep.dropped_batches, ep.wait_seconds, ep.seconds, ep.first_batch_seconds],
+                                    dtype=torch.float64)
             gathered = [torch.zeros_like(per_rank) for _ in range(size)]
             dist.all_gather(gathered, per_rank)
             result = {"epoch": epoch, "broker_epoch": ep.epoch, "steps": steps, "batches": ep.batches,
                       "rows": ep.rows, "dropped_batches": ep.dropped_batches, "dropped_rows": ep.dropped_rows,
                       "wait_seconds": ep.wait_seconds, "seconds": ep.seconds,
+                      "first_batch_seconds": ep.first_batch_seconds,
                       "all_rows": int(totals[2]), "loss": float(totals[0] / max(float(totals[2]), 1.0)),
                       "accuracy": float(totals[1] / max(float(totals[2]), 1.0)),
                       "steps_per_rank": [int(g[0]) for g in gathered]}
@@ -225,11 +229,13 @@ def run_ranks(args: argparse.Namespace) -> int:
                 np.savez(args.out / f"rank{rank}-epoch{epoch}.npz",
                          id=np.concatenate(seen) if seen else np.zeros(0, np.int64),
                          dropped_id=np.concatenate(dropped) if dropped else np.zeros(0, np.int64))
-            if rank == 0:
-                waits = ", ".join(f"r{r} {g[2]:.2f} s of {g[3]:.2f} s" for r, g in enumerate(gathered))
-                print(f"epoch {epoch + 1}/{args.epochs}: steps {result['steps_per_rank']}, {result['all_rows']:,} "
+            if rank == 0:     # each rank's wait for its first batch (start-up), then its data wait after it
+                times = [EpochTimes.split(float(g[2]), float(g[4]), float(g[3])) for g in gathered]
+                start_up = ", ".join(f"r{r} {t.start_up:.2f} s" for r, t in enumerate(times))
+                waits = ", ".join(f"r{r} {t.waited:.2f} s of {t.streaming:.2f} s" for r, t in enumerate(times))
+                print(f"{epoch_label(epoch, args.epochs)}: steps {result['steps_per_rank']}, {result['all_rows']:,} "
                       f"rows, {int(sum(g[1] for g in gathered))} dropped, loss {result['loss']:.4f} acc "
-                      f"{result['accuracy']:.1%} | data wait {waits}", flush=True)
+                      f"{result['accuracy']:.1%} | start-up {start_up} | data wait {waits}", flush=True)
         first_batch = train.stats.first_batch_seconds
     digest = weights_digest(net)
     digests: list[Any] = [None] * size

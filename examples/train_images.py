@@ -51,6 +51,7 @@ import numpy as np
 
 from sparkbus.cli_help import HelpFormatter
 from sparkbus.feeder import epoch_order, feed  # none of these imports pyspark, torch or MPI
+from sparkbus.progress import EpochTimes, epoch_label, wait_share
 from sparkbus.worker import BatchStream
 from sparkbus.worker.collectives import allreduce, gather
 
@@ -271,7 +272,7 @@ def feed_images(spark: Any, address: str, epochs: int, *, decode: str = "rank", 
             entry[val_stream] = feed(held, address, stream=val_stream, epoch=epoch, batch_size=batch_size,
                                      timeout=timeout)._asdict()
         fed.append(entry)
-        print(f"fed epoch {epoch + 1}/{epochs}: {report.rows:,} images in {report.batches} batches "
+        print(f"fed {epoch_label(epoch, epochs)}: {report.rows:,} images in {report.batches} batches "
               f"({report.bytes / 1e6:.1f} MB) in {report.seconds:.1f} s", flush=True)
     return fed
 
@@ -494,7 +495,8 @@ def run_ranks(args: argparse.Namespace) -> int:
             held = validate(trainer, val, args, pool, epoch) if val is not None else np.zeros(2)
             decode = (pool.busy_seconds if pool else 0.0) - busy_before
             mine = [result["loss_sum"], result["correct"], result["images"], *held, ep.seconds, ep.wait_seconds,
-                    ep.batches, ep.dropped_batches, decode, result["convert_seconds"], time.process_time() - cpu_before]
+                    ep.batches, ep.dropped_batches, decode, result["convert_seconds"], time.process_time() - cpu_before,
+                    ep.first_batch_seconds]
             figures = gather(comm, np.array(mine, dtype=np.float64))
             if comm.rank == 0:
                 history.append(epoch_figures(epoch, result["steps"], figures))
@@ -513,25 +515,36 @@ def run_ranks(args: argparse.Namespace) -> int:
 
 
 def epoch_figures(epoch: int, steps: int, f: np.ndarray) -> dict:
-    """One epoch's figures from every rank's gathered row (see ``mine`` in :func:`run_ranks`)."""
+    """One epoch's figures from every rank's gathered row (see ``mine`` in :func:`run_ranks`). ``seconds`` is the
+    epoch (the slowest rank's); ``start_up_seconds`` the wait for its first batch (the last rank's to get one: in
+    the first epoch, Spark's start-up); ``images_per_second`` and ``data_wait_share`` are over the time after the
+    first batch (``streaming_seconds``, the slowest rank's), so that Spark's start-up is not counted as data wait."""
     loss, correct, images, val_correct, val_images = (f[:, i].sum() for i in range(5))
-    seconds = float(f[:, 5].max())
+    times = [EpochTimes.split(wait, first, seconds) for seconds, wait, first in zip(f[:, 5], f[:, 6], f[:, 12])]
+    streaming = max(t.streaming for t in times)
     return {"epoch": epoch, "steps": steps, "images": int(images), "loss": loss / max(images, 1),
             "accuracy": correct / max(images, 1), "val_images": int(val_images),
             "val_accuracy": val_correct / max(val_images, 1) if val_images else None,
-            "seconds": seconds, "images_per_second": images / max(seconds, 1e-9),
+            "seconds": float(f[:, 5].max()), "start_up_seconds": max(t.start_up for t in times),
+            "streaming_seconds": streaming, "images_per_second": images / max(streaming, 1e-9),
+            "data_wait_share": wait_share(times), "first_batch_seconds": f[:, 12].tolist(),
             "wait_seconds": f[:, 6].tolist(), "rank_seconds": f[:, 5].tolist(),
             "batches": f[:, 7].astype(int).tolist(), "dropped_batches": f[:, 8].astype(int).tolist(),
             "decode_seconds": f[:, 9].tolist(), "convert_seconds": f[:, 10].tolist(), "cpu_seconds": f[:, 11].tolist()}
 
 
 def epoch_line(r: dict, epochs: int) -> str:
-    waits = ", ".join(f"r{i} {w:.2f} s" for i, w in enumerate(r["wait_seconds"]))
+    """Rank 0's line for one epoch: images, start-up (the wait for the first batch), images/s and every rank's data
+    wait after the first batch (:func:`epoch_figures`)."""
+    waits = ", ".join(f"r{i} {EpochTimes.split(w, b, s).waited:.2f} s"
+                      for i, (w, b, s) in enumerate(zip(r["wait_seconds"], r["first_batch_seconds"],
+                                                        r["rank_seconds"])))
     val = f" | held-out acc {r['val_accuracy']:.1%}" if r["val_accuracy"] is not None else ""
     decode = sum(r["decode_seconds"])
-    return (f"epoch {r['epoch'] + 1}/{epochs}: {r['images']:,} images in {r['seconds']:.2f} s "
-            f"({r['images_per_second']:,.0f} images/s), loss {r['loss']:.4f} acc {r['accuracy']:.1%}{val} | "
-            f"data wait {waits}" + (f" | decoding {decode:.2f} thread-s" if decode else ""))
+    return (f"{epoch_label(r['epoch'], epochs)}: {r['images']:,} images in {r['seconds']:.2f} s (start-up "
+            f"{r['start_up_seconds']:.2f} s, then {r['images_per_second']:,.0f} images/s), loss {r['loss']:.4f} "
+            f"acc {r['accuracy']:.1%}{val} | data wait {waits} ({r['data_wait_share']:.0%})"
+            + (f" | decoding {decode:.2f} thread-s" if decode else ""))
 
 
 def main(argv: list[str] | None = None) -> int:

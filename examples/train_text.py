@@ -39,6 +39,7 @@ import numpy as np
 
 from sparkbus.cli_help import HelpFormatter
 from sparkbus.feeder import feed, feed_epochs  # none of these imports pyspark, torch or MPI
+from sparkbus.progress import EpochTimes, epoch_label, wait_share
 from sparkbus.worker import BatchStream, pad
 from sparkbus.worker.collectives import allreduce, wait
 
@@ -205,7 +206,7 @@ def feed_text_data(spark: Any, address: str, epochs: int, *, stream: str = "text
             entry[val_stream] = feed(val, address, stream=val_stream, epoch=epoch, batch_size=batch_size,
                                      ragged=["tokens"], timeout=timeout, **bucketing)._asdict()
         fed.append(entry)
-        print(f"fed epoch {epoch + 1}/{epochs} ({'bucketed' if bucketed else 'plain'}): {report.rows:,} rows in "
+        print(f"fed {epoch_label(epoch, epochs)} ({'bucketed' if bucketed else 'plain'}): {report.rows:,} rows in "
               f"{report.batches} batches in {report.seconds:.1f} s", flush=True)
     return fed
 
@@ -388,10 +389,13 @@ def run_ranks(args: argparse.Namespace) -> int:
             result = train_epoch(trainer, loader, dump)
             ep = train.stats.epochs[-1]
             result.update(validate(trainer, val_loader))
-            per_rank = gather(comm, [ep.wait_seconds, ep.seconds, ep.batches, ep.dropped_batches])
+            per_rank = gather(comm, [ep.wait_seconds, ep.seconds, ep.batches, ep.dropped_batches,
+                                     ep.first_batch_seconds])
             result.update(epoch=epoch, bucketed=epoch >= args.plain_epochs, wait_seconds=per_rank[:, 0].tolist(),
                           seconds=per_rank[:, 1].tolist(), batches=per_rank[:, 2].astype(int).tolist(),
-                          dropped_batches=per_rank[:, 3].astype(int).tolist())
+                          dropped_batches=per_rank[:, 3].astype(int).tolist(),
+                          first_batch_seconds=per_rank[:, 4].tolist())
+            result.update(time_figures(result))
             history.append(result)
             if dump is not None:
                 dump_dir.mkdir(parents=True, exist_ok=True)
@@ -408,12 +412,26 @@ def run_ranks(args: argparse.Namespace) -> int:
     return 0
 
 
+def time_figures(r: dict) -> dict:
+    """The epoch's time split at the first batch, from every rank's figures in ``r``: ``start_up_seconds`` (the
+    last rank's wait for its first batch: in the first epoch, Spark's start-up), ``streaming_seconds`` (the slowest
+    rank's time after it), ``rows_per_second`` over that, and ``data_wait_share``, every rank's wait after its
+    first batch out of its time after it."""
+    times = [EpochTimes.split(*f) for f in zip(r["wait_seconds"], r["first_batch_seconds"], r["seconds"])]
+    streaming = max(t.streaming for t in times)
+    return {"start_up_seconds": max(t.start_up for t in times), "streaming_seconds": streaming,
+            "rows_per_second": r["rows"] / max(streaming, 1e-9), "data_wait_share": wait_share(times),
+            "waited_seconds": [t.waited for t in times]}
+
+
 def epoch_line(r: dict, epochs: int) -> str:
     batching = "bucket_by tokens" if r["bucketed"] else "no bucketing"
-    waits = ", ".join(f"r{i} {w:.2f} s" for i, w in enumerate(r["wait_seconds"]))
-    return (f"epoch {r['epoch'] + 1}/{epochs} ({batching}): {r['steps']} steps, {r['rows']:,} rows, "
+    waits = ", ".join(f"r{i} {w:.2f} s" for i, w in enumerate(r["waited_seconds"]))
+    return (f"{epoch_label(r['epoch'], epochs)} ({batching}): {r['steps']} steps, {r['rows']:,} rows, "
             f"loss {r['loss']:.4f} acc {r['accuracy']:.1%} | val acc {r['val_accuracy']:.1%} | "
-            f"padding {r['padding_share']:.1%} of {r['padded_slots']:,} slots | data wait {waits}")
+            f"padding {r['padding_share']:.1%} of {r['padded_slots']:,} slots | start-up "
+            f"{r['start_up_seconds']:.2f} s, then {r['rows_per_second']:,.0f} rows/s | data wait {waits} "
+            f"({r['data_wait_share']:.0%})")
 
 
 def make_summary(history: list[dict], checksums: list[float], size: int, seconds: float) -> dict:

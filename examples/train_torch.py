@@ -8,8 +8,10 @@ Feed (the Spark side, in any order with the ranks; a synthetic classification se
 
     python examples/train_torch.py --feed tcp://127.0.0.1:5555 --val-stream torch-example-val --epochs 3 --rows 200000
 
-Per epoch rank 0 prints loss and accuracy (train and validation) and every rank's data-wait: the time its
-training loop waited for batches, out of the epoch's time. ``--summary FILE`` writes all figures as JSON.
+Per epoch (``epoch 0 (1 of 3)``: numbered from 0, as the API numbers epochs) rank 0 prints loss and accuracy
+(train and validation), every rank's start-up (its wait for the epoch's first batch: in the first epoch, Spark's)
+and its data wait: the time its training loop waited for batches after the first, out of the epoch's time after
+the first batch. ``--summary FILE`` writes all figures as JSON.
 
 Checkpoints resume exactly. ``--checkpoint FILE`` saves, after every epoch (and every ``--checkpoint-every N``
 steps of an epoch, without a shuffle buffer), the model, the optimizer and every rank's position: its
@@ -44,6 +46,7 @@ import numpy as np
 
 from sparkbus.cli_help import HelpFormatter
 from sparkbus.feeder import feed, feed_epochs  # none of these imports pyspark, torch or MPI
+from sparkbus.progress import EpochTimes, epoch_label
 from sparkbus.worker import BatchStream
 from sparkbus.worker.collectives import allreduce, wait
 from sparkbus.worker.torch_data import to_tensors
@@ -170,14 +173,14 @@ def feed_training_data(spark: Any, address: str, epochs: int, *, stream: str = "
             entry[val_stream] = feed(val, address, stream=val_stream, epoch=epoch, batch_size=batch_size,
                                      timeout=timeout, resume=epoch == val_again)._asdict()
         fed.append(entry)
-        print(f"fed epoch {epoch + 1}/{epochs}: {report.rows:,} rows in {report.batches} batches in "
+        print(f"fed {epoch_label(epoch, epochs)}: {report.rows:,} rows in {report.batches} batches in "
               f"{report.seconds:.1f} s", flush=True)
     return fed
 
 
 def resumed_line(who: str, state: Mapping[str, Any], epochs: int) -> str:
-    """What a resumed side prints first: from which epoch (1-based, as every epoch line) and after which step."""
-    return (f"{who} resumed from a checkpoint: epoch {state['epoch'] + 1}/{epochs}, after its step {state['steps']} "
+    """What a resumed side prints first: from which epoch (numbered as every epoch line) and after which step."""
+    return (f"{who} resumed from a checkpoint: {epoch_label(state['epoch'], epochs)}, after its step {state['steps']} "
             f"(the brokers deliver only what the checkpointed model has not trained)")
 
 
@@ -379,11 +382,12 @@ def run_ranks(args: argparse.Namespace) -> int:
                 result.update(validate(trainer, val))
             checkpoint(trainer, train, val)                     # after validating: both streams between epochs
             per_rank = gather(comm, [ep.wait_seconds, ep.seconds, ep.batches, ep.dropped_batches, ep.epoch,
-                                     ep.resumed_batches])
+                                     ep.resumed_batches, ep.first_batch_seconds])
             result.update(epoch=epoch, broker_epoch=int(per_rank[0, 4]), wait_seconds=per_rank[:, 0].tolist(),
                           seconds=per_rank[:, 1].tolist(), batches=per_rank[:, 2].astype(int).tolist(),
                           dropped_batches=per_rank[:, 3].astype(int).tolist(),
-                          resumed_batches=per_rank[:, 5].astype(int).tolist())
+                          resumed_batches=per_rank[:, 5].astype(int).tolist(),
+                          first_batch_seconds=per_rank[:, 6].tolist())
             history.append(result)
             if comm.rank == 0:
                 print(epoch_line(result, args.epochs), flush=True)
@@ -397,22 +401,34 @@ def run_ranks(args: argparse.Namespace) -> int:
     return 0
 
 
+def rank_times(r: dict) -> list[EpochTimes]:
+    """Every rank's share of one epoch's figures (as :func:`run_ranks` gathers them), split at its first batch."""
+    return [EpochTimes.split(*f) for f in zip(r["wait_seconds"], r["first_batch_seconds"], r["seconds"])]
+
+
 def epoch_line(r: dict, epochs: int) -> str:
-    waits = ", ".join(f"r{i} {w:.2f} s of {s:.2f} s ({w / max(s, 1e-9):.0%})"
-                      for i, (w, s) in enumerate(zip(r["wait_seconds"], r["seconds"])))
+    """Rank 0's line for one epoch: the model's figures, every rank's start-up (its wait for the epoch's first batch:
+    in the first epoch, Spark's) and its data wait after the first batch, out of the time after it."""
+    times = rank_times(r)
+    start_up = ", ".join(f"r{i} {t.start_up:.2f} s" for i, t in enumerate(times))
+    waits = ", ".join(f"r{i} {t.waited:.2f} s of {t.streaming:.2f} s ({t.wait_share:.0%})" for i, t in enumerate(times))
     val = f" | val loss {r['val_loss']:.4f} acc {r['val_accuracy']:.1%}" if "val_accuracy" in r else ""
     resumed = f" (+{r['resumed_steps']} before the checkpoint)" if r["resumed_steps"] else ""
-    return (f"epoch {r['epoch'] + 1}/{epochs}: {r['steps']} steps{resumed}, {r['rows']:,} rows, loss {r['loss']:.4f} "
-            f"acc {r['accuracy']:.1%}{val} | data wait {waits}")
+    return (f"{epoch_label(r['epoch'], epochs)}: {r['steps']} steps{resumed}, {r['rows']:,} rows, "
+            f"loss {r['loss']:.4f} acc {r['accuracy']:.1%}{val} | start-up {start_up} | data wait {waits}")
 
 
 def make_summary(history: list[dict], checksums: list[float], size: int, resumed: list[int] | None,
                  seconds: float) -> dict:
-    waits = np.array([h["wait_seconds"] for h in history]).sum(axis=0) if history else np.zeros(size)
-    spans = np.array([h["seconds"] for h in history]).sum(axis=0) if history else np.zeros(size)
+    """The run's figures; ``data_wait`` per rank over every epoch, after each epoch's first batch (its
+    ``start_up_seconds`` apart)."""
+    times = np.array([[(t.start_up, t.waited, t.streaming) for t in rank_times(h)] for h in history]) \
+        if history else np.zeros((1, size, 3))
+    start_up, waits, spans = times.sum(axis=0).T
     return {"ranks": size, "epochs": history, "resumed_from": resumed, "seconds": seconds,
             "data_wait": {"seconds": waits.tolist(), "of_seconds": spans.tolist(),
-                          "share": (waits / np.maximum(spans, 1e-9)).tolist()},
+                          "share": (waits / np.maximum(spans, 1e-9)).tolist(),
+                          "start_up_seconds": start_up.tolist()},
             "param_checksums": checksums,
             "final": {k: history[-1][k] for k in ("loss", "accuracy", "val_loss", "val_accuracy")
                       if history and k in history[-1]}}
@@ -421,9 +437,10 @@ def make_summary(history: list[dict], checksums: list[float], size: int, resumed
 def summary_lines(s: dict) -> str:
     waits = ", ".join(f"rank {r} {w:.2f} s of {t:.2f} s ({w / max(t, 1e-9):.0%})"
                       for r, (w, t) in enumerate(zip(s["data_wait"]["seconds"], s["data_wait"]["of_seconds"])))
+    start_up = ", ".join(f"rank {r} {u:.2f} s" for r, u in enumerate(s["data_wait"]["start_up_seconds"]))
     final = ", ".join(f"{k} {v:.4f}" for k, v in s["final"].items())
     return f"trained {len(s['epochs'])} epochs on {s['ranks']} ranks in {s['seconds']:.1f} s: {final}\n" \
-           f"data wait: {waits}"
+           f"data wait: {waits}, after each epoch's start-up ({start_up})"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,6 +23,7 @@ import numpy as np
 from sparkbus.cli_help import HelpFormatter
 from sparkbus.demo import synthetic
 from sparkbus.feeder import epoch_order, feed
+from sparkbus.progress import epoch_label
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
             result = feed(shuffled, args.feed, stream=args.stream, epoch=epoch, batch_size=args.batch_size,
                           timeout=args.timeout)
             report["epochs"].append({"epoch": epoch, "started": began, **result._asdict()})
-            print(f"fed epoch {epoch + 1}/{args.epochs}: {result.rows:,} rows in {result.batches:,} batches "
+            print(f"fed {epoch_label(epoch, args.epochs)}: {result.rows:,} rows in {result.batches:,} batches "
                   f"({result.bytes / 1e6:,.1f} MB) from {result.partitions} partitions in {result.seconds:.1f} s: "
                   f"{result.rows / result.seconds:,.0f} rows/s, {result.bytes / 1e6 / result.seconds:,.1f} MB/s",
                   flush=True)

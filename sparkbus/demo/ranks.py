@@ -29,11 +29,14 @@ import numpy as np  # noqa: E402
 
 from sparkbus.cli_help import HelpFormatter  # noqa: E402
 from sparkbus.demo import synthetic  # noqa: E402
+from sparkbus.progress import EpochTimes, epoch_label  # noqa: E402
 from sparkbus.worker import BatchStream  # noqa: E402
 from sparkbus.worker.collectives import allreduce, gather  # noqa: E402
 
-# Per rank and epoch, the figures gathered to rank 0 for the summary, in this order.
-FIGURES = ("batches", "rows", "bytes", "dropped_batches", "dropped_rows", "wait_seconds", "seconds")
+# Per rank and epoch, the figures gathered to rank 0 for the summary, in this order (EpochStats' names).
+FIGURES = ("batches", "rows", "bytes", "dropped_batches", "dropped_rows", "wait_seconds", "seconds",
+           "first_batch_seconds")
+SECONDS = ("wait_seconds", "seconds", "first_batch_seconds")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -120,15 +123,13 @@ class MLP:
         return float((self.forward(x)[-1].argmax(axis=1) == y).mean())
 
 
-def train_epoch(stream: BatchStream, model: MLP, comm: Any, args: argparse.Namespace,
-                on_first_batch) -> dict:
+def train_epoch(stream: BatchStream, model: MLP, comm: Any, args: argparse.Namespace) -> dict:
     """One epoch of data-parallel SGD. Each step's gradient is the mean over every rank's batch rows."""
     n = model.params.size
     buffer = np.zeros(n + 3)      # summed gradient, rows, summed loss, correct: one reduction per step
     totals = np.zeros(3)
     steps = 0
     for batch in stream.epoch():
-        on_first_batch()
         x, y = batch["features"], batch["label"]
         if x.shape[1] != model.sizes[0]:
             raise ValueError(f"batches have {x.shape[1]} features, the model expects {model.sizes[0]} "
@@ -155,32 +156,21 @@ def main(argv: list[str] | None = None) -> int:
     model = MLP(args.features, args.hidden, args.classes, args.seed)
     held_x, held_y = synthetic.holdout(args.holdout, args.classes, args.features, args.seed) \
         if args.holdout and rank == 0 else (None, None)
-    first_batch: list[float] = []     # seconds from the start to this rank's first batch: waiting for Spark
-
-    def on_first_batch() -> None:
-        if not first_batch:
-            first_batch.append(time.monotonic() - started)
-
     history = []
     with BatchStream(args.ranks, comm=comm, stream=args.stream, prefetch=args.prefetch,
                      timeout=args.timeout) as stream:
-        started = time.monotonic()
         for epoch in range(args.epochs):
-            result = train_epoch(stream, model, comm, args, on_first_batch)
+            result = train_epoch(stream, model, comm, args)
             ep = stream.stats.epochs[-1]
             if held_x is not None and held_y is not None:
                 result["holdout_accuracy"] = model.accuracy(held_x, held_y)
             history.append({"epoch": epoch, **result})
             if rank == 0:
-                held = f", held-out acc {result['holdout_accuracy']:.1%}" if held_x is not None else ""
-                print(f"epoch {epoch + 1}/{args.epochs}: loss {result['loss']:.4f}, "
-                      f"train acc {result['train_accuracy']:.1%}{held}; "
-                      f"{result['steps']} steps, {result['rows']:,} rows; rank 0 waited {ep.wait_seconds:.1f} s "
-                      f"of {ep.seconds:.1f} s", flush=True)
+                print(epoch_line(history[-1], EpochTimes.of(ep), args.epochs), flush=True)
     finished = time.time()
 
-    mine = np.array([[getattr(ep, f) for f in FIGURES] for ep in stream.stats.epochs] +
-                    [[first_batch[0] if first_batch else np.nan] * len(FIGURES)], dtype=np.float64)
+    mine = np.array([[getattr(ep, f) for f in FIGURES] for ep in stream.stats.epochs],
+                    dtype=np.float64).reshape(-1, len(FIGURES))
     figures = gather(comm, mine)
     spread = allreduce(comm, model.params, MPI.MAX) - allreduce(comm, model.params, MPI.MIN)
     if rank == 0 and args.summary and figures is not None:     # gather: the figures on rank 0 only
@@ -188,15 +178,26 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def epoch_line(result: dict, times: EpochTimes, epochs: int) -> str:
+    """Rank 0's line for one epoch: the model's figures, then rank 0's start-up (the wait for the epoch's first
+    batch: in the first epoch, Spark's) and its data wait after the first batch."""
+    held = f", held-out acc {result['holdout_accuracy']:.1%}" if "holdout_accuracy" in result else ""
+    return (f"{epoch_label(result['epoch'], epochs)}: loss {result['loss']:.4f}, "
+            f"train acc {result['train_accuracy']:.1%}{held}; {result['steps']} steps, {result['rows']:,} rows; "
+            f"rank 0: start-up {times.start_up:.1f} s, then waited {times.waited:.1f} s of {times.streaming:.1f} s "
+            f"({times.wait_share:.0%})")
+
+
 def write_summary(args: argparse.Namespace, figures: np.ndarray, history: list[dict], spread: float,
                   finished: float) -> None:
-    """Rank 0's JSON: per rank and epoch figures, per epoch loss and accuracy, the final accuracy."""
+    """Rank 0's JSON: per rank and epoch figures, per epoch loss and accuracy, the final accuracy. A rank's
+    ``first_batch_seconds`` is its first epoch's: the run's start-up."""
     ranks = []
     for r, table in enumerate(figures):
-        epochs = [{f: (int(v) if f not in ("wait_seconds", "seconds") else round(float(v), 4))
-                   for f, v in zip(FIGURES, row)} for row in table[:-1]]
-        totals = {f: sum(e[f] for e in epochs) for f in FIGURES}
-        ranks.append({"rank": r, **totals, "first_batch_seconds": round(float(table[-1][0]), 4),
+        epochs = [{f: (int(v) if f not in SECONDS else round(float(v), 4)) for f, v in zip(FIGURES, row)}
+                  for row in table]
+        totals = {f: sum(e[f] for e in epochs) for f in FIGURES if f != "first_batch_seconds"}
+        ranks.append({"rank": r, **totals, "first_batch_seconds": epochs[0]["first_batch_seconds"] if epochs else -1.0,
                       "epochs": epochs})
     last = history[-1] if history else {}
     summary = {"size": len(ranks), "epochs": history, "ranks": ranks, "finished_at": finished,

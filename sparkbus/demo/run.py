@@ -8,8 +8,10 @@ live figures while they run and a summary at the end. ``sparkbus demo --images [
 image example (``sparkbus.examples.train_images``) on both sides instead: digits as PNG bytes in Spark, a small CNN
 on the ranks. ``sparkbus demo --text`` runs the text example (``sparkbus.examples.train_text``): sentences tokenized
 in Spark, ragged token ids, a small sequence model. Every child is ended on success, on failure and on Ctrl-C; the
-exit status is non-zero if any part failed. Logs and JSON figures are left in --out. Epochs are numbered from 1
-in everything printed ("epoch 1/2"); the JSON files keep the library's 0-based epoch numbers.
+exit status is non-zero if any part failed. Logs and JSON figures are left in --out. Epochs are numbered from 0
+in everything printed, as the API numbers them, with their place in the run: "epoch 0 (1 of 2)". An epoch's
+wait for its first batch (in the first epoch, Spark's start-up) is shown apart as "start-up"; the data wait and
+the throughput are over the time after the first batch (``sparkbus.progress``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from sparkbus.launch.broker import BrokerProcess
 from sparkbus.launch.mpi import loopback_env, mpiexec_python
 from sparkbus.launch.processes import ChildProcess, LaunchError
 from sparkbus.launch.spark import local_env, submit_command
+from sparkbus.progress import EpochTimes, epoch_label, wait_share
 from sparkbus.wire.errors import BrokerError
 
 if TYPE_CHECKING:
@@ -283,7 +286,7 @@ class LiveLine:
         rate = self.rate(time.monotonic(), total["bytes_out"])
         used = broker["buffered_bytes"] / max(broker["max_buffer"], 1)
         return Text.assemble(
-            clock, f" │ epoch {current + 1}/{self.epochs} ({state})",
+            clock, f" │ {epoch_label(current, self.epochs)}, {state}",
             f" │ batches in {total['batches_in']:,} out {total['batches_out']:,}",
             " │ ", (f"{rate:6.1f} MB/s", "green"),
             f" │ buffer {broker['buffered_bytes'] / 2**20:,.1f} MiB ({used:.0%})",
@@ -292,6 +295,13 @@ class LiveLine:
 
 
 # ---- the summary ------------------------------------------------------------------------------------------
+
+def rank_times(ranks: list[dict], number: int) -> list[EpochTimes]:
+    """Every rank's epoch ``number`` (0-based, in the order trained) of the demo's summary.json, split at its first
+    batch."""
+    return [EpochTimes.split(e["wait_seconds"], e["first_batch_seconds"], e["seconds"])
+            for e in (r["epochs"][number] for r in ranks)]
+
 
 def summarize(args: argparse.Namespace, console: Console, wall: float) -> None:
     """Print the summary tables from the feed job's and rank 0's JSON; raise DemoFailed if a check fails."""
@@ -303,17 +313,22 @@ def summarize(args: argparse.Namespace, console: Console, wall: float) -> None:
     except (OSError, ValueError) as exc:
         raise DemoFailed(f"a part finished without writing its figures: {exc}") from None
 
+    # Spark's side (rows and MB per second of the feed job), then the ranks': the wait for the epoch's first batch
+    # (start-up; in the first epoch, Spark's) and the data wait after it, over every rank.
     epochs = Table(title="Epochs", title_justify="left")
-    for column in ("epoch", "rows fed", "feed s", "rows/s", "MB/s", "loss", "train acc", "held-out acc"):
+    for column in ("epoch", "rows fed", "feed s", "rows/s", "MB/s", "start-up s", "data wait", "loss", "train acc",
+                   "held-out acc"):
         epochs.add_column(column, justify="right")
-    for fed, trained in zip(feed["epochs"], ranks["epochs"]):
-        epochs.add_row(f"{fed['epoch'] + 1}/{args.epochs}", f"{fed['rows']:,}", f"{fed['seconds']:.1f}",
+    for number, (fed, trained) in enumerate(zip(feed["epochs"], ranks["epochs"])):
+        times = rank_times(ranks["ranks"], number)
+        epochs.add_row(epoch_label(fed["epoch"], args.epochs), f"{fed['rows']:,}", f"{fed['seconds']:.1f}",
                        f"{fed['rows'] / fed['seconds']:,.0f}", f"{fed['bytes'] / 1e6 / fed['seconds']:,.1f}",
+                       f"{max(t.start_up for t in times):.1f}", f"{wait_share(times):.0%}",
                        f"{trained['loss']:.4f}", f"{trained['train_accuracy']:.1%}",
                        f"{trained['holdout_accuracy']:.1%}" if "holdout_accuracy" in trained else "-")
 
     per_rank = Table(title="Ranks", title_justify="left")
-    for column in ("rank", "batches", "rows", "MB", "dropped", "first batch s", "streaming s", "waited s",
+    for column in ("rank", "batches", "rows", "MB", "dropped", "start-up s", "streaming s", "waited s",
                    "wait share"):
         per_rank.add_column(column, justify="right")
     for r in ranks["ranks"]:
@@ -347,7 +362,7 @@ def summarize(args: argparse.Namespace, console: Console, wall: float) -> None:
     for number in range(args.epochs):
         seen = sum(r["epochs"][number]["rows"] + r["epochs"][number]["dropped_rows"] for r in ranks["ranks"])
         if seen != args.rows:
-            problems.append(f"epoch {number + 1}/{args.epochs}: the ranks received {seen:,} rows, "
+            problems.append(f"{epoch_label(number, args.epochs)}: the ranks received {seen:,} rows, "
                             f"Spark fed {args.rows:,}")
     if accuracy is None or accuracy < args.min_accuracy:
         problems.append(f"final accuracy {accuracy} is below --min-accuracy {args.min_accuracy}")
@@ -369,23 +384,25 @@ def summarize_images(args: argparse.Namespace, console: Console, wall: float) ->
         raise DemoFailed(f"a part finished without writing its figures: {exc}") from None
     epochs = Table(title=f"Epochs (images {ranks['size']}x{ranks['size']} PNG, decoded on the {args.decode} side)",
                    title_justify="left")
-    for column in ("epoch", "images", "feed s", "MB fed", "train s", "images/s", "data wait", "loss", "train acc",
-                   "held-out acc"):
+    # train s: the ranks' epoch; start-up: its wait for the first batch (in the first epoch, Spark's); images/s and
+    # data wait: over the time after the first batch (the example's figures, sparkbus.progress)
+    for column in ("epoch", "images", "feed s", "MB fed", "train s", "start-up s", "images/s", "data wait", "loss",
+                   "train acc", "held-out acc"):
         epochs.add_column(column, justify="right")
     for fed, trained in zip(feed, ranks["epochs"]):
         report = fed[args.stream]
-        wait = sum(trained["wait_seconds"]) / max(sum(trained["rank_seconds"]), 1e-9)
-        epochs.add_row(f"{fed['epoch'] + 1}/{args.epochs}", f"{report['rows']:,}", f"{report['seconds']:.1f}",
+        epochs.add_row(epoch_label(fed["epoch"], args.epochs), f"{report['rows']:,}", f"{report['seconds']:.1f}",
                        f"{report['bytes'] / 1e6:,.1f}", f"{trained['seconds']:.1f}",
-                       f"{trained['images_per_second']:,.0f}", f"{wait:.0%}", f"{trained['loss']:.4f}",
+                       f"{trained['start_up_seconds']:.1f}", f"{trained['images_per_second']:,.0f}",
+                       f"{trained['data_wait_share']:.0%}", f"{trained['loss']:.4f}",
                        f"{trained['accuracy']:.1%}", f"{trained['val_accuracy']:.1%}")
     accuracy = ranks["final"].get("val_accuracy")
     totals = Table(title="End to end", title_justify="left", show_header=False)
     totals.add_column(justify="left")
     totals.add_column(justify="right")
-    steady = ranks["epochs"][1:] or ranks["epochs"]      # the first epoch waits for Spark to start
-    totals.add_row("images / s to the CNN, epochs after the first",
-                   f"{sum(e['images'] for e in steady) / max(sum(e['seconds'] for e in steady), 1e-9):,.0f}")
+    streaming = sum(e["streaming_seconds"] for e in ranks["epochs"])      # each epoch after its first batch
+    totals.add_row("images / s to the CNN, after each epoch's start-up",
+                   f"{sum(e['images'] for e in ranks['epochs']) / max(streaming, 1e-9):,.0f}")
     totals.add_row("final held-out accuracy (chance 10%)", f"{accuracy:.1%}")
     totals.add_row("demo wall time", f"{wall:.1f} s")
     console.print(epochs, totals)
@@ -394,10 +411,10 @@ def summarize_images(args: argparse.Namespace, console: Console, wall: float) ->
     for fed, trained in zip(feed, ranks["epochs"]):
         got = sum(trained["batches"]) + sum(trained["dropped_batches"])
         if got != fed[args.stream]["batches"]:
-            problems.append(f"epoch {fed['epoch'] + 1}/{args.epochs}: the ranks received {got} batches, "
+            problems.append(f"{epoch_label(fed['epoch'], args.epochs)}: the ranks received {got} batches, "
                             f"Spark fed {fed[args.stream]['batches']}")
         if trained["val_images"] != IMAGE_VAL_ROWS:
-            problems.append(f"epoch {fed['epoch'] + 1}/{args.epochs}: {trained['val_images']} held-out images, "
+            problems.append(f"{epoch_label(fed['epoch'], args.epochs)}: {trained['val_images']} held-out images, "
                             f"not {IMAGE_VAL_ROWS}")
     if len(ranks["epochs"]) != args.epochs:
         problems.append(f"the ranks trained {len(ranks['epochs'])} epochs, not {args.epochs}")
@@ -419,15 +436,17 @@ def summarize_text(args: argparse.Namespace, console: Console, wall: float) -> N
     except (OSError, ValueError) as exc:
         raise DemoFailed(f"the ranks finished without writing their figures: {exc}") from None
     epochs = Table(title="Epochs (sentences as ragged token ids, padded per batch)", title_justify="left")
-    for column in ("epoch", "batching", "steps", "sentences", "dropped", "data wait", "padding", "loss", "train acc",
-                   "held-out acc"):
+    # start-up: the ranks' wait for the epoch's first batch (in the first epoch, Spark's); sentences/s and data
+    # wait: over the time after it (the example's figures, sparkbus.progress)
+    for column in ("epoch", "batching", "steps", "sentences", "dropped", "start-up s", "sentences/s", "data wait",
+                   "padding", "loss", "train acc", "held-out acc"):
         epochs.add_column(column, justify="right")
     for trained in ranks["epochs"]:
-        wait = sum(trained["wait_seconds"]) / max(sum(trained["seconds"]), 1e-9)
-        epochs.add_row(f"{trained['epoch'] + 1}/{args.epochs}", "bucketed" if trained["bucketed"] else "plain",
+        epochs.add_row(epoch_label(trained["epoch"], args.epochs), "bucketed" if trained["bucketed"] else "plain",
                        f"{trained['steps']}", f"{trained['rows']:,}", f"{sum(trained['dropped_batches'])}",
-                       f"{wait:.0%}", f"{trained['padding_share']:.1%}", f"{trained['loss']:.4f}",
-                       f"{trained['accuracy']:.1%}", f"{trained['val_accuracy']:.1%}")
+                       f"{trained['start_up_seconds']:.1f}", f"{trained['rows_per_second']:,.0f}",
+                       f"{trained['data_wait_share']:.0%}", f"{trained['padding_share']:.1%}",
+                       f"{trained['loss']:.4f}", f"{trained['accuracy']:.1%}", f"{trained['val_accuracy']:.1%}")
     accuracy = ranks["final"].get("val_accuracy")
     totals = Table(title="End to end", title_justify="left", show_header=False)
     totals.add_column(justify="left")
@@ -444,7 +463,7 @@ def summarize_text(args: argparse.Namespace, console: Console, wall: float) -> N
         problems.append(f"the ranks trained {len(ranks['epochs'])} epochs, not {args.epochs}")
     for trained in ranks["epochs"]:
         if trained["val_rows"] != TEXT_VAL_ROWS:
-            problems.append(f"epoch {trained['epoch'] + 1}/{args.epochs}: {trained['val_rows']} held-out "
+            problems.append(f"{epoch_label(trained['epoch'], args.epochs)}: {trained['val_rows']} held-out "
                             f"sentences, not {TEXT_VAL_ROWS}")
     if accuracy is None or accuracy < args.min_accuracy:
         problems.append(f"final held-out accuracy {accuracy} is below --min-accuracy {args.min_accuracy}")

@@ -97,6 +97,14 @@ def test_images_arrive_once_per_epoch_decode_to_what_was_encoded_and_train_a_cnn
             samples.update({(epoch, int(i)): p for i, p in zip(d["sample_id"], d["sample_pixels"])})
         figures = summary["epochs"][epoch]
         assert figures["batches"][0] == figures["batches"][1]                    # equal steps on both ranks
+        # the wait for the first batch (in epoch 0, Spark's start-up) apart; images/s and data wait after it
+        firsts, waits, spans = figures["first_batch_seconds"], figures["wait_seconds"], figures["rank_seconds"]
+        assert all(0 < f <= w + 0.05 for f, w in zip(firsts, waits)), figures
+        assert figures["start_up_seconds"] == max(firsts)
+        assert figures["streaming_seconds"] == pytest.approx(max(s - f for s, f in zip(spans, firsts)))
+        assert figures["images_per_second"] == pytest.approx(figures["images"] / figures["streaming_seconds"])
+        assert figures["data_wait_share"] == pytest.approx(
+            sum(max(w - f, 0) for w, f in zip(waits, firsts)) / sum(s - f for s, f in zip(spans, firsts)))
         assert figures["val_images"] == VAL_ROWS                                 # every held-out image, once
 
     encoded = encoded_images(spark, {i for _, i in samples})

@@ -368,8 +368,15 @@ def test_the_quick_demo_runs_from_the_wheel(installed):
         assert seen == 20_000                         # every row reached a rank (or was a counted leftover)
     assert ranks["final_accuracy"] > 0.5              # 10 classes: chance is 0.1
     assert ranks["model_spread_across_ranks"] == 0.0  # allreduce kept the ranks' models identical
+    for r in ranks["ranks"]:                          # the run's start-up: its first epoch's wait for a batch
+        first = r["epochs"][0]
+        assert 0 < first["first_batch_seconds"] <= first["wait_seconds"] + 0.05 and \
+            r["first_batch_seconds"] == first["first_batch_seconds"]
     assert "final accuracy" in result.stdout
-    assert "epoch 1/2" in result.stdout and "epoch 0" not in result.stdout     # epochs printed 1-based
+    # epochs printed as the API numbers them, with their place in the run; the first batch's wait shown apart
+    assert "epoch 0 (1 of 2)" in result.stdout and "epoch 1 (2 of 2)" in result.stdout
+    assert not re.search(r"epoch \d+/\d+", result.stdout), result.stdout[-4000:]
+    assert "start-up" in result.stdout and "rank 0: start-up" in result.stdout
 
 
 @pytest.mark.slow

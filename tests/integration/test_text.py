@@ -57,6 +57,12 @@ def test_text_trains_on_ragged_tokens_padded_per_batch_and_bucketing_cuts_the_pa
         assert e["batches"][0] == e["batches"][1] and sum(e["dropped_batches"]) <= 1
         assert sum(e["batches"]) + sum(e["dropped_batches"]) == fed[epoch]["text-example"]["batches"]
         assert e["rows"] == sum(len(p["id"]) for p in parts) and e["val_rows"] == DATA["val_rows"]
+        # the wait for the first batch (in epoch 0, Spark's start-up) apart; rows/s and data wait after it
+        firsts = e["first_batch_seconds"]
+        assert all(0 < f <= w + 0.05 for f, w in zip(firsts, e["wait_seconds"]))
+        assert e["start_up_seconds"] == max(firsts)
+        assert e["waited_seconds"] == pytest.approx([max(w - f, 0) for w, f in zip(e["wait_seconds"], firsts)])
+        assert e["rows_per_second"] == pytest.approx(e["rows"] / max(s - f for s, f in zip(e["seconds"], firsts)))
         for p in parts:                   # each row's tokens, read back from the padded tensors
             for kind in ("", "dropped_"):
                 offsets, values = p[f"{kind}offsets"], p[f"{kind}values"]

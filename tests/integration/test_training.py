@@ -212,6 +212,7 @@ def test_train_torch_learns_through_the_broker_and_resumes_exactly_from_a_mid_ep
         assert sum(e["batches"]) + sum(e["resumed_batches"]) + sum(e["dropped_batches"]) == f[STREAM]["batches"]
         assert e["val_rows"] == 1_000                                            # every validation row, once
         assert all(0 <= w <= s for w, s in zip(e["wait_seconds"], e["seconds"]))
+        assert all(0 < f <= w + 0.05 for f, w in zip(e["first_batch_seconds"], e["wait_seconds"]))   # start-up
     assert [(e["steps"], e["resumed_steps"]) for e in history] == \
         [(share - last, last), (fed[1][STREAM]["batches"] // 2, 0)]             # the rest of the epoch, exactly
     after = broker.stats()["streams"][STREAM]["epochs"]
@@ -219,6 +220,6 @@ def test_train_torch_learns_through_the_broker_and_resumes_exactly_from_a_mid_ep
     assert history[-1]["val_accuracy"] >= 0.8, history                          # chance is 0.25
     assert history[0]["loss"] > history[-1]["loss"]
     assert resumed["param_checksums"][0] == resumed["param_checksums"][1]        # identical models
-    assert len(resumed["data_wait"]["seconds"]) == 2
+    assert len(resumed["data_wait"]["seconds"]) == len(resumed["data_wait"]["start_up_seconds"]) == 2
     final = load_positions(str(checkpoint))                                      # the last epoch's end
     assert [(p["train"]["epoch"], p["train"]["used"]) for p in final] == [(2, []), (2, [])]
