@@ -371,9 +371,10 @@ class Broker:
                                 ErrorCode.MALFORMED)
         try:
             entries = protocol.unpack_used(body[0].buffer, h["entries"])
+            cuts = protocol.unpack_cuts(h.get("cuts", ()))
         except ProtocolError as exc:
             raise ProtocolError(exc.reason, ErrorCode.MALFORMED) from None
-        self.ledger.reclaim(rank, h, entries)
+        self.ledger.reclaim(rank, h, entries, cuts)
 
     def _heartbeat_in(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
         self.ledger.report(self.ledger.rank(identity), h)

@@ -118,6 +118,8 @@ class Dispatch(Grants):
                     self.rank_gone(identity, "disconnected")
                 continue
             granted = stream.granted()
+            if granted and self.share_remainder(stream, ep):
+                continue                  # the remainder's pieces go out on the next pass
             if granted:
                 self.grant(stream, ep, transmit)
             if not ep.delivered(stream.even()):

@@ -39,6 +39,9 @@ class EpochFigures(TypedDict):
     steps: int               # granted streams: steps granted to every rank so far (0 otherwise)
     dropped: int             # ... batches dropped at the epoch's end to keep the ranks even (< ranks)
     moved: int               # ... batches returned by one rank and given to another at the epoch's end
+    cut: int                 # ... batches left over at the epoch's end, shared out by rows (remainder "split")
+    pieces: int              # ... the pieces (row ranges, and repeats) they went out as: one a rank
+    repeated: int            # ... of those, repeats of a batch another rank had (remainder "pad")
     unassigned: int          # recovering: batches of partitions the broker no longer carries, dropped
     adopted: int             # ... batches the ranks had used of a lost broker (RECLAIM): consumed, never sent
     held: int                # ... messages held until every rank said what it used (not queued yet)
@@ -98,6 +101,9 @@ class EarlierFigures(TypedDict):
     diverged: int            # partitions (EpochFigures lists them)
     dropped: int
     moved: int
+    cut: int
+    pieces: int
+    repeated: int
     unassigned: int
     adopted: int
     superseded: int

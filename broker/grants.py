@@ -14,6 +14,11 @@ A stream whose ranks join with ``grants`` (HELLO) keeps its ranks' steps equal w
   share. Its ``RETURN`` puts them back at the front of the queue, a pack's unused tail as a piece of it (the
   same frames, with ``take`` in its header); they go only to ranks short of the share, cut to what each needs.
   When every rank has the share, ``EPOCH_END`` says ``steps``: the share.
+- **The remainder.** What the ranks agreed in HELLO (``remainder``, ``wire.remainder``): with ``"drop"`` the
+  RELEASE drops what is left over, as above. With ``"split"`` or ``"pad"`` nothing is dropped: the ranks with more
+  return everything beyond the share, and once every rank has the share, the batches left in the queue (fewer than
+  the ranks) are cut into one piece per rank (rows, or repeats), and the share grows by one
+  (:meth:`Grants.share_remainder`).
 
 A rank that joins, leaves or comes back while an epoch is evened out starts the evening over, from the counts as
 they are then. See docs/PROTOCOL.md, "Granted steps", and docs/GUARANTEES.md.
@@ -25,10 +30,10 @@ import logging
 from collections.abc import Iterable
 
 from sparkbus.broker.books import Outcome, Transmit
-from sparkbus.broker.pieces import cut
+from sparkbus.broker.pieces import batch_rows, cut, cut_rows, singles
 from sparkbus.broker.rejoin import MissedEnd, Rejoin
 from sparkbus.broker.state import BatchId, EpochState, HeldBatch, RankState, StreamState
-from sparkbus.wire import protocol
+from sparkbus.wire import protocol, remainder
 from sparkbus.wire.errors import ProtocolError
 from sparkbus.wire.protocol import Kind
 
@@ -50,12 +55,20 @@ class Grants(Rejoin):
                 mid-epoch.
         """
         grants = bool(h.get("grants", False))
+        rest = h.get("remainder", "drop")
+        if rest not in protocol.REMAINDERS:
+            raise ProtocolError(f"remainder must be one of {', '.join(protocol.REMAINDERS)}, got {rest!r:.40}")
         stream = self.stream(h["stream"])
         others = [r for r in stream.ranks.values() if r.identity != identity]
         if any(r.grants != grants for r in others):
             raise ProtocolError(f"the ranks of stream {stream.name!r} take "
                                 f"{'granted' if not grants else 'agreed'} steps; a rank cannot join them with "
                                 f"{'granted' if grants else 'agreed'} steps")
+        if grants and any(r.remainder != rest and r.size == h["size"] for r in others):
+            theirs = next(r.remainder for r in others if r.size == h["size"])
+            raise ProtocolError(f"the ranks of stream {stream.name!r} share an epoch's remainder with "
+                                f"remainder={theirs!r}; a rank cannot join them with remainder={rest!r} (every rank "
+                                f"of a group must pass the same BatchStream(remainder=))")
         if grants and h["size"] != stream.group_size and stream.group_size:
             ep = stream.delivering()
             if ep is not None and ep.acked and not ep.all_acked:
@@ -72,6 +85,7 @@ class Grants(Rejoin):
         missed = super().join_rank(identity, h, held, consumed)
         rank = self.ranks[identity]
         rank.grants = grants
+        rank.remainder = rest
         got = h.get("got")
         current = stream.epochs.get(h["ended"] + 1)
         if h["resume"] and got is not None and current is not None and not current.end_sent:
@@ -97,6 +111,7 @@ class Grants(Rejoin):
         for ep in stream.epochs.values():
             if ep.share is not None and not ep.end_sent:
                 ep.share = None
+                ep.cut_done = False
                 ep.returns_due.clear()
                 for number, (drop, _) in ep.owed.items():      # never told: those batches are not dropped
                     ep.dropped[number] -= drop
@@ -181,6 +196,8 @@ class Grants(Rejoin):
             if all(c == share for c in counts):
                 return True
             left_over = sum(counts) - share * len(counts)
+            if self._remainder(stream) != "drop":
+                left_over = 0             # returned, then shared out by share_remainder: nothing dropped
             for number, count in enumerate(counts):
                 if count > share:
                     drop = min(count - share, left_over)
@@ -205,6 +222,40 @@ class Grants(Rejoin):
         if ep.returns_due:
             return False
         return all(c == ep.share for c in self.counts(stream, ep))
+
+    def _remainder(self, stream: StreamState) -> str:
+        return next((r.remainder for r in stream.ranks.values()), "drop")
+
+    def share_remainder(self, stream: StreamState, ep: EpochState) -> bool:
+        """Once every rank has the share of the closed epoch ``ep``, cut what is left in the queue (fewer batches
+        than ranks, returned by the ranks that had more) into one piece per rank (``wire.remainder.plan``), and
+        grow the share by one: each rank takes one more step, a piece. Whether it cut (the queue is to be sent).
+        Never with ``"drop"`` (RELEASE dropped the left-over), nor while a rank is missing or returns batches."""
+        if (ep.share is None or ep.cut_done or not ep.queue or not ep.closed or ep.owed or ep.returns_due
+                or (ep.recovery is not None and ep.recovery.held)):
+            return False
+        rest = self._remainder(stream)
+        if rest == "drop" or len(stream.ranks) < stream.expected_ranks:
+            return False
+        counts = self.counts(stream, ep)
+        if not counts or any(c != ep.share for c in counts) or sum(b.count for b in ep.queue) >= len(counts):
+            return False
+        left = [single for batch in ep.queue for single in singles(batch)]
+        pieces = remainder.plan([hi - lo for lo, hi in map(batch_rows, left)], len(counts), rest)
+        ranges: dict[int, list[tuple[int, int, bool]]] = {}
+        for piece in pieces:
+            ranges.setdefault(piece.batch, []).append((piece.lo, piece.hi, piece.repeat))
+        ep.queue.clear()
+        for index, single in enumerate(left):
+            ep.queue.extend(cut_rows(single, ranges[index]))
+        ep.cut += len(left) if rest == "split" else 0
+        ep.pieces += len(pieces)
+        ep.repeated += sum(p.repeat for p in pieces)
+        ep.share += 1
+        ep.cut_done = True
+        log.info("stream %r epoch %d: %d batches left over go out as %d pieces (remainder %r): %d steps a rank",
+                 stream.name, ep.epoch, len(left), len(pieces), rest, ep.share)
+        return True
 
     def give_back(self, rank: RankState, h: dict) -> int:
         """RETURN: batches (or the unused tail of a pack, from its batch ``first`` on) that ``rank`` gives back to

@@ -9,7 +9,9 @@ epoch resumed from a checkpoint (docs/design/RECOVERY.md, "The broker").
 - A batch of a recovered partition is **held** until every member of the stream (ranks connected and lost ranks
   waiting to rejoin, at least ``expected_ranks`` of them) has sent its ``RECLAIM`` for every loss waited for;
   ``LOST`` asks those that have not. Then it is **matched**: what a rank used is counted consumed and never sent
-  (``adopted``), the rest is queued, a pack cut where it has to be (``broker.pieces``).
+  (``adopted``), the rest is queued, a pack cut where it has to be (``broker.pieces``). Of a batch a rank used
+  rows of only (``cuts``: its piece of an epoch's remainder), those rows are adopted and the others queued as
+  row pieces.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from sparkbus.broker.dispatch import Dispatch
 from sparkbus.broker.events import BatchesAcked, EpochOpened
 from sparkbus.broker.journal import DeliveredEpochs, EpochRanges
 from sparkbus.broker.partitions import MAX_PARTITIONS, Partitions, check_modes
-from sparkbus.broker.pieces import cut
+from sparkbus.broker.pieces import batch_rows, cut, cut_rows, singles
 from sparkbus.broker.rejoin import MissedEnd
 from sparkbus.broker.state import BatchId, EpochRecovery, EpochState, HeldBatch, RankState, Reclaimed, StreamState
 from sparkbus.wire import protocol
@@ -38,7 +40,9 @@ MAX_RECLAIM_EPOCHS = 4          # epochs per stream whose RECLAIMs are kept (the
 MAX_RECLAIM_ENTRIES = 1 << 21   # used-batch entries per stream kept (about 200 MB at the very most)
 RESUME = ""                     # the loss a resume from a checkpoint is named by
 
-Used = tuple[int, int, int, str, int]     # (first, stop, checksum, member, rank number) of one message's batches
+# (first, stop, checksum, member, rank number, rows) of one message's batches; rows: (lo, hi) of batch ``first``
+# only (a cut), or None: all of them
+Used = tuple[int, int, int, str, int, "tuple[int, int] | None"]
 
 
 class Recovery(Partitions, Dispatch):
@@ -148,9 +152,11 @@ class Recovery(Partitions, Dispatch):
 
     # ---- RECLAIM and LOST -----------------------------------------------------------------------------------
 
-    def reclaim(self, rank: RankState, h: dict, entries: list[protocol.UsedEntry]) -> None:
+    def reclaim(self, rank: RankState, h: dict, entries: list[protocol.UsedEntry],
+                cuts: Iterable[tuple[int, int, int, int, int, int]] = ()) -> None:
         """RECLAIM: what ``rank`` used of ``h["epoch"]`` of the broker ``h["lost"]`` lost (all its lost entries of
-        the epoch: it sends them whole each time). Kept until the epoch retires, bounded per stream."""
+        the epoch: it sends them whole each time), and the rows it used of batches it used part of (``cuts``).
+        Kept until the epoch retires, bounded per stream."""
         stream = self.streams[rank.stream]
         if h["stream"] != stream.name:
             raise ProtocolError(f"rank {rank.rank} reads stream {stream.name!r}, not {h['stream']!r}")
@@ -158,7 +164,7 @@ class Recovery(Partitions, Dispatch):
         if number < 0:
             raise ProtocolError(f"epoch {number} is out of range")
         members = stream.reclaims.setdefault(number, {}).setdefault(h["lost"], {})
-        members[rank.member] = Reclaimed(rank.rank, entries)
+        members[rank.member] = Reclaimed(rank.rank, entries, tuple(cuts))
         ep = stream.epochs.get(number)
         if ep is not None and ep.recovery is not None:
             ep.recovery.index = ep.recovery.expected = None
@@ -177,7 +183,8 @@ class Recovery(Partitions, Dispatch):
         reclaims = stream.reclaims
 
         def entries() -> int:
-            return sum(len(r.entries) for losses in reclaims.values() for ms in losses.values() for r in ms.values())
+            return sum(len(r.entries) + len(r.cuts) for losses in reclaims.values() for ms in losses.values()
+                       for r in ms.values())
 
         while len(reclaims) > MAX_RECLAIM_EPOCHS or (len(reclaims) > 0 and entries() > MAX_RECLAIM_ENTRIES):
             def recovering(n: int) -> bool:
@@ -272,7 +279,11 @@ class Recovery(Partitions, Dispatch):
             for members in stream.reclaims.get(ep.epoch, {}).values():
                 for member, reclaimed in members.items():
                     for part, seq, first, stop, checksum in reclaimed.entries:
-                        index.setdefault((part, seq), []).append((first, stop, checksum, member, reclaimed.rank))
+                        index.setdefault((part, seq), []).append((first, stop, checksum, member, reclaimed.rank,
+                                                                  None))
+                    for part, seq, at, lo, hi, checksum in reclaimed.cuts:
+                        index.setdefault((part, seq), []).append((at, at + 1, checksum, member, reclaimed.rank,
+                                                                  (lo, hi)))
             rec.index = index
         return rec.index
 
@@ -288,13 +299,15 @@ class Recovery(Partitions, Dispatch):
         if rec is None:
             return []
         if rec.expected is None:
-            named: dict[str, tuple[int, set[tuple[int, int, int, int]]]] = {}
+            named: dict[str, tuple[int, set[tuple[int, ...]]]] = {}
             for members in stream.reclaims.get(ep.epoch, {}).values():   # as the index: every loss, each entry once
                 for member, reclaimed in members.items():
                     entries = named.setdefault(member, (reclaimed.rank, set()))[1]
                     entries.update((part, seq, first, stop) for part, seq, first, stop, _ in reclaimed.entries
                                    if part in rec.recovered)
-            rec.expected = {member: (number, sum(stop - first for _, _, first, stop in entries))
+                    entries.update((part, seq, at, at + 1, lo, hi) for part, seq, at, lo, hi, _ in reclaimed.cuts
+                                   if part in rec.recovered)      # a cut is one step of its rank's
+            rec.expected = {member: (number, sum(e[3] - e[2] for e in entries))
                             for member, (number, entries) in named.items()}
         pending = []
         for member, (number, count) in rec.expected.items():
@@ -313,13 +326,15 @@ class Recovery(Partitions, Dispatch):
             ep.queue.append(batch)
             return
         part = ep.part(number)
-        if not part.diverged and any(checksum != part.checksums.get(seq) for _, _, checksum, _, _ in used):
+        if not part.diverged and any(u[2] != part.checksums.get(seq) for u in used):
             part.diverged = True
             log.warning("stream %r epoch %d partition %d: Spark recomputed it differently from the copy a rank used "
                         "(batch %d's checksum differs): the rank's copy stands, rows of this partition may be missing "
                         "or repeated", stream.name, ep.epoch, number, seq)
         owners: list[tuple[str, int] | None] = [None] * batch.count
-        for first, stop, _, member, rank in used:
+        for first, stop, _, member, rank, rows in used:
+            if rows is not None and (batch.cut is not None or rows != (0, batch.rows) or batch.count > 1):
+                continue                       # rows of one batch: matched below
             for i in range(max(first, batch.first), min(stop, batch.first + batch.count)):
                 if owners[i - batch.first] is None:
                     owners[i - batch.first] = (member, rank)
@@ -331,7 +346,39 @@ class Recovery(Partitions, Dispatch):
             piece, rest = cut(rest, at)
             pieces.append((piece, owner))
         pieces.append((rest, runs[-1][0]))
+        cuts = [u for u in used if u[5] is not None]
         for piece, owner in pieces:
+            if owner is not None:
+                self._adopt(stream, ep, piece, *owner)
+            elif not cuts:
+                ep.queue.append(piece)
+            else:
+                for single in singles(piece):
+                    self._match_rows(stream, ep, single, [u for u in cuts if u[0] == single.first])
+
+    def _match_rows(self, stream: StreamState, ep: EpochState, single: HeldBatch, cuts: list[Used]) -> None:
+        """Of one batch no rank used whole: the rows each rank used (its cut) adopted by it, one piece a cut (the
+        rows an earlier cut had left out of it), the rows nobody used queued as pieces."""
+        if not cuts:
+            ep.queue.append(single)
+            return
+        base, top = batch_rows(single)
+        plan: list[tuple[int, int, bool]] = []
+        owners: list[tuple[str, int] | None] = []
+        at = base
+        for _, _, _, member, rank, rows in sorted(cuts, key=lambda u: u[5] or (0, 0)):
+            assert rows is not None
+            lo, hi = max(rows[0], at, base), max(min(rows[1], top), at, base)
+            if lo > at:
+                plan.append((at - base, lo - base, False))
+                owners.append(None)
+            plan.append((lo - base, hi - base, False))
+            owners.append((member, rank))
+            at = max(at, hi)
+        if at < top:
+            plan.append((at - base, top - base, False))
+            owners.append(None)
+        for piece, owner in zip(cut_rows(single, plan), owners):
             if owner is None:
                 ep.queue.append(piece)
             else:

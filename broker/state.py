@@ -34,6 +34,8 @@ class HeldBatch:
     whole: HeldBatch | None = None     # ... and the pack it was cut from, which counts the pieces out
     pieces: int = 1         # on a pack that was cut: its pieces not yet consumed
     used: int = 0           # a pack in flight: its batches before this one were used (the rank's ACK upto)
+    cut: tuple[int, int] | None = None     # rows lo..hi-1 of its one batch only (the epoch's remainder)
+    repeat: bool = False    # ... a copy of rows another rank has too (remainder "pad")
 
     def settle(self) -> bool:
         """This batch, or piece, was consumed. Whether its whole message now is (the last piece of a cut pack)."""
@@ -77,6 +79,7 @@ class Reclaimed(NamedTuple):
 
     rank: int
     entries: list[tuple[int, int, int, int, int]]
+    cuts: tuple[tuple[int, int, int, int, int, int], ...] = ()   # rows used of batches: protocol.unpack_cuts
 
 
 @dataclass
@@ -88,7 +91,8 @@ class EpochRecovery:
     lost: list[str]            # the losses waited for: every member's RECLAIM for each before batches go out
     reset: bool = False        # a resume: what the broker had of the epoch was forgotten first
     held: list[HeldBatch] = field(default_factory=list)    # batches of recovered partitions, held until then
-    index: dict[tuple[int, int], list[tuple[int, int, int, str, int]]] | None = None   # (part, seq) -> used
+    # (part, seq) -> used: (first, stop, checksum, member, rank number, rows cut or None)
+    index: dict[tuple[int, int], list[tuple[int, int, int, str, int, tuple[int, int] | None]]] | None = None
     expected: dict[str, tuple[int, int]] | None = None   # member -> (rank number, batches it used of recovered)
     matched: dict[str, int] = field(default_factory=dict)   # member -> of those, matched so far (adopted)
 
@@ -123,6 +127,10 @@ class EpochState:
     returns_due: set[int] = field(default_factory=set)      # ... rank numbers told to RELEASE, not yet returned
     owed: dict[int, tuple[int, int]] = field(default_factory=dict)   # ... RELEASEs not sent yet: (drop, return)
     moved: int = 0             # ... batches returned by one rank and given to another to even out
+    cut: int = 0               # ... batches left over, shared out as pieces: one to each rank (broker.remainder)
+    pieces: int = 0            # ... the pieces they went out as (rows, or repeats)
+    repeated: int = 0          # ... of them, repeats of rows another rank has
+    cut_done: bool = False     # ... the remainder of this evening is shared out
     acked_before: dict[BatchId, int] = field(default_factory=dict)   # replay: acknowledged before a restart
     recovery: EpochRecovery | None = None   # streamed again from Spark after a loss or for a resume
     unassigned: int = 0        # ... batches of partitions it does not carry, dropped (a cancelled task's)
@@ -214,7 +222,8 @@ class EpochState:
                 "batches_out": self.batches_out, "bytes_out": self.bytes_out, "rows_out": self.rows_out,
                 "acked": self.acked, "duplicates": self.duplicates, "redelivered": self.redelivered,
                 "given_twice": self.given_twice, "diverged": self.diverged, "steps": self.steps,
-                "dropped": sum(self.dropped.values()), "moved": self.moved, "unassigned": self.unassigned,
+                "dropped": sum(self.dropped.values()), "moved": self.moved,
+                "cut": self.cut, "pieces": self.pieces, "repeated": self.repeated, "unassigned": self.unassigned,
                 "adopted": self.adopted, "commit": self.commit, "superseded": self.superseded,
                 "held": len(self.recovery.held) if self.recovery is not None else 0}
 
@@ -237,6 +246,7 @@ class RankState:
     size: int
     even: bool = False
     grants: bool = False       # its steps are granted by the broker (STEPS), not agreed among the ranks
+    remainder: str = "drop"    # ... what the epoch's last batches become (protocol.REMAINDERS; a v6 rank drops)
     session: str = ""          # the rank's BatchStream: the same across its reconnections, new in a new process
     window: int = 0
     window_bytes: int = 0

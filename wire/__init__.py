@@ -3,6 +3,7 @@
 * :mod:`sparkbus.wire.protocol`: message kinds, their header schemas, validation on receipt, versions.
 * :mod:`sparkbus.wire.codec`: a batch's columns as frames, and back.
 * :mod:`sparkbus.wire.ragged`: the rank's view of a variable-length column (:class:`RaggedColumn`, :func:`pad`).
+* :mod:`sparkbus.wire.remainder`: how an epoch's last batches are shared out so that steps stay equal.
 * :mod:`sparkbus.wire.address`: a broker's three endpoints, derived from one.
 * :mod:`sparkbus.wire.errors`: every error sparkbus raises, under one root (:class:`SparkbusError`).
 

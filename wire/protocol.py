@@ -115,15 +115,19 @@ SCHEMAS: dict[Kind, dict[str, type | tuple[type, ...]]] = {
 # Fields a header may carry, checked for type when present (additions that older senders leave out).
 OPTIONAL: dict[Kind, dict[str, type]] = {
     Kind.BATCH: {"splits": list,           # a pack of small batches: the rows of each, in order
-                 "take": list},            # [first, stop]: only these of the pack's batches are for this rank
+                 "take": list,             # [first, stop]: only these of the pack's batches are for this rank
+                 "cut": list,              # [lo, hi]: only rows lo..hi-1 of the one batch it names (an epoch's end)
+                 "repeat": bool},          # ... a copy of rows another rank has too (remainder "pad")
     Kind.HELLO: {"grants": bool,           # even steps granted by the broker (STEPS), not agreed among the ranks
                  "got": int,               # ... a rank that rejoins: the batches of its current epoch it has had
-                 "incarnation": str},      # a rank that rejoins: the incarnation of the broker it knew
+                 "incarnation": str,       # a rank that rejoins: the incarnation of the broker it knew
+                 "remainder": str},        # granted steps: what the epoch's last batches become (REMAINDERS)
     Kind.STEPS: {"adopted": int},          # of the rank's count, batches it used from lost brokers (RECLAIM)
     Kind.EPOCH_END: {"steps": int},        # granted streams: the epoch's steps from this broker, the same for all
     Kind.EPOCH_CLOSE: {"expected": int},   # partitions committed at this broker (default: all of them)
     Kind.EPOCH_OPEN: {"commit": str},      # who commits a partition: "end" (its PARTITION_END) or "driver"
     Kind.EPOCH_RECOVER: {"commit": str},   # ... for an epoch EPOCH_RECOVER opens
+    Kind.RECLAIM: {"cuts": list},          # rows of batches used: [part, seq, index, lo, hi, checksum]*
     # a rank's own figures, on the messages it sends anyway: for `sparkbus status` and the metrics
     Kind.ACK: {"wait_s": float, "first_batch_s": float, "consumed": int,
                "upto": list},                  # progress in packs: [e, p, s, stop, ...], batches before stop used
@@ -143,7 +147,8 @@ ADDED: dict[int, tuple[frozenset[Kind], dict[Kind, tuple[str, ...]]]] = {
         {Kind.HELLO: ("incarnation",), Kind.STEPS: ("adopted",)}),
     7: (frozenset({Kind.PARTITION_RECEIVED, Kind.PARTITION_COMMIT}),
         {Kind.EPOCH_OPEN: ("commit",), Kind.EPOCH_RECOVER: ("commit",), Kind.WELCOME: ("ranks", "unread"),
-            Kind.HEARTBEAT: ("unread",)}),
+            Kind.HEARTBEAT: ("unread",), Kind.BATCH: ("cut", "repeat"), Kind.HELLO: ("remainder",),
+            Kind.RECLAIM: ("cuts",)}),
 }
 
 _KINDS = {int(k): k for k in Kind}
@@ -152,6 +157,11 @@ DELIVERY_MODES = ("stream", "atomic")
 # Who commits a partition's attempt: "end", its own PARTITION_END (a feed without Spark, and every epoch opened by
 # a version-6 driver); "driver", the driver's PARTITION_COMMIT naming the attempt Spark declared successful.
 COMMIT_MODES = ("end", "driver")
+# What the batches left over at an epoch's end (fewer than the ranks) become with granted or agreed steps:
+# "split", shared out by rows so that every rank takes one more, smaller step (the default); "drop", dropped
+# (counted); "pad", each rank a whole batch, repeats of them for the ranks short of one (counted).
+REMAINDERS = ("split", "drop", "pad")
+MAX_CUTS = 4096           # [part, seq, index, lo, hi, checksum] entries in one RECLAIM's cuts
 MAX_COMMITS = 1024        # [part, attempt, batches] triplets in one PARTITION_COMMIT (its header stays < 32 KiB)
 
 # Leaf dtypes allowed on the wire (numpy's ``dtype.str``): fixed-size numbers, little-endian or byte-sized,
@@ -304,6 +314,42 @@ def taken_range(header: Mapping[str, Any]) -> tuple[int, int]:
             or not 0 <= take[0] < take[1] <= whole):
         raise ProtocolError(f"a BATCH's take must be [first, stop] within its {whole} batches, got {take!r:.40}")
     return take[0], take[1]
+
+
+def row_cut(header: Mapping[str, Any]) -> tuple[int, int] | None:
+    """The rows of a batch meant for the receiving rank when the broker sent part of one (``cut``, an epoch's
+    remainder shared out by rows, see docs/PROTOCOL.md "The epoch's remainder"): ``(lo, hi)``, else None.
+
+    Raises:
+        ProtocolError: a ``cut`` that is not ``[lo, hi]`` within the rows of the one batch the message names.
+    """
+    cut = header.get("cut")
+    if cut is None:
+        return None
+    first, stop = taken_range(header)
+    splits = header.get("splits")
+    rows = splits[first] if splits is not None else header["rows"]
+    if (stop - first != 1 or len(cut) != 2 or not all(type(i) is int for i in cut)
+            or not 0 <= cut[0] <= cut[1] <= rows):
+        raise ProtocolError(f"a BATCH's cut must be [lo, hi] within the {rows} rows of the one batch it names, got "
+                            f"{cut!r:.40}")
+    return cut[0], cut[1]
+
+
+def unpack_cuts(flat: Sequence[Any]) -> list[tuple[int, int, int, int, int, int]]:
+    """RECLAIM's ``cuts``: ``(part, seq, index, lo, hi, checksum)`` per batch of which a rank used rows lo..hi-1.
+
+    Raises:
+        ProtocolError: not whole sextuples of integers, more than :data:`MAX_CUTS`, or an empty or negative range.
+    """
+    if len(flat) % 6 or len(flat) // 6 > MAX_CUTS or not all(type(i) is int for i in flat):
+        raise ProtocolError(f"RECLAIM cuts must be at most {MAX_CUTS} (part, seq, index, lo, hi, checksum) "
+                            f"sextuples of integers, got {len(flat)} values")
+    values = iter(flat)
+    cuts = list(zip(values, values, values, values, values, values))
+    if any(p < 0 or s < 0 or i < 0 or not 0 <= lo < hi for p, s, i, lo, hi, _ in cuts):
+        raise ProtocolError("a RECLAIM cut has a negative number or an empty range of rows")
+    return cuts
 
 
 def column_frame_sizes(spec: Any, rows: int) -> list[int]:

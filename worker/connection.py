@@ -33,7 +33,7 @@ from sparkbus.broker.auth import client_socket
 from sparkbus.wire import protocol
 from sparkbus.wire.errors import BrokerError
 from sparkbus.wire.protocol import ErrorCode, Kind, UsedEntry, pack_header, unpack_header
-from sparkbus.worker.used import UsedBatches
+from sparkbus.worker.used import Cut, UsedBatches
 
 log = logging.getLogger("sparkbus.worker")
 
@@ -69,8 +69,9 @@ class BrokerConnection:
         timeout: seconds the broker may stay silent, or keep refusing a rejoin, before :class:`BrokerError`.
         heartbeat: seconds between this rank's heartbeats (and HELLO retries) while it waits.
         key, broker_key: CURVE key files for a broker run with ``--auth`` (a rank key; see ``BatchStream``).
-        resume: ``(epoch, entries)`` of a rank that resumes from a checkpoint: its ``RECLAIM(lost="")``, sent right
-            after the WELCOME and before the first CREDIT, so that the broker has it before it could send anything.
+        grants, remainder: steps granted by the broker, and what the epoch's remainder becomes (``wire.remainder``).
+        resume: ``(epoch, entries, cuts)`` of a rank that resumes from a checkpoint: its ``RECLAIM(lost="")``, sent
+            right after the WELCOME and before the first CREDIT, so that the broker has it before it sends anything.
     Raises:
         BrokerError: no broker answers within ``timeout``, or it refuses this rank for good; ``resume`` with a
             broker of version 5.
@@ -78,10 +79,10 @@ class BrokerConnection:
 
     def __init__(self, address: str, context: zmq.Context, *, stream: str, rank: int, size: int, even: bool,
                  prefetch: int, prefetch_bytes: int, timeout: float, heartbeat: float, key: str | None = None,
-                 broker_key: str | None = None, grants: bool = False,
-                 resume: tuple[int, list[UsedEntry]] | None = None):
+                 broker_key: str | None = None, grants: bool = False, remainder: str = "split",
+                 resume: tuple[int, list[UsedEntry], list[Cut]] | None = None):
         self.address, self.stream, self.rank, self.size, self.even = address, stream, rank, size, even
-        self.grants = grants
+        self.grants, self.remainder = grants, remainder
         self.prefetch, self.prefetch_bytes, self.timeout, self.heartbeat = prefetch, prefetch_bytes, timeout, heartbeat
         self._figures: dict[str, float | int] = {}   # the rank's own figures, sent with ACKs and heartbeats
         self._unsent: list[int] = []                 # acknowledged ids not yet sent: epoch, part, seq, ...
@@ -124,6 +125,8 @@ class BrokerConnection:
         optional: dict[str, Any] = {}
         if self.grants:                   # the rank's count at this broker: what it got, and what was adopted here
             optional.update(grants=True, got=self.got + self.adopted)
+            if self.version >= 7:
+                optional["remainder"] = self.remainder
         if resume and self.incarnation and self.version >= 6:
             optional["incarnation"] = self.incarnation      # a broker restarted without journal ignores the ids
         header = pack_header(Kind.HELLO, v=self.version, req=self._req, role="rank", stream=self.stream, rank=self.rank,
@@ -141,11 +144,14 @@ class BrokerConnection:
         # Absolute: batches this rank still holds stay in flight to it, and the broker counts them in the window.
         self._say(Kind.CREDIT, window=self.prefetch, window_bytes=self.prefetch_bytes)
 
-    def arrived(self, batch_id: BatchId, first: int = 0) -> bool:
-        """Note that a BATCH of the current epoch arrived (``first``: the first batch of a piece of a pack). False
-        if this rank had it already (a redelivery after a rejoin, or of a restarted broker): drop it; a copy this
-        rank holds unacknowledged then counts as consumed, acknowledged with the next flush."""
-        key = (*batch_id, first) if first else batch_id
+    def arrived(self, batch_id: BatchId, first: int = 0, rows: tuple[int, int] | None = None) -> bool:
+        """Note that a BATCH of the current epoch arrived (``first``: the first batch of a piece of a pack;
+        ``rows``: the rows of a piece of an epoch's remainder). False if this rank had it already (a redelivery
+        after a rejoin, or of a restarted broker): drop it; a copy this rank holds unacknowledged then counts as
+        consumed, acknowledged with the next flush."""
+        key: tuple[int, ...] = (*batch_id, first) if first else batch_id
+        if rows is not None:
+            key = (*batch_id, first, *rows)
         if key not in self._received:
             self._received.add(key)
             return True
@@ -180,14 +186,19 @@ class BrokerConnection:
         if send or len(self._upto) >= 4 * ACK_MAX:
             self.flush()
 
-    def reclaim(self, epoch: int, lost: str, entries: list[UsedEntry]) -> None:
+    def reclaim(self, epoch: int, lost: str, entries: list[UsedEntry], cuts: list[Cut] = ()) -> None:  # type: ignore[assignment]
         """RECLAIM: of ``epoch``, the batches this rank used of the broker of incarnation ``lost`` (``""``: its
-        position at a checkpoint), as ``(part, seq, first, stop, checksum)`` entries. Nothing to a broker of
+        position at a checkpoint), as ``(part, seq, first, stop, checksum)`` entries, and the rows it used of
+        batches it used part of (``cuts``; a broker of version 6 cannot take them). Nothing to a broker of
         version 5, which has no recovery."""
         if self.version < 6:
             return
+        optional: dict[str, Any] = {}
+        if cuts and self.version >= 7:
+            optional["cuts"] = [n for cut in cuts for n in cut]
         self._sock.send_multipart([pack_header(Kind.RECLAIM, v=self.version, stream=self.stream, epoch=epoch,
-                                               lost=lost, entries=len(entries)), protocol.pack_used(entries)])
+                                               lost=lost, entries=len(entries), **optional),
+                                   protocol.pack_used(entries)])
         self._last_said = time.monotonic()
 
     def forget_epoch(self) -> None:
@@ -238,7 +249,7 @@ class BrokerConnection:
 
     # ---- joining ----------------------------------------------------------------------------------------------
 
-    def _join(self, resume: tuple[int, list[UsedEntry]] | None) -> None:
+    def _join(self, resume: tuple[int, list[UsedEntry], list[Cut]] | None) -> None:
         """The first HELLO (and a resuming rank's RECLAIM). A rank number still held by a dead process's connection
         is retried until ``timeout``."""
         started = time.monotonic()
@@ -285,7 +296,7 @@ class BrokerConnection:
                 raise BrokerError(f"the broker at {self.address} speaks protocol version {self.version}, which "
                                   f"cannot resume an epoch exactly: upgrade it, or resume at an epoch boundary "
                                   f"without resume=", code=ErrorCode.VERSION)
-            self.reclaim(resume[0], "", resume[1])
+            self.reclaim(resume[0], "", resume[1], resume[2])
         self._grant_window()
 
     def _note_unread(self, header: dict) -> None:
@@ -315,6 +326,9 @@ class BrokerConnection:
                               f"steps: upgrade the broker, or pass comm= and steps='mpi'", code=ErrorCode.VERSION)
         log.warning("the broker at %s speaks protocol version %d; rank %d speaks it too", self.address, version,
                     self.rank)
+        if self.grants and version < 7 and self.remainder != "drop":
+            log.warning("the broker at %s (protocol version %d) drops the batches left over at an epoch's end "
+                        "(remainder='drop'): upgrade it for remainder=%r", self.address, version, self.remainder)
         self.version = version
         self._hello(resume=False)
 

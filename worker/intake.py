@@ -30,7 +30,7 @@ from sparkbus.wire.codec import decode_batch
 from sparkbus.wire.errors import BrokerError
 from sparkbus.wire.protocol import Kind, UsedEntry
 from sparkbus.worker.connection import WHAT_TO_DO, BatchId, BrokerConnection, BrokerSilent
-from sparkbus.worker.used import UsedBatches
+from sparkbus.worker.used import Cut, UsedBatches
 
 if TYPE_CHECKING:                     # pragma: no cover
     from sparkbus.worker.stream import EpochStats, StreamStats
@@ -41,13 +41,26 @@ Item = tuple[dict, Batch]             # a batch's header (its "rows", "nbytes", 
 log = logging.getLogger("sparkbus.worker")
 
 
-def _rows_of(column: Any, start: int, stop: int) -> Any:
+def rows_of(column: Any, start: int, stop: int) -> Any:
     """Rows ``start:stop`` of a decoded column, without a copy, in the form the batch would have alone: a masked
     array only where those rows hold a null."""
     part = column[start:stop]
     if isinstance(part, np.ma.MaskedArray) and not part.mask.any():
         return part.data
     return part
+
+
+def _cut_rows(header: dict, columns: dict[str, Any], rows: tuple[int, int] | None) -> Item:
+    """A batch, or the rows of it the broker sent this rank (``cut``, a piece of an epoch's remainder): its
+    columns sliced without a copy, its header saying the rows (``rows``, and ``cut`` unless they are all)."""
+    if rows is None:
+        return header, columns
+    lo, hi = rows
+    if (lo, hi) == (0, header["rows"]):
+        header.pop("cut", None)         # all of it (a pad's whole batch, or its repeat)
+        return header, columns
+    share = header["nbytes"] * (hi - lo) // header["rows"] if header["rows"] else 0
+    return dict(header, rows=hi - lo, nbytes=share), {k: rows_of(v, lo, hi) for k, v in columns.items()}
 
 
 class Intake:
@@ -209,6 +222,7 @@ class Intake:
         """
         batch_id = protocol.batch_id(header)
         first, stop = protocol.taken_range(header)
+        rows_cut = protocol.row_cut(header)
         if 0 <= self.current < header["epoch"] and broker.ended < self.current:
             raise BrokerError(
                 f"the broker at {broker.address} sent a batch of epoch {header['epoch']} while this rank is in epoch "
@@ -217,7 +231,7 @@ class Intake:
                 f"feed_epochs watches every epoch it fed until delivered). The rows it held of epoch "
                 f"{self.current} are lost: {WHAT_TO_DO}")
         self._enter(header["epoch"])
-        if not broker.arrived(batch_id, first):
+        if not broker.arrived(batch_id, first, rows_cut):
             return []
         if ep.epoch < 0:
             ep.epoch = header["epoch"]
@@ -230,7 +244,7 @@ class Intake:
         broker.got += stop - first
         splits = header.get("splits")
         if splits is None:
-            return [(header, columns)]
+            return [_cut_rows(header, columns, rows_cut)]
         # A pack of small batches: each is a slice (a view) of the pack's columns, acknowledged with the last.
         # A piece of a pack (``take``, an epoch evened out) holds some of them only.
         self._pack_left[batch_id] = stop - first
@@ -240,8 +254,8 @@ class Intake:
         for index in range(first, stop):
             rows = splits[index]
             share = nbytes * rows // header["rows"] if header["rows"] else 0
-            items.append((dict(header, rows=rows, nbytes=share, index=index),
-                          {k: _rows_of(v, start, start + rows) for k, v in columns.items()}))
+            items.append(_cut_rows(dict(header, rows=rows, nbytes=share, index=index),
+                                   {k: rows_of(v, start, start + rows) for k, v in columns.items()}, rows_cut))
             start += rows
         return items
 
@@ -279,21 +293,28 @@ class Intake:
         """The loop has this batch now (yielded): record it as used, of the connection it came from."""
         source = self._source.get(protocol.batch_id(header))
         record = source.used if source is not None else self._elsewhere
-        record.add(header["part"], header["seq"], header.get("index", 0), header["checksum"])
+        cut = header.get("cut")
+        record.add(header["part"], header["seq"], header.get("index", 0), header["checksum"],
+                   (cut[0], cut[1]) if cut is not None else None)
+
+    def used(self) -> UsedBatches:
+        """Every batch the rank used of its current epoch, wherever it came from (lost entries included)."""
+        every = UsedBatches()
+        every.merge(self.lost)
+        every.merge(self._elsewhere)
+        for broker in self.connections:
+            every.merge(broker.used)
+        return every
 
     def used_entries(self) -> list[UsedEntry]:
-        """Every batch the rank used of its current epoch, wherever it came from (lost entries included)."""
-        every = UsedBatches(self.lost.entries())
-        every.update(self._elsewhere.entries())
-        for broker in self.connections:
-            every.update(broker.used.entries())
-        return every.entries()
+        """The whole batches of :meth:`used`."""
+        return self.used().entries()
 
-    def resume(self, epoch: int, entries: list[UsedEntry]) -> None:
-        """Resume ``epoch`` from a checkpoint that had used ``entries`` of it: they are the lost entries of ``""``
-        (the connections told their brokers when they joined: ``BrokerConnection(resume=)``)."""
+    def resume(self, epoch: int, entries: list[UsedEntry], cuts: list[Cut] = ()) -> None:   # type: ignore[assignment]
+        """Resume ``epoch`` from a checkpoint that had used ``entries`` (and the rows ``cuts``) of it: they are the
+        lost entries of ``""`` (the connections told their brokers when they joined: ``BrokerConnection(resume=)``)."""
         self._enter(epoch)
-        self.lost.update(entries)
+        self.lost.update(entries, cuts)
         self._handled.add("")
 
     def _enter(self, epoch: int) -> None:
@@ -319,7 +340,9 @@ class Intake:
                         broker.rank, owner.address, lost, broker.address)
             self._lose(owner, lost, gone=owner is not broker)
             return
-        broker.reclaim(header["epoch"], lost, self.lost.entries() if header["epoch"] == self.current else [])
+        current = header["epoch"] == self.current
+        broker.reclaim(header["epoch"], lost, self.lost.entries() if current else [],
+                       self.lost.cuts() if current else [])
 
     def _forget_ids(self, broker: BrokerConnection) -> None:
         """No batch this rank holds is to be acknowledged to ``broker`` (a lost incarnation)."""
@@ -365,13 +388,13 @@ class Intake:
             self._unpacked = deque(item for item in self._unpacked
                                    if self._source.get(protocol.batch_id(item[0])) is not broker)
             self._forget_ids(broker)
-            self.lost.update(broker.used.entries())
-            self.lost.update(self._elsewhere.entries())   # the pooled ones may have been this broker's
+            self.lost.merge(broker.used)
+            self.lost.merge(self._elsewhere)   # the pooled ones may have been this broker's
             broker.used.clear()
             self._elsewhere.clear()
-            entries = self.lost.entries()
+            entries, cuts = self.lost.entries(), self.lost.cuts()
         else:                               # it had ended this epoch: it lost the next, of which the rank has none
-            epoch, entries = broker.ended + 1, []
+            epoch, entries, cuts = broker.ended + 1, [], []
         broker.forget_epoch()
         log.warning("rank %d: the broker at %s lost epoch %d (incarnation %s); %d used batches of the epoch are "
                     "reclaimed", broker.rank, broker.address, epoch, incarnation,
@@ -385,7 +408,7 @@ class Intake:
                 if not self._waiting and not self.end_seen:
                     self._end_epoch()
         for other in self.connections:
-            other.reclaim(epoch, incarnation, entries)
+            other.reclaim(epoch, incarnation, entries, cuts)
 
     # ---- acknowledging --------------------------------------------------------------------------------------
 

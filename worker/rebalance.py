@@ -13,11 +13,16 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+import numpy as np
+
 from sparkbus.wire import codec, protocol
-from sparkbus.wire.protocol import Kind
+from sparkbus.wire.protocol import REMAINDERS, Kind
+from sparkbus.wire.remainder import plan
 from sparkbus.worker.collectives import wait, wait_until
+from sparkbus.worker.intake import rows_of
 
 _TAG_BATCH = 0x5B5
+_TAG_PIECE = 0x5B6
 
 
 def plan_transfers(counts: list[int]) -> tuple[list[tuple[int, int, int]], int]:
@@ -45,6 +50,64 @@ def plan_transfers(counts: list[int]) -> tuple[list[tuple[int, int, int]], int]:
     return transfers, target
 
 
+def share_remainder(comm: Any, left: list[tuple[dict, dict]], remainder: str,
+                    idle: Callable[[], None] | None = None) -> tuple[dict, dict] | None:
+    """The batches left over on every rank after :func:`exchange` (``left``: this rank's; fewer than the ranks in
+    all) shared out by ``remainder`` (``wire.remainder.plan``): this rank's piece, the same plan on every rank, or
+    None with ``"drop"`` (the caller drops ``left``). Each piece travels from the rank that holds its batch, whole,
+    and is cut here (a view).
+
+    Raises:
+        ValueError: the ranks passed different ``remainder`` values.
+    """
+    size, me = comm.Get_size(), comm.Get_rank()
+    code = REMAINDERS.index(remainder)
+    mine = np.full(size + 1, -1, dtype=np.int64)
+    mine[0] = code
+    mine[1:len(left) + 1] = [header["rows"] for header, _ in left]
+    every = np.empty((size, size + 1), dtype=np.int64)
+    wait(comm.Iallgather(mine, every), idle)
+    if len(set(every[:, 0].tolist())) != 1:
+        theirs = sorted({REMAINDERS[int(c)] for c in every[:, 0]})
+        raise ValueError(f"the ranks of the communicator passed different remainder= values ({', '.join(theirs)}): "
+                         f"every rank must pass the same")
+    if remainder == "drop":
+        return None
+    owners = [(rank, i) for rank in range(size) for i, rows in enumerate(every[rank, 1:].tolist()) if rows >= 0]
+    pieces = plan([int(every[rank, 1 + i]) for rank, i in owners], size, remainder)
+    if not pieces:
+        return None
+    from mpi4py import MPI
+
+    sends = []
+    for dst, piece in enumerate(pieces):
+        owner, index = owners[piece.batch]
+        if owner == me and dst != me:
+            buf = pack_batch(*left[index])
+            sends.append((comm.Isend([buf, MPI.BYTE], dest=dst, tag=_TAG_PIECE), buf))
+    owner, index = owners[pieces[me].batch]
+    if owner == me:
+        header, columns = left[index]
+    else:
+        status = MPI.Status()
+        wait_until(partial(comm.Iprobe, source=owner, tag=_TAG_PIECE, status=status), idle)
+        incoming = bytearray(status.Get_count(MPI.BYTE))
+        wait(comm.Irecv([incoming, MPI.BYTE], source=owner, tag=_TAG_PIECE), idle)
+        header, columns = unpack_batch(bytes(incoming))
+    for request, _ in sends:
+        wait(request, idle)
+    piece = pieces[me]
+    base = header.get("cut", [0])[0]         # a batch that was itself a piece (a resumed epoch's)
+    rows = {k: rows_of(v, piece.lo, piece.hi) for k, v in columns.items()}
+    fields = dict(header, rows=piece.hi - piece.lo)
+    if piece.repeat:
+        fields["repeat"] = True
+    if (piece.lo, piece.hi) != (0, header["rows"]):
+        fields["cut"] = [base + piece.lo, base + piece.hi]
+        fields.pop("nbytes", None)
+    return fields, rows
+
+
 def pack_batch(header: dict, columns: dict[str, Any]) -> bytes:
     """One buffer holding a batch in wire form: 4-byte header length, header, column bytes. The header also says
     which batch of its message it is (``index``, a pack's) and the message's checksum as it arrived (``arrived``):
@@ -52,6 +115,8 @@ def pack_batch(header: dict, columns: dict[str, Any]) -> bytes:
     frames = codec.encode_batch(header["stream"], header["epoch"], header["part"], header["seq"], columns)
     fields = {k: v for k, v in protocol.unpack_header(frames[0]).items() if k != "kind"}
     fields["index"] = header.get("index", 0)
+    if "cut" in header:                      # rows of a batch only: what it is recorded as used under
+        fields["cut"] = header["cut"]
     if "checksum" in header:
         fields["arrived"] = header["checksum"]
     frames[0] = protocol.pack_header(Kind.BATCH, **fields)

@@ -3,7 +3,8 @@
 - :class:`IndependentSteps`: a rank on its own (``even=False``) takes every batch as it comes.
 - :class:`EvenRounds`: the ranks of a communicator take the same number of steps (``even=True``). They agree,
   over MPI, in rounds, and at the epoch's end pool what is left and share it out evenly
-  (:mod:`worker.rebalance`), dropping at most ``size - 1`` batches.
+  (:mod:`worker.rebalance`); what is left over (fewer batches than ranks) follows ``remainder``
+  (``wire.remainder``: split by rows, dropped, or padded).
 
 A plan (:class:`StepPlan`) yields one :class:`Step` per step; the stream hands its batch to the training loop,
 counts it, and acknowledges it when the loop comes back for the next (unless the plan has acknowledged it
@@ -72,12 +73,13 @@ class EvenRounds:
         comm: the mpi4py communicator of the ranks that keep even.
         ep: the epoch's figures (data-wait, dropped batches).
         prefetch, prefetch_bytes: this rank's window (what a round's worth can be, see :meth:`_round_full`).
-        on_drop: called with each batch dropped at the epoch's end.
+        on_drop: called with each batch dropped at the epoch's end (``remainder="drop"``).
+        remainder: what the batches left over at the epoch's end become (``wire.remainder``); every rank the same.
     """
 
     def __init__(self, intake: Intake, comm: Any, ep: EpochStats, *, prefetch: int, prefetch_bytes: int,
-                 on_drop: Callable[[Batch], None] | None):
-        self._intake, self._comm, self._ep = intake, comm, ep
+                 on_drop: Callable[[Batch], None] | None, remainder: str = "split"):
+        self._intake, self._comm, self._ep, self._remainder = intake, comm, ep, remainder
         self._prefetch, self._prefetch_bytes, self._on_drop = prefetch, prefetch_bytes, on_drop
         self._ready: deque[Item] = deque()                  # batches held for the coming steps
         self._ahead: collectives.PendingMin | None = None   # the next round's agreement, posted early
@@ -171,7 +173,8 @@ class EvenRounds:
 
     def _share_out(self) -> Iterator[Step]:
         """Some rank's share is used up: gather what is left everywhere and share it out evenly. Every batch is
-        acknowledged before the exchange; the ``sum % size`` left over are dropped."""
+        acknowledged before the exchange; the ``sum % size`` left over follow ``remainder``: one more step on
+        every rank, a piece of them (:func:`worker.rebalance.share_remainder`), or dropped."""
         ep, intake = self._ep, self._intake
         started = time.monotonic()
         held, self._ready = list(self._ready), deque()
@@ -185,7 +188,14 @@ class EvenRounds:
         counts = collectives.allgather_count(self._comm, len(held), idle=intake.service)
         transfers, target = rebalance.plan_transfers(counts)
         held = rebalance.exchange(self._comm, held, transfers, idle=intake.service)
+        piece = None
+        if sum(counts) % len(counts):         # something is left over: every rank shares it out (or drops it)
+            piece = rebalance.share_remainder(self._comm, held[target:], self._remainder, idle=intake.service)
         ep.wait_seconds += time.monotonic() - started
+        if piece is not None:
+            yield from (Step(header, batch, acknowledge=False) for header, batch in held[:target])
+            yield Step(*piece, acknowledge=False)
+            return
         for header, batch in held[target:]:
             ep.dropped_batches += 1
             ep.dropped_rows += header["rows"]

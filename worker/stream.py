@@ -24,11 +24,13 @@ import zmq
 
 from sparkbus.wire.address import broker_addresses
 from sparkbus.wire.protocol import UsedEntry
+from sparkbus.wire.remainder import check_remainder
 from sparkbus.worker.connection import BrokerConnection
 from sparkbus.worker.grants import GrantedSteps
 from sparkbus.worker.intake import Batch, Intake
 from sparkbus.worker.launcher import launcher_rank
 from sparkbus.worker.steps import EvenRounds, IndependentSteps, StepPlan
+from sparkbus.worker.used import Cut
 
 log = logging.getLogger("sparkbus.worker")
 
@@ -43,8 +45,11 @@ class EpochStats:
     batches: int = 0
     rows: int = 0
     bytes: int = 0
-    dropped_batches: int = 0    # left over to keep ranks even (at most size - 1 across all ranks)
+    dropped_batches: int = 0    # left over to keep ranks even (remainder="drop": at most size - 1 across all ranks)
     dropped_rows: int = 0
+    cut_batches: int = 0        # steps that took some rows of a batch: the epoch's remainder shared out by rows
+    repeated_batches: int = 0   # steps that took a batch another rank took too (remainder="pad")
+    repeated_rows: int = 0
     wait_seconds: float = 0.0   # time the training loop waited for data (and for the other ranks to agree)
     seconds: float = 0.0        # from the first request of the epoch to its end
     resumed_batches: int = 0    # steps of this epoch taken before the checkpoint it resumed from (not in batches)
@@ -62,6 +67,9 @@ class StreamStats:
     bytes: int = 0
     dropped_batches: int = 0
     dropped_rows: int = 0
+    cut_batches: int = 0
+    repeated_batches: int = 0
+    repeated_rows: int = 0
     wait_seconds: float = 0.0
     first_batch_seconds: float = -1.0   # from the stream's start to its first batch (-1: none yet)
     skipped_batches: int = 0    # left unread when the loop broke out of an epoch early
@@ -71,7 +79,8 @@ class StreamStats:
 
     def add(self, ep: EpochStats) -> None:
         self.epochs.append(ep)
-        for name in ("batches", "rows", "bytes", "dropped_batches", "dropped_rows", "wait_seconds", "resumed_batches"):
+        for name in ("batches", "rows", "bytes", "dropped_batches", "dropped_rows", "cut_batches", "repeated_batches",
+                     "repeated_rows", "wait_seconds", "resumed_batches"):
             setattr(self, name, getattr(self, name) + getattr(ep, name))
 
 
@@ -99,13 +108,19 @@ class BatchStream:
             rank (the one in use included), or as many as fit in ``prefetch_bytes`` (8 MiB), whichever admits
             more: many small batches, a few large ones. The defaults suit batches from 1 KiB to 16 MiB.
         even: yield the same number of batches on every rank of the group each epoch (default: when its size is
-            above 1); at most ``size - 1`` batches per epoch and broker are dropped, counted in ``stats``.
+            above 1). What is left over at the epoch's end (fewer batches than ranks) follows ``remainder``.
+        remainder: with ``even``, what the batches left over at an epoch's end become (every rank of the group must
+            pass the same): ``"split"`` (default) shares them out by rows, one piece a rank, so that every row is
+            trained once and the last step is smaller (with fewer rows than ranks, some ranks' last step has 0 rows);
+            ``"drop"`` drops them (at most ``size - 1`` per broker, counted in ``stats.dropped_batches``, handed to
+            ``on_drop``); ``"pad"`` gives every rank a whole batch, repeating some for the ranks short of one
+            (counted in ``stats.repeated_batches``). See docs/GUARANTEES.md, "Equal steps and every row".
         steps: how even steps are kept: ``"broker"`` (granted by the broker, the default, with ``comm`` too) or
             ``"mpi"`` (agreed among the ranks of ``comm`` in MPI collectives). See docs/GUARANTEES.md.
         timeout: seconds the broker may stay silent (it heartbeats while idle) before this rank gives up.
         verify: check each batch's XXH3-64 checksum.
         heartbeat: seconds between this rank's heartbeats while it waits.
-        on_drop: called with each batch dropped to keep the ranks even.
+        on_drop: called with each batch dropped to keep the ranks even (``remainder="drop"``).
         abort_on_error: when an exception leaves the ``with`` block on one rank of a communicator of size > 1,
             call ``comm.Abort(1)`` so that the other ranks are not left waiting in a collective forever.
         context: a ZeroMQ context to use (needed for ``inproc://`` addresses); by default a private one.
@@ -134,9 +149,10 @@ class BatchStream:
                  on_drop: Callable[[Batch], None] | None = None, abort_on_error: bool = True,
                  context: zmq.Context | None = None, key: str | None = None, broker_key: str | None = None,
                  rank: int | str | None = None, size: int | None = None, steps: str = "broker",
-                 resume: Mapping[str, Any] | None = None):
+                 resume: Mapping[str, Any] | None = None, remainder: str = "split"):
         if prefetch < 1 or prefetch_bytes < 0:
             raise ValueError("prefetch must be at least 1 and prefetch_bytes not negative")
+        self.remainder = check_remainder(remainder)
         self.address, self.comm, self.stream = address, comm, stream
         self.rank, self.size = _group(comm, rank, size)
         resumed = None if resume is None else _resume_state(resume, stream, self.rank, self.size)
@@ -156,9 +172,9 @@ class BatchStream:
                                                       size=self.size, even=self.even, prefetch=prefetch,
                                                       prefetch_bytes=prefetch_bytes, timeout=timeout,
                                                       heartbeat=heartbeat, key=key, broker_key=broker_key,
-                                                      grants=self.granted,
+                                                      grants=self.granted, remainder=self.remainder,
                                                       resume=None if resumed is None else
-                                                      (resumed["epoch"], resumed["used"])))
+                                                      (resumed["epoch"], resumed["used"], resumed["cuts"])))
         except BaseException:
             self._close_connections()
             raise
@@ -169,7 +185,7 @@ class BatchStream:
         self._buffers: weakref.WeakSet[Any] = weakref.WeakSet()   # shuffle buffers fed from this stream
         self._resumed = resumed                   # the state resumed from, until its epoch begins
         if resumed is not None:
-            self._intake.resume(resumed["epoch"], resumed["used"])
+            self._intake.resume(resumed["epoch"], resumed["used"], resumed["cuts"])
             log.info("rank %d of stream %r resumes from its state (resume=) at epoch %d, step %d: the steps before "
                      "it were taken before the checkpoint, the rest of the epoch comes", self.rank, stream,
                      resumed["epoch"], resumed["steps"])
@@ -214,7 +230,7 @@ class BatchStream:
             plan = GrantedSteps(self._intake, ep, self.on_drop)
         elif self.even:
             plan = EvenRounds(self._intake, self.comm, ep, prefetch=self.prefetch,
-                              prefetch_bytes=self.prefetch_bytes, on_drop=self.on_drop)
+                              prefetch_bytes=self.prefetch_bytes, on_drop=self.on_drop, remainder=self.remainder)
         else:
             plan = IndependentSteps(self._intake, ep)
         self._intake.forget = getattr(plan, "forget", None)
@@ -255,9 +271,11 @@ class BatchStream:
         and nothing used. **One per rank**: each rank saves its own (``torch.save`` per rank, or gathered).
 
         Returns:
-            ``{"format": 1, "stream", "rank", "size", "epoch", "steps", "used": [[part, seq, first, stop,
-            checksum], ...]}``: plain ints, strings and lists (JSON and msgpack safe). ``steps``: the steps taken of
-            the epoch (those before a checkpoint this stream resumed from included).
+            ``{"format": 2, "stream", "rank", "size", "epoch", "steps", "used": [[part, seq, first, stop,
+            checksum], ...], "cuts": [[part, seq, index, lo, hi, checksum], ...]}``: plain ints, strings and lists
+            (JSON and msgpack safe). ``steps``: the steps taken of the epoch (those before a checkpoint this stream
+            resumed from included); ``cuts``: rows ``lo..hi-1`` of batches used in part (a piece of the epoch's
+            remainder). ``resume=`` also takes format 1 (sparkbus 0.2), which has no ``cuts``.
         Raises:
             ValueError: a :class:`~worker.ShuffleBuffer` (or :func:`~worker.shuffled`) given ``stream=`` this
                 stream holds rows: the model has not trained them, yet they were taken from the stream, so a
@@ -270,14 +288,17 @@ class BatchStream:
                              f"has not trained: a state mid-epoch would not be exact; take it between epochs, or "
                              f"shuffle with a buffer of one batch")
         if self._resumed is not None:
-            return dict(self._resumed, used=[list(e) for e in self._resumed["used"]])
+            return dict(self._resumed, used=[list(e) for e in self._resumed["used"]],
+                        cuts=[list(c) for c in self._resumed["cuts"]])
+        cuts: list[list[int]] = []
         if self._in_epoch:
             epoch, steps = self._intake.current, self._ep.resumed_batches + self._ep.batches
-            used = [list(e) for e in self._intake.used_entries()]
+            record = self._intake.used()
+            used, cuts = [list(e) for e in record.entries()], [list(c) for c in record.cuts()]
         else:
             epoch, steps, used = max([self._intake.current, *(b.ended for b in self._brokers)]) + 1, 0, []
-        return {"format": 1, "stream": self.stream, "rank": self.rank, "size": self.size, "epoch": epoch,
-                "steps": steps, "used": used}
+        return {"format": 2, "stream": self.stream, "rank": self.rank, "size": self.size, "epoch": epoch,
+                "steps": steps, "used": used, "cuts": cuts}
 
     def track_buffer(self, buffer: Sized) -> None:
         """A shuffle buffer fed from this stream (``ShuffleBuffer(..., stream=)``): :meth:`state_dict` refuses while
@@ -296,6 +317,11 @@ class BatchStream:
     def _count(ep: EpochStats, header: dict, batch: Batch) -> None:
         ep.batches += 1
         ep.rows += header["rows"]
+        if "cut" in header:
+            ep.cut_batches += 1
+        if header.get("repeat"):
+            ep.repeated_batches += 1
+            ep.repeated_rows += header["rows"]
         nbytes = header.get("nbytes")         # not on a batch that came from another rank at the epoch's end
         ep.bytes += nbytes if nbytes is not None else sum(a.nbytes for a in batch.values())
 
@@ -332,10 +358,11 @@ def _resume_state(state: Mapping[str, Any], stream: str, rank: int, size: int) -
     """``state`` (a :meth:`BatchStream.state_dict`) checked for this stream, rank and group size.
 
     Raises:
-        ValueError: not a state of format 1, of another stream, rank or size, or malformed ``used`` entries.
+        ValueError: not a state of format 1 or 2, of another stream, rank or size, or malformed ``used`` entries
+            or ``cuts``.
     """
-    if not isinstance(state, Mapping) or state.get("format") != 1:
-        raise ValueError("resume= takes a BatchStream.state_dict() (format 1)")
+    if not isinstance(state, Mapping) or state.get("format") not in (1, 2):
+        raise ValueError("resume= takes a BatchStream.state_dict() (format 2, or format 1 of sparkbus 0.2)")
     for name, mine in (("stream", stream), ("rank", rank), ("size", size)):
         if state.get(name) != mine:
             raise ValueError(f"resume= has the state of {name} {state.get(name)!r}, but this BatchStream is "
@@ -349,8 +376,14 @@ def _resume_state(state: Mapping[str, Any], stream: str, rank: int, size: int) -
                 or not 0 <= entry[2] < entry[3]):
             raise ValueError(f"resume= has a malformed used entry {entry!r} (want [part, seq, first, stop, checksum])")
         entries.append((entry[0], entry[1], entry[2], entry[3], entry[4]))
-    return {"format": 1, "stream": stream, "rank": rank, "size": size, "epoch": epoch, "steps": steps,
-            "used": entries}
+    cuts: list[Cut] = []
+    for cut in state.get("cuts", []) if state["format"] == 2 else []:
+        if (not isinstance(cut, (list, tuple)) or len(cut) != 6 or any(type(n) is not int for n in cut)
+                or not 0 <= cut[3] < cut[4]):
+            raise ValueError(f"resume= has a malformed cut {cut!r} (want [part, seq, index, lo, hi, checksum])")
+        cuts.append((cut[0], cut[1], cut[2], cut[3], cut[4], cut[5]))
+    return {"format": 2, "stream": stream, "rank": rank, "size": size, "epoch": epoch, "steps": steps,
+            "used": entries, "cuts": cuts}
 
 
 def _group(comm: Any, rank: int | str | None, size: int | None) -> tuple[int, int]:

@@ -3,7 +3,9 @@
 A broker that lost its state (docs/design/RECOVERY.md) learns from the ranks which of its batches they already
 trained (``RECLAIM``), and a checkpoint saves the same record (``BatchStream.state_dict``). Both name a message by
 its ``(part, seq)``, the batches of it used (``first..stop-1``: a pack's, or ``0, 1`` for a single batch) and its
-checksum as it arrived, so that a recomputation that came out differently is told apart.
+checksum as it arrived, so that a recomputation that came out differently is told apart. Of a batch a rank used
+some rows only (its piece of an epoch's remainder, ``wire.remainder``), a *cut* names them:
+``(part, seq, index, lo, hi, checksum)``.
 """
 
 from __future__ import annotations
@@ -12,30 +14,45 @@ from collections.abc import Iterable
 
 from sparkbus.wire.protocol import UsedEntry
 
+Cut = tuple[int, int, int, int, int, int]     # (part, seq, index, lo, hi, checksum): rows lo..hi-1 of a batch
+
 
 class UsedBatches:
     """Per message ``(part, seq)``: its checksum and the indices of its batches used (a set: a pack's batches may be
-    used out of order, e.g. pooled at an epoch's end). :meth:`entries` gives them as contiguous ranges."""
+    used out of order, e.g. pooled at an epoch's end), and per batch used in part, its rows. :meth:`entries` gives
+    the whole batches as contiguous ranges, :meth:`cuts` the rest."""
 
-    __slots__ = ("_messages",)
+    __slots__ = ("_messages", "_cuts")
 
-    def __init__(self, entries: Iterable[UsedEntry] = ()):
+    def __init__(self, entries: Iterable[UsedEntry] = (), cuts: Iterable[Cut] = ()):
         self._messages: dict[tuple[int, int], tuple[int, set[int]]] = {}
-        self.update(entries)
+        self._cuts: dict[tuple[int, int, int], tuple[int, list[tuple[int, int]]]] = {}
+        self.update(entries, cuts)
 
-    def add(self, part: int, seq: int, index: int, checksum: int) -> None:
-        """Batch ``index`` of message ``(part, seq)`` (0 for a single batch) was used."""
+    def add(self, part: int, seq: int, index: int, checksum: int, rows: tuple[int, int] | None = None) -> None:
+        """Batch ``index`` of message ``(part, seq)`` (0 for a single batch) was used: whole, or its ``rows``
+        (``lo, hi``)."""
+        if rows is not None:
+            known_cut = self._cuts.setdefault((part, seq, index), (checksum, []))
+            known_cut[1].append(rows)
+            return
         known = self._messages.get((part, seq))
         if known is None:
             self._messages[(part, seq)] = (checksum, {index})
         else:
             known[1].add(index)      # the first checksum stands: the copy this rank used first
 
-    def update(self, entries: Iterable[UsedEntry]) -> None:
-        """Add ``(part, seq, first, stop, checksum)`` entries (another record's, or a checkpoint's)."""
+    def update(self, entries: Iterable[UsedEntry], cuts: Iterable[Cut] = ()) -> None:
+        """Add ``(part, seq, first, stop, checksum)`` entries and ``cuts`` (another record's, or a checkpoint's)."""
         for part, seq, first, stop, checksum in entries:
             for index in range(first, stop):
                 self.add(part, seq, index, checksum)
+        for part, seq, index, lo, hi, checksum in cuts:
+            self.add(part, seq, index, checksum, (lo, hi))
+
+    def merge(self, other: UsedBatches) -> None:
+        """Add everything ``other`` holds."""
+        self.update(other.entries(), other.cuts())
 
     def entries(self) -> list[UsedEntry]:
         """``(part, seq, first, stop, checksum)`` per contiguous run of used batches, sorted: what
@@ -51,12 +68,29 @@ class UsedBatches:
             out.append((part, seq, run[0], run[-1] + 1, checksum))
         return out
 
+    def cuts(self) -> list[Cut]:
+        """``(part, seq, index, lo, hi, checksum)`` per run of used rows of a batch not used whole, sorted."""
+        out: list[Cut] = []
+        for (part, seq, index), (checksum, ranges) in sorted(self._cuts.items()):
+            whole = self._messages.get((part, seq))
+            if whole is not None and index in whole[1]:
+                continue
+            merged: list[list[int]] = []
+            for lo, hi in sorted(ranges):
+                if merged and lo <= merged[-1][1]:
+                    merged[-1][1] = max(merged[-1][1], hi)
+                elif hi > lo:
+                    merged.append([lo, hi])
+            out.extend((part, seq, index, lo, hi, checksum) for lo, hi in merged)
+        return out
+
     def clear(self) -> None:
         self._messages.clear()
+        self._cuts.clear()
 
     def __len__(self) -> int:
-        """Batches used (a pack's each)."""
-        return sum(len(indices) for _, indices in self._messages.values())
+        """Batches used (a pack's each), a batch used in part counting one."""
+        return sum(len(indices) for _, indices in self._messages.values()) + len(self.cuts())
 
     def __bool__(self) -> bool:
-        return bool(self._messages)
+        return bool(self._messages) or bool(self._cuts)

@@ -140,6 +140,39 @@ def test_a_pack_used_in_part_by_two_ranks_is_cut_and_only_its_unused_tail_goes_o
     assert [e.ids for e in events if isinstance(e, BatchesAcked)] == [[[0, 1, 0]]]     # once, with its last piece
 
 
+def test_rows_a_rank_used_of_a_batch_are_adopted_and_only_the_rows_nobody_used_go_out():
+    """A checkpoint taken in an epoch's last step (its remainder shared out by rows): each rank used rows of a
+    batch (RECLAIM ``cuts``). Recomputed, the batch's used rows are adopted by their ranks, one piece a cut, and
+    only the rows nobody used go out, as a row piece (``cut``)."""
+    ledger = up_a_while(Ledger())
+    wire = Wire(ledger)
+    events = []
+    ledger.observe(events.append)
+    two_ranks(ledger)
+    recover(ledger)
+    c10, c11 = checksum(0, 1, 0, rows=10), checksum(0, 1, 1, rows=10)
+    ledger.reclaim(ledger.rank(b"a"), {"stream": STREAM, "epoch": 0, "lost": "x", "entries": 1},
+                   [(1, 1, 0, 1, c11)], [(1, 0, 0, 0, 4, c10)])                     # batch 1 whole, rows 0..3 of 0
+    ledger.reclaim(ledger.rank(b"b"), {"stream": STREAM, "epoch": 0, "lost": "x", "entries": 0}, [],
+                   [(1, 0, 0, 7, 10, c10)])                                          # rows 7..9 of batch 0
+    pending = ledger.pending(ledger.streams[STREAM], ledger.streams[STREAM].epochs[0])
+    assert [(rank.rank, n) for rank, n in pending] == [(0, 2), (1, 1)], "a cut counts one step of its rank's"
+    push(ledger, 0, 1, 0, rows=10)
+    push(ledger, 0, 1, 1, rows=10)
+    wire.dispatch()
+    [(who, header)] = [(w, h) for w, h in wire.headers if h["kind"] == Kind.BATCH]
+    assert header["cut"] == [4, 7] and protocol.row_cut(header) == (4, 7) and header["seq"] == 0
+    assert figures(ledger) == {"batches_in": 2, "batches_out": 4, "acked": 3, "adopted": 3, "unassigned": 0,
+                               "held": 0, "queued": 0}                     # 3 pieces of batch 0, batch 1 whole
+    assert (ledger.rank(b"a").adopted, ledger.rank(b"b").adopted) == ({0: 2}, {0: 1})
+    settled = [e.ids for e in events if isinstance(e, BatchesAcked)]
+    assert settled == [[[0, 1, 1]]], "batch 0 settles with its last piece only"
+    acked(ledger, who, (0, 1, 0))
+    assert [e.ids for e in events if isinstance(e, BatchesAcked)][-1] == [[0, 1, 0]] and ledger.buffered == 0
+    frames = batch_frames(0, 1, 0, rows=10)
+    assert codec.decode_batch(header, frames[1:])["x"].tolist()[4:7] == [1004, 1005, 1006]
+
+
 def test_a_batch_recomputed_differently_marks_the_partition_diverged_and_the_ranks_copy_stands():
     ledger = up_a_while(Ledger())
     wire = Wire(ledger)

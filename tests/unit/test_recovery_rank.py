@@ -233,11 +233,11 @@ def test_state_dict_mid_epoch_names_what_was_used_and_at_a_boundary_the_next_epo
         for step, _ in enumerate(stream.epoch()):
             if step == 2:
                 states.append(stream.state_dict())
-        assert states == [{"format": 1, "stream": "s", "rank": 0, "size": 1, "epoch": 0, "steps": 3,
-                           "used": [[0, 0, 0, 1, c0], [0, 1, 0, 2, cp]]}]
+        assert states == [{"format": 2, "stream": "s", "rank": 0, "size": 1, "epoch": 0, "steps": 3,
+                           "used": [[0, 0, 0, 1, c0], [0, 1, 0, 2, cp]], "cuts": []}]
         assert json.loads(json.dumps(states[0])) == states[0]
-        assert stream.state_dict() == {"format": 1, "stream": "s", "rank": 0, "size": 1, "epoch": 1, "steps": 0,
-                                       "used": []}
+        assert stream.state_dict() == {"format": 2, "stream": "s", "rank": 0, "size": 1, "epoch": 1, "steps": 0,
+                                       "used": [], "cuts": []}
 
 
 def test_a_resumed_rank_reclaims_its_position_before_its_credit_and_yields_the_rest(context, caplog):
@@ -255,7 +255,8 @@ def test_a_resumed_rank_reclaims_its_position_before_its_credit_and_yields_the_r
         assert (reclaim["kind"], reclaim["epoch"], reclaim["lost"]) == (Kind.RECLAIM, 0, "")
         assert credit["kind"] == Kind.CREDIT, "the RECLAIM goes before the first CREDIT"
         assert protocol.unpack_used(frames[0], reclaim["entries"]) == [(0, 0, 0, 1, c0), (0, 1, 0, 2, cp)]
-        assert stream.state_dict() == state, "before its epoch begins, the state is the one resumed"
+        assert stream.state_dict() == dict(state, format=2, cuts=[]), \
+            "before its epoch begins, the state is the one resumed (a format-1 state of sparkbus 0.2, in format 2)"
         a.batch(0, 1, [10, 11, 12], splits=[1, 1, 1], take=(2, 3))
         c2 = a.batch(0, 2, [20])
         a.say(Kind.EPOCH_END, stream="s", epoch=0, batches=2)
@@ -264,8 +265,8 @@ def test_a_resumed_rank_reclaims_its_position_before_its_credit_and_yields_the_r
             seen.extend(batch["id"].tolist())
             states.append(stream.state_dict())
         assert seen == [12, 20]
-        assert states[-1] == {"format": 1, "stream": "s", "rank": 0, "size": 1, "epoch": 0, "steps": 5,
-                              "used": [[0, 0, 0, 1, c0], [0, 1, 0, 3, cp], [0, 2, 0, 1, c2]]}
+        assert states[-1] == {"format": 2, "stream": "s", "rank": 0, "size": 1, "epoch": 0, "steps": 5,
+                              "used": [[0, 0, 0, 1, c0], [0, 1, 0, 3, cp], [0, 2, 0, 1, c2]], "cuts": []}
         ep = stream.stats.epochs[-1]
         assert (ep.batches, ep.resumed_batches, stream.stats.resumed_batches) == (2, 3, 3)
 
@@ -294,8 +295,8 @@ def test_state_dict_is_refused_while_a_shuffle_buffer_of_the_stream_holds_rows(c
         message = ("a shuffle buffer of stream 's' holds rows of 1 batches that the model has not trained: a state "
                    "mid-epoch would not be exact; take it between epochs, or shuffle with a buffer of one batch")
         assert refused == [message, message, ""], "the last batch is out of the buffer, and the epoch is over"
-        assert stream.state_dict() == {"format": 1, "stream": "s", "rank": 0, "size": 1, "epoch": 1, "steps": 0,
-                                       "used": []}
+        assert stream.state_dict() == {"format": 2, "stream": "s", "rank": 0, "size": 1, "epoch": 1, "steps": 0,
+                                       "used": [], "cuts": []}
 
 
 # ---- against the real broker, in process ----------------------------------------------------------------------
@@ -440,3 +441,37 @@ def test_a_batch_of_a_later_epoch_from_a_broker_that_never_ended_the_rank_s_epoc
         assert "sent a batch of epoch 1 while this rank is in epoch 0, which that broker never ended" in \
             str(loop.error) and "--journal" in str(loop.error)
         assert loop.ids == [0]
+
+
+def test_rows_of_a_batch_are_a_view_counted_as_a_cut_saved_in_the_state_and_reclaimed_on_resume(context):
+    """A piece of an epoch's remainder (``cut``): the rank yields those rows only, counts the step in
+    ``cut_batches``, names the rows in its state (format 2, ``cuts``), and a rank resumed from that state sends
+    them in its RECLAIM's ``cuts``."""
+    a = Broker(context, "inproc://recovery-cut", "c1")
+    stream = join(context, [a])
+    with stream:
+        frames = codec.encode_batch("s", 0, 0, 0, {"id": np.arange(10, dtype=np.int64)})
+        header = unpack_header(frames[0])
+        frames[0] = pack_header(Kind.BATCH, **{k: v for k, v in header.items() if k != "kind"}, cut=[3, 7])
+        a.send(frames)
+        a.say(Kind.EPOCH_END, stream="s", epoch=0, batches=1)
+        seen, states = [], []
+        for batch in stream.epoch():
+            seen.append(batch["id"])
+            states.append(stream.state_dict())
+        assert [ids.tolist() for ids in seen] == [[3, 4, 5, 6]]
+        assert not seen[0].flags.owndata, "a view of the received frame, not a copy"
+        ep = stream.stats.epochs[-1]
+        assert (ep.batches, ep.rows, ep.cut_batches, ep.dropped_batches) == (1, 4, 1, 0)
+        assert states == [{"format": 2, "stream": "s", "rank": 0, "size": 1, "epoch": 0, "steps": 1, "used": [],
+                           "cuts": [[0, 0, 0, 3, 7, header["checksum"]]]}]
+    b = Broker(context, "inproc://recovery-cut-resume", "c2")
+    resumed = join(context, [b], resume=json.loads(json.dumps(states[0])))
+    with resumed:
+        (reclaim, frames), (credit, _) = b.after_welcome
+        assert (reclaim["kind"], reclaim["entries"], credit["kind"]) == (Kind.RECLAIM, 0, Kind.CREDIT)
+        assert reclaim["cuts"] == [0, 0, 0, 3, 7, header["checksum"]]
+        assert resumed.state_dict()["cuts"] == [[0, 0, 0, 3, 7, header["checksum"]]]
+    with pytest.raises(ValueError, match="malformed cut"):
+        BatchStream("inproc://nowhere", context=context, stream="s",
+                    resume=dict(states[0], cuts=[[0, 0, 0, 7, 3, 1]]))
