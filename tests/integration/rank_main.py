@@ -42,6 +42,7 @@ parser.add_argument("--raise-after", type=int, default=0)
 parser.add_argument("--no-mpi", action="store_true")
 parser.add_argument("--group", help="R/N: rank R of a group of N started without MPI (BatchStream(rank=, size=))")
 parser.add_argument("--steps", choices=["broker", "mpi"], default="broker", help="how even ranks keep equal steps")
+parser.add_argument("--remainder", choices=["split", "drop", "pad"], help="default: BatchStream's")
 parser.add_argument("--name", help="file name prefix (default rank{r})")
 parser.add_argument("--timeout", type=float, default=60.0)
 parser.add_argument("--values", action="store_true", help="record every column's values as JSON too")
@@ -89,6 +90,8 @@ def main():
     summary = {"rank": rank, "size": comm.Get_size() if comm else group.get("size", 1), "epochs": []}
     consumed = 0
     options = {} if args.prefetch_bytes is None else {"prefetch_bytes": args.prefetch_bytes}
+    if args.remainder:
+        options["remainder"] = args.remainder
     if args.resume:
         options["resume"] = json.loads((Path(args.resume) / f"{name}-state.json").read_text())
     with BatchStream(args.ranks, comm=comm, stream=args.stream, prefetch=args.prefetch, **options, even=even,
@@ -131,6 +134,8 @@ def main():
             summary["epochs"].append({
                 "epoch": stats.epoch, "batches": stats.batches, "rows": stats.rows,
                 "dropped_batches": stats.dropped_batches, "dropped_rows": stats.dropped_rows,
+                "cut_batches": stats.cut_batches, "repeated_batches": stats.repeated_batches,
+                "repeated_rows": stats.repeated_rows,
                 "wait_seconds": stats.wait_seconds,
                 "dtypes": {k: str(v.dtype) for k, v in joined.items() if k != "dropped_id"},
                 "shapes": {k: list(v.shape) for k, v in joined.items() if k != "dropped_id"}})

@@ -2,7 +2,8 @@
 size=)`` (no MPI imported) and mpiexec ranks, one broker or several, a slow rank, a journalled broker's restart,
 a rank that dies and is started again, a group of another size at an epoch boundary.
 
-Every test asserts the exact multiset of row ids: those trained plus those dropped to keep the ranks even.
+Every test asserts the exact multiset of row ids: with the default remainder ("split") every row trained once and
+none dropped; with ``remainder="drop"``, those trained plus those dropped to keep the ranks even.
 """
 
 from __future__ import annotations
@@ -30,12 +31,15 @@ def ids_of(group, ranks, epoch):
             np.concatenate([p["dropped_id"] for p in parts]))
 
 
-def assert_even_and_exact(summaries, group, epoch, rows, brokers=1):
+def assert_even_and_exact(summaries, group, epoch, rows, brokers=1, remainder="split"):
     steps = [s["epochs"][epoch]["batches"] for s in summaries]
     assert len(set(steps)) == 1, f"unequal steps in epoch {epoch}: {steps}"
     dropped = sum(s["epochs"][epoch]["dropped_batches"] for s in summaries)
     assert dropped <= brokers * (len(summaries) - 1)
     kept, lost = ids_of(group, range(len(summaries)), epoch)
+    if remainder == "split":
+        assert dropped == 0 and len(lost) == 0, "the default remainder drops no row"
+        np.testing.assert_array_equal(np.sort(kept), np.arange(rows))
     np.testing.assert_array_equal(np.sort(np.concatenate([kept, lost])), np.arange(rows))
     return steps[0], dropped
 
@@ -51,8 +55,12 @@ def test_a_group_without_mpi_takes_equal_steps_and_every_row_once(spark, start_b
     for epoch in (0, 1):
         steps, dropped = assert_even_and_exact(summaries, group, epoch, 10_007)
         figures = epochs[str(epoch)]
-        assert (figures["steps"], figures["dropped"]) == (steps, dropped)
-        assert steps * 3 + dropped == figures["batches_in"]
+        assert (figures["steps"], figures["dropped"], dropped) == (steps, 0, 0)
+        assert steps * 3 == figures["batches_in"] - figures["cut"] + figures["pieces"]
+        assert figures["pieces"] == (3 if figures["cut"] else 0) and figures["repeated"] == 0
+        # a left-over batch given whole to one rank (the others' cut in two) is not a cut for that rank
+        cut_steps = sum(s["epochs"][epoch]["cut_batches"] for s in summaries)
+        assert figures["pieces"] - figures["cut"] <= cut_steps <= figures["pieces"]
     assert not any(s["imported_mpi4py"] for s in summaries)
 
 
@@ -60,10 +68,10 @@ def test_a_slow_rank_keeps_equal_steps_and_the_fast_one_is_not_given_its_share(s
                                                                               start_group):
     broker = start_broker_process()
     group = start_group(2, broker.ranks, "--stream", "slow", "--slow-rank", "0", "--slow-seconds", "0.02",
-                        "--prefetch", "2", "--prefetch-bytes", "0")
+                        "--prefetch", "2", "--prefetch-bytes", "0", "--remainder", "drop")
     feed(frame(spark, 2_100, 3), broker.feed, stream="slow", batch_size=100, timeout=60, pack_bytes=0)
     summaries = group.wait()
-    steps, dropped = assert_even_and_exact(summaries, group, 0, 2_100)
+    steps, dropped = assert_even_and_exact(summaries, group, 0, 2_100, remainder="drop")
     assert (steps, dropped) == (10, 1)
 
 
@@ -78,7 +86,10 @@ def test_mpi_ranks_take_granted_steps_and_can_still_agree_over_mpi(spark, start_
         summaries = ranks.wait()
         assert_even_and_exact(summaries, ranks, 0, 3_300)
     stats = broker.stats()["streams"]
-    assert stats["granted"]["epochs"]["0"]["steps"] == 16 and stats["agreed"]["epochs"]["0"]["steps"] == 0
+    # 33 batches for 2 ranks: 16 each, and the one left over split by rows (50 each)
+    assert stats["granted"]["epochs"]["0"]["steps"] == 17 and stats["agreed"]["epochs"]["0"]["steps"] == 0
+    for ranks in (granted, agreed):
+        assert [s["epochs"][0]["rows"] for s in ranks.wait()] == [1_650, 1_650]
 
 
 def test_several_brokers_grant_their_own_steps(spark, start_broker_process, start_group):
@@ -133,7 +144,8 @@ def test_a_rank_that_dies_is_started_again_and_nothing_is_lost(spark, start_brok
     [rank1] = again.wait(ranks=[1])
     assert len(victim) == 400
     kept, lost = ids_of(survivor, [0, 1], 0)          # rank1's files are the new process's now
-    np.testing.assert_array_equal(np.sort(np.concatenate([victim, kept, lost])), np.arange(3_000))
+    assert len(lost) == 0, "the default remainder drops no row"
+    np.testing.assert_array_equal(np.sort(np.concatenate([victim, kept])), np.arange(3_000))
     # the share is taken over what the group has left: the batch the dead rank had in hand went to the others
     assert rank0["epochs"][0]["batches"] == rank1["epochs"][0]["batches"]
 
@@ -149,6 +161,9 @@ def test_a_group_of_another_size_joins_at_an_epoch_boundary(spark, start_broker_
     feed(df, broker.feed, stream="resize", epoch=1, batch_size=100, timeout=60, pack_bytes=0)
     summaries = three.wait()
     steps = [s["epochs"][0]["batches"] for s in summaries]
-    assert steps == [6, 6, 6] and sum(s["epochs"][0]["dropped_batches"] for s in summaries) == 2
+    # 20 batches of 100 rows for 3 ranks: 6 each, and the 2 left over shared out by rows (50, 50 and 100)
+    assert steps == [7, 7, 7] and sum(s["epochs"][0]["dropped_batches"] for s in summaries) == 0
+    assert sorted(s["epochs"][0]["rows"] - 600 for s in summaries) == [50, 50, 100]
     kept, lost = ids_of(three, range(3), 0)
-    np.testing.assert_array_equal(np.sort(np.concatenate([kept, lost])), np.arange(2_000))
+    assert len(lost) == 0
+    np.testing.assert_array_equal(np.sort(kept), np.arange(2_000))
