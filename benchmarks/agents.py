@@ -1,14 +1,6 @@
-"""Processes of the broker-hop and RSS measurements, started with ``multiprocessing`` (spawn) and driven by jobs.
-
-* :func:`sender` pushes batches: raw pyzmq (``mode="zmq"``), or through the real feeder code path
-  (``mode="sparkbus"``: ``feeder.task.stream_partition``, which encodes each batch with its checksum and waits for
-  the broker's commit).
-* :func:`receiver` pulls them: a raw PULL socket, or ``worker.BatchStream(comm=None)`` iterating ``epoch()``.
-* :func:`proxy` is ``zmq.proxy(PULL, PUSH)``: the C broker, the limit for one hop.
-
-Times are ``time.time()`` so that the parent can compare the sender's first send with the receiver's last
-receive. Each job answers with a dict of figures.
-"""
+"""Processes of the hop and RSS measurements (``multiprocessing`` spawn, driven by jobs on a pipe): :func:`sender`
+(raw pyzmq, or ``feeder.task.stream_partition``), :func:`receiver` (a raw PULL, or ``BatchStream(comm=None)``) and
+:func:`proxy` (``zmq.proxy``, the C broker). Times are ``time.time()``, comparable across the processes."""
 
 from __future__ import annotations
 

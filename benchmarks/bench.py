@@ -1,13 +1,9 @@
 """sparkbus benchmark: every figure of benchmarks/README.md, each a section (``sections.Section``).
 
-    .venv/bin/python benchmarks/bench.py [--quick] [--out docs/bench]
-        [--only hop,rss,e2e,cluster,scaling,wait,brokers,varlen,spark,images,torchrun,soak,faults]
-
-Runs the sections it is given in order, printing each figure as it is measured, then prints the tables and every
-target with its measured value and PASS/MISS, and writes ``OUT/RESULTS.md``, ``OUT/throughput.png`` and
-``OUT/results.json``. Exit status 0 when every figure was measured (whatever the verdicts: this is a report, not
-a test), 1 when a part failed, 130 on Ctrl-C. Every child process (brokers, agents, mpiexec and its ranks,
-Spark's JVM) is stopped on the way out. See benchmarks/README.md.
+Runs the chosen sections in order, printing each figure as it is measured, then the report (the targets with
+PASS/MISS and every section's tables), also written as ``OUT/RESULTS.md``, ``OUT/results.json`` and
+``OUT/throughput.png``. Exit status 0 when every figure was measured, whatever the verdicts; 1 when a part failed;
+130 on Ctrl-C. Every child process is stopped on the way out.
 """
 
 from __future__ import annotations
@@ -166,7 +162,6 @@ def main(argv: list[str] | None = None) -> int:
     md, png = report.write(run, sections, args.out)
     print()
     print(report.markdown(run, sections))
-    print(report.console_targets(run, sections))
     print(f"\nwrote {md} and {png} ({run.seconds:.0f} s)")
     if args.keep_logs or failed:
         print(f"children's logs: {work}")

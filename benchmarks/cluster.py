@@ -1,24 +1,8 @@
-"""Figure 2b, end to end shaped like a cluster: Spark on one core, the broker and the ranks on the other.
-
-On a cluster the broker and the ranks have hosts of their own, and only the feeder's work (in Spark's Python
-workers) competes with Spark for the executors' cores. On one 2-core machine that is simulated by pinning:
-
-* a Spark driver process of its own (``spark_driver.py --cpus 0``, ``local[1]``) calls ``os.sched_setaffinity``
-  before its session starts, so its JVM and the JVM's Python workers, where the feeder runs, stay on CPU 0;
-* the broker and ``mpiexec -n 2 rank_consumer.py`` (hydra and both ranks) run under ``taskset -c 1``.
-
-Per data kind (``fixed``: the ``id`` + float32[64] rows of figure 2; ``tokens``: ``id`` + int arrays of 1..127
-elements, as many bytes a row on average), cached in that driver, and per batch size (1 MiB and 64 KiB of payload:
-``batch_size`` = size / mean row bytes, ``max_batch_bytes`` = size), each repetition measures the Arrow hand-off
-limit (``mapInArrow`` + drop, on the same one core) and one epoch fed by ``feeder.feed`` to the 2 ranks, in an
-order that alternates from one repetition to the next. Figures: rows/s of each (all rows / time from the call to
-the last batch at any rank), the ratio of their medians, and the CPU seconds of each process group; from these,
-the feeder's CPU seconds per GB in Spark's Python workers above what the hand-off alone costs them.
-
-A kind the feeder refuses (variable-length arrays before protocol v4) is reported as not measured, with the
-feeder's own words. The driver checks once, from inside a task, which sparkbus Spark's Python workers import and
-where they run; the ranks report theirs with their figures.
-"""
+"""Figure 2b, end to end shaped like a cluster: a Spark driver of its own (``spark_driver.py``, ``local[1]``) pinned
+to one CPU, with its JVM and the Python workers where the feeder runs; the broker and 2 ranks under ``taskset`` on
+the other. Per data kind (``fixed``, ``tokens``) and batch size (1 MiB, 64 KiB), alternating: Spark's hand-off on
+that core (``mapInArrow`` + drop) and a sparkbus epoch; the CPU of each process group; the feeder's CPU-s per GB
+above the hand-off's. A kind the feeder refuses is reported as not measured, in its words."""
 
 from __future__ import annotations
 
@@ -32,8 +16,7 @@ from . import end_to_end, spark_data
 from .common import ROOT, BenchError, Children, KiB, MiB, Sizes, median, on_cpus
 from .end_to_end import RANKS, CpuMeter, Series
 from .hop import size_label
-from .report import num, table
-from .sections import Context, Run, Section, Target, at_least, at_most
+from .sections import Context, Run, Section, Table, Target, at_least, at_most
 from .spark_configs import Config, DriverProcess
 
 BATCH_BYTES = (MiB, 64 * KiB)
@@ -218,110 +201,57 @@ class ClusterSection(Section[Cluster]):
                                                {"spark": list(spark_cpus), "bus": list(bus_cpus)})
         return run(ctx.children, ctx.sizes, ctx.work, log=ctx.log, out=out)
 
-    def targets(self, run: Run, result: Cluster | None) -> list[Target]:
+    def targets(self, run: Run, result: Cluster) -> list[Target]:
         """The ratio to the hand-off per kind and batch size, and the feeder's CPU above the hand-off's."""
-        out = []
-        points = result.points if result else {}
+        ratios, cpu = [], []
         for kind in KINDS:
             for size, goal in CLUSTER_RATIOS:
-                what = f"cluster-shaped end to end, {KIND_LABELS[kind]}, {size_label(size)} batches"
-                goal_text = f">= {goal} x the Arrow hand-off on the same core"
-                point = points.get((kind, size))
-                if point and point.sparkbus.runs and point.limit.runs:
-                    r = ratio(point)
-                    out.append(Target(what, goal_text, f"{r:.2f} x ({point.sparkbus.med('rows_per_s'):,.0f} vs "
-                                      f"{point.limit.med('rows_per_s'):,.0f} rows/s)",
-                                      at_least(r, goal)))
-                else:
-                    out.append(Target(what, goal_text, not_measured(result, kind), None))
-        for kind in KINDS:
-            for size, _ in CLUSTER_RATIOS:
-                what = (f"feeder CPU-s per GB above the Arrow hand-off (Spark's Python workers), {KIND_LABELS[kind]}, "
-                        f"{size_label(size)} batches, cluster-shaped")
+                point = result.points.get((kind, size))
+                measured = point is not None and bool(point.sparkbus.runs and point.limit.runs)
+                what = f"{KIND_LABELS[kind]}, {size_label(size)} batches"
+                if point is None or not measured:
+                    ratios.append(Target(f"cluster-shaped end to end, {what}", f">= {goal} x the Arrow hand-off on "
+                                         "the same core", not_measured(result, kind), None))
+                    continue
+                r = ratio(point)
+                ratios.append(Target(f"cluster-shaped end to end, {what}", f">= {goal} x the Arrow hand-off on the "
+                                     f"same core", f"{r:.2f} x ({point.sparkbus.med('rows_per_s'):,.0f} vs "
+                                     f"{point.limit.med('rows_per_s'):,.0f} rows/s)", at_least(r, goal)))
+                per_gb = feeder_cpu_per_gb(point, result.kinds[kind]["payload_bytes"])
                 goal_text = f"<= {FEEDER_CPU_PER_GB}" if size == MiB else "printed (no target)"
-                point = points.get((kind, size))
-                if result and point and point.sparkbus.runs and point.limit.runs:
-                    per_gb = feeder_cpu_per_gb(point, result.kinds[kind]["payload_bytes"])
-                    out.append(Target(what, goal_text, f"{per_gb:.2f} CPU-s/GB",
-                                      at_most(per_gb, FEEDER_CPU_PER_GB) if size == MiB else None))
-                else:
-                    out.append(Target(what, goal_text, not_measured(result, kind), None))
-        return out
+                cpu.append(Target(f"feeder CPU-s per GB above the Arrow hand-off (Spark's Python workers), {what}, "
+                                  "cluster-shaped", goal_text, f"{per_gb:.2f} CPU-s/GB",
+                                  at_most(per_gb, FEEDER_CPU_PER_GB) if size == MiB else None))
+        return ratios + cpu
 
-    def markdown(self, run: Run, result: Cluster) -> list[str]:
-        if not result.points:
-            return []
-        c = result
-        where = c.where
-        parts = ["", "## 2b. End to end, cluster-shaped (Spark on one core, the broker and the ranks on the other)", "",
-                 f"A Spark driver process of its own (`local[1]`) pinned to CPU {c.cpus['spark'][0]} before its "
-                 "session started (`os.sched_setaffinity`): its JVM and Spark's Python workers, where the feeder "
-                 f"runs, inherit it (checked from inside a task: CPUs {where.get('affinity')}, sparkbus imported from "
-                 f"`{Path(where.get('feeder', '?')).parent}`). The broker and `mpiexec -n 2` ranks run under "
-                 f"`taskset -c {c.cpus['bus'][0]}`. So only the feeder's work competes with Spark, as on a cluster "
-                 f"where the broker and the ranks have hosts of their own. {c.rows:,} rows per kind, {PARTITIONS} "
-                 "partitions, cached in that driver; batches of about 1 MiB and 64 KiB of payload (`batch_size` = size "
-                 "/ mean row bytes, `max_batch_bytes` = size). Each repetition runs the Arrow hand-off (`mapInArrow` + "
-                 "drop, on the same core) and the sparkbus epoch, in alternating order; figures are medians of "
-                 f"{c.reps} repetitions.", ""]
-        rows = []
-        for (kind, size), point in c.points.items():
-            if not (point.limit.runs and point.sparkbus.runs):
-                continue
-            lim, s = point.limit, point.sparkbus
+    def tables(self, run: Run, result: Cluster) -> list[Table]:
+        def cpu(series: Series, group: str) -> float:
+            return median([run["cpu"].get(group, 0.0) for run in series.runs])
 
-            def cpu(series, group):
-                return median([run["cpu"].get(group, 0.0) for run in series.runs])
-
-            rows.append([kind, size_label(size), num(median([x["batch_size"] for x in s.runs])),
-                         num(lim.med("rows_per_s")),
-                         num(s.med("rows_per_s")), f"**{ratio(point):.2f}**", num(s.med("first"), ".2f"),
-                         f"{cpu(lim, 'jvm'):.2f} / {cpu(lim, 'workers'):.2f}",
-                         f"{cpu(s, 'jvm'):.2f} / {cpu(s, 'workers'):.2f} / {cpu(s, 'broker'):.2f} / "
-                         f"{cpu(s, 'ranks'):.2f}",
-                         f"**{feeder_cpu_per_gb(point, c.kinds[kind]['payload_bytes']):.2f}**",
-                         num(spark_cpu_ratio(point), ".2f")])
-        parts.append(table(["kind", "batch", "rows a batch", "hand-off rows/s", "sparkbus rows/s",
-                            "sparkbus / hand-off",
-                             "first batch (s)", "hand-off CPU-s: JVM / Python workers",
-                             "sparkbus CPU-s: JVM / Python workers / broker / ranks",
-                             "feeder CPU-s per GB above the hand-off", "Spark's CPU-s: hand-off / sparkbus"], rows))
-        kinds = "; ".join(f"`{k}`: {spark_data.KINDS[k]}, {info['payload_bytes'] / 1e6:,.0f} MB" for k, info in
-                          c.kinds.items())
-        parts += ["", f"Kinds: {kinds}. Feeder CPU-s per GB = (Python workers' CPU-s in the sparkbus run - in the "
-                  "hand-off run) / GB of payload (medians): what the feeder adds on Spark's cores. The last column, "
-                  "Spark's CPU seconds (JVM + Python workers) of the hand-off / of the sparkbus run, is the ratio the "
-                  "one core would allow if it were Spark's alone: a check on the wall-clock ratio, which other work on "
-                  "the machine (a load average above 2 here) lowers for sparkbus more than for the hand-off, since "
-                  "sparkbus needs the second core too."]
-        for kind, why in c.refused.items():
-            parts += ["", f"`{kind}` ({spark_data.KINDS[kind]}) was not measured: the feeder refused it: {why}"]
-        return parts
+        rows = [[f"{kind} {size_label(size)}", median([x["batch_size"] for x in p.sparkbus.runs]),
+                 p.limit.med("rows_per_s"), p.sparkbus.med("rows_per_s"), ratio(p), p.sparkbus.med("first"),
+                 f"{cpu(p.limit, 'jvm'):.2f} / {cpu(p.limit, 'workers'):.2f}",
+                 " / ".join(f"{cpu(p.sparkbus, g):.2f}" for g in ("jvm", "workers", "broker", "ranks")),
+                 feeder_cpu_per_gb(p, result.kinds[kind]["payload_bytes"]), spark_cpu_ratio(p)]
+                for (kind, size), p in result.points.items() if p.limit.runs and p.sparkbus.runs]
+        where = result.where
+        return [Table(f"Spark local[1] on CPU {result.cpus['spark'][0]} (its Python workers on CPUs "
+                      f"{where.get('affinity')}), the broker and 2 ranks on CPU {result.cpus['bus'][0]}; "
+                      f"{result.rows:,} rows a kind, medians of {result.reps}",
+                      ["kind, batch", "rows a batch", "hand-off rows/s", "sparkbus rows/s", "sparkbus / hand-off",
+                       "first batch (s)", "hand-off CPU-s: JVM / Python workers",
+                       "sparkbus CPU-s: JVM / Python workers / broker / ranks",
+                       "feeder CPU-s per GB above the hand-off", "Spark's CPU-s: hand-off / sparkbus"], rows,
+                      [f"`{k}`: {spark_data.KINDS[k]}, {info['payload_bytes'] / 1e6:,.0f} MB" for k, info in
+                       result.kinds.items()] + [f"`{k}` not measured, the feeder refused it: {why}"
+                                                for k, why in result.refused.items()],
+                      plot=("hand-off rows/s", "sparkbus rows/s"))]
 
     def json(self, run: Run, result: Cluster) -> dict:
         return {"cluster": {"rows": result.rows, "cpus": result.cpus, "where": result.where or None,
                             "kinds": result.kinds, "refused": result.refused,
                             "points": [{"kind": k[0], "batch_bytes": k[1], "limit": p.limit.runs,
                                         "sparkbus": p.sparkbus.runs} for k, p in result.points.items()]}}
-
-    def plots(self, result: Cluster) -> bool:
-        return any(p.sparkbus.runs for p in result.points.values())
-
-    def plot(self, ax, run: Run, result: Cluster) -> None:
-        points = [(k, p) for k, p in result.points.items() if p.sparkbus.runs and p.limit.runs]
-        x = range(len(points))
-        ax.bar([i - 0.2 for i in x], [p.limit.med("rows_per_s") / 1e3 for _, p in points], 0.4, color="#999999",
-               label="Arrow hand-off")
-        bars = ax.bar([i + 0.2 for i in x], [p.sparkbus.med("rows_per_s") / 1e3 for _, p in points], 0.4,
-                      color="#1f77b4", label="sparkbus")
-        for bar, (_, p) in zip(bars, points):
-            ax.annotate(f"{ratio(p):.2f} x", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
-                        va="bottom", fontsize=8)
-        ax.set_xticks(list(x), [f"{k}\n{size_label(size)}" for (k, size), _ in points], fontsize=8)
-        ax.set_ylabel("thousand rows/s")
-        ax.set_title("Cluster-shaped: Spark on 1 core, bus on the other", fontsize=9)
-        ax.legend(fontsize=8)
-        ax.margins(y=0.2)
 
 
 def not_measured(result: Any, kind: str) -> str:

@@ -1,10 +1,8 @@
-"""Shared pieces of the benchmark: sizes, the children it starts (all cleaned up), the broker, mpiexec ranks.
+"""Shared pieces of the benchmark: sizes, the children it starts and their clean-up, mpiexec ranks, RSS sampling.
 
 Every child is registered in a :class:`Children` and stopped by :meth:`Children.stop_all` on success, error and
-signal. Brokers, mpiexec and its ranks are ``launch`` children: in a session of their own, stopped with all they
-started (SIGTERM, then SIGKILL after a grace period), and given ``PR_SET_PDEATHSIG`` so that even a SIGKILLed
-benchmark leaves nothing behind; spawned agents are terminated and die with their parent too. Every wait is
-bounded.
+signal; brokers and mpiexec are ``launch`` children (a session of their own, ``PR_SET_PDEATHSIG``), agents are
+terminated. Every wait is bounded.
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
-"""Figure 4, data-wait: the share of an epoch the ranks spend waiting for data while the feed outpaces compute.
-
-Two ranks (``mpiexec -n 2 rank_consumer.py --compute C``) sleep ``C`` seconds per batch, a stand-in for a
-training step. ``C`` is chosen so that the ranks consume at half the rate sparkbus delivered end to end
-(``C = 2 * ranks * batch_size / measured rows/s``), hence compute, not the feed, is the bottleneck. The epoch is
-a separate cached DataFrame sized to last about ``Sizes.wait_epoch_seconds``, fed by ``feeder.feed`` into a
-broker with ``--max-buffer 32MiB`` so that Spark tasks are still feeding (held back by backpressure) while the
-ranks compute.
-
-The ranks join the broker, then wait until the feed is under way (the broker holds 16 MiB or the feed is done)
-before they start the epoch: start-up latency of the Spark job is the end-to-end "first batch" figure, not
-data-wait. The figure is ``BatchStream.stats.epochs[-1].wait_seconds / .seconds`` of the worst rank.
-
-The figure is taken with the ranks' equal steps granted by the broker (``STEPS``, the default); beside it the same
-run with the ranks agreeing over MPI (``steps="mpi"``). Two diagnostics say where a wait comes from: the
-broker's queue for the ranks, sampled every 100 ms while they consume (empty means the feed was behind), and the
-same run with ``even=False`` (no equal steps at all).
-"""
+"""Figure 4, data-wait: the share of an epoch 2 ranks wait for data while the feed outpaces their compute (a sleep
+per batch at half the end-to-end rate), the steps granted by the broker (the figure), agreed over MPI, and not
+kept even (a diagnostic); the broker's queue sampled meanwhile. benchmarks/README.md, section 4, says more."""
 
 from __future__ import annotations
 
 import itertools
-import math
 import shutil
 import threading
 from dataclasses import dataclass
@@ -32,8 +16,7 @@ from sparkbus.launch.processes import wait_for
 from . import spark_data
 from .common import BenchError, Children, MiB, Sizes, median, run_ranks
 from .end_to_end import BATCH_SIZE, RANKS, Series
-from .report import num, table
-from .sections import Context, Run, Section, Target, at_most
+from .sections import Context, Run, Section, Table, Target, at_most, per
 
 GO_BUFFERED = 16 * MiB
 MAX_BUFFER = "32MiB"
@@ -192,56 +175,33 @@ class DataWaitSection(Section[DataWait]):
         rate = e2e.sparkbus.med("rows_per_s") if e2e else None
         return run(ctx.children, ctx.spark, ctx.df, ctx.dataset.rows, ctx.sizes, ctx.work, rate, ctx.log)
 
-    def targets(self, run: Run, result: DataWait | None) -> list[Target]:
-        what = "ranks' data-wait (even=True) while the feed outpaces compute"
-        goal = f"<= {WAIT_SHARE * 100:.0f} % of the epoch"
-        if result is None:
-            return [Target(what, goal, "not run", None)]
-        share = result.series.med("wait_share")
-        targets = [Target(what, goal, f"{share * 100:.2f} % (worst rank)", at_most(share, WAIT_SHARE))]
-        if result.agreed is not None and result.agreed.runs:
-            agreed = result.agreed.med("wait_share")
-            targets.append(Target("... the same with the steps agreed over MPI (beside the broker's grants)", goal,
-                                  f"{agreed * 100:.2f} % (worst rank)", at_most(agreed, WAIT_SHARE)))
+    def targets(self, run: Run, result: DataWait) -> list[Target]:
+        goal, targets = f"<= {WAIT_SHARE * 100:.0f} % of the epoch", []
+        for label, series in (("ranks' data-wait (even=True) while the feed outpaces compute", result.series),
+                              ("... the same with the steps agreed over MPI (beside the broker's grants)",
+                               result.agreed)):
+            if series is not None and series.runs:
+                share = series.med("wait_share")
+                targets.append(Target(label, goal, f"{share * 100:.2f} % (worst rank)", at_most(share, WAIT_SHARE)))
         return targets
 
-    def markdown(self, run: Run, result: DataWait) -> list[str]:
-        basis = (f"half the measured end-to-end rate ({result.from_rate:,.0f} rows/s)" if result.from_rate
-                 else "a default (no end-to-end figure in this run)")
-        parts = ["", "## 4. Data-wait", "",
-                 f"2 ranks sleep {result.compute * 1e3:.1f} ms per batch of 1024 rows (consumption at {basis}); "
-                 f"{result.rows:,} rows fed by `feeder.feed` into a broker with `--max-buffer 32MiB`. The ranks start "
-                 "the epoch once the feed is under way. Share = `wait_seconds / seconds` of "
-                 "`BatchStream.stats.epochs[-1]`, worst rank.", ""]
-        rows = []
-        for label, series in (("even, steps granted by the broker (the figure)", result.series),
-                              ("even, steps agreed over MPI", result.agreed),
-                              ("even=False (diagnostic)", result.diagnostic)):
-            if series is None or not series.runs:
-                continue
-            empty = series.med("queue_empty_share")
-            rows.append([label, num(median([max(x["batches"]) for x in series.runs])),
-                         num(series.med("seconds"), ".2f"),
-                         num(series.med("wait_seconds"), ".3f"), num(series.med("wait_share") * 100, ".2f") + " %",
-                         num(series.med("wait_first"), ".3f"), num(series.med("wait_steady"), ".3f"),
-                         num(series.med("wait_end"), ".3f"), num(series.med("wait_steady_max") * 1e3, ".1f"),
-                         num(series.med("waits_over_1ms")), "-" if math.isnan(empty) else f"{empty * 100:.0f} %",
-                         num(series.med("queue_median"))])
-        parts += [table(["ranks", "batches / rank", "epoch (s)", "waited (s)", "share of the epoch",
-                         "in next(): first (s)", "in next(): between (s)", "in next(): last (s)",
-                         "longest next() between (ms)", "next() > 1 ms", "broker queue empty",
-                         "broker queue (median batches)"], rows),
-                  "", "`waited` and `share` are BatchStream's own figures (time waiting for a batch from the broker "
-                  "and, with `even=True`, for the broker's grant or the ranks' MPI agreement of each step). "
-                  "The `in next()` columns are the "
-                  "worst rank's loop timing its own calls for the next batch, which also include decoding and "
-                  "checking each batch's checksum: the first call, the ones in between, and the last one (which "
-                  "returns when the epoch ends: `EPOCH_END` and, with `even=True`, the ranks evening out). `broker "
-                  "queue`: batches waiting in the broker for the ranks, sampled every 100 ms while the feed ran; "
-                  "never empty means the feed kept ahead (`-`: the feed was done before the ranks started). "
-                  "`even=False`: the same run with each rank consuming on its own, without the per-step agreement "
-                  "over MPI."]
-        return parts
+    def tables(self, run: Run, result: DataWait) -> list[Table]:
+        anchor = result.series.med("wait_share")
+        rows = [[label, median([max(x["batches"]) for x in s.runs]), s.med("seconds"), s.med("wait_seconds"),
+                 s.med("wait_share") * 100, per(s.med("wait_share"), anchor), s.med("wait_first"), s.med("wait_steady"),
+                 s.med("wait_end"), s.med("wait_steady_max") * 1e3, s.med("waits_over_1ms"),
+                 s.med("queue_empty_share") * 100, s.med("queue_median")]
+                for label, s in (("even, steps granted by the broker (the figure)", result.series),
+                                 ("even, steps agreed over MPI", result.agreed),
+                                 ("even=False (diagnostic)", result.diagnostic)) if s is not None and s.runs]
+        basis = f"half the end-to-end rate, {result.from_rate:,.0f} rows/s" if result.from_rate else "a default"
+        return [Table(f"2 ranks computing {result.compute * 1e3:.1f} ms a batch of {BATCH_SIZE} rows ({basis}); "
+                      f"{result.rows:,} rows through --max-buffer {MAX_BUFFER}",
+                      ["ranks", "batches / rank", "epoch (s)", "waited (s)", "share of the epoch (%)",
+                       "share / granted's", "in next(): first (s)", "between (s)", "last (s)",
+                       "longest between (ms)", "next() > 1 ms", "broker queue empty (%)", "broker queue (median)"],
+                      rows, ["waited, share: BatchStream's own (worst rank); in next(): its loop timing its calls; "
+                             "broker queue: sampled every 100 ms while the feed ran (empty: the feed was behind)"])]
 
     def json(self, run: Run, result: DataWait) -> dict:
         return {"datawait": {"compute": result.compute, "rows": result.rows, "runs": result.series.runs,

@@ -1,15 +1,7 @@
-"""Figure 2, end to end from Spark: a cached DataFrame to MPI ranks, three ways.
-
-* ``sparkbus``: ``python -m sparkbus.broker`` + ``feeder.feed(df, ...)`` + ``mpiexec -n 2 rank_consumer.py``.
-* ``parquet``: Spark writes Parquet to a temporary directory; then ``mpiexec -n 2 parquet_reader.py`` ranks read
-  their share of the files with pyarrow.
-* ``limit``: the same cached DataFrame handed to Python through ``mapInArrow`` and dropped there (no sink),
-  timed with a trivial action: the most any Spark-to-Python path can do on this machine.
-
-The ranks are started first and say when they are ready (joined the broker, or waiting for the staged files);
-the clock starts after that, so mpiexec's own start-up is in no figure. Times are wall clock (``time.time()``)
-in the ranks and in this process.
-"""
+"""Figure 2, end to end from a cached DataFrame to 2 MPI ranks: ``sparkbus`` (broker, ``feeder.feed``,
+``rank_consumer.py``), ``parquet`` (Spark writes Parquet, ``parquet_reader.py`` ranks read it) and ``limit`` (Spark's
+own hand-off to Python through ``mapInArrow``, dropped: the most any path from Spark can do here). The ranks are
+ready before any clock starts. Also the runs that figures 2b, 3, 5, 6 and 7 make (``run_fed_ranks``)."""
 
 from __future__ import annotations
 
@@ -26,8 +18,8 @@ from sparkbus.launch.broker import BrokerProcess
 
 from . import spark_data
 from .common import BenchError, Children, Sizes, median, run_ranks
-from .report import num, table
-from .sections import Context, Run, Section, Target, at_least
+from .sections import Context, Run, Section, Table, Target, at_least
+from .spark_data import ROW_BYTES
 
 RANKS = 2
 BATCH_SIZE = 1024
@@ -242,109 +234,70 @@ class EndToEndSection(Section[EndToEnd]):
         assert ctx.dataset is not None
         return run(ctx.children, ctx.df, ctx.dataset.rows, ctx.sizes, ctx.work, ctx.log)
 
-    def targets(self, run: Run, result: EndToEnd | None) -> list[Target]:
-        what_e2e = "end to end from the cached DataFrame, rows/s"
-        goal_e2e = f">= {E2E_RATIO} x the Arrow hand-off limit"
-        what_pq = "end to end vs Parquet staging"
-        goal_pq = f">= {PARQUET_FASTER} x faster to the last batch; first batch in <= {PARQUET_FIRST} x staging's time"
-        if result is None:
-            return [Target(what_e2e, goal_e2e, "not run", None), Target(what_pq, goal_pq, "not run", None)]
+    def targets(self, run: Run, result: EndToEnd) -> list[Target]:
         s, p, lim = result.sparkbus, result.parquet, result.limit
         ratio = s.med("rows_per_s") / lim.med("rows_per_s")
-        faster = p.med("last") / s.med("last")
-        first = s.med("first") / p.med("first")
-        return [Target(what_e2e, goal_e2e,
+        faster, first = p.med("last") / s.med("last"), s.med("first") / p.med("first")
+        return [Target("end to end from the cached DataFrame, rows/s", f">= {E2E_RATIO} x the Arrow hand-off limit",
                        f"{ratio:.2f} x ({s.med('rows_per_s'):,.0f} vs {lim.med('rows_per_s'):,.0f} rows/s)",
                        at_least(ratio, E2E_RATIO)),
-                Target(what_pq, goal_pq,
-                       f"{faster:.2f} x faster to the last; first batch at {first:.3f} x "
-                       f"({s.med('first'):.2f} s vs {p.med('first'):.2f} s)",
+                Target("end to end vs Parquet staging", f">= {PARQUET_FASTER} x faster to the last batch; first "
+                       f"batch in <= {PARQUET_FIRST} x staging's time", f"{faster:.2f} x faster to the last; first "
+                       f"batch at {first:.3f} x ({s.med('first'):.2f} s vs {p.med('first'):.2f} s)",
                        None if math.isnan(faster) or math.isnan(first)
                        else (faster >= PARQUET_FASTER and first <= PARQUET_FIRST))]
 
-    def markdown(self, run: Run, result: EndToEnd) -> list[str]:
-        ds = run.dataset
-        assert ds is not None
-        parts = ["", "## 2. End to end from Spark (cached DataFrame -> 2 ranks)", "",
-                 f"{ds.rows:,} rows of `id` long + `features` float32[64] ({ds.payload_bytes / 2**30:.2f} GiB "
-                 f"of payload; Spark's cache holds {ds.cached_memory_bytes / 2**30:.2f} GiB in memory, "
-                 f"{ds.cached_disk_bytes / 2**30:.2f} GiB on disk) in {ds.partitions} partitions, "
-                 "Spark local[2]. Times from the start of the feed / the Parquet write to the first and the last "
-                 "batch at any rank (ranks started and ready beforehand). The limit is the DataFrame handed to "
-                 "Python by `mapInArrow` and dropped there.", ""]
-        rows = []
-        for s, label in ((result.limit, "Arrow hand-off limit (mapInArrow, no sink)"),
-                         (result.sparkbus, "sparkbus (broker + feed + 2 ranks)"),
-                         (result.parquet, "Parquet staging (write, then 2 ranks read)")):
-            rows.append([label, num(s.med("first"), ".2f"), num(s.med("last"), ".2f"), num(s.med("rows_per_s")),
-                         num(s.med("rows_per_s") * spark_data.ROW_BYTES / 1e6, ",.0f")])
-        parts.append(table(["path", "first batch (s)", "last batch (s)", "rows/s", "MB/s"], rows))
+    def tables(self, run: Run, result: EndToEnd) -> list[Table]:
         s, p, lim = result.sparkbus, result.parquet, result.limit
-        parts += ["", f"- sparkbus rows/s / limit rows/s = **{s.med('rows_per_s') / lim.med('rows_per_s'):.2f}**",
-                  f"- Parquet time to last / sparkbus time to last = **{p.med('last') / s.med('last'):.2f}**",
-                  f"- sparkbus first batch / Parquet first batch = **{s.med('first') / p.med('first'):.3f}**",
-                  f"- Parquet: the write alone took {p.med('write_seconds'):.2f} s "
-                  f"({num(median([x['staged_bytes'] for x in p.runs]) / 2**20)} MiB in "
-                  f"{p.runs[0]['files']} files); sparkbus: `feed()` returned after {s.med('feed_seconds'):.2f} s, "
-                  f"{num(s.med('dropped_rows'))} rows dropped to keep the ranks even"]
-        return parts + _cpu_markdown(lim, s, ds.payload_bytes, run.machine.get("nproc"))
+        rows = [[label, x.med("first"), x.med("last"), x.med("rows_per_s"), x.med("rows_per_s") * ROW_BYTES / 1e6,
+                 x.med("rows_per_s") / lim.med("rows_per_s"), x.med("last") / s.med("last"),
+                 x.med("first") / p.med("first")]
+                for label, x in (("Arrow hand-off limit (mapInArrow, no sink)", lim), ("sparkbus (2 ranks)", s),
+                                 ("Parquet staging (write, then 2 ranks read)", p))]
+        paths = Table("The cached DataFrame to 2 ranks: from the call to the first and the last batch at any rank",
+                      ["path", "first batch (s)", "last batch (s)", "rows/s", "MB/s", "rows/s / limit's",
+                       "last / sparkbus's", "first / Parquet's"], rows,
+                      [f"Parquet: the write took {p.med('write_seconds'):.2f} s "
+                       f"({median([x['staged_bytes'] for x in p.runs]) / 2**20:,.0f} MiB in {p.runs[0]['files']} "
+                       f"files); sparkbus: feed() returned after {s.med('feed_seconds'):.2f} s, "
+                       f"{s.med('dropped_rows'):,.0f} rows dropped to keep the ranks even"], plot=("rows/s",))
+        ds = run.dataset
+        if ds is None:
+            return [paths]
+        paths.notes.insert(0, f"{ds.rows:,} rows, {ds.partitions} partitions, {ds.payload_bytes / 2**30:.2f} GiB of "
+                           f"payload; Spark's cache holds {ds.cached_memory_bytes / 2**30:.2f} GiB in memory, "
+                           f"{ds.cached_disk_bytes / 2**30:.2f} GiB on disk")
+        return [paths] + cpu_table(lim, s, ds.payload_bytes, run.machine.get("nproc"))
 
     def json(self, run: Run, result: EndToEnd) -> dict:
-        return {"dataset": run.dataset.__dict__ if run.dataset else None,
-                "e2e": {k: s.runs for k, s in result.series().items()}}
-
-    def plots(self, result: EndToEnd) -> bool:
-        return True
-
-    def plot(self, ax, run: Run, result: EndToEnd) -> None:
-        names = ["limit", "sparkbus", "parquet"]
-        labels = ["Arrow limit\n(mapInArrow)", "sparkbus\n(2 ranks)", "Parquet staging\n(2 ranks)"]
-        series = result.series()
-        values = [series[n].med("rows_per_s") / 1e3 for n in names]
-        bars = ax.bar(labels, values, color=["#999999", "#1f77b4", "#ff7f0e"])
-        for bar, n in zip(bars, names):
-            s = series[n]
-            text = f"last {s.med('last'):.1f} s"
-            if n != "limit":
-                text = f"first {s.med('first'):.2f} s\n" + text
-            ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
-                        fontsize=8)
-        ax.set_ylabel("thousand rows/s")
-        ax.set_title(f"End to end, {run.dataset.rows if run.dataset else 0:,} rows")
-        ax.margins(y=0.25)
+        return {"e2e": {k: s.runs for k, s in result.series().items()}}
 
 
-def _cpu_markdown(limit, sparkbus, payload_bytes: int, cores: int | None) -> list[str]:
+CPU_GROUPS = {"jvm": "Spark JVM", "workers": "Spark's Python workers (the feeder)", "broker": "broker",
+              "ranks": "ranks"}
+
+
+def cpu_table(limit: Series, sparkbus: Series, payload_bytes: int, cores: int | None) -> list[Table]:
     """Where the CPU of the end-to-end runs went: the limit's and sparkbus's, per process group (medians)."""
     if not all(run.get("cpu") for run in (*limit.runs, *sparkbus.runs)):
         return []
-    groups = [("jvm", "Spark JVM"), ("workers", "Spark's Python workers (the feeder)"), ("broker", "broker"),
-              ("ranks", "ranks")]
 
-    def cpu(series, group):
+    def cpu(series: Series, group: str) -> float:
         return median([run["cpu"].get(group, 0.0) for run in series.runs])
 
-    rows = []
-    for series, label in ((limit, "Arrow hand-off limit"), (sparkbus, "sparkbus")):
-        total = sum(cpu(series, g) for g, _ in groups)
-        rows.append([label, *[num(cpu(series, g), ".2f") for g, _ in groups], num(total, ".2f"),
-                     num(series.med("last"), ".2f"), num(total / series.med("last"), ".2f")])
     gb = payload_bytes / 1e9
-    extra = sum(cpu(sparkbus, g) - cpu(limit, g) for g, _ in groups)
-    limit_total = sum(cpu(limit, g) for g, _ in groups)
-    out = ["", "CPU seconds per run (medians; user + system of each process group, psutil), and the cores they "
-           "kept busy on average:", "",
-           table(["run", *[label for _, label in groups], "all", "wall (s)", "cores busy"], rows), "",
-           f"sparkbus adds {extra:.2f} CPU-s to the limit's {limit_total:.2f} ({extra / gb:.2f} CPU-s per GB of "
-           f"payload)."]
-    feeder = (cpu(sparkbus, "workers") - cpu(limit, "workers")) / gb
-    out += ["", f"The feeder's CPU in Spark's Python workers above what the hand-off costs them: **{feeder:.2f} CPU-s "
-            f"per GB** ({cpu(sparkbus, 'workers'):.2f} - {cpu(limit, 'workers'):.2f} CPU-s for {gb:.2f} GB, batches "
-            "of 1,024 rows = 264 KiB; section 2b gives it at 1 MiB and 64 KiB)."]
+    totals = {name: sum(cpu(x, g) for g in CPU_GROUPS) for name, x in (("limit", limit), ("sparkbus", sparkbus))}
+    rows = [[label, *[cpu(x, g) for g in CPU_GROUPS], totals[name], x.med("last"), totals[name] / x.med("last"),
+             totals[name] / totals["limit"]]
+            for name, label, x in (("limit", "Arrow hand-off limit", limit), ("sparkbus", "sparkbus", sparkbus))]
+    extra = totals["sparkbus"] - totals["limit"]
+    notes = [f"sparkbus adds {extra:.2f} CPU-s to the limit's {totals['limit']:.2f} ({extra / gb:.2f} CPU-s per GB)",
+             f"feeder CPU-s per GB above the hand-off in Spark's Python workers: "
+             f"{(cpu(sparkbus, 'workers') - cpu(limit, 'workers')) / gb:.2f}"]
     if cores:
-        best = (limit_total + extra) / cores
-        out[-3] += (f" With {cores} cores shared by every process, the limit's work plus that cannot take less than "
-                    f"{best:.2f} s of wall time, {limit.med('last') / best:.2f} x the limit's rate at best; 0.9 x "
-                    f"would need sparkbus to add at most {(limit.med('last') / 0.9 * cores - limit_total) / gb:.2f} "
-                    f"CPU-s per GB here.")
-    return out
+        best = totals["sparkbus"] / cores
+        notes.append(f"on {cores} shared cores that CPU bounds sparkbus at {limit.med('last') / best:.2f} x the "
+                     f"limit's rate; 0.9 x would need at most "
+                     f"{(limit.med('last') / 0.9 * cores - totals['limit']) / gb:.2f} CPU-s per GB added")
+    return [Table("CPU seconds per run by process group (medians; psutil, user + system)",
+                  ["run", *CPU_GROUPS.values(), "all", "wall (s)", "cores busy", "all / limit's"], rows, notes)]

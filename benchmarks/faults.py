@@ -1,50 +1,8 @@
-"""Figure 11, a fault table (issue 18 §4): a long feed from Spark with faults injected at random, seeded times, and
-per fault kind the rows lost and the rows trained twice. A report, not an assertion, like the rest of the bench.
-
-Every run is one epoch of ``rows`` rows (ids 0..rows-1, ``{"id": int64, "x": float32}``) fed by ``feeder.feed``
-from a Spark driver of the section's own (``benchmarks/faults_feeder.py``, ``local[2,4]``: two task slots and a
-failed task retried, as a cluster would; not the bench's ``local[2]`` session, which retries nothing) whose tasks
-sleep ``pause`` s after each batch so the feed lasts, through one broker (``python -m sparkbus.broker``, ``launch``'s
-``BrokerProcess``), to independent consumers (``benchmarks/faults_consumer.py``, ``BatchStream(comm=None)``,
-windows of 4 batches, a short sleep per batch) that write down every id their loop yielded, right after it was
-yielded. One batch per message (``pack_bytes=0``), so that a fault lands between batches. A run's figures:
-
-* **rows lost** = ids fed that no consumer yielded (as a set);
-* **rows trained twice** = yielded ids beyond their first copy (the multiset minus the set).
-
-The kinds (``KINDS``), each with ``faults`` faults at times drawn from ``random.Random(seed)`` within the feed's
-expected length, counted from the first row a consumer yielded (at least ``GAP`` s apart; one planned after the
-feed ended is not injected, and counted so):
-
-* ``none``: the baseline, no fault.
-* ``broker_journal``: the broker SIGKILLed and restarted on the same ports with its ``--journal`` directory
-  (``BrokerProcess.restart``).
-* ``broker_journal_group``: the same, the 2 consumers ranks 0 and 1 of a group (``BatchStream(rank=, size=2)``,
-  equal steps granted by the broker; the rows dropped to keep the steps equal are counted, not lost).
-* ``broker_no_journal``: the same without ``--journal``: the broker's state is gone, and the driver recovers from
-  Spark's lineage (issue 18 §1): it feeds again the partitions the restarted broker lost, which holds them until
-  each consumer said what it used of the lost incarnation, and delivers the rest.
-* ``broker_no_journal_group``: the same, the consumers a group of 2 (granted steps).
-* ``rank``: one consumer (of 2) SIGKILLed, and a new consumer started in its place (``--rejoin-grace 2s``).
-* ``rank_group``: the consumers a group of 2; one SIGKILLed and a new process started with its rank number.
-* ``executor``: the Python worker running a feeding task (Spark's ``pyspark.daemon`` forks one per task slot;
-  the task writes its pid) SIGKILLed mid-partition; Spark retries the task.
-* ``cluster_executor``: on a real standalone cluster (``benchmarks/faults_cluster.py``: a Master and two Workers
-  on 127.0.0.1 and 127.0.0.2, one core each, ``spark.task.maxFailures=4``), the feed reading a DataFrame made in
-  the executors' JVMs, the JVM of an executor running a feeding task SIGKILLed; its Python worker, held (it
-  ignores its daemon's SIGHUP), reads its input cut short as a whole partition and ends that prefix; Spark
-  re-runs the task on the other executor or the new one the Master starts on that Worker.
-* ``cluster_host``: the same cluster, a host lost: its Worker's JVM and its executor's SIGKILLed at once, not
-  started again during that feed (one loss a feed, ``faults`` feeds; the Worker started again between them).
-* ``cluster_executor_atomic``, ``cluster_host_atomic``: the same two with ``delivery="atomic"``.
-* ``link``: where root allows network namespaces (``launch.netns.Network``), the broker and its feeder on one
-  host, the consumers on another; the consumers' link cut (their bridge port down) for 1-4 s and restored
-  (``--dead-after 2s``: the longer cuts outlive it). Skipped with the reason elsewhere.
-
-``SPARKBUS_BENCH_FAULTS_SEED``, ``..._ROWS``, ``..._FAULTS`` (per kind) and ``..._KINDS`` (a comma-separated
-subset) change the defaults; ``--quick`` runs a tiny version (a fault per kind, a feed of a few seconds) without
-the cluster kinds (listed as skipped) unless ``..._KINDS`` names them.
-"""
+"""Figure 11, a fault table (issue 18 §4): per fault kind (``KINDS``), a long feed from Spark with faults injected at
+seeded random times, and the rows lost (ids fed that no consumer yielded) and trained twice (yielded copies beyond
+the first). A report, not an assertion. benchmarks/README.md, section 11, describes every kind, the processes
+(``faults_processes.py``, ``faults_feeder.py``, ``faults_consumer.py``, ``faults_cluster.py``) and the
+``SPARKBUS_BENCH_FAULTS_*`` variables."""
 
 from __future__ import annotations
 
@@ -64,8 +22,7 @@ from sparkbus.launch.processes import LaunchError, wait_for
 from .common import ROOT, BenchError
 from .faults_cluster import HOSTS, ClusterRig
 from .faults_processes import TRAIN_SECONDS, Consumers, Feeder, NetworkChild
-from .report import num, table
-from .sections import Context, Run, Section
+from .sections import Context, Run, Section, Table
 
 KINDS = ("none", "broker_journal", "broker_journal_group", "broker_no_journal", "broker_no_journal_group", "rank",
          "rank_group", "executor", "cluster_executor", "cluster_executor_atomic", "cluster_host", "cluster_host_atomic",
@@ -487,18 +444,18 @@ def cluster_runs(ctx: Context, plan: Plan, kind: str, rng: random.Random, rig: C
             ctx.log(f"  faults: {run.held} Python worker(s) of lost executors still ran after the feed: killed")
 
 
-def cells(row: dict) -> list[str]:
+def cells(row: dict) -> list:
     kind = row["kind"]
     if "skipped" in row:
-        return [LABELS[kind], "skipped", "", "", "", "", "", row["skipped"], PROMISES[kind]]
+        return [LABELS[kind], "skipped", *[None] * 7, row["skipped"], PROMISES[kind]]
     outcomes = ", ".join(f"{o} {n}/{row['runs']}" for o, n in row["outcomes"].items())
     faults = f"{row['faults']}" + (f" of {row['planned']}" if row["planned"] != row["faults"] else "")
-    return [LABELS[kind], faults, num(row["rows_fed"]), num(row["yielded"]), f"**{row['lost']:,}**",
-            f"**{row['twice']:,}**", num(row["dropped"]), outcomes, PROMISES[kind]]
+    return [LABELS[kind], faults, row["rows_fed"], row["yielded"], row["lost"], row["twice"], row["dropped"],
+            row["lost"] / row["rows_fed"], row["twice"] / row["rows_fed"], outcomes, PROMISES[kind]]
 
 
 HEADER = ["fault", "faults", "rows fed", "rows yielded", "rows lost", "rows trained twice", "dropped (equal steps)",
-          "feeds", "GUARANTEES.md"]
+          "lost / fed", "twice / fed", "feeds", "GUARANTEES.md"]
 
 
 class FaultsSection(Section[FaultTable]):
@@ -511,51 +468,18 @@ class FaultsSection(Section[FaultTable]):
         plan = plan_of(ctx.sizes.name.startswith("quick"), min(ctx.sizes.timeout * 2, 120.0))
         return run(ctx, plan, self.name)
 
-    def markdown(self, run: Run, result: FaultTable) -> list[str]:
+    def tables(self, run: Run, result: FaultTable) -> list[Table]:
         p = result.plan
-        lines = ["", "## 11. A fault table: rows lost and trained twice per fault", "",
-                 f"Seed **{p.seed}**. Each run: one epoch of {p.rows:,} rows (ids 0..{p.rows - 1:,}) in "
-                 f"{p.partitions} partitions of {BATCH}-row batches (one a message), fed by `feeder.feed` from a "
-                 f"`local[2,4]` Spark driver whose tasks sleep {p.pause:g} s a batch (~{p.feed_seconds:.0f} s a "
-                 f"feed; `timeout={p.broker_timeout:g}` where the broker is killed, else 15), through one broker, "
-                 f"to {CONSUMERS} independent consumers (`BatchStream`, windows of 4 batches, "
-                 f"{TRAIN_SECONDS * 1000:g} ms a batch) that write down every id their loop yielded. "
-                 f"{p.faults} fault(s) per kind at random times (at least {GAP:g} s apart). Rows lost = fed - "
-                 "yielded (as sets; a group's rows dropped for equal steps count as delivered); trained twice = "
-                 "yielded copies beyond the first. A report, not an assertion."]
-        if any(r.kind in CLUSTER_KINDS for r in result.runs):
-            lines += ["", f"The cluster rows: a standalone cluster (`launch.cluster`: a Master and two Workers on "
-                      f"{' and '.join(HOSTS)}, one core and one executor each) and a driver of its own "
-                      f"(`spark.task.maxFailures=4`) feeding a DataFrame made in the executors' JVMs (`spark.range`, "
-                      f"`x` the id as {WIDTH} float32s, one {BATCH}-row Arrow batch at a time, the same pause as a "
-                      "sleep in the JVM), so that an executor JVM killed mid-partition cuts its Python worker's input "
-                      "short at a batch boundary. That worker is held (a test-only `sitecustomize` on the executors' "
-                      "`PYTHONPATH` makes it ignore its daemon's SIGHUP) so that it ends the prefix, which the broker "
-                      "counts `superseded`. An executor killed: one feed of "
-                      f"{p.faults} kills (the Master starts a new executor on that Worker); a host lost: {p.faults} "
-                      "feeds of one loss each (its Worker and executor JVMs SIGKILLed at once; a new Worker started "
-                      "after the feed, never during it)."]
-        lines += ["", table(HEADER, [cells(r) for r in result.rows()]), ""]
-        lines.append("Faults injected (seconds after the first row a consumer yielded):")
-        lines.append("")
-        for r in result.runs:
-            if r.faults or r.error:
-                what = "; ".join(f"{f['at_s']:.1f} s: {f['what']}" for f in r.faults) or "none"
-                lines.append(f"- {LABELS[r.kind]}: {what}. Feed {r.outcome} at {r.answered_s:.1f} s"
-                             + (f" ({r.error}); {r.yielded:,} rows yielded by then" if r.error else "")
-                             + (f"; the broker counted {r.broker}" if r.broker else "")
-                             + (f"; {r.dropped:,} rows dropped for equal steps (counted)" if r.dropped else "")
-                             + (f"; trained twice: {'; '.join(r.twice_ids)}" if r.twice_ids else "")
-                             + (f"; lost: ids {', '.join(r.lost_ids)}" if r.lost_ids else "")
-                             + (f"; {r.held} held Python worker(s) of lost executors still ran after the feed "
-                                "(killed)" if r.held else ""))
-        lines.append(f"\nThe section took {result.seconds:.0f} s.")
-        return lines
-
-    def console(self, run: Run, result: FaultTable) -> list[str]:
-        return [f"Fault table (seed {result.plan.seed}, no target): " + "; ".join(
-            f"{r['kind']}: " + (f"skipped ({r['skipped']})" if "skipped" in r else
-                                f"{r['lost']:,} lost, {r['twice']:,} twice") for r in result.rows())]
+        injected = [[LABELS[r.kind], "; ".join(f"{f['at_s']:.1f} s: {f['what']}" for f in r.faults) or "none",
+                     f"{r.outcome} at {r.answered_s:.1f} s" + (f" ({r.error})" if r.error else ""), r.broker or None,
+                     "; ".join(r.twice_ids) or None, "; ".join(r.lost_ids) or None, r.held]
+                    for r in result.runs if r.faults or r.error]
+        return [Table(f"Seed {p.seed}: one epoch of {p.rows:,} rows in {p.partitions} partitions of {BATCH}-row "
+                      f"batches (~{p.feed_seconds:.0f} s a feed) to {CONSUMERS} consumers ({TRAIN_SECONDS * 1000:g} ms "
+                      f"a batch), {p.faults} fault(s) a kind at least {GAP:g} s apart; {result.seconds:.0f} s in all",
+                      HEADER, [cells(r) for r in result.rows()]),
+                Table("Faults injected (seconds after the first row a consumer yielded)", ["fault", "injected",
+                      "feed", "the broker counted", "trained twice", "lost", "held Python workers killed"], injected)]
 
     def json(self, run: Run, result: FaultTable) -> dict:
         return {"faults": {"plan": asdict(result.plan), "table": result.rows(), "skipped": result.skipped,

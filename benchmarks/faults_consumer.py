@@ -1,15 +1,11 @@
-"""A consumer of the fault table (``benchmarks/faults.py``): one epoch through ``BatchStream``, every id written down.
+"""A consumer of the fault table (``faults.py``): one epoch through ``BatchStream``, every id written down.
 
     python benchmarks/faults_consumer.py --ranks ADDRESS --stream S --out DIR --name NAME
         [--train SECONDS] [--prefetch 4] [--prefetch-bytes 0] [--group R/N] [--timeout 60]
 
-An independent consumer (``comm=None``), or with ``--group R/N`` rank R of a group of N (granted equal steps; the
-batches dropped to keep them equal are written to ``DIR/NAME.dropped``). Once its ``BatchStream`` is made it
-touches ``DIR/NAME.ready``; then it iterates one epoch and, right after each batch is yielded, appends the batch's
-``id`` column (int64, raw) to ``DIR/NAME.ids`` in one ``write`` (an ``O_APPEND`` file: what the kernel has is what
-the loop trained, even if the process is SIGKILLed a moment later), sleeps ``--train`` seconds (the training step),
-and asks for the next batch (which acknowledges this one). At the epoch's end it writes ``DIR/NAME.done`` (its
-stats, JSON).
+Independent (``comm=None``) or rank R of a granted group of N (dropped batches to ``DIR/NAME.dropped``). Touches
+``DIR/NAME.ready``, then appends each yielded batch's ids to ``DIR/NAME.ids`` in one ``O_APPEND`` write (what the
+kernel has is what the loop trained, even if SIGKILLed), sleeps ``--train``, and at the end writes ``DIR/NAME.done``.
 """
 
 from __future__ import annotations

@@ -1,33 +1,18 @@
-"""The Spark driver of the fault table (``benchmarks/faults.py``): a SparkSession that feeds on request.
+"""The Spark driver of the fault table (``faults.py``): a SparkSession that feeds on requests given as files.
 
     python benchmarks/faults_feeder.py --dir DIR [--master local[2,4]] [--conf KEY=VALUE ...] [--executors N]
 
-Starts a SparkSession (``local[2,4]`` by default: two task slots, and a failed task is retried up to 3 times, as a
-cluster would; or a standalone cluster's ``spark://`` URL with its settings as ``--conf``, and ``--executors N``:
-it waits for N executors and warms their Python workers), touches ``DIR/ready``, then answers requests given as
-files: ``DIR/req-N.json`` is answered by ``DIR/res-N.json`` (written whole, by a rename), each request in a thread
-of its own. It leaves when ``DIR/stop`` exists (or its parent dies). Files, not a socket, so that the section can
-drive a driver that runs in a network namespace of its own.
+``local[2,4]`` by default (a failed task retried), or a standalone cluster's URL, waiting for N executors. Touches
+``DIR/ready``; answers ``DIR/req-N.json`` with ``DIR/res-N.json`` (written by a rename), each in a thread; leaves
+when ``DIR/stop`` exists. Files, not a socket, so that it can run in a network namespace of its own.
 
-A request ``{"rows": R, "partitions": P, "batch_size": B, "pause": S, "address": ..., "stream": ..., "timeout":
-T, "pack_bytes": 0, "delivery": "stream", "source": "rows"}`` runs :func:`feeder.feed` of ids 0..R-1, each task
-pausing S seconds after each batch's worth of rows (so the feed lasts and a fault lands mid-partition):
-
-* ``source="rows"``: an RDD of rows ``{"id": i, "x": float32(i)}`` made in Python, in the feeding task's own Python
-  worker. Each task attempt writes ``DIR/pids/<stream>-p<partition>-a<attempt>.pid`` (the pid of the Python worker
-  running it: the process to kill for a Python worker fault) when it starts and a ``.end`` beside it once it has
-  produced its rows.
-* ``source="dataframe"``: ``spark.range`` with ``x`` the id as ``width`` float32s (default 256), made in the
-  executor's JVM, the pause a ``reflect('java.lang.Thread', 'sleep', ...)`` filter there too, handed to the feeding
-  task through ``mapInArrow`` one batch (``arrow_batch_rows``) at a time. The JVM streams the partition to the
-  Python worker while it makes it, so when the executor's JVM dies mid-partition the worker's input ends at a
-  record batch boundary: the input cut short that the commit by Spark's word is there for. A batch is 100 KiB at
-  the default width, more than the JVM's 64 KiB output buffer, so each batch reaches the worker as it is made.
-
-The answer is ``{"ok": true, "report": FeedReport as a dict, "seconds"}`` or ``{"ok": false, "type", "error",
-"seconds"}``. Another request, ``{"cmd": "warm", "executors": N, "timeout": T}``, waits for N executors and runs a
-task on each (a barrier stage, one task per slot, through ``mapInArrow`` and importing the feeder), answering the
-executors' ids.
+* ``{"rows", "partitions", "batch_size", "pause", "address", "stream", "timeout", "pack_bytes", "delivery",
+  "source"}``: ``feeder.feed`` of ids 0..rows-1, each task pausing after each batch. ``source="rows"``: made in the
+  task's Python worker, which writes ``DIR/pids/<stream>-p<partition>-a<attempt>.pid`` (and ``.end``);
+  ``source="dataframe"``: ``spark.range`` with ``x`` the id as ``width`` float32s, made and paused in the
+  executor's JVM, so that a JVM killed mid-partition cuts its Python worker's input at a batch boundary. Answers
+  ``{"ok": true, "report", "seconds"}`` or ``{"ok": false, "type", "error", "seconds"}``.
+* ``{"cmd": "warm", "executors": N, "timeout": T}``: a task on every slot of N executors; answers their ids.
 """
 
 from __future__ import annotations

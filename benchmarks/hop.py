@@ -1,25 +1,7 @@
-"""Figure 1, the broker hop: batches of 1, 16, 64, 256 KiB, 1 and 4 MiB between separate processes, three ways.
-
-* ``direct``: a raw pyzmq PUSH -> PULL (no broker).
-* ``zmq.proxy``: the same through ``zmq.proxy(PULL, PUSH)`` in a third process (the C broker: the limit of a hop).
-* ``sparkbus``: the sparkbus broker started through its CLI, fed through ``feeder.task.stream_partition`` (one
-  partition of an epoch opened with ``EPOCH_OPEN`` and closed with ``EPOCH_CLOSE``) and consumed by
-  ``worker.BatchStream(comm=None)`` iterating ``epoch()`` (defaults: ``prefetch=4``, checksum verified).
-
-Every measurement sends one column of float32 of the given size for at least ``hop_seconds`` (and at least
-``hop_min_batches`` batches) and is timed from the sender's first send to the receiver's last receive. Raw
-modes send the very message sparkbus sends (header + column frame), encoded once.
-
-Diagnostic rows (not targets) repeat the sparkbus hop with one default changed: ``prefetch=64`` at 1 KiB (how much
-of that figure is the credit round trip), ``verify=False`` at 1 MiB (what the ranks' checksum costs) and, where the
-feeder packs small batches into one message, ``pack_bytes=0`` at 1 and 64 KiB (what packing gains).
-
-CURVE (a cost, not a target): at 64 KiB and 1 MiB the sparkbus hop runs again through a second broker started
-with ``--auth DIR`` (the same flags otherwise), with keys made in the run's temporary directory by
-``broker.auth.create_keypair`` (the broker's pair in ``DIR``, the feeder's and the rank's public keys in
-``DIR/feeders`` and ``DIR/ranks``), the feeder, the control client and the ``BatchStream`` passing ``key=`` and
-``broker_key=``. Each repetition measures it right after the plain sparkbus hop of the same size, whose figure is
-the "plain" one it is compared with.
+"""Figure 1, the broker hop: batches of 1 KiB to 4 MiB between processes, ``direct`` (raw pyzmq PUSH -> PULL),
+through ``zmq.proxy`` (the C broker: the limit of a hop) and through ``sparkbus`` (its CLI broker, fed by
+``feeder.task.stream_partition``, consumed by ``BatchStream(comm=None)``); diagnostics with one default changed;
+the same sparkbus hop with CURVE (``--auth``). benchmarks/README.md, section 1, says how each is measured.
 """
 
 from __future__ import annotations
@@ -35,8 +17,7 @@ from sparkbus.wire.protocol import Kind
 
 from . import agents
 from .common import Agent, BenchError, Children, KiB, MiB, Sizes, median, open_epoch
-from .report import mb, num, table
-from .sections import Context, Run, Section, Target, at_least
+from .sections import Context, Run, Section, Table, Target, at_least
 
 SIZES = (1 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB)
 MODES = ("direct", "zmq.proxy", "sparkbus")
@@ -266,145 +247,60 @@ class HopSection(Section[list[HopResult]]):
     def measure(self, ctx: Context) -> list[HopResult]:
         return run(ctx.children, ctx.sizes, ctx.log)
 
-    def targets(self, run: Run, result: list[HopResult] | None) -> list[Target]:
-        hop = {(h.mode, h.size): h for h in result or []}
+    def targets(self, run: Run, result: list[HopResult]) -> list[Target]:
+        hop = {(h.mode, h.size): h for h in result}
         out = []
         for size, goal in HOP_RATIOS:
-            what = f"sparkbus broker throughput at {size_label(size)} batches"
-            if ("sparkbus", size) in hop:
-                s, p = hop["sparkbus", size].mb_per_s, hop["zmq.proxy", size].mb_per_s
-                out.append(Target(what, f">= {goal} x zmq.proxy", f"{s / p:.2f} x ({s:,.0f} vs {p:,.0f} MB/s)",
-                                  at_least(s / p, goal)))
-            else:
-                out.append(Target(what, f">= {goal} x zmq.proxy", "not run", None))
-        what = "sparkbus broker at 1 KiB batches, delivered to the training loop"
-        goal_text = f">= {HOP_SMALL_RATE:,} batches/s"
-        if ("sparkbus", 1024) in hop:
-            rate = hop["sparkbus", 1024].batches_per_s
-            out.append(Target(what, goal_text, f"{rate:,.0f} batches/s", at_least(rate, HOP_SMALL_RATE)))
-        else:
-            out.append(Target(what, goal_text, "not run", None))
-        return out
+            s, p = hop["sparkbus", size].mb_per_s, hop["zmq.proxy", size].mb_per_s
+            out.append(Target(f"sparkbus broker throughput at {size_label(size)} batches", f">= {goal} x zmq.proxy",
+                              f"{s / p:.2f} x ({s:,.0f} vs {p:,.0f} MB/s)", at_least(s / p, goal)))
+        rate, proxy = hop["sparkbus", KiB].batches_per_s, hop["zmq.proxy", KiB].batches_per_s
+        return out + [Target("sparkbus broker at 1 KiB batches, delivered to the training loop",
+                             f">= {HOP_SMALL_RATE:,} batches/s",
+                             f"{rate:,.0f} batches/s ({rate / proxy:.2f} x zmq.proxy's)",
+                             at_least(rate, HOP_SMALL_RATE))]
 
-    def markdown(self, run: Run, result: list[HopResult]) -> list[str]:
-        if not result:
-            return []
-        parts = ["", "## 1. Broker hop (between processes, loopback TCP)", "",
-                 "MB/s = 10^6 bytes of payload per second, from the sender's first send to the receiver's last "
-                 "receive; b/s = batches per second. Each batch is one float32 column of the given size. "
-                 "`direct`: raw pyzmq PUSH -> PULL; `zmq.proxy`: through `zmq.proxy(PULL, PUSH)` in a third "
-                 "process; `sparkbus`: `python -m sparkbus.broker`, fed by `feeder.task.stream_partition`, consumed by "
-                 "`BatchStream(comm=None)` (its defaults: prefetch 4, checksum verified)." + _packing_note(), ""]
+    def tables(self, run: Run, result: list[HopResult]) -> list[Table]:
+        from sparkbus.broker.daemon import IO_THREADS
+
         hop = {(h.mode, h.size): h for h in result}
-        rows = []
-        for size in SIZES:
-            d, p, s = (hop[mode, size] for mode in MODES)
-            rows.append([size_label(size), mb(d.mb_per_s), num(d.batches_per_s), mb(p.mb_per_s), num(p.batches_per_s),
-                         mb(s.mb_per_s), num(s.batches_per_s), num(s.mb_per_s / p.mb_per_s, ".2f"),
-                         num(s.mb_per_s / d.mb_per_s, ".2f")])
-        parts.append(table(["batch", "direct MB/s", "direct b/s", "zmq.proxy MB/s", "zmq.proxy b/s",
-                            "sparkbus MB/s", "sparkbus b/s", "sparkbus / zmq.proxy", "sparkbus / direct"], rows))
+        pack = feeder_pack_bytes()
+        rates = Table("MB/s of payload and batches/s, sender's first send to receiver's last receive",
+                      ["batch", *[f"{m} {unit}" for m in MODES for unit in ("MB/s", "b/s")],
+                       "sparkbus / zmq.proxy", "sparkbus / direct"],
+                      [[size_label(size), *[v for m in MODES for v in (hop[m, size].mb_per_s,
+                                                                        hop[m, size].batches_per_s)],
+                        hop["sparkbus", size].mb_per_s / hop["zmq.proxy", size].mb_per_s,
+                        hop["sparkbus", size].mb_per_s / hop["direct", size].mb_per_s] for size in SIZES],
+                      [f"the feeder packs batches under {size_label(pack // 4)} into messages of up to "
+                       f"{size_label(pack)}; b/s counts the batches the BatchStream loop received" if pack else
+                       "sparkbus sends one message per batch"],
+                      plot=tuple(f"{m} MB/s" for m in MODES), log=True)
         extra = [h for h in result if h.mode not in MODES and h.mode != CURVE_MODE]
-        if extra:
-            parts += ["", "Diagnostics (not targets), the sparkbus hop with one default changed: " + "; ".join(
-                f"`{h.mode}` at {size_label(h.size)}: {mb(h.mb_per_s)} MB/s, {num(h.batches_per_s)} b/s "
-                f"({num(h.mb_per_s / hop['sparkbus', h.size].mb_per_s, '.2f')} x the default)" for h in extra)
-                + ". More credits in flight show how much of the 1 KiB figure is the credit round trip; "
-                "`verify=False` shows what the ranks' checksum check costs" + (
-                    "; `unpacked` (the feeder's `pack_bytes=0`) what packing small batches gains." if any(
-                        h.mode.endswith("unpacked") for h in extra) else ".")]
-        return parts + _cpu_markdown(result) + _curve_markdown(result)
-
-    def console(self, run: Run, result: list[HopResult]) -> list[str]:
-        summary = curve_summary(result)
-        return ["", f"CURVE (--auth) vs plain sparkbus hop (a cost, not a target): {summary}"] if summary else []
+        diagnostics = Table("Diagnostics: the sparkbus hop with one default changed", ["way", "batch", "MB/s", "b/s",
+                            "vs the default"], [[h.mode, size_label(h.size), h.mb_per_s, h.batches_per_s,
+                                                 h.mb_per_s / hop["sparkbus", h.size].mb_per_s] for h in extra])
+        cpu_rows = []
+        for size in SIZES:
+            measured = {m: [hop[m, size].cpu_per_gb(role) for role in ("sender", "middle", "receiver")] for m in MODES}
+            per_gb = {m: [x for x in v if x is not None] for m, v in measured.items()}
+            if all(len(v) == 3 for v in per_gb.values()):
+                cpu_rows.append([size_label(size), *[x for m in MODES for x in (
+                    "/".join(f"{v:.2f}" for v in per_gb[m]), sum(per_gb[m]))],
+                    sum(per_gb["sparkbus"]) / sum(per_gb["zmq.proxy"])])
+        cpu = Table("CPU-s per GB of payload: sender / middle / receiver (psutil, user + system)",
+                    ["batch", *[x for m in MODES for x in (m, f"{m} sum")], "sparkbus / zmq.proxy"], cpu_rows,
+                    [f"middle: the proxy process or the broker, both with {IO_THREADS} ZeroMQ I/O threads"])
+        curve = Table("What CURVE costs (--auth; a cost, not a target)", ["batch", "plain MB/s", "plain b/s",
+                      "CURVE MB/s", "CURVE b/s", "CURVE / plain"],
+                      [[size_label(plain.size), plain.mb_per_s, plain.batches_per_s, secured.mb_per_s,
+                        secured.batches_per_s, secured.mb_per_s / plain.mb_per_s]
+                       for plain, secured in curve_pairs(result)])
+        return [rates, diagnostics, cpu, curve]
 
     def json(self, run: Run, result: list[HopResult]) -> dict:
-        if not result:
-            return {}
         return {"hop": [{"mode": h.mode, "size": h.size, "mb_per_s": h.mb_per_s, "batches_per_s": h.batches_per_s,
                          "runs": h.runs} for h in result],
                 "curve": [{"size": plain.size, "plain_mb_per_s": plain.mb_per_s, "curve_mb_per_s": curve.mb_per_s,
                            "plain_batches_per_s": plain.batches_per_s, "curve_batches_per_s": curve.batches_per_s,
                            "ratio": curve.mb_per_s / plain.mb_per_s} for plain, curve in curve_pairs(result)]}
-
-    def plots(self, result: list[HopResult]) -> bool:
-        return bool(result)
-
-    def plot(self, ax, run: Run, result: list[HopResult]) -> None:
-        hop = {(h.mode, h.size): h for h in result}
-        for mode, style in zip(MODES, ("o-", "s--", "^-")):
-            ax.plot([s / 1024 for s in SIZES], [hop[mode, s].mb_per_s for s in SIZES], style, label=mode)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xticks([s / 1024 for s in SIZES], [size_label(s).replace(" ", "\n") for s in SIZES])
-        ax.set_xlabel("batch size")
-        ax.set_ylabel("MB/s (payload)")
-        ax.set_title("Broker hop between processes")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
-
-
-def _packing_note() -> str:
-    pack = feeder_pack_bytes()
-    if not pack:
-        return " sparkbus sends one message per batch."
-    return (f" The feeder packs consecutive batches smaller than {size_label(pack // 4)} into messages of up to "
-            f"{size_label(pack)} (its default); the ranks still get them one by one, and b/s counts the batches "
-            "the `BatchStream` loop received.")
-
-
-def _cpu_markdown(result: list[HopResult]) -> list[str]:
-    """CPU seconds per GB of payload in each process of the three hops (medians), where they were measured."""
-    from sparkbus.broker.daemon import IO_THREADS
-
-    by = {(h.mode, h.size): h for h in result}
-    roles = ("sender", "middle", "receiver")
-    rows = []
-    for size in sorted({h.size for h in result}):
-        cells = []
-        for mode in ("direct", "zmq.proxy", "sparkbus"):
-            h = by.get((mode, size))
-            per_gb = [h.cpu_per_gb(role) for role in roles] if h and h.runs else [None] * 3
-            if None in per_gb:
-                break
-            cells.append("/".join(num(x, ".2f") for x in per_gb) if mode != "direct"
-                         else f"{num(per_gb[0], '.2f')}/-/{num(per_gb[2], '.2f')}")
-            cells.append(num(sum(x for x in per_gb if x is not None), ".2f"))
-        else:
-            rows.append([size_label(size), *cells])
-    if not rows:
-        return []
-    return ["", "CPU seconds per GB of payload in each process of a hop (medians, user + system of all its threads, "
-            "psutil): sender / middle / receiver, then their sum. The sender is raw pyzmq for `direct` and "
-            "`zmq.proxy` and `feeder.task.stream_partition` (encoding, checksum) for sparkbus; the middle is the "
-            f"proxy process or the broker (both with {IO_THREADS} ZeroMQ I/O threads); the receiver is raw pyzmq "
-            "or a `BatchStream` (checksum, acknowledgements). On a machine whose cores all three share, the hop "
-            "with the larger sum is the slower one.", "",
-            table(["batch", "direct CPU-s/GB", "sum", "zmq.proxy CPU-s/GB", "sum", "sparkbus CPU-s/GB", "sum"],
-                  rows)]
-
-
-def _curve_markdown(result: list[HopResult]) -> list[str]:
-    """The CURVE rows of section 1: the sparkbus hop with and without ``--auth``. A cost, not a target."""
-    pairs = curve_pairs(result)
-    if not pairs:
-        return []
-    rows = [[size_label(plain.size), mb(plain.mb_per_s), num(plain.batches_per_s), mb(curve.mb_per_s),
-             num(curve.batches_per_s), num(curve.mb_per_s / plain.mb_per_s, ".2f")] for plain, curve in pairs]
-    return ["", "### What CURVE costs (`--auth`)", "",
-            "The sparkbus hop through a second broker started with `--auth DIR` (otherwise the same flags), with "
-            "keys made for this run (`broker.auth.create_keypair`: the broker's pair, a feeder's key in "
-            "`DIR/feeders`, a rank's in `DIR/ranks`), every client passing `key=` and `broker_key=`: each batch is "
-            "encrypted by the feeder, decrypted and encrypted again by the broker, and decrypted by the rank. Each "
-            "repetition runs right after the plain sparkbus hop of the same size (the `sparkbus` column above), "
-            "which is the plain figure here.", "",
-            table(["batch", "plain MB/s", "plain b/s", "CURVE MB/s", "CURVE b/s", "CURVE / plain"], rows),
-            "", "Diagnostic (a cost, not a target): CURVE ran at " + curve_summary(result) + "."]
-
-
-def curve_summary(result: list[HopResult]) -> str:
-    """``0.45 x the plain rate at 64 KiB, 0.31 x at 1 MiB`` (empty if the CURVE rows were not measured)."""
-    return ", ".join(f"{curve.mb_per_s / plain.mb_per_s:.2f} x{' the plain rate' if i == 0 else ''} at "
-                     f"{size_label(plain.size)} ({mb(curve.mb_per_s)} vs {mb(plain.mb_per_s)} MB/s)"
-                     for i, (plain, curve) in enumerate(curve_pairs(result)))

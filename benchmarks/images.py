@@ -1,40 +1,15 @@
-"""Images into decoding ranks (issue 15): PNG bytes from a cached Spark DataFrame, sparkbus vs Parquet staging.
-
-    .venv/bin/python -m benchmarks.images [--quick] [--images N] [--reps R] [--json FILE]   # from the checkout
-    .venv/bin/python benchmarks/bench.py --only images [--quick]          # the same as a section of the benchmark
-
-One cached DataFrame, ``id long, image binary, label int``: scikit-learn's digits (8x8, in its wheel: no
-download) upscaled to 32x32, each rotated and shifted by its own amount, PNG-encoded with Pillow in Spark's Python
-workers (``mapInArrow`` over ``spark.range``). Both ways read that same cache, in the benchmark's own ``local[2]``
-session, into ``mpiexec -n 2`` ranks (``images_rank.py``) that decode every image with the same Pillow call, two
-decoders per rank:
-
-* ``sparkbus``: ``feed(df, ...)`` (the binary column as it is, batches of 128) -> one broker -> each rank's
-  ``BatchStream`` -> a ``ThreadPoolExecutor(2)`` decoding each batch's ``RaggedColumn`` of PNG bytes.
-* ``staging``: ``df.write.parquet(dir)``, then each rank's ``torch.utils.data.DataLoader(num_workers=2)`` whose
-  workers read the rank's share of the files' row groups with pyarrow (batches of 128) and decode them.
-
-The ranks are started first and say when they are ready (joined the broker; DataLoader workers started and
-waiting for the staged files), so neither mpiexec's nor torch's start-up is in a figure. The clock starts at the
-call that starts the Spark job (``feed``, or the Parquet write); **first** is the first decoded batch on any rank,
-**last** the last one, images/s = images / last. Repetitions alternate which way goes first; the figures are the
-medians, and the ratios are ratios of medians (targets: sparkbus >= 1.5 x staging's images/s; first image at
-<= 0.05 x staging's). Every run must decode every image once: the images, the sum of their ids and the sum of
-their pixels are checked, the last against every other run of either way.
-
-Only loopback; the broker and mpiexec are ``launch`` children, stopped on the way out whatever happens. Of
-``benchmarks`` it imports ``rank_files`` (the files the ranks and it meet through) and the section interface.
-"""
+"""Figure 8, images into decoding ranks (issue 15): PNGs of a cached DataFrame (scikit-learn's digits, upscaled,
+each rotated and shifted, encoded in Spark's Python workers) into 2 ranks (``images_rank.py``) that decode every
+image with the same Pillow call, ``sparkbus`` (``feed`` -> broker -> ``BatchStream`` -> decoding threads) against
+``staging`` (Parquet written, then a DataLoader whose workers read and decode); ranks ready before any clock starts;
+repetitions alternate which goes first; every run must decode every image once (counts, id and pixel sums)."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -47,7 +22,7 @@ from sparkbus.launch.processes import ChildProcess, wait_for
 
 from .end_to_end import CpuMeter
 from .rank_files import figures_path, ready_path
-from .sections import Context, Run, Section, Target
+from .sections import Context, Run, Section, Table, Target, at_least, at_most
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -344,15 +319,6 @@ def _warm_up(df: Any, broker: BrokerProcess, work: Path) -> None:
          timeout=60.0)
 
 
-def targets(result: dict) -> list[tuple[str, float, str, bool]]:
-    """``(name, value, target, passed)`` of the figure's two targets (values are ratios of medians)."""
-    faster, first = result["ratios"]["faster"], result["ratios"]["first"]
-    return [(f"images/s into {result['ranks']} decoding ranks vs Parquet staging + DataLoader, to the last image",
-             faster, f">= {FASTER} x", faster >= FASTER),
-            ("first decoded image vs Parquet staging + DataLoader, from the start of the Spark job",
-             first, f"<= {FIRST} x", first <= FIRST)]
-
-
 def _named(cpu: dict[str, float]) -> dict[str, float]:
     """End to end's CPU groups under this figure's names (those of its report and results.json)."""
     names = {"jvm": "spark_jvm", "workers": "spark_python", "broker": "broker"}
@@ -362,86 +328,6 @@ def _named(cpu: dict[str, float]) -> dict[str, float]:
 CPU_GROUPS = (("spark_jvm", "Spark JVM"), ("spark_python", "Spark's Python workers (the feeder)"),
               ("broker", "broker"), ("ranks", "ranks (main thread + decoding threads)"),
               ("loader_workers", "DataLoader workers"))
-
-
-def markdown(result: dict) -> str:
-    """The figure as Markdown: the set-up, the targets, the medians, each run, CPU per process group."""
-    s, p = result["medians"]["sparkbus"], result["medians"]["staging"]
-    frame = result["frame"]
-    lines = [f"{result['images']:,} PNG images of {result['size']}x{result['size']} "
-             f"({frame['mean_png_bytes']:,.0f} bytes on average, {frame['png_bytes'] / 1e6:,.1f} MB) in "
-             f"{result['partitions']} partitions of a cached DataFrame ({result['master']}), batches of "
-             f"{result['batch_size']}, into {result['ranks']} ranks with {result['decoders_per_rank']} decoders each; "
-             f"medians of {result['reps']} interleaved repetitions. Load average "
-             f"{result['load_start'][0]:.2f} at the start, {result['load_end'][0]:.2f} at the end.", "",
-             "| target | value | goal | result |", "|---|---|---|---|"]
-    for name, value, goal, passed in targets(result):
-        lines.append(f"| {name} | {value:.3f} x | {goal} | **{'PASS' if passed else 'MISS'}** |")
-    lines += ["", "| median | sparkbus | staging + DataLoader | sparkbus / staging |", "|---|---|---|---|",
-              f"| images/s to the last image | {s['images_per_s']:,.0f} | {p['images_per_s']:,.0f} | "
-              f"{result['ratios']['faster']:.2f} x |",
-              f"| last image, s | {s['last']:.2f} | {p['last']:.2f} | {s['last'] / p['last']:.2f} x |",
-              f"| first image, s | {s['first']:.3f} | {p['first']:.3f} | {result['ratios']['first']:.3f} x |",
-              f"| ... of which: the first batch out of `BatchStream`, s | {s['first_received']:.3f} | | |",
-              f"| Spark job (feed / Parquet write), s | {s['feed_seconds']:.2f} | {p['write_seconds']:.2f} | |",
-              f"| decoding, thread-s (all ranks) | {s['decode_seconds']:.2f} | {p['decode_seconds']:.2f} | |",
-              "", f"For scale: a Spark job over the same cache (`mapInArrow`, keeping nothing) handed its first record "
-              f"batch to Python after {result['medians']['first_task']:.3f} s (median, once per repetition), the "
-              "floor of any path's first image from Spark.",
-              *([f"Started again after a failed launch (before any clock): {', '.join(result['relaunched'])}."]
-                if result.get("relaunched") else []),
-              "", "Each run (seconds from the start of the Spark job):", "",
-              "| way | first | last | images/s | Spark job |", "|---|---|---|---|---|"]
-    pairs = zip(result["runs"]["sparkbus"], result["runs"]["staging"])
-    order = [r for rep, pair in enumerate(pairs) for r in (pair if rep % 2 == 0 else pair[::-1])]   # as run
-    for r in order:
-        job = r.get("feed_seconds", r.get("write_seconds"))
-        lines.append(f"| {r['way']} | {r['first']:.3f} | {r['last']:.2f} | {r['images_per_s']:,.0f} | {job:.2f} |")
-    lines += ["", "CPU seconds per run by process group (medians):", "",
-              "| process group | sparkbus | staging + DataLoader |", "|---|---|---|"]
-    totals = {way: 0.0 for way in WAYS}
-    for key, label in CPU_GROUPS:
-        values = {way: _median([r["cpu"].get(key, 0.0) for r in result["runs"][way]]) for way in WAYS}
-        for way in WAYS:
-            totals[way] += values[way]
-        lines.append(f"| {label} | {values['sparkbus']:.2f} | {values['staging']:.2f} |")
-    lines.append(f"| all of these | {totals['sparkbus']:.2f} | {totals['staging']:.2f} |")
-    return "\n".join(lines) + "\n"
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help=f"{QUICK_IMAGES:,} images, {QUICK_REPS} repetition")
-    parser.add_argument("--images", type=int, help=f"images (default {IMAGES:,})")
-    parser.add_argument("--reps", type=int, help=f"repetitions of each way (default {REPS})")
-    parser.add_argument("--size", type=int, default=SIZE, help=f"image side in pixels (default {SIZE})")
-    parser.add_argument("--work", help="directory for logs and staged files (default: a temporary one)")
-    parser.add_argument("--json", help="also write the result here")
-    args = parser.parse_args(argv)
-    images = args.images or (QUICK_IMAGES if args.quick else IMAGES)
-    reps = args.reps or (QUICK_REPS if args.quick else REPS)
-
-    from sparkbus.launch.spark import local_session
-
-    spark = local_session("local[2]", "sparkbus-bench-images", conf={"spark.driver.memory": "2g"})
-    try:
-        result = measure(spark, images, reps, size=args.size, work=Path(args.work) if args.work else None)
-    finally:
-        spark.stop()
-    result["revision"] = _revision()
-    print(markdown(result))
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
-    return 0
-
-
-def _revision() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
 
 
 # ---- the section ------------------------------------------------------------------------------------------
@@ -463,18 +349,41 @@ class ImagesSection(Section[dict]):
         return measure(ctx.spark, images, reps, work=ctx.work / "images", timeout=max(ctx.sizes.timeout, 120.0),
                        log=ctx.log)
 
-    def targets(self, run: Run, result: dict | None) -> list[Target]:
-        if result is None:
-            return []
-        return [Target(name, goal, f"{value:.3f} x", passed) for name, value, goal, passed in targets(result)]
+    def targets(self, run: Run, result: dict) -> list[Target]:
+        faster, first = result["ratios"]["faster"], result["ratios"]["first"]
+        return [Target(f"images/s into {result['ranks']} decoding ranks vs Parquet staging + DataLoader, to the last "
+                       "image", f">= {FASTER} x", f"{faster:.3f} x", at_least(faster, FASTER)),
+                Target("first decoded image vs Parquet staging + DataLoader, from the start of the Spark job",
+                       f"<= {FIRST} x", f"{first:.3f} x", at_most(first, FIRST))]
 
-    def markdown(self, run: Run, result: dict) -> list[str]:
-        return ["", "## 8. Images into decoding ranks (PNG bytes, sparkbus vs Parquet staging + DataLoader)", "",
-                markdown(result).rstrip()]
+    def tables(self, run: Run, result: dict) -> list[Table]:
+        s, p, frame = result["medians"]["sparkbus"], result["medians"]["staging"], result["frame"]
+        medians = [["images/s to the last image", s["images_per_s"], p["images_per_s"], result["ratios"]["faster"]],
+                   ["last image (s)", s["last"], p["last"], s["last"] / p["last"]],
+                   ["first image (s)", s["first"], p["first"], result["ratios"]["first"]],
+                   ["... of which the first batch out of BatchStream (s)", s["first_received"], None, None],
+                   ["Spark job: feed / Parquet write (s)", s["feed_seconds"], p["write_seconds"],
+                    s["feed_seconds"] / p["write_seconds"]],
+                   ["decoding, thread-s (all ranks)", s["decode_seconds"], p["decode_seconds"],
+                    s["decode_seconds"] / p["decode_seconds"]],
+                   ["a Spark job's first record batch in Python (s): the floor", result["medians"]["first_task"], None,
+                    None]]
+        cpu: list[list[Any]] = []
+        for key, label in CPU_GROUPS:
+            s_cpu, p_cpu = (_median([r["cpu"].get(key, 0.0) for r in result["runs"][way]]) for way in WAYS)
+            cpu.append([label, s_cpu, p_cpu, s_cpu / p_cpu if p_cpu else None])
+        return [Table(f"{result['images']:,} PNGs of {result['size']}x{result['size']} ({frame['mean_png_bytes']:,.0f} "
+                      f"bytes on average) in {result['partitions']} partitions, batches of {result['batch_size']}, "
+                      f"into {result['ranks']} ranks x {result['decoders_per_rank']} decoders; medians of "
+                      f"{result['reps']}", ["median", "sparkbus", "staging + DataLoader", "sparkbus / staging"],
+                      medians, [f"started again after a failed launch: {', '.join(result['relaunched'])}"]
+                      if result.get("relaunched") else []),
+                Table("Each run (seconds from the start of the Spark job)", ["way", "first", "last", "images/s",
+                      "Spark job"], [[r["way"], r["first"], r["last"], r["images_per_s"],
+                                      r.get("feed_seconds", r.get("write_seconds"))]
+                                     for way in WAYS for r in result["runs"][way]]),
+                Table("CPU seconds per run by process group (medians)", ["process group", "sparkbus",
+                      "staging + DataLoader", "sparkbus / staging"], cpu)]
 
     def json(self, run: Run, result: dict) -> dict:
         return {"images": result}
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,21 +3,10 @@
     mpiexec -n N python benchmarks/images_rank.py --out DIR --size 32 --threads 2
             (--ranks tcp://127.0.0.1:P --stream S | --parquet STAGING --go FILE) [--batch-size 128]
 
-Both ways decode each image with the same call (:func:`decode_into`: ``PIL.Image.open`` on the bytes, then
-``numpy.asarray``) by ``--threads`` decoders per rank:
-
-* ``--ranks``: a :class:`worker.BatchStream` (``even=False``: every rank takes what it is given, as the staging
-  readers do, and every image is decoded); each batch's ``image`` column (a ``RaggedColumn``) is split into
-  ``--threads`` chunks decoded in a ``ThreadPoolExecutor(--threads)``, up to ``--ahead`` batches beyond the one
-  the loop waits for (the stream is read on the main thread).
-* ``--parquet``: a ``torch.utils.data.DataLoader(num_workers=--threads)`` over this rank's share of the staged
-  files' row groups; each worker reads its row groups with pyarrow in batches of ``--batch-size`` and decodes them
-  (``batch_size=None``: a worker hands over whole decoded batches, no per-image collate). The workers are started
-  before the rank says it is ready and wait for ``--go`` (written when Spark's write has finished).
-
-Writes ``DIR/ready-<rank>`` when it can start and ``DIR/rank<rank>.json``: wall-clock times of the first and last
-decoded batch, the images, the sum of their ids and of their pixels (the benchmark compares both ways), the
-decoding threads' busy seconds, and CPU seconds of the rank and of its DataLoader workers.
+Both ways decode with :func:`decode_into` on ``--threads`` decoders: ``--ranks``, a ``BatchStream`` (``even=False``)
+whose batches' ``RaggedColumn`` of PNGs is split over a thread pool; ``--parquet``, a DataLoader whose workers read
+this rank's row groups and decode them (started before ready, waiting for ``--go``). Writes ``ready-<rank>`` and
+``rank<rank>.json`` (``rank_files``): first and last decoded batch, images, id and pixel sums, CPU seconds.
 """
 
 import argparse

@@ -2,10 +2,8 @@
 
     mpiexec -n N python benchmarks/parquet_reader.py --dir STAGING --go FILE --out DIR [--batch-size 1024]
 
-Writes ``DIR/ready-<rank>`` at once, waits for ``--go`` (the parent writes it when Spark's write has finished),
-then reads files ``sorted(*.parquet)[rank::N]`` in batches of ``--batch-size`` rows, turning each into numpy
-columns as a training loop would get them (``features`` -> float32 [n, 64]), and writes ``DIR/rank<rank>.json``
-with wall-clock times of the first and last batch.
+Writes ``ready-<rank>``, waits for ``--go`` (Spark's write done), reads ``sorted(*.parquet)[rank::N]`` into numpy
+columns as a training loop would get them, and writes ``rank<rank>.json`` (first and last batch).
 """
 
 import argparse

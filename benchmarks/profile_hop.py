@@ -3,10 +3,7 @@
     .venv/bin/pip install py-spy            # not a sparkbus dependency; for this investigation only
     .venv/bin/python benchmarks/profile_hop.py [--size 1KiB] [--seconds 5] [--prefetch 4] [--top 15]
 
-Runs the sparkbus hop of ``bench.py`` (``python -m sparkbus.broker``, ``feeder.task.stream_partition`` in one process,
-``BatchStream(comm=None)`` in another) for ``--seconds`` while ``py-spy record --idle`` samples each of the three
-processes, then prints per process the share of wall time waiting (in ``poll``/``recv`` with nothing to do) and
-the functions with the most samples, inclusive and self. The raw collapsed stacks stay in ``--out``.
+Prints per process the share of wall time waiting and the functions with the most samples (inclusive and self).
 """
 
 from __future__ import annotations

@@ -3,14 +3,10 @@
     mpiexec -n N python benchmarks/rank_consumer.py --ranks tcp://127.0.0.1:P --stream S --out DIR
             [--compute SECONDS] [--go FILE] [--prefetch 4] [--touch] [--steps broker|mpi]
 
-Writes ``DIR/ready-<rank>`` once joined to the broker (the parent starts the clock after every rank is ready),
-waits for ``--go`` if given, then consumes one epoch, sleeping ``--compute`` seconds per batch (a stand-in for a
-training step), and writes ``DIR/rank<rank>.json``: wall-clock (``time.time()``) times of the first and last
-batch, counts, BatchStream's own ``wait_seconds`` and ``seconds`` for the epoch, and the loop's own timing of its
-``next()`` calls (which include decoding and checking each batch's checksum) split into the first call, the ones in
-between and the last one (EPOCH_END and the evening out). With ``--touch`` it also adds up the bytes of every column
-of every batch (numpy ``nbytes``, a variable-length column's values and offsets: no per-row Python). It records the
-CPUs it may run on and the directory it imported ``worker`` from.
+Writes ``ready-<rank>`` once joined, waits for ``--go`` if given, sleeps ``--compute`` a batch (the training step),
+and writes ``rank<rank>.json``: first and last batch, counts, BatchStream's ``wait_seconds`` and ``seconds``, its
+own timing of ``next()`` (first, between, last), with ``--touch`` the bytes of every column, its CPUs and the
+directory it imported ``worker`` from.
 """
 
 import argparse

@@ -1,8 +1,5 @@
-"""The run as text, shared by every section: the machine, tables, the targets' verdicts, the plot's grid, JSON.
-
-Each section (``sections.Section``) knows its own tables, targets and text; this module lays them out. The same
-Markdown is printed and written to ``RESULTS.md``; ``results.json`` keeps every repetition.
-"""
+"""The report, the same for every section: the machine, the targets and each section's tables, as Markdown
+(``RESULTS.md``, also printed), JSON (``results.json``: every repetition) and one plot (``throughput.png``)."""
 
 from __future__ import annotations
 
@@ -18,10 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .common import ROOT, MiB
-from .sections import Run, Section, Target
-
-NAN = float("nan")
-
+from .sections import Run, Section, Table, Target
 
 # ---- the machine --------------------------------------------------------------------------------------------
 
@@ -79,30 +73,24 @@ def _run(command: list[str], stderr: bool = False) -> str:
 
 # ---- cells and tables ----------------------------------------------------------------------------------------
 
-def table(header: list[str], rows: list[list[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
-
-
-def num(value: float | None, fmt: str = ",.0f") -> str:
-    """``value`` formatted, or ``-`` where nothing was measured (None or NaN)."""
+def cell(value: Any) -> str:
+    """A table cell: ``-`` where nothing was measured (None or NaN), thousands separated, three digits below 100."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
-    return format(value, fmt)
-
-
-def mb(value: float | None) -> str:
-    """MB/s: a decimal below 10 (a 1 KiB hop moves a few MB/s)."""
-    return num(value, ",.1f" if value is not None and value < 10 else ",.0f")
+    if isinstance(value, float):
+        return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"
+    return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value)
 
 
 def gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / MiB:,.0f} MiB"
 
 
-def _load(load: Any) -> str:
-    return "-" if not load else ", ".join(f"{x:.2f}" for x in load)
+def markdown_table(table: Table) -> list[str]:
+    lines = ["", f"### {table.title}", "", "| " + " | ".join(table.header) + " |",
+             "|" + "|".join("---" for _ in table.header) + "|"]
+    lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in table.rows]
+    return lines + ([""] + [f"- {note}" for note in table.notes] if table.notes else [])
 
 
 def ordered(sections: Sequence[Section]) -> list[Section]:
@@ -114,84 +102,93 @@ def ordered(sections: Sequence[Section]) -> list[Section]:
     return sorted(sections, key=key)
 
 
+def _ran(run: Run, sections: Sequence[Section]) -> list[Section]:
+    return [s for s in ordered(sections) if run.results.get(s.name) is not None]
+
+
 # ---- the run ------------------------------------------------------------------------------------------------
 
 def targets(run: Run, sections: Sequence[Section]) -> list[Target]:
-    """Every section's targets, in the report's order; a section that did not run says "not run"."""
-    return [t for s in ordered(sections) for t in s.targets(run, run.results.get(s.name))]
+    """Every target of the sections that ran, in the report's order."""
+    return [t for s in _ran(run, sections) for t in s.targets(run, run.results[s.name])]
+
+
+def tables(run: Run, sections: Sequence[Section]) -> list[tuple[Section, list[Table]]]:
+    return [(s, s.tables(run, run.results[s.name])) for s in _ran(run, sections)]
 
 
 def markdown(run: Run, sections: Sequence[Section]) -> str:
-    sizes, m = run.sizes, run.machine
-    parts = [f"# sparkbus benchmark ({sizes.name} size)", ""]
-    parts.append(f"Measured {m['date']} by `benchmarks/bench.py{' --quick' if run.quick else ''}` "
-                 f"in {run.seconds:.0f} s. Each figure is the median of {sizes.reps} repetition"
-                 f"{'s' if sizes.reps > 1 else ''}. Nothing here is asserted: this is a report, not a test.")
-    if run.quick:
-        parts += ["", "**Quick run**: small sizes, one repetition, and Spark starting in the background during the "
-                  "hop and RSS sections. It checks the harness; its figures and verdicts are indicative only."]
-    parts += ["", "## Machine", "",
-              table(["", ""], [
-                  ["nproc", str(m["nproc"])], ["memory", f"{m['memory_gib']} GiB"], ["CPU", m["cpu"]],
-                  ["OS", m["os"]], ["Python", m["python"]], ["Java", m["java"]],
-                  ["libraries", ", ".join(f"{k} {v}" for k, v in m["versions"].items())],
-                  ["sparkbus revision", f"`{m['revision']}`" + (f" (uncommitted changes in {', '.join(m['modified'])})"
-                                                                if m["modified"] else "")],
-                  ["load average (1, 5, 15 min)", f"start {_load(m['load_start'])}; end {_load(m.get('load_end'))}"],
-              ]),
-              "", "The machine may be shared: a load average above its core count means other work ran "
-              "alongside and the figures are low and noisy."]
-    parts += ["", "## Targets", "", table(["target", "goal", "measured", "verdict"],
-                                           [[t.what, t.goal, t.measured, f"**{t.verdict}**"] for t in run.targets])]
-    for section in ordered(sections):
-        if section.name in run.results:
-            parts += section.markdown(run, run.results[section.name])
+    m = run.machine
+    machine = Table("Machine", ["", ""], [
+        ["nproc", m["nproc"]], ["memory", f"{m['memory_gib']} GiB"], ["CPU", m["cpu"]], ["OS", m["os"]],
+        ["Python", m["python"]], ["Java", m["java"]],
+        ["libraries", ", ".join(f"{k} {v}" for k, v in m["versions"].items())],
+        ["sparkbus revision", f"`{m['revision']}`" + (f" (uncommitted changes in {', '.join(m['modified'])})"
+                                                      if m["modified"] else "")],
+        ["load average (1, 5, 15 min)", f"start {_load(m['load_start'])}; end {_load(m.get('load_end'))}"]],
+        notes=["a load average above the core count means other work ran alongside: figures low and noisy"])
+    verdicts = Table("Targets", ["target", "goal", "measured", "verdict"],
+                     [[t.what, t.goal, t.measured, f"**{t.verdict}**"] for t in run.targets])
+    parts = [f"# sparkbus benchmark ({run.sizes.name} size)", "",
+             f"Measured {m['date']} by `sparkbus bench{' --quick' if run.quick else ''}` in {run.seconds:.0f} s; each "
+             f"figure the median of {run.sizes.reps} repetition(s), beside the anchor it is a ratio of, measured in "
+             "the same run. What each figure means: benchmarks/README.md."]
+    parts += markdown_table(machine) + markdown_table(verdicts)
+    for section, section_tables in tables(run, sections):
+        parts += ["", f"## {section.title}"]
+        for table in section_tables:
+            parts += markdown_table(table)
     if run.notes:
         parts += ["", "## Notes", ""] + [f"- {n}" for n in run.notes]
     return "\n".join(parts) + "\n"
 
 
-def console_targets(run: Run, sections: Sequence[Section]) -> str:
-    """The targets as plain aligned text for the terminal, then the sections' own lines (costs, not targets)."""
-    ts = run.targets
-    w1 = max(len(t.what) for t in ts)
-    w2 = max(len(t.goal) for t in ts)
-    lines = [f"{'target'.ljust(w1)}  {'goal'.ljust(w2)}  verdict  measured"]
-    lines += [f"{t.what.ljust(w1)}  {t.goal.ljust(w2)}  {t.verdict.ljust(7)}  {t.measured}" for t in ts]
-    for section in ordered(sections):
-        if section.name in run.results:
-            lines += section.console(run, run.results[section.name])
-    return "\n".join(lines)
+def _load(load: Any) -> str:
+    return "-" if not load else ", ".join(f"{x:.2f}" for x in load)
 
 
 def to_json(run: Run, sections: Sequence[Section]) -> dict[str, Any]:
     out: dict[str, Any] = {"sizes": run.sizes.__dict__, "machine": run.machine, "seconds": run.seconds,
+                           "dataset": run.dataset.__dict__ if run.dataset else None,
                            "targets": [t.__dict__ | {"verdict": t.verdict} for t in run.targets]}
-    for section in sections:
-        if section.name in run.results:
-            out |= section.json(run, run.results[section.name])
+    for section in _ran(run, sections):
+        out |= section.json(run, run.results[section.name])
     return out
 
 
+def _number(value: Any) -> float:
+    try:
+        return float(str(value).replace(",", "").rstrip(" x%"))
+    except ValueError:
+        return math.nan
+
+
 def plot(run: Run, sections: Sequence[Section], path: Path) -> None:
-    """``throughput.png``: a grid of the sections' panels, three a line."""
+    """``throughput.png``: a panel per table that names columns to plot, as bars against its first column."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [s for s in ordered(sections) if s.name in run.results and s.plots(run.results[s.name])]
+    panels = [t for _, ts in tables(run, sections) for t in ts if t.plot and t.rows]
     columns = min(3, max(1, len(panels)))
-    lines = max(1, math.ceil(len(panels) / columns))
-    fig, grid = plt.subplots(lines, columns, figsize=(5.2 * columns, 4.2 * lines), squeeze=False)
+    fig, grid = plt.subplots(max(1, math.ceil(len(panels) / columns)), columns, figsize=(5.2 * columns, 4.2 *
+                             max(1, math.ceil(len(panels) / columns))), squeeze=False)
     axes = [ax for line in grid for ax in line]
-    if not panels:
-        axes[0].text(0.5, 0.5, "nothing measured", ha="center")
     for ax in axes[len(panels):]:
-        if panels:
-            ax.set_visible(False)
-    for ax, section in zip(axes, panels):
-        section.plot(ax, run, run.results[section.name])
+        ax.set_visible(not panels)
+    for ax, table in zip(axes, panels):
+        width = 0.8 / len(table.plot)
+        for i, name in enumerate(table.plot):
+            column = table.header.index(name)
+            ax.bar([j + i * width for j in range(len(table.rows))], [_number(r[column]) for r in table.rows],
+                   width, label=name)
+        ax.set_xticks([j + width * (len(table.plot) - 1) / 2 for j in range(len(table.rows))],
+                      [cell(r[0]) for r in table.rows], fontsize=7, rotation=20)
+        if table.log:
+            ax.set_yscale("log")
+        ax.set_title(table.title, fontsize=9)
+        ax.legend(fontsize=7)
     fig.suptitle(f"sparkbus benchmark ({run.sizes.name}), {run.machine['nproc']} cores, {run.machine['date']}",
                  fontsize=10)
     fig.tight_layout()
@@ -201,13 +198,8 @@ def plot(run: Run, sections: Sequence[Section], path: Path) -> None:
 
 def write(run: Run, sections: Sequence[Section], out: Path) -> tuple[Path, Path]:
     out.mkdir(parents=True, exist_ok=True)
-    md = out / "RESULTS.md"
-    png = out / "throughput.png"
+    md, png = out / "RESULTS.md", out / "throughput.png"
     md.write_text(markdown(run, sections))
     plot(run, sections, png)
     (out / "results.json").write_text(json.dumps(to_json(run, sections), indent=1, default=str))
     return md, png
-
-
-__all__ = ["machine", "table", "num", "mb", "gib", "targets", "markdown", "console_targets", "to_json", "plot",
-           "write"]

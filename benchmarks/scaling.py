@@ -1,16 +1,6 @@
-"""Figure 3: scaling with ranks and feeding tasks, and the broker's peak memory while data flows through it.
-
-Ranks: 1, 2 and 4 (``mpiexec -n``) consuming the cached DataFrame fed by its ``Sizes.partitions`` tasks.
-Feeding tasks: 1, 2 and 4 partitions (``df.coalesce(p)`` of the cached 4-partition DataFrame, which reads the
-cache without a shuffle) to 2 ranks. Spark stays ``local[2]`` throughout, so at most 2 tasks run at once: 4
-partitions means 2 waves of 2 tasks. The (2 ranks, 4 tasks) point is the end-to-end sparkbus figure.
-
-Peak RSS: a fresh broker with a small ``--max-buffer`` is fed ``Sizes.rss_bytes`` of 1 MiB batches by two
-processes running the real feeder path (``feeder.task.stream_partition``, one partition each, epoch opened and
-closed over the control socket) and drained by one ``BatchStream(comm=None)`` that verifies every checksum (so
-the consumer is the slowest part and the broker's buffer fills). Its RSS is sampled every 50 ms with psutil;
-the kernel's own high-water mark (``VmHWM``) is read as a cross-check.
-"""
+"""Figure 3, scaling over ranks (1, 2, 4) and feeding tasks (1, 2, 4) on one broker, and 3b, the broker's peak RSS
+while far more than its ``--max-buffer`` flows through it (two feeders on the real feeder path, one verifying
+``BatchStream``; RSS sampled every 50 ms, the kernel's ``VmHWM`` beside it)."""
 
 from __future__ import annotations
 
@@ -26,8 +16,8 @@ from sparkbus.wire.protocol import Kind
 from . import agents, end_to_end
 from .common import BenchError, Children, MiB, Sizes, median, open_epoch, rss_sampler, vm_hwm
 from .end_to_end import Series
-from .report import gib, num, table
-from .sections import Context, Run, Section, Target, at_least, at_most
+from .report import gib
+from .sections import Context, Run, Section, Table, Target, at_least, at_most
 from .spark_data import ROW_BYTES
 
 RANKS = (1, 2, 4)
@@ -155,57 +145,33 @@ class ScalingSection(Section[Scaling]):
         return run(ctx.children, ctx.df, ctx.dataset.rows, ctx.sizes, ctx.work, e2e.sparkbus if e2e else None,
                    ctx.log)
 
-    def targets(self, run: Run, result: Scaling | None) -> list[Target]:
-        tasks = run.sizes.partitions
-        goal = f">= {RANKS_RATIO:.1f} x"
-        one = (result or {}).get((1, tasks, "broker"))
-        targets = []
+    def targets(self, run: Run, result: Scaling) -> list[Target]:
+        one, targets = result.get((1, run.sizes.partitions, "broker")), []
         for steps, what in (("broker", "4 ranks vs 1 rank on one broker, same data, rows/s"),
                             ("mpi", "... 4 ranks with their steps agreed over MPI (beside the broker's grants)")):
-            four = (result or {}).get((4, tasks, steps))
-            if four is None or one is None or not four.runs or not one.runs:
-                targets.append(Target(what, goal, "not run", None))
-                continue
-            ratio = four.med("rows_per_s") / one.med("rows_per_s")
-            targets.append(Target(what, goal, f"{ratio:.2f} x ({four.med('rows_per_s'):,.0f} vs "
-                                  f"{one.med('rows_per_s'):,.0f} rows/s)", at_least(ratio, RANKS_RATIO)))
+            four = result.get((4, run.sizes.partitions, steps))
+            if four is not None and one is not None and four.runs and one.runs:
+                ratio = four.med("rows_per_s") / one.med("rows_per_s")
+                targets.append(Target(what, f">= {RANKS_RATIO:.1f} x", f"{ratio:.2f} x ({four.med('rows_per_s'):,.0f} "
+                                      f"vs {one.med('rows_per_s'):,.0f} rows/s)", at_least(ratio, RANKS_RATIO)))
         return targets
 
-    def markdown(self, run: Run, result: Scaling) -> list[str]:
-        if not result:
-            return []
-        parts = ["", "## 3. Scaling", "",
-                 "The same cached DataFrame fed by sparkbus. Feeding tasks = partitions (fewer than the "
-                 "cached 4 through `coalesce`, no shuffle); Spark stays local[2], so at most 2 tasks feed at "
-                 "once.", ""]
-        rows = []
-        for (ranks, tasks, steps), s in sorted(result.items()):
-            rows.append([str(ranks), str(tasks), "granted" if steps == "broker" else "agreed over MPI",
-                         num(s.med("rows_per_s")), num(s.med("rows_per_s") * ROW_BYTES / 1e6),
-                         num(s.med("first"), ".2f"), num(s.med("last"), ".2f"), num(s.med("wait_share") * 100, ".0f")])
-        parts.append(table(["ranks", "feeding tasks", "equal steps", "rows/s", "MB/s", "first batch (s)",
-                            "last batch (s)", "ranks idle (% of epoch)"], rows))
-        parts += ["", "Ranks idle = BatchStream's `wait_seconds / seconds` (worst rank) with no compute: near "
-                  "100 % means the ranks are starved and the feed sets the pace."]
-        return parts
+    def tables(self, run: Run, result: Scaling) -> list[Table]:
+        one = result.get((1, run.sizes.partitions, "broker"))
+        anchor = one.med("rows_per_s") if one else float("nan")
+        return [Table("Ranks and feeding tasks (partitions, fewer through coalesce; Spark local[2])",
+                      ["point", "ranks", "feeding tasks", "equal steps", "rows/s", "MB/s", "first batch (s)",
+                       "last batch (s)", "ranks idle (%)", f"vs 1 rank, {run.sizes.partitions} tasks"],
+                      [[f"{r}r/{k}t" + ("/mpi" if steps == "mpi" else ""), r, k,
+                        "granted" if steps == "broker" else "agreed over MPI", s.med("rows_per_s"),
+                        s.med("rows_per_s") * ROW_BYTES / 1e6, s.med("first"), s.med("last"),
+                        s.med("wait_share") * 100, s.med("rows_per_s") / anchor]
+                       for (r, k, steps), s in sorted(result.items())],
+                      ["ranks idle: BatchStream's wait_seconds / seconds, worst rank, no compute"], plot=("rows/s",))]
 
     def json(self, run: Run, result: Scaling) -> dict:
-        if not result:
-            return {}
         return {"scaling": [{"ranks": k[0], "tasks": k[1], "steps": k[2], "runs": s.runs}
                             for k, s in sorted(result.items())]}
-
-    def plots(self, result: Scaling) -> bool:
-        return bool(result)
-
-    def plot(self, ax, run: Run, result: Scaling) -> None:
-        items = sorted(result.items())
-        ax.bar([f"{k[0]}r/{k[1]}t" + ("/mpi" if k[2] == "mpi" else "") for k, _ in items],
-               [s.med("rows_per_s") / 1e3 for _, s in items],
-               color="#1f77b4")
-        ax.set_ylabel("thousand rows/s")
-        ax.set_xlabel("ranks / feeding tasks")
-        ax.set_title("sparkbus scaling (local[2])")
 
 
 class RssSection(Section[list[RssRun]]):
@@ -216,32 +182,21 @@ class RssSection(Section[list[RssRun]]):
     def measure(self, ctx: Context) -> list[RssRun]:
         return run_rss(ctx.children, ctx.sizes, ctx.log)
 
-    def targets(self, run: Run, result: list[RssRun] | None) -> list[Target]:
-        if not result:
-            return [Target("broker peak RSS with 4 GiB through it", "<= --max-buffer + 100 MiB", "not run", None)]
-        peak = median([x.peak_rss for x in result])
-        bound = result[0].max_buffer + 100 * MiB
-        through = median([x.bytes for x in result])
-        return [Target(f"broker peak RSS with {gib(through)} through it", "<= --max-buffer + 100 MiB",
-                       f"{peak / MiB:,.0f} MiB (bound {bound / MiB:,.0f} MiB)", at_most(peak, bound))]
+    def targets(self, run: Run, result: list[RssRun]) -> list[Target]:
+        peak, bound = median([x.peak_rss for x in result]), result[0].max_buffer + 100 * MiB
+        return [Target(f"broker peak RSS with {gib(median([x.bytes for x in result]))} through it",
+                       "<= --max-buffer + 100 MiB", f"{peak / MiB:,.0f} MiB (bound {bound / MiB:,.0f} MiB)",
+                       at_most(peak, bound))]
 
-    def markdown(self, run: Run, result: list[RssRun]) -> list[str]:
-        if not result:
-            return []
-        nan = float("nan")
-        parts = ["", "### Broker memory", "",
-                 "A fresh broker per repetition, fed 1 MiB batches by two processes on the real feeder path and "
-                 "drained by one `BatchStream` (checksums verified). RSS sampled every 50 ms (psutil); VmHWM is the "
-                 "kernel's high-water mark.", ""]
-        parts.append(table(["bytes through", "--max-buffer", "idle RSS", "peak RSS (sampled)", "VmHWM",
-                            "bound (max-buffer + 100 MiB)", "MB/s through"],
-                           [[gib(median([x.bytes for x in result])), gib(result[0].max_buffer),
-                             f"{median([x.idle_rss for x in result]) / MiB:,.0f} MiB",
-                             f"{median([x.peak_rss for x in result]) / MiB:,.0f} MiB",
-                             f"{median([x.vm_hwm or nan for x in result]) / MiB:,.0f} MiB",
-                             f"{(result[0].max_buffer + 100 * MiB) / MiB:,.0f} MiB",
-                             num(median([x.bytes / x.seconds / 1e6 for x in result]))]]))
-        return parts
+    def tables(self, run: Run, result: list[RssRun]) -> list[Table]:
+        peak, bound = median([x.peak_rss for x in result]), result[0].max_buffer + 100 * MiB
+        return [Table("Broker memory: 1 MiB batches from two feeders through one verifying BatchStream",
+                      ["bytes through", "--max-buffer", "idle RSS (MiB)", "peak RSS, sampled (MiB)", "VmHWM (MiB)",
+                       "bound (MiB)", "peak / bound", "MB/s through"],
+                      [[gib(median([x.bytes for x in result])), gib(result[0].max_buffer),
+                        median([x.idle_rss for x in result]) / MiB, peak / MiB,
+                        median([x.vm_hwm or float("nan") for x in result]) / MiB, bound / MiB, peak / bound,
+                        median([x.bytes / x.seconds / 1e6 for x in result])]])]
 
     def json(self, run: Run, result: list[RssRun]) -> dict:
-        return {"rss": [asdict(x) for x in result]} if result else {}
+        return {"rss": [asdict(x) for x in result]}

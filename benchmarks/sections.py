@@ -1,9 +1,8 @@
-"""What a section of the benchmark is: one figure that measures, judges, describes and draws its own results.
+"""What a section of the benchmark is: one figure that measures and judges its results, and lays them out as tables.
 
-``bench.py`` runs the sections it is given, in order, each with a :class:`Context` (the run's children, sizes,
-Spark and the results so far); ``report.py`` then asks every section for its targets, its Markdown, its JSON and
-its plot panel, and only lays them out. A section's result is a typed record of its own (``HopResults``,
-``EndToEnd``, ...), kept in :attr:`Run.results` under the section's name.
+``bench.py`` runs the sections it is given, in order, each with a :class:`Context`; ``report.py`` renders what
+every section returns (its :class:`Target` records and :class:`Table` records) as Markdown, JSON and a plot. A
+section's result is a typed record of its own, kept in :attr:`Run.results` under the section's name.
 """
 
 from __future__ import annotations
@@ -21,6 +20,21 @@ R = TypeVar("R")
 
 
 @dataclass
+class Table:
+    """One table of a figure. Cells: ``str``, ``int``, ``float`` (``report.cell`` formats them) or None (``-``).
+
+    ``plot``: the columns drawn against the first one as a panel of ``throughput.png`` (``log``: on a log axis).
+    """
+
+    title: str
+    header: list[str]
+    rows: list[list[Any]]
+    notes: list[str] = field(default_factory=list)
+    plot: tuple[str, ...] = ()
+    log: bool = False
+
+
+@dataclass
 class Target:
     """One goal of a figure and what this run measured against it."""
 
@@ -32,6 +46,11 @@ class Target:
     @property
     def verdict(self) -> str:
         return "n/a" if self.passed is None else ("PASS" if self.passed else "MISS")
+
+
+def per(value: float, anchor: float) -> float:
+    """``value / anchor``, NaN where the anchor is 0 (a ratio the report prints as ``-``)."""
+    return value / anchor if anchor else math.nan
 
 
 def _measured(value: float | None) -> bool:
@@ -125,25 +144,14 @@ class Section(Generic[R]):
         spark) puts it in ``ctx.results`` first, so that a failure part-way still reports what was measured."""
         raise NotImplementedError
 
-    def targets(self, run: Run, result: R | None) -> list[Target]:
-        """Its targets; ``result`` is None when the section did not run (then each target says "not run")."""
+    def targets(self, run: Run, result: R) -> list[Target]:
+        """Its targets, judged on what it measured."""
         return []
 
-    def markdown(self, run: Run, result: R) -> list[str]:
-        """Its part of ``RESULTS.md``, as lines (each section starts with an empty line and its heading)."""
-        return []
-
-    def console(self, run: Run, result: R) -> list[str]:
-        """Lines printed under the targets on the terminal (costs, not targets)."""
+    def tables(self, run: Run, result: R) -> list[Table]:
+        """Its part of the report: each figure beside the anchor it is a ratio of, measured in the same run."""
         return []
 
     def json(self, run: Run, result: R) -> dict[str, Any]:
         """Its keys of ``results.json`` (every repetition)."""
         return {}
-
-    def plots(self, result: R) -> bool:
-        """Whether it has a panel in ``throughput.png`` for this result."""
-        return False
-
-    def plot(self, ax: Any, run: Run, result: R) -> None:
-        """Draw its panel on the matplotlib axes ``ax``."""

@@ -1,11 +1,6 @@
-"""Figure 10, soak: several hundred epochs through a broker started by its CLI, a Spark-free feeder and a rank, with
-the broker's RSS, the size of its ``sparkbus status`` reply and the number of its Prometheus series recorded along
-the way (issue 18 §2, "runs that last"). A report, not an assertion: the figures should be flat.
-
-The feeder is this process, as a Spark job would feed (the driver's ``EPOCH_OPEN``/``EPOCH_CLOSE``, each partition
-through ``feeder.task.stream_partition``); the rank is ``python -m benchmarks.soak --rank-side``, one
-``BatchStream`` reading every epoch. Each epoch is :data:`PARTITIONS` partitions of :data:`ROWS` rows.
-"""
+"""Figure 10, soak: hundreds of epochs through one broker (its CLI), a Spark-free feeder (this process) and one rank
+(``python -m benchmarks.soak --rank-side``), the broker's RSS, the size of its status reply and its Prometheus
+series recorded at checkpoints (issue 18 §2). A report, not an assertion: they should be flat."""
 
 from __future__ import annotations
 
@@ -19,8 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .common import ROOT, BenchError, Children, KiB, MiB, open_epoch
-from .report import num, table
-from .sections import Context, Run, Section
+from .sections import Context, Run, Section, Table, per
 
 EPOCHS, QUICK_EPOCHS = 1000, 100
 PARTITIONS, ROWS, BATCH_ROWS = 2, 2048, 256
@@ -163,38 +157,16 @@ class SoakSection(Section[Soak]):
         epochs = QUICK_EPOCHS if ctx.sizes.name.startswith("quick") else EPOCHS
         return run(ctx.children, epochs, ctx.work, min(ctx.sizes.timeout, 120.0), ctx.log)
 
-    def markdown(self, run: Run, result: Soak) -> list[str]:
-        rows = [[str(s["epoch"]), num(s["rss_bytes"] / MiB, ".1f"), num(s["status_bytes"]), str(s["series"]),
-                 str(s["epochs_listed"]), str(s["delivered"])] for s in result.samples]
-        first, last = result.first, self._full(result)
-        return ["", "## 10. Soak: hundreds of epochs through one broker", "",
-                f"One broker (`sparkbus broker`, `--max-buffer 64MiB`, `--metrics-port`, the default "
-                f"`--keep-epochs {KEEP_EPOCHS}`), a Spark-free feeder (the driver's requests and "
-                f"`feeder.task.stream_partition`) and one rank (`BatchStream`) on loopback: {result.epochs} epochs "
-                f"of {PARTITIONS} partitions x {ROWS:,} rows ({BATCH_ROWS}-row batches, packed), "
-                f"{result.rows_consumed:,} rows consumed in {result.seconds:.0f} s. After each checkpoint epoch "
-                "is delivered: the broker's RSS (`/proc/PID/status`), the size of its `sparkbus status` reply "
-                "(msgpack) and the `sparkbus_*` samples of one scrape. A report, not a target: they should be flat.",
-                "",
-                table(["epochs", "broker RSS (MiB)", "status (bytes)", "series", "epochs listed", "delivered"],
-                      rows),
-                "", f"Once the figures' list is full (epoch {last['epoch']}) to the end (epoch "
-                f"{result.last['epoch']}): RSS {(result.last['rss_bytes'] - last['rss_bytes']) / MiB:+.1f} MiB, "
-                f"status {result.last['status_bytes'] - last['status_bytes']:+,} bytes, series "
-                f"{result.last['series'] - last['series']:+d}. Before that (from epoch {first['epoch']}) the status "
-                f"grows by one epoch's figures an epoch, up to {KEEP_EPOCHS}."]
-
-    @staticmethod
-    def _full(result: Soak) -> dict:
-        """The first sample with the list of figures full (or the first)."""
-        return next((s for s in result.samples if s["epoch"] > KEEP_EPOCHS), result.first)
-
-    def console(self, run: Run, result: Soak) -> list[str]:
-        first, last = self._full(result), result.last
-        return [f"Diagnostic (no target): over {first['epoch']} -> {last['epoch']} epochs the broker's RSS went "
-                f"{first['rss_bytes'] / MiB:.1f} -> {last['rss_bytes'] / MiB:.1f} MiB, its status "
-                f"{first['status_bytes']:,} -> {last['status_bytes']:,} bytes, its series "
-                f"{first['series']} -> {last['series']}"]
+    def tables(self, run: Run, result: Soak) -> list[Table]:
+        full = next((s for s in result.samples if s["epoch"] > KEEP_EPOCHS), result.first)   # the figures' list full
+        rows = [[s["epoch"], s["rss_bytes"] / MiB, per(s["rss_bytes"], full["rss_bytes"]), s["status_bytes"],
+                 per(s["status_bytes"], full["status_bytes"]), s["series"], per(s["series"], full["series"]),
+                 s["epochs_listed"], s["delivered"]] for s in result.samples]
+        return [Table(f"{result.epochs} epochs of {PARTITIONS} x {ROWS:,} rows through one broker (--keep-epochs "
+                      f"{KEEP_EPOCHS}) to one rank, {result.rows_consumed:,} rows in {result.seconds:.0f} s; "
+                      "should be flat once the list is full", ["epochs", "broker RSS (MiB)",
+                      f"RSS / at epoch {full['epoch']}", "status (bytes)", f"status / at epoch {full['epoch']}",
+                      "series", f"series / at epoch {full['epoch']}", "epochs listed", "delivered"], rows)]
 
     def json(self, run: Run, result: Soak) -> dict:
         return {"soak": {"epochs": result.epochs, "rows_per_epoch": result.rows_per_epoch,

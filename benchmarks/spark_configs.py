@@ -1,28 +1,7 @@
-"""Figure 6, Spark configurations as data suppliers: which Spark set-up feeds 2 ranks best.
-
-As in "Spark as Data Supplier for MPI Deep Learning Processes" (IPSJ 2016-HPC-156), the same data is fed to the
-same ranks by Spark set up in different ways:
-
-* ``local``: the benchmark's own session, ``local[2]`` (driver and executor in one JVM, 2 task slots);
-* a standalone cluster from the pyspark wheel (``launch.cluster``: a Master and two Workers on 127.0.0.1 and
-  127.0.0.2, 2 cores and 2 GiB each), used by a driver of its own per configuration (``spark_driver.py``: a
-  process holds one SparkContext): ``1x1`` one executor with 1 core, ``2x1`` two executors with 1 core each (one
-  per Worker), ``1x2`` one executor with 2 cores;
-* each with the DataFrame in 4 and in 16 partitions (feeding tasks per epoch).
-
-Each (configuration, partitions) point builds the cached DataFrame of ``spark_data`` (``Sizes.spark_rows`` rows,
-the same values everywhere) in that configuration's executors, warms it up (a scan, a small feed nobody reads),
-then per repetition: the Arrow hand-off limit of that configuration (``mapInArrow``, dropped) and one epoch fed
-by ``feeder.feed`` through one broker to ``mpiexec -n 2 rank_consumer.py`` ranks, started and ready beforehand.
-Figures: rows/s to the ranks (all rows / time from the call of ``feed`` to the last batch at any rank) and the
-time to the first batch at any rank; and, per configuration, the time from the driver's start to its executors
-being up (``session start``).
-
-The standalone cluster starts only after the local points are measured (its JVMs would compete with them); the
-first driver starts while its Workers register. On a machine with 2 cores every configuration shares the same 2
-cores with the broker and the ranks, so more executors or cores per executor mean more processes competing, not
-more CPU.
-"""
+"""Figure 6, Spark set-ups as data suppliers (as IPSJ 2016-HPC-156 evaluates Spark): the same cached data fed
+through one broker to 2 ranks by ``local[2]`` and by a standalone cluster (``launch.cluster``) with 1x1, 2x1 and
+1x2 executors x cores, each driven by a driver process of its own (``spark_driver.py``), in 4 and 16 partitions;
+per point Spark's own hand-off in that set-up beside it. benchmarks/README.md, section 6, says more."""
 
 from __future__ import annotations
 
@@ -41,8 +20,7 @@ from sparkbus.launch.spark import LOCAL_CONF
 from . import end_to_end
 from .common import HERE, ROOT, BenchError, Children, Sizes
 from .end_to_end import BATCH_SIZE, RANKS, Series
-from .report import num, table
-from .sections import Context, Run, Section
+from .sections import Context, Run, Section, Table
 
 HOSTS = ("127.0.0.1", "127.0.0.2")        # two Workers on two loopback "hosts"
 WORKER_CORES, WORKER_MEMORY = 2, "2g"
@@ -304,70 +282,29 @@ class SparkSection(Section[SparkSetups]):
                              "(raise the executors' memory)")
         return out
 
-    def markdown(self, run: Run, result: SparkSetups) -> list[str]:
-        if not result.points:
-            return []
-        sp = result
-        points = sp.points
-        best = best_points(sp)
-        nproc = run.machine["nproc"]
-        parts = ["", "## 6. Spark configurations as data suppliers", "",
-                 f"The same data ({sp.rows:,} rows of `id` long + `features` float32[64], cached in the executors) fed "
-                 "by `feeder.feed` through one broker to 2 ranks, with Spark set up in different ways: the benchmark's "
-                 "own `local[2]` session, and a standalone cluster from the pyspark wheel (a Master and two Workers on "
-                 "127.0.0.1 and 127.0.0.2, 2 cores each) used by a driver process of its own per set-up. Partitions = "
-                 "feeding tasks per epoch. rows/s = all rows / time from the call of `feed` to the last batch at any "
-                 "rank; first batch = time from the call of `feed` to the first batch at any rank (warm executors: a "
-                 "scan and a small feed ran first). Spark alone = the same cached data handed to Python by "
-                 "`mapInArrow` and dropped, in the same set-up: what that set-up can supply at most. Session start = "
-                 "from the driver's start to its executors being up" + (
-                     " (for local[2], the session's start, which overlaps the hop section in a quick run)."
-                     if run.quick else " (for local[2], the in-process session's start)."), ""]
+    def tables(self, run: Run, result: SparkSetups) -> list[Table]:
+        best = best_points(result)
         rows = []
-        for (key, parts_n), s in sorted(points.items(), key=lambda kv: (list(sp.configs).index(kv[0][0]), kv[0][1])):
+        for (key, parts), s in sorted(result.points.items(),
+                                      key=lambda kv: (list(result.configs).index(kv[0][0]), kv[0][1])):
             if not s.runs:
                 continue
-            config = sp.configs[key]
+            config, top = result.configs[key], result.points[best["rows_per_s"]].med("rows_per_s")
             executors = config.get("executors") or []
-            where = ", ".join(f"{e['host']} ({e['slots']})" for e in executors) if executors else "driver JVM (2)"
-            marks = []
-            if best.get("rows_per_s") == (key, parts_n):
-                marks.append("most rows/s")
-            if best.get("first") == (key, parts_n):
-                marks.append("earliest first batch")
-            rows.append([config["label"], where, str(parts_n), num(s.med("rows_per_s")), num(s.med("first"), ".2f"),
-                         num(s.med("last"), ".2f"), num(s.med("limit_rows_per_s")),
-                         num(s.med("rows_per_s") / s.med("limit_rows_per_s"), ".2f"),
-                         num(config.get("session_seconds"), ".1f"), "**" + ", ".join(marks) + "**" if marks else ""])
-        parts.append(table(["Spark set-up", "executors on (task slots)", "partitions", "rows/s to the ranks",
-                             "first batch (s)", "last batch (s)", "Spark alone rows/s", "to the ranks / Spark alone",
-                             "session start (s)", "best"], rows))
-        if best:
-            parts += ["", f"- most rows/s to the ranks: **{point_name(sp, best['rows_per_s'])}**",
-                      f"- earliest first batch: **{point_name(sp, best['first'])}**"]
-        parts += ["", f"On this machine ({nproc} cores) every set-up shares the same {nproc} cores with the broker and "
-                  "the ranks: more executors or more cores per executor add processes and threads, not CPU, and "
-                  "standalone executors add a JVM each. On a cluster, where executors have cores of their own, the "
-                  "same table tells which set-up keeps the ranks fed for the least hardware."]
-        return parts
+            marks = [what for what, point in (("most rows/s", best["rows_per_s"]),
+                                              ("earliest first batch", best["first"])) if point == (key, parts)]
+            rows.append([f"{config['label']}, {parts} partitions", ", ".join(f"{e['host']} ({e['slots']})" for e in
+                         executors) or "driver JVM (2)", s.med("rows_per_s"), s.med("first"), s.med("last"),
+                         s.med("limit_rows_per_s"), s.med("rows_per_s") / s.med("limit_rows_per_s"),
+                         s.med("rows_per_s") / top, config.get("session_seconds"), ", ".join(marks)])
+        return [Table(f"{result.rows:,} rows cached in the executors, fed through one broker to 2 ranks (Spark alone: "
+                      "mapInArrow + drop in the same set-up)", ["Spark set-up, partitions", "executors on (task slots)",
+                      "rows/s to the ranks", "first batch (s)", "last batch (s)", "Spark alone rows/s",
+                      "to the ranks / Spark alone", "vs the best", "session start (s)", "best"], rows,
+                      [f"every set-up shares the machine's {run.machine['nproc']} cores with the broker and the ranks"],
+                      plot=("rows/s to the ranks",))]
 
     def json(self, run: Run, result: SparkSetups) -> dict:
         return {"spark": {"rows": result.rows, "configs": result.configs,
                           "points": [{"config": k[0], "partitions": k[1], "runs": s.runs,
                                       "storage": result.storage.get(k)} for k, s in result.points.items()]}}
-
-    def plots(self, result: SparkSetups) -> bool:
-        return any(s.runs for s in result.points.values())
-
-    def plot(self, ax, run: Run, result: SparkSetups) -> None:
-        sp = result
-        keys = [k for k in sp.configs if any(p[0] == k and s.runs for p, s in sp.points.items())]
-        width = 0.8 / max(1, len(sp.partitions))
-        for i, parts in enumerate(sp.partitions):
-            values = [sp.points[k, parts].med("rows_per_s") / 1e3 if (k, parts) in sp.points else 0 for k in keys]
-            ax.bar([j + i * width for j in range(len(keys))], values, width, label=f"{parts} partitions")
-        ax.set_xticks([j + width * (len(sp.partitions) - 1) / 2 for j in range(len(keys))],
-                      [sp.configs[k]["label"].replace("standalone, ", "standalone\n") for k in keys], fontsize=7)
-        ax.set_ylabel("thousand rows/s to the ranks")
-        ax.set_title(f"Spark set-ups, {sp.rows:,} rows")
-        ax.legend(fontsize=8)

@@ -1,32 +1,15 @@
-"""A Spark driver of its own for one Spark configuration of figure 6, answering the benchmark's requests.
+"""A Spark driver process of its own, answering the benchmark's requests (figure 6's standalone set-ups, 2b's local[1]).
 
-A process holds one SparkContext, and the benchmark's own is ``local[2]``: each standalone configuration is a
-driver process of its own, started by ``spark_configs.py``:
+A process holds one SparkContext: this one answers JSON requests on a loopback ZeroMQ REP socket.
 
-    python benchmarks/spark_driver.py --ready FILE --executors N --slots S \\
-        --conf spark.master=spark://127.0.0.1:P --conf k=v ...
+    python benchmarks/spark_driver.py --ready FILE --executors N --slots S [--cpus 0] --conf k=v ...
 
-It starts a SparkSession with those settings, waits until ``N`` executors have registered and runs one task on
-each of their ``S`` slots at once (which says where they are, and starts their Python workers), writes ``FILE``
-(``{"control": "tcp://127.0.0.1:PORT", "executors": [{"executor", "host", "slots"}], "session_seconds": s}``) and
-answers JSON requests on a ZeroMQ REP socket bound to loopback, one at a time, each with a dict (or
-``{"error": text}``):
-
-* ``{"cmd": "prepare", "rows": N, "partitions": P, "feed": ADDRESS, "kind": K}``: the cached DataFrame of
-  ``spark_data`` (``N`` rows, ``P`` partitions, of kind ``K``, default ``fixed``; the previous one is unpersisted),
-  warmed up (a scan, a small feed into a stream no rank reads); answers how it is stored.
-* ``{"cmd": "limit"}``: the cached DataFrame handed to Python by ``mapInArrow`` and dropped: ``{"seconds",
-  "rows"}``.
-* ``{"cmd": "feed", "feed": ADDRESS, "stream": S, "batch_size": B, "timeout": T, "options": {...}}``:
-  ``feeder.feed`` of it as epoch 0 of ``S`` (``options``: more ``feed`` arguments): ``{"t0", "t_fed", "report"}``
-  (wall-clock seconds, the ``FeedReport`` as a dict).
-* ``{"cmd": "where"}``: where a task runs: ``{"feeder", "broker", "affinity"}`` (the directory of the sparkbus a
-  Python worker imports, and the CPUs it may run on).
-* ``{"cmd": "stop"}``: stop the session and exit.
-
-``--cpus 0`` pins the driver to those CPUs before the session starts: its JVM and Spark's Python workers inherit
-it (the cluster-shaped runs of figure 2b). The process exits by itself if no request comes for ``--idle`` seconds
-(its parent is gone or stuck).
+Once ``N`` executors are up and warm it writes ``FILE`` (``{"control", "executors", "session_seconds"}``) and
+answers, one at a time, with a dict or ``{"error": text}``: ``prepare`` (``rows``, ``partitions``, ``feed``,
+``kind``: the cached DataFrame of ``spark_data``, warmed up), ``limit`` (its Arrow hand-off: ``seconds``, ``rows``),
+``feed`` (``feed``, ``stream``, ``batch_size``, ``timeout``, ``options``: ``t0``, ``t_fed``, ``report``), ``where``
+(the sparkbus a Python worker imports, its CPUs) and ``stop``. ``--cpus`` pins it before the session starts; it
+exits by itself after ``--idle`` seconds without a request.
 """
 
 from __future__ import annotations

@@ -1,25 +1,7 @@
-"""Figure 9: time to the first batch for torchrun ranks, beside mpiexec ranks, from the same broker.
-
-One epoch is fed into a broker before any rank starts (numpy batches pushed by ``feeder.task.stream_partition``,
-no Spark), so that what is timed is the ranks' own start-up and the broker's first delivery, not a Spark job.
-Then 2 ranks are launched, one way after the other (the order alternates between repetitions), each consuming
-that epoch to its end:
-
-- ``torchrun``: ``torchrun --nproc-per-node 2 --master-addr 127.0.0.1 --master-port P -m benchmarks.torchrun
-  --rank-side torch``: ``import torch``, ``dist.init_process_group("gloo")``, ``BatchStream(address, rank="auto")``
-  (rank and size from the initialised group; the broker grants the steps);
-- ``mpiexec`` (the anchor): ``mpiexec -n 2 python -m benchmarks.torchrun --rank-side mpi``:
-  ``from mpi4py import MPI``, ``BatchStream(address, comm=MPI.COMM_WORLD)``, as the other figures' ranks;
-- ``mpiexec, rank="auto"`` (a diagnostic): the same launcher without mpi4py, rank and size from ``PMI_RANK`` and
-  ``PMI_SIZE``: what the launcher costs apart from the library that agrees on the steps.
-
-Each rank records wall-clock times (``time.time()``): its process's creation (``/proc/self/stat``), the moment its
-launcher's runtime is ready (torch imported and the gloo group initialised; mpi4py imported, MPI initialised;
-nothing), ``import worker`` done, and its first batch; the benchmark records when it started the launcher.
-Reported per way, for the rank whose first batch came last: launch -> process start, process start -> runtime
-ready, ``import worker``, ``BatchStream()`` -> first batch, and their sum, launch -> first batch, with its ratio
-to the mpiexec ranks' (medians of the same run). No target: a start-up cost to compare.
-"""
+"""Figure 9: time to the first batch for torchrun ranks (gloo, ``rank="auto"``) beside mpiexec ranks (mpi4py, the
+anchor) and mpiexec ranks without mpi4py (a diagnostic), reading an epoch the broker holds before they start; per
+phase (launch, runtime ready, ``import worker``, first batch), for the rank whose first batch came last. The ranks'
+side is ``python -m benchmarks.torchrun --rank-side ...``."""
 
 from __future__ import annotations
 
@@ -35,8 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .common import ROOT, BenchError, Children, KiB, median, open_epoch
-from .report import num, table
-from .sections import Context, Run, Section
+from .sections import Context, Run, Section, Table
 
 RANKS = 2
 BATCH_ROWS = 1024
@@ -230,44 +211,18 @@ class TorchrunSection(Section[FirstBatch]):
     def measure(self, ctx: Context) -> FirstBatch:
         return run(ctx.children, ctx.sizes.reps, ctx.work, min(ctx.sizes.timeout, 120.0), ctx.log)
 
-    def markdown(self, run: Run, result: FirstBatch) -> list[str]:
-        parts = ["", "## 9. Time to the first batch for torchrun ranks", "",
-                 f"{result.ranks} ranks on loopback read one epoch of {result.batches} batches of "
-                 f"{result.batch_bytes // KiB} KiB that the broker already holds (fed before the launch, no Spark), "
-                 "so the figure is the ranks' start-up and the broker's first delivery. Times are the slowest rank's "
-                 "(the one whose first batch came last), from `time.time()` in the benchmark and the ranks; "
-                 "`process start` is the rank process's creation (`/proc/self/stat`), `runtime ready` the end of "
-                 "the launcher's own set-up in the rank (below), `import worker` the import of sparkbus's rank side. "
-                 "`vs mpiexec`: launch -> first batch over the mpiexec ranks' of the same run.", ""]
+    def tables(self, run: Run, result: FirstBatch) -> list[Table]:
         anchor = result.med("mpiexec", "launch_to_first")
-        rows = []
-        for way in WAYS:
-            if way in result.missing:
-                rows.append([LABELS[way]] + ["-"] * (len(PHASES) + 1) + [f"not measured: {result.missing[way]}"])
-                continue
-            if not result.runs.get(way):
-                continue
-            total = result.med(way, "launch_to_first")
-            rows.append([LABELS[way]] + [num(result.med(way, key), ".3f") for key, _ in PHASES]
-                        + [num(total / anchor, ".2f") + " x" if anchor == anchor and anchor > 0 else "-", ""])
-        parts.append(table(["ranks", *[label + " (s)" for _, label in PHASES], "vs mpiexec", "note"], rows))
-        torch = result.med("torchrun", "import_torch")
-        split = f" ({torch:.2f} s of it the interpreter's start and `import torch`)" if torch == torch else ""
-        parts += ["", f"`runtime ready`: for torchrun, `import torch` and `init_process_group(\"gloo\")`{split}; "
-                  "its `launch -> process start` is torchrun's own start (its agent imports torch too) and its "
-                  "rendezvous store. For mpiexec, "
-                  "`from mpi4py import MPI` (MPI_Init); without mpi4py, nothing. `BatchStream() -> first batch` "
-                  "includes the rank's HELLO to the broker and, with even steps, waiting for the other rank to "
-                  "join."]
-        return parts
-
-    def console(self, run: Run, result: FirstBatch) -> list[str]:
-        anchor = result.med("mpiexec", "launch_to_first")
-        torch = result.med("torchrun", "launch_to_first")
-        if not (anchor == anchor and torch == torch and anchor > 0):
-            return []
-        return [f"Diagnostic (no target): torchrun ranks had their first batch {torch:.2f} s after launch, "
-                f"{torch / anchor:.2f} x the mpiexec ranks' {anchor:.2f} s"]
+        rows = [[LABELS[way], *[result.med(way, key) for key, _ in PHASES],
+                 result.med(way, "launch_to_first") / anchor, result.med(way, "import_torch"), ""]
+                for way in WAYS if result.runs.get(way)]
+        rows += [[LABELS[way], *[None] * (len(PHASES) + 2), f"not measured: {why}"]
+                 for way, why in result.missing.items()]
+        return [Table(f"{result.ranks} ranks read an epoch of {result.batches} batches of "
+                      f"{result.batch_bytes // KiB} KiB the broker already holds; the slowest rank's times",
+                      ["ranks", *[label + " (s)" for _, label in PHASES], "launch -> first batch / mpiexec's",
+                       "import torch (s)", "note"], rows,
+                      ["runtime ready: torch imported and the gloo group up; MPI_Init; or nothing"])]
 
     def json(self, run: Run, result: FirstBatch) -> dict:
         return {"torchrun": {"ranks": result.ranks, "batches": result.batches, "batch_bytes": result.batch_bytes,

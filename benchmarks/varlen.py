@@ -1,27 +1,7 @@
-"""Figure 7, variable-length columns end to end: binary rows and int arrays of varying length vs fixed width.
-
-Three cached DataFrames of the benchmark's own ``local[2]`` session, made by numpy inside Spark's Python workers
-(``spark_data.kind_frame``), each ``Sizes.varlen_rows`` rows of ``id`` long plus one column of 64 KiB a row:
-
-* ``ints``: ``array<int>[16384]``, every row as long: the fixed-width path (a ``[n, 16384]`` int32 array);
-* ``binary``: ``binary`` of 65,536 bytes a row;
-* ``varints``: ``array<int>`` of 1..32,767 elements, 16,384 on average (64 KiB).
-
-Each is fed by ``feeder.feed`` (``batch_size`` 1024 rows, ``max_batch_bytes`` 1 MiB: about 16 rows a batch)
-through one broker to 2 ranks under mpiexec (``rank_consumer.py --touch``: the ranks add up each column's bytes,
-numpy ``nbytes`` or a ``RaggedColumn``'s values and offsets, without per-row Python). Figures: MB/s of payload
-(the id's and the values' bytes, offsets not counted) from the call of ``feed`` to the last batch at any rank, and
-the ratios binary / ints and varints / ints of the medians, each of runs interleaved with the ``ints`` runs it is
-compared with (the ``ints`` frame stays cached; ``binary``, then ``varints``, is cached beside it, so at most two
-are in Spark's memory at once). Rows/s would say the same (the same rows, 64 KiB each on average).
-
-Each feed is followed by Spark's Arrow hand-off of the same frame (``mapInArrow`` + drop), for context: Spark
-itself hands binary rows and int arrays to Python at different costs.
-
-Then, once: the padding share of batches padded to their longest row, in Spark's order and with
-``bucket_by="tokens"`` (``padding.measure``: one epoch each, read back by one ``BatchStream`` without MPI) on
-20,000 ``tokens`` rows (1..127 ints) in batches of 64.
-"""
+"""Figure 7, variable-length columns end to end: rows of 64 KiB as ``binary`` and as ``array<int>`` of varying length
+(``varints``) against the fixed-width path (``ints``, ``array<int>[16384]``), each fed through one broker to 2 ranks
+that add up every column's bytes, interleaved with the ``ints`` runs it is compared with; Spark's own hand-off of
+each frame for context; then the padding share with and without ``bucket_by`` (``padding.measure``)."""
 
 from __future__ import annotations
 
@@ -37,8 +17,7 @@ from .cluster import not_measured
 from .common import BenchError, Children, MiB, Sizes
 from .end_to_end import RANKS, Series
 from .padding import PaddingShares
-from .report import num, table
-from .sections import Context, Run, Section, Target, at_least, at_most
+from .sections import Context, Run, Section, Table, Target, at_least, at_most
 
 BASELINE = "ints"
 COMPARED = ("binary", "varints")
@@ -182,89 +161,46 @@ class VarlenSection(Section[Varlen]):
         out = ctx.results[self.name] = Varlen(ctx.sizes.varlen_rows)
         return run(ctx.children, ctx.spark, ctx.sizes, ctx.work, log=ctx.log, out=out)
 
-    def targets(self, run: Run, result: Varlen | None) -> list[Target]:
+    def targets(self, run: Run, result: Varlen) -> list[Target]:
         out = []
         for kind, goal in VARLEN_RATIOS.items():
-            pair = result.pairs.get(kind) if result else None
-            goal_text = f">= {goal} x"
+            pair = result.pairs.get(kind)
             if pair and pair.compared.runs and pair.baseline.runs:
-                r = ratio(pair)
-                out.append(Target(VARLEN_LABELS[kind], goal_text, f"{r:.2f} x ({pair.compared.med('mb_per_s'):,.0f} "
-                                  f"vs {pair.baseline.med('mb_per_s'):,.0f} MB/s)",
-                                  at_least(r, goal)))
+                out.append(Target(VARLEN_LABELS[kind], f">= {goal} x", f"{ratio(pair):.2f} x "
+                                  f"({pair.compared.med('mb_per_s'):,.0f} vs {pair.baseline.med('mb_per_s'):,.0f} "
+                                  "MB/s)", at_least(ratio(pair), goal)))
             else:
-                out.append(Target(VARLEN_LABELS[kind], goal_text, not_measured(result, kind), None))
+                out.append(Target(VARLEN_LABELS[kind], f">= {goal} x", not_measured(result, kind), None))
+        pad = result.padding
         what = "padding share with length bucketing (bucket_by, window 64) vs Spark's order, batches of 64"
-        pad = result.padding if result else None
-        if pad:
-            out.append(Target(what, f"<= {PADDING_RATIO} x", f"{pad.ratio:.2f} x ({pad.bucketed:.1%} vs "
-                              f"{pad.plain:.1%})", at_most(pad.ratio, PADDING_RATIO)))
-        else:
-            out.append(Target(what, f"<= {PADDING_RATIO} x", not_measured(result, "padding"), None))
-        return out
+        return out + [Target(what, f"<= {PADDING_RATIO} x", f"{pad.ratio:.2f} x ({pad.bucketed:.1%} vs "
+                             f"{pad.plain:.1%})" if pad else not_measured(result, "padding"),
+                             at_most(pad.ratio, PADDING_RATIO) if pad else None)]
 
-    def markdown(self, run: Run, result: Varlen) -> list[str]:
-        if not (result.pairs or result.refused):
-            return []
-        v = result
-        parts = ["", "## 7. Variable-length columns", "",
-                 f"{v.rows:,} rows of `id` long plus one column of 64 KiB a row, cached in the benchmark's Spark "
-                 f"local[2] session, fed by `feeder.feed` (batch_size {BATCH_SIZE}, max_batch_bytes 1 MiB) "
-                 "through one broker to 2 ranks that add up each column's bytes (numpy `nbytes`; a `RaggedColumn`'s "
-                 "values and offsets) without per-row Python. MB/s = payload (id and values, not offsets) / time from "
-                 "the call of `feed` to the last batch at any rank. Each compared kind runs interleaved with "
-                 f"`{BASELINE}` (the fixed-width path), alternating which goes first.", ""]
-        rows = []
-        for kind, pair in v.pairs.items():
-            if not (pair.compared.runs and pair.baseline.runs):
-                continue
-            b, c = pair.baseline, pair.compared
-            rows.append([f"`{kind}`: {spark_data.KINDS[kind]}", num(c.med("mb_per_s")), num(c.med("rows_per_s")),
-                         num(c.med("first"), ".2f"), num(b.med("mb_per_s")), f"**{ratio(pair):.2f}**",
-                         f"{num(c.med('limit_mb_per_s'))} / {num(b.med('limit_mb_per_s'))}",
-                         f"{num(c.med('mb_per_s') / c.med('limit_mb_per_s'), '.2f')} / "
-                         f"{num(b.med('mb_per_s') / b.med('limit_mb_per_s'), '.2f')}"])
-        parts.append(table(["kind", "MB/s", "rows/s", "first batch (s)",
-                             f"`{BASELINE}` ({spark_data.KINDS[BASELINE]}) MB/s, same runs", "ratio",
-                             f"Spark's hand-off MB/s: kind / `{BASELINE}`",
-                             f"sparkbus / hand-off: kind / `{BASELINE}`"], rows))
-        parts += ["", "The hand-off columns (Spark's `mapInArrow` + drop of the same frame, right after each feed) are "
-                  "context, not targets: Spark turns `array<int>` rows into Arrow element by element and binary rows "
-                  "with one copy each, so the kinds differ before sparkbus starts."]
-        pad = v.padding
-        if pad:
-            parts += ["", f"Padding share (`benchmarks/padding.py`'s `measure`): {pad.rows:,} `tokens` rows "
-                      f"({spark_data.KINDS['tokens']}) in batches of {pad.batch_size}, each padded to its longest row: "
-                      f"**{pad.plain:.1%}** of the slots are padding in Spark's order ({pad.batches[0]} batches), "
-                      f"**{pad.bucketed:.1%}** with `bucket_by=\"tokens\", bucket_window={pad.bucket_window}` "
-                      f"({pad.batches[1]} batches): **{pad.ratio:.2f} x**."]
-        for kind, why in v.refused.items():
-            parts += ["", f"`{kind}` ({spark_data.KINDS.get(kind, 'the padding share')}) was not measured: the feeder "
-                      f"refused it: {why}"]
-        return parts
+    def tables(self, run: Run, result: Varlen) -> list[Table]:
+        rows = [[kind, c.med("mb_per_s"), c.med("rows_per_s"), c.med("first"), b.med("mb_per_s"), ratio(pair),
+                 c.med("limit_mb_per_s"), b.med("limit_mb_per_s"), c.med("mb_per_s") / c.med("limit_mb_per_s"),
+                 b.med("mb_per_s") / b.med("limit_mb_per_s")]
+                for kind, pair in result.pairs.items() for b, c in [(pair.baseline, pair.compared)]
+                if c.runs and b.runs]
+        pad = result.padding
+        kinds = Table(f"{result.rows:,} rows of 64 KiB through one broker to 2 ranks, each kind interleaved with "
+                      f"`{BASELINE}` (the fixed-width path)", ["kind", "MB/s", "rows/s", "first batch (s)",
+                      f"`{BASELINE}` MB/s, same runs", f"kind / `{BASELINE}`", "Spark's hand-off MB/s",
+                      f"`{BASELINE}` hand-off MB/s", "sparkbus / hand-off", f"`{BASELINE}`: sparkbus / hand-off"],
+                      rows, [f"`{k}`: {spark_data.KINDS[k]}" for k in (BASELINE, *COMPARED)]
+                      + [f"`{k}` not measured, the feeder refused it: {why}" for k, why in result.refused.items()],
+                      plot=("MB/s", f"`{BASELINE}` MB/s, same runs"))
+        if not pad:
+            return [kinds]
+        return [kinds, Table(f"Padding share: {pad.rows:,} `tokens` rows in batches of {pad.batch_size}, each padded "
+                             "to its longest row", ["order", "batches", "padding share (%)", "vs Spark's order"],
+                             [["Spark's order", pad.batches[0], pad.plain * 100, 1.0],
+                              [f"bucket_by, window {pad.bucket_window}", pad.batches[1], pad.bucketed * 100,
+                               pad.ratio]])]
 
     def json(self, run: Run, result: Varlen) -> dict:
         return {"varlen": {"rows": result.rows, "kinds": result.kinds, "refused": result.refused,
                            "padding": {**result.padding.as_dict(), "kind": "tokens"} if result.padding else None,
                            "pairs": {k: {"baseline": p.baseline.runs, "compared": p.compared.runs}
                                      for k, p in result.pairs.items()}}}
-
-    def plots(self, result: Varlen) -> bool:
-        return any(p.compared.runs for p in result.pairs.values())
-
-    def plot(self, ax, run: Run, result: Varlen) -> None:
-        pairs = [(k, p) for k, p in result.pairs.items() if p.compared.runs and p.baseline.runs]
-        labels, values, colors = [], [], []
-        for kind, pair in pairs:
-            labels += [f"{BASELINE}\n(vs {kind})", kind]
-            values += [pair.baseline.med("mb_per_s"), pair.compared.med("mb_per_s")]
-            colors += ["#999999", "#2ca02c"]
-        bars = ax.bar(labels, values, color=colors)
-        for i, (_, pair) in enumerate(pairs):
-            bar = bars[2 * i + 1]
-            ax.annotate(f"{ratio(pair):.2f} x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                        ha="center", va="bottom", fontsize=8)
-        ax.set_ylabel("MB/s of payload to the ranks")
-        ax.set_title("64 KiB rows: variable-length vs fixed width", fontsize=9)
-        ax.tick_params(axis="x", labelsize=8)
-        ax.margins(y=0.2)

@@ -1,6 +1,6 @@
 """benchmarks/images.py at a tiny size: both ways run and every image arrives and is decoded once, on both sides.
 
-Counts and sums only: the figures themselves are not asserted (no timing in tests)."""
+Counts, sums and the structure of the section's figures: their values are not judged (no timing in tests)."""
 
 import importlib
 import math
@@ -46,18 +46,19 @@ def test_measure_decodes_every_image_once_on_both_sides(images, spark, tmp_path)
     assert staged["cpu"]["loader_workers"] > 0                            # the DataLoader's workers decoded
     assert set(result["ratios"]) == {"faster", "first"} and all(v > 0 for v in result["ratios"].values())
 
-    listed = images.targets(result)
-    assert len(listed) == 2
-    for name, value, goal, passed in listed:
-        assert isinstance(name, str) and isinstance(goal, str) and isinstance(passed, bool) and value > 0
-    text = images.markdown(result)
-    assert "| target | value | goal | result |" in text and text.count("**PASS**") + text.count("**MISS**") == 2
-    assert "DataLoader workers" in text
-
-    # the same figure as a section of the benchmark (sparkbus bench --only images): its targets, its part of RESULTS.md
+    # the same figure as a section of the benchmark (sparkbus bench --only images): its targets and its tables, every
+    # figure beside the staging figure it is a ratio of
     section = images.ImagesSection()
     assert section.name == "images" and not section.quick
-    assert [t.what for t in section.targets(None, result)] == [name for name, *_ in listed]
-    assert section.targets(None, None) == []                            # not run: no "not run" lines
-    assert "## 8. Images into decoding ranks" in "\n".join(section.markdown(None, result))
+    targets = section.targets(None, result)
+    assert len(targets) == 2 and all(t.passed in (True, False) and t.measured.endswith(" x") for t in targets)
+    assert [float(t.measured[:-2]) for t in targets] == [pytest.approx(result["ratios"]["faster"], abs=1e-3),
+                                                         pytest.approx(result["ratios"]["first"], abs=1e-3)]
+    medians, runs, cpu = section.tables(None, result)
+    assert medians.header[-1] == "sparkbus / staging"
+    rates = [result["medians"][way]["images_per_s"] for way in ("sparkbus", "staging")]
+    assert medians.rows[0][1:] == [*rates, result["ratios"]["faster"]] and min(rates) > 0
+    assert all(len(row) == len(table.header) for table in (medians, runs, cpu) for row in table.rows)
+    assert len(runs.rows) == 2 and all(row[2] > 0 for row in runs.rows)
+    assert {row[0] for row in cpu.rows} >= {"DataLoader workers"} and all(row[2] >= 0 for row in cpu.rows)
     assert section.json(None, result) == {"images": result}
