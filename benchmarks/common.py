@@ -202,7 +202,7 @@ def on_cpus(cpus: Sequence[int]) -> list[str]:
 
 @dataclass
 class RankResult:
-    """What the ranks of one run reported (``rank_consumer.py`` / ``parquet_reader.py``)."""
+    """What the ranks of one run reported (``rank_consumer.py``)."""
 
     ranks: list[dict] = field(default_factory=list)
 

@@ -1,7 +1,7 @@
-"""Figure 2, end to end from a cached DataFrame to 2 MPI ranks: ``sparkbus`` (broker, ``feeder.feed``,
-``rank_consumer.py``), ``parquet`` (Spark writes Parquet, ``parquet_reader.py`` ranks read it) and ``limit`` (Spark's
-own hand-off to Python through ``mapInArrow``, dropped: the most any path from Spark can do here). The ranks are
-ready before any clock starts. Also the runs that figures 2b, 3, 5, 6 and 7 make (``run_fed_ranks``)."""
+"""Figure 2, end to end from a cached DataFrame to 2 MPI ranks (``rank_consumer.py``): ``sparkbus`` (broker,
+``feeder.feed``), ``parquet`` (Spark writes Parquet, the ranks read it with ``--parquet``) and ``limit`` (Spark's own
+hand-off to Python through ``mapInArrow``, dropped: the most any path from Spark can do here). The ranks are ready
+before any clock starts. Also the runs that figures 2b, 3, 5, 6 and 7 make (``run_fed_ranks``)."""
 
 from __future__ import annotations
 
@@ -152,9 +152,9 @@ def run_parquet(children: Children, df: Any, rows: int, ranks: int, work: Path, 
         clock["t_written"] = time.time()
         go.touch()
 
-    args = ["--dir", str(staging), "--go", str(go), "--batch-size", str(BATCH_SIZE), "--timeout", str(timeout)]
+    args = ["--parquet", str(staging), "--go", str(go), "--batch-size", str(BATCH_SIZE), "--timeout", str(timeout)]
     try:
-        result, _ = run_ranks(children, f"parquet-{n}", ranks, "parquet_reader.py", out, args, start, timeout)
+        result, _ = run_ranks(children, f"parquet-{n}", ranks, "rank_consumer.py", out, args, start, timeout)
     finally:
         files = list(staging.glob("*.parquet"))
         staged = sum(f.stat().st_size for f in files)

@@ -1,12 +1,14 @@
-"""A benchmark rank: iterate one epoch of a stream through BatchStream and record when batches arrived.
+"""A benchmark rank: one epoch from the bus through BatchStream, or (``--parquet``) from staged Parquet files.
 
-    mpiexec -n N python benchmarks/rank_consumer.py --ranks tcp://127.0.0.1:P --stream S --out DIR
-            [--compute SECONDS] [--go FILE] [--prefetch 4] [--touch] [--steps broker|mpi]
+    mpiexec -n N python benchmarks/rank_consumer.py --out DIR (--ranks tcp://127.0.0.1:P --stream S | --parquet DIR)
+            [--compute SECONDS] [--go FILE] [--prefetch 4] [--touch] [--steps broker|mpi] [--batch-size 1024]
 
-Writes ``ready-<rank>`` once joined, waits for ``--go`` if given, sleeps ``--compute`` a batch (the training step),
-and writes ``rank<rank>.json``: first and last batch, counts, BatchStream's ``wait_seconds`` and ``seconds``, its
-own timing of ``next()`` (first, between, last), with ``--touch`` the bytes of every column, its CPUs and the
-directory it imported ``worker`` from.
+Writes ``ready-<rank>`` once it can start (joined the broker), waits for ``--go`` if given, and writes
+``rank<rank>.json`` with wall-clock times of the first and last batch and counts. From the bus it sleeps
+``--compute`` a batch (the training step) and adds BatchStream's ``wait_seconds`` and ``seconds``, its own timing
+of ``next()`` (first, between, last), with ``--touch`` the bytes of every column, its CPUs and the directory it
+imported ``worker`` from. ``--parquet``: the staging baseline, files ``sorted(*.parquet)[rank::N]`` read with pyarrow
+in batches of ``--batch-size`` rows into numpy columns as a training loop would get them.
 """
 
 import argparse
@@ -14,6 +16,7 @@ import os
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
 from mpi4py import MPI
 from rank_files import ready_path, run_or_abort, wait_for_go, write_figures
 
@@ -21,8 +24,10 @@ from sparkbus import worker
 from sparkbus.worker import BatchStream
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--ranks", required=True)
-parser.add_argument("--stream", required=True)
+parser.add_argument("--ranks")
+parser.add_argument("--stream")
+parser.add_argument("--parquet", help="read this rank's share of the Parquet files in this directory instead")
+parser.add_argument("--batch-size", type=int, default=1024, help="rows a batch read from Parquet")
 parser.add_argument("--out", required=True)
 parser.add_argument("--compute", type=float, default=0.0, help="seconds of sleep per batch")
 parser.add_argument("--go", help="wait for this file to exist before consuming")
@@ -50,7 +55,40 @@ def column_bytes(column) -> int:
     return column.nbytes
 
 
+def numpy_columns(record_batch) -> dict:
+    """Each column as numpy, as a training loop gets it (``[n, k]`` for arrays of ``k``), by pyarrow alone."""
+    columns = {}
+    for name, array in zip(record_batch.schema.names, record_batch.columns):
+        if hasattr(array, "flatten"):                 # a list column of equal-length arrays
+            columns[name] = array.flatten().to_numpy(zero_copy_only=False).reshape(len(array), -1)
+        else:
+            columns[name] = array.to_numpy(zero_copy_only=False)
+    return columns
+
+
+def from_parquet() -> None:
+    ready_path(out, rank).touch()
+    wait_for_go(args.go, args.timeout)
+    t_start = time.time()
+    files = sorted(Path(args.parquet).glob("*.parquet"))[rank::comm.Get_size()]
+    t_first = t_last = None
+    batches = rows = nbytes = 0
+    for path in files:
+        for record_batch in pq.ParquetFile(path).iter_batches(batch_size=args.batch_size):
+            columns = numpy_columns(record_batch)
+            t_last = time.time()
+            t_first = t_first or t_last
+            batches += 1
+            rows += record_batch.num_rows
+            nbytes += sum(a.nbytes for a in columns.values())
+    write_figures(out, rank, {"rank": rank, "size": comm.Get_size(), "files": len(files), "t_start": t_start,
+                              "t_first": t_first, "t_last": t_last, "t_end": time.time(), "batches": batches,
+                              "rows": rows, "bytes": nbytes})
+
+
 def main() -> None:
+    if args.parquet:
+        return from_parquet()
     with BatchStream(args.ranks, comm=comm, stream=args.stream, prefetch=args.prefetch,
                      even=None if args.even == "auto" else False, verify=not args.no_verify,
                      timeout=args.timeout, steps=args.steps) as stream:

@@ -1,6 +1,6 @@
 """The files through which a benchmark rank and the benchmark meet, and a rank's way of failing.
 
-A rank (``rank_consumer.py``, ``parquet_reader.py``, run under mpiexec) touches ``OUT/ready-<rank>`` once it
+A rank (``rank_consumer.py``, ``images_rank.py``, run under mpiexec) touches ``OUT/ready-<rank>`` once it
 can start, waits for the go file if it was given one, and writes its figures to ``OUT/rank<rank>.json``; the
 benchmark (``common.run_ranks``) waits for every ready file, starts the clock, and reads the figures.
 """
