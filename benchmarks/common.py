@@ -33,6 +33,11 @@ class BenchError(RuntimeError):
     """A part of the benchmark could not run (a child failed or did not answer)."""
 
 
+class EarlyExit(BenchError):
+    """Ranks exited before they were ready, before any clock started: hydra, on a loaded machine, now and then fails
+    a launch ("process reading stdin too slowly", its stdin on /dev/null); the caller may start them again."""
+
+
 @dataclass
 class Sizes:
     """How big each measurement is. ``full`` is the default; ``quick`` checks the harness at small sizes."""
@@ -235,7 +240,7 @@ def run_ranks(children: Children, name: str, n: int, script: str, out: Path, arg
         wait_for(lambda: all(ready_path(out, r).exists() for r in range(n)) or ranks.poll() is not None,
                  ready_timeout, f"{n} ranks of {name} to be ready")
         if ranks.poll() is not None:
-            raise BenchError(f"{name} ranks exited early ({ranks.poll()}):\n{ranks.tail()}")
+            raise EarlyExit(f"{name} ranks exited early ({ranks.poll()}):\n{ranks.tail()}")
         value = start()
         code = ranks.wait(timeout)
         if code != 0:

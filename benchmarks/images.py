@@ -6,10 +6,8 @@ repetitions alternate which goes first; every run must decode every image once (
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -17,15 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from sparkbus.launch.broker import BrokerProcess
-from sparkbus.launch.mpi import loopback_env, mpiexec_python
-from sparkbus.launch.processes import ChildProcess, wait_for
 
+from .common import BenchError, Children, EarlyExit, median, run_ranks
 from .end_to_end import CpuMeter
-from .rank_files import figures_path, ready_path
 from .sections import Context, Run, Section, Table, Target, at_least, at_most
-
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
 
 IMAGES, QUICK_IMAGES = 50_000, 5_000
 REPS, QUICK_REPS = 5, 1
@@ -35,17 +28,11 @@ WAYS = ("sparkbus", "staging")
 SEED = 7
 
 
-class ImagesBenchError(RuntimeError):
+class ImagesBenchError(BenchError):
     """A run of the images figure failed, or did not decode every image exactly once."""
 
 
-class EarlyExit(ImagesBenchError):
-    """The ranks exited before they were ready, before any clock started (hydra, on a loaded machine, now and
-    then fails a launch: "process reading stdin too slowly", with its stdin on /dev/null); the run is started
-    again, up to :data:`LAUNCHES` times in all."""
-
-
-LAUNCHES = 3
+LAUNCHES = 3                                   # launches of a run whose ranks exit early (EarlyExit)
 
 
 # ---- the images -------------------------------------------------------------------------------------------
@@ -110,9 +97,10 @@ class Runner:
     """Starts the ranks of one run, times the Spark side, collects and checks what the ranks decoded."""
 
     def __init__(self, df: Any, images: int, work: Path, size: int, batch_size: int, decoders: int,
-                 timeout: float, broker: BrokerProcess):
+                 timeout: float, children: Children, broker: BrokerProcess):
         self.df, self.images, self.work, self.size = df, images, work, size
-        self.batch_size, self.decoders, self.timeout, self.broker = batch_size, decoders, timeout, broker
+        self.batch_size, self.decoders, self.timeout = batch_size, decoders, timeout
+        self.children, self.broker = children, broker
         self.count = 0
         self.relaunched: list[str] = []       # runs whose first launch failed before the clock started
 
@@ -131,28 +119,20 @@ class Runner:
         """``mpiexec -n 2 images_rank.py args``; once every rank is ready, ``start()`` (timed); their figures."""
         out = self.work / name
         shutil.rmtree(out, ignore_errors=True)          # a work directory given again
-        out.mkdir(parents=True)
-        command = mpiexec_python(RANKS, HERE / "images_rank.py", "--out", str(out), "--size", str(self.size),
-                                 "--threads", str(self.decoders), "--timeout", str(self.timeout), *args)
-        ranks = ChildProcess(name, command, self.work / f"{name}.log", env=loopback_env(), cwd=ROOT)
-        try:
-            wait_for(lambda: all(ready_path(out, r).exists() for r in range(RANKS))
-                     or ranks.poll() is not None, 120.0, f"the ranks of {name} to be ready")
-            if ranks.poll() is not None:
-                raise EarlyExit(f"the ranks of {name} exited early ({ranks.poll()}):\n{ranks.tail()}")
-            meter = CpuMeter([self.broker])
-            clock = start()
-            code = ranks.wait(self.timeout)
-            cpu = _named(meter.stop())
-            if code != 0:
-                raise ImagesBenchError(f"the ranks of {name} failed with exit status {code}:\n{ranks.tail()}")
-            figures = [json.loads(figures_path(out, r).read_text()) for r in range(RANKS)]
-        finally:
-            ranks.stop()
+        meters: list[CpuMeter] = []
+
+        def timed() -> dict:
+            meters.append(CpuMeter([self.broker]))
+            return start()
+
+        ranks, clock = run_ranks(self.children, name, RANKS, "images_rank.py", out,
+                                 ["--size", str(self.size), "--threads", str(self.decoders), "--timeout",
+                                  str(self.timeout), *args], timed, self.timeout, ready_timeout=120.0)
+        cpu = _named(meters[0].stop())
         shutil.rmtree(out, ignore_errors=True)
-        cpu["ranks"] = sum(f["cpu_seconds"] for f in figures)
-        cpu["loader_workers"] = sum(f["workers_cpu_seconds"] for f in figures)
-        return figures, {**clock, "cpu": cpu}
+        cpu["ranks"] = sum(f["cpu_seconds"] for f in ranks.ranks)
+        cpu["loader_workers"] = sum(f["workers_cpu_seconds"] for f in ranks.ranks)
+        return ranks.ranks, {**clock, "cpu": cpu}
 
     def _result(self, way: str, figures: list[dict], clock: dict) -> dict:
         t0 = clock.pop("t0")
@@ -212,10 +192,6 @@ class Runner:
 
 # ---- the figure -------------------------------------------------------------------------------------------
 
-def _median(values: Sequence[float]) -> float:
-    return statistics.median(values) if values else float("nan")
-
-
 def measure(spark: Any, images: int = IMAGES, reps: int = REPS, *, size: int = SIZE, partitions: int = PARTITIONS,
             batch_size: int = BATCH_SIZE, decoders: int = DECODERS, work: Path | None = None,
             timeout: float = 300.0, warm_up: bool = True, log: Callable[[str], None] = print) -> dict:
@@ -246,16 +222,16 @@ def measure(spark: Any, images: int = IMAGES, reps: int = REPS, *, size: int = S
                               "ranks": RANKS, "decoders_per_rank": decoders, "reps": reps,
                               "master": spark.sparkContext.master, "load_start": list(os.getloadavg()),
                               "runs": {way: [] for way in WAYS}}
-    broker = BrokerProcess(work / "broker.log", "--max-buffer", "256MiB", "--log-level", "WARNING", cwd=ROOT)
+    children = Children(work)
     df = None
     try:
-        broker.start(30.0)
+        broker = children.broker("256MiB", 30.0)
         df, result["frame"] = cached_images(spark, images, size, partitions)
         log(f"  images: {images:,} PNGs of {size}x{size} ({result['frame']['mean_png_bytes']:,.0f} bytes on "
             f"average) made and cached in {result['frame']['build_seconds']:.1f} s")
         if warm_up:
             _warm_up(df, broker, work)
-        runner = Runner(df, images, work, size, batch_size, decoders, timeout, broker)
+        runner = Runner(df, images, work, size, batch_size, decoders, timeout, children, broker)
         result["first_task"] = []
         for rep in range(reps):
             result["first_task"].append(first_task_seconds(df))
@@ -269,17 +245,17 @@ def measure(spark: Any, images: int = IMAGES, reps: int = REPS, *, size: int = S
     finally:
         if df is not None:
             df.unpersist()
-        broker.stop()
+        children.stop_all()
         if temporary:
             shutil.rmtree(work, ignore_errors=True)
     result["load_end"] = list(os.getloadavg())
     runs = result["runs"]
-    result["medians"] = {way: {key: _median([r[key] for r in runs[way]])
+    result["medians"] = {way: {key: median([r[key] for r in runs[way]])
                                for key in ("first", "last", "images_per_s", "decode_seconds")} for way in WAYS}
-    result["medians"]["staging"]["write_seconds"] = _median([r["write_seconds"] for r in runs["staging"]])
-    result["medians"]["sparkbus"]["feed_seconds"] = _median([r["feed_seconds"] for r in runs["sparkbus"]])
-    result["medians"]["sparkbus"]["first_received"] = _median([r["first_received"] for r in runs["sparkbus"]])
-    result["medians"]["first_task"] = _median(result["first_task"])
+    result["medians"]["staging"]["write_seconds"] = median([r["write_seconds"] for r in runs["staging"]])
+    result["medians"]["sparkbus"]["feed_seconds"] = median([r["feed_seconds"] for r in runs["sparkbus"]])
+    result["medians"]["sparkbus"]["first_received"] = median([r["first_received"] for r in runs["sparkbus"]])
+    result["medians"]["first_task"] = median(result["first_task"])
     s, p = result["medians"]["sparkbus"], result["medians"]["staging"]
     result["ratios"] = {"faster": s["images_per_s"] / p["images_per_s"], "first": s["first"] / p["first"]}
     pixel_sums = {r["pixel_sum"] for way in WAYS for r in runs[way]}
@@ -370,7 +346,7 @@ class ImagesSection(Section[dict]):
                     None]]
         cpu: list[list[Any]] = []
         for key, label in CPU_GROUPS:
-            s_cpu, p_cpu = (_median([r["cpu"].get(key, 0.0) for r in result["runs"][way]]) for way in WAYS)
+            s_cpu, p_cpu = (median([r["cpu"].get(key, 0.0) for r in result["runs"][way]]) for way in WAYS)
             cpu.append([label, s_cpu, p_cpu, s_cpu / p_cpu if p_cpu else None])
         return [Table(f"{result['images']:,} PNGs of {result['size']}x{result['size']} ({frame['mean_png_bytes']:,.0f} "
                       f"bytes on average) in {result['partitions']} partitions, batches of {result['batch_size']}, "
