@@ -19,6 +19,7 @@ from sparkbus.launch.broker import BrokerProcess
 from .common import BenchError, Children, EarlyExit, median, run_ranks
 from .end_to_end import CpuMeter
 from .sections import Context, Run, Section, Table, Target, at_least, at_most
+from .spark_data import storage_of
 
 IMAGES, QUICK_IMAGES = 50_000, 5_000
 REPS, QUICK_REPS = 5, 1
@@ -82,13 +83,9 @@ def cached_images(spark: Any, images: int, size: int, partitions: int) -> tuple[
     started = time.monotonic()
     df = image_frame(spark, images, size, partitions).cache()
     row = df.selectExpr("count(*) AS n", "sum(length(image)) AS png").collect()[0]
-    mem = disk = 0
-    for info in spark.sparkContext._jsc.sc().getRDDStorageInfo():
-        mem += info.memSize()
-        disk += info.diskSize()
     return df, {"images": row["n"], "png_bytes": row["png"], "mean_png_bytes": row["png"] / max(1, row["n"]),
                 "partitions": df.rdd.getNumPartitions(), "build_seconds": time.monotonic() - started,
-                "cached_memory_bytes": mem, "cached_disk_bytes": disk}
+                **storage_of(spark)}
 
 
 # ---- one run of each way ----------------------------------------------------------------------------------
