@@ -8,7 +8,8 @@ Importing this package starts nothing (no MPI initialisation, no sockets).
 from sparkbus.wire.errors import BrokerError, ProtocolError, SparkbusError
 from sparkbus.wire.ragged import RaggedColumn, pad
 from sparkbus.worker.shuffle import ShuffleBuffer, shuffled
-from sparkbus.worker.stream import BatchStream, EpochStats, StreamStats
+from sparkbus.worker.stats import EpochStats, StreamStats
+from sparkbus.worker.stream import BatchStream
 
 __all__ = ["BatchStream", "BrokerError", "EpochStats", "ProtocolError", "RaggedColumn", "SparkbusError",
            "StreamStats", "ShuffleBuffer", "pad", "shuffled"]

@@ -22,16 +22,13 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Generator
-from typing import TYPE_CHECKING
 
 from sparkbus.wire.errors import ProtocolError
 from sparkbus.wire.protocol import Kind
 from sparkbus.worker.connection import BrokerConnection
 from sparkbus.worker.intake import Batch, Intake, Item
+from sparkbus.worker.stats import EpochStats
 from sparkbus.worker.steps import Step
-
-if TYPE_CHECKING:                     # pragma: no cover
-    from sparkbus.worker.stream import EpochStats
 
 log = logging.getLogger("sparkbus.worker")
 

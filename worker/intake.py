@@ -20,7 +20,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import zmq
@@ -30,10 +30,8 @@ from sparkbus.wire.codec import decode_batch
 from sparkbus.wire.errors import BrokerError
 from sparkbus.wire.protocol import Kind, UsedEntry
 from sparkbus.worker.connection import WHAT_TO_DO, BatchId, BrokerConnection, BrokerSilent
+from sparkbus.worker.stats import EpochStats, StreamStats
 from sparkbus.worker.used import Cut, UsedBatches
-
-if TYPE_CHECKING:                     # pragma: no cover
-    from sparkbus.worker.stream import EpochStats, StreamStats
 
 Batch = dict[str, Any]                # numpy arrays, masked arrays and RaggedColumns
 Item = tuple[dict, Batch]             # a batch's header (its "rows", "nbytes", id fields) and its columns

@@ -17,13 +17,11 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from sparkbus.worker import collectives, rebalance
 from sparkbus.worker.intake import Batch, Intake, Item
-
-if TYPE_CHECKING:                     # pragma: no cover
-    from sparkbus.worker.stream import EpochStats
+from sparkbus.worker.stats import EpochStats
 
 ROUND_BATCHES = 8       # even ranks short of data wait for a round of this many batches, or half a byte window,
 ROUND_LINGER = 0.02     # ... but no longer than this (seconds)

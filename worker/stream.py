@@ -17,7 +17,6 @@ import logging
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence, Sized
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -29,59 +28,13 @@ from sparkbus.worker.connection import BrokerConnection
 from sparkbus.worker.grants import GrantedSteps
 from sparkbus.worker.intake import Batch, Intake
 from sparkbus.worker.launcher import launcher_rank
+from sparkbus.worker.stats import EpochStats, StreamStats  # and exported here: sparkbus.worker.stream.EpochStats
 from sparkbus.worker.steps import EvenRounds, IndependentSteps, StepPlan
 from sparkbus.worker.used import Cut
 
 log = logging.getLogger("sparkbus.worker")
 
 DEFAULT_PREFETCH_BYTES = 8 << 20
-
-
-@dataclass
-class EpochStats:
-    """One epoch as this rank saw it."""
-
-    epoch: int
-    batches: int = 0
-    rows: int = 0
-    bytes: int = 0
-    dropped_batches: int = 0    # left over to keep ranks even (remainder="drop": at most size - 1 across all ranks)
-    dropped_rows: int = 0
-    cut_batches: int = 0        # steps that took some rows of a batch: the epoch's remainder shared out by rows
-    repeated_batches: int = 0   # steps that took a batch another rank took too (remainder="pad")
-    repeated_rows: int = 0
-    wait_seconds: float = 0.0   # time the training loop waited for data (and for the other ranks to agree)
-    seconds: float = 0.0        # from the first request of the epoch to its end
-    resumed_batches: int = 0    # steps of this epoch taken before the checkpoint it resumed from (not in batches)
-    # the wait before the epoch's first batch (-1: none came), included in wait_seconds: in a first epoch, Spark's
-    # start-up and the feed's first partitions; wait_seconds - first_batch_seconds is the wait once data flowed
-    first_batch_seconds: float = -1.0
-
-
-@dataclass
-class StreamStats:
-    """Totals over the epochs of a :class:`BatchStream`, and each epoch's figures in ``epochs``."""
-
-    batches: int = 0
-    rows: int = 0
-    bytes: int = 0
-    dropped_batches: int = 0
-    dropped_rows: int = 0
-    cut_batches: int = 0
-    repeated_batches: int = 0
-    repeated_rows: int = 0
-    wait_seconds: float = 0.0
-    first_batch_seconds: float = -1.0   # from the stream's start to its first batch (-1: none yet)
-    skipped_batches: int = 0    # left unread when the loop broke out of an epoch early
-    rejoins: int = 0            # times this rank joined the broker again (a lost connection, a restarted broker)
-    resumed_batches: int = 0    # steps taken before the checkpoint this stream resumed from (not in batches)
-    epochs: list[EpochStats] = field(default_factory=list)
-
-    def add(self, ep: EpochStats) -> None:
-        self.epochs.append(ep)
-        for name in ("batches", "rows", "bytes", "dropped_batches", "dropped_rows", "cut_batches", "repeated_batches",
-                     "repeated_rows", "wait_seconds", "resumed_batches"):
-            setattr(self, name, getattr(self, name) + getattr(ep, name))
 
 
 class BatchStream:
