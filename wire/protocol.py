@@ -161,6 +161,9 @@ COMMIT_MODES = ("end", "driver")
 # "split", shared out by rows so that every rank takes one more, smaller step (the default); "drop", dropped
 # (counted); "pad", each rank a whole batch, repeats of them for the ranks short of one (counted).
 REMAINDERS = ("split", "drop", "pad")
+# RECLAIM's ``lost`` that names no lost broker but a resume from a checkpoint: what the checkpointed model had used of
+# the epoch (``BatchStream(resume=)``). An incarnation is never empty, so the two cannot meet.
+RESUME_LOSS = ""
 MAX_CUTS = 4096           # [part, seq, index, lo, hi, checksum] entries in one RECLAIM's cuts
 MAX_COMMITS = 1024        # [part, attempt, batches] triplets in one PARTITION_COMMIT (its header stays < 32 KiB)
 

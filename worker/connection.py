@@ -32,7 +32,7 @@ import zmq
 from sparkbus.broker.auth import client_socket
 from sparkbus.wire import protocol
 from sparkbus.wire.errors import BrokerError
-from sparkbus.wire.protocol import ErrorCode, Kind, UsedEntry, pack_header, unpack_header
+from sparkbus.wire.protocol import RESUME_LOSS, ErrorCode, Kind, UsedEntry, pack_header, unpack_header
 from sparkbus.worker.used import Cut, UsedBatches
 
 log = logging.getLogger("sparkbus.worker")
@@ -187,10 +187,10 @@ class BrokerConnection:
             self.flush()
 
     def reclaim(self, epoch: int, lost: str, entries: list[UsedEntry], cuts: list[Cut] = ()) -> None:  # type: ignore[assignment]
-        """RECLAIM: of ``epoch``, the batches this rank used of the broker of incarnation ``lost`` (``""``: its
-        position at a checkpoint), as ``(part, seq, first, stop, checksum)`` entries, and the rows it used of
-        batches it used part of (``cuts``; a broker of version 6 cannot take them). Nothing to a broker of
-        version 5, which has no recovery."""
+        """RECLAIM: of ``epoch``, the batches this rank used of the broker of incarnation ``lost``
+        (:data:`~wire.protocol.RESUME_LOSS`: its position at a checkpoint), as ``(part, seq, first, stop, checksum)``
+        entries, and the rows it used of batches it used part of (``cuts``; a broker of version 6 cannot take them).
+        Nothing to a broker of version 5, which has no recovery."""
         if self.version < 6:
             return
         optional: dict[str, Any] = {}
@@ -296,7 +296,7 @@ class BrokerConnection:
                 raise BrokerError(f"the broker at {self.address} speaks protocol version {self.version}, which "
                                   f"cannot resume an epoch exactly: upgrade it, or resume at an epoch boundary "
                                   f"without resume=", code=ErrorCode.VERSION)
-            self.reclaim(resume[0], "", resume[1], resume[2])
+            self.reclaim(resume[0], RESUME_LOSS, resume[1], resume[2])
         self._grant_window()
 
     def _note_unread(self, header: dict) -> None:

@@ -28,7 +28,7 @@ import zmq
 from sparkbus.wire import protocol
 from sparkbus.wire.codec import decode_batch
 from sparkbus.wire.errors import BrokerError
-from sparkbus.wire.protocol import Kind, UsedEntry
+from sparkbus.wire.protocol import RESUME_LOSS, Kind, UsedEntry
 from sparkbus.worker.connection import WHAT_TO_DO, BatchId, BrokerConnection, BrokerSilent
 from sparkbus.worker.stats import EpochStats, StreamStats
 from sparkbus.worker.used import Cut, UsedBatches
@@ -310,10 +310,11 @@ class Intake:
 
     def resume(self, epoch: int, entries: list[UsedEntry], cuts: list[Cut] = ()) -> None:   # type: ignore[assignment]
         """Resume ``epoch`` from a checkpoint that had used ``entries`` (and the rows ``cuts``) of it: they are the
-        lost entries of ``""`` (the connections told their brokers when they joined: ``BrokerConnection(resume=)``)."""
+        lost entries of :data:`~wire.protocol.RESUME_LOSS` (the connections told their brokers when they joined:
+        ``BrokerConnection(resume=)``)."""
         self._enter(epoch)
         self.lost.update(entries, cuts)
-        self._handled.add("")
+        self._handled.add(RESUME_LOSS)
 
     def _enter(self, epoch: int) -> None:
         """A message of ``epoch``: a later one than the rank's current epoch starts a new record of what was used."""
