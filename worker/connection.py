@@ -25,6 +25,7 @@ import logging
 import secrets
 import time
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import zmq
@@ -32,8 +33,8 @@ import zmq
 from sparkbus.broker.auth import client_socket
 from sparkbus.wire import protocol
 from sparkbus.wire.errors import BrokerError
-from sparkbus.wire.protocol import RESUME_LOSS, ErrorCode, Kind, UsedEntry, pack_header, unpack_header
-from sparkbus.worker.used import Cut, UsedBatches
+from sparkbus.wire.protocol import RESUME_LOSS, ErrorCode, Kind, pack_header, unpack_header
+from sparkbus.worker.used import Cut, Entry, Resume, UsedBatches
 
 log = logging.getLogger("sparkbus.worker")
 
@@ -80,7 +81,7 @@ class BrokerConnection:
     def __init__(self, address: str, context: zmq.Context, *, stream: str, rank: int, size: int, even: bool,
                  prefetch: int, prefetch_bytes: int, timeout: float, heartbeat: float, key: str | None = None,
                  broker_key: str | None = None, grants: bool = False, remainder: str = "split",
-                 resume: tuple[int, list[UsedEntry], list[Cut]] | None = None):
+                 resume: Resume | None = None):
         self.address, self.stream, self.rank, self.size, self.even = address, stream, rank, size, even
         self.grants, self.remainder = grants, remainder
         self.prefetch, self.prefetch_bytes, self.timeout, self.heartbeat = prefetch, prefetch_bytes, timeout, heartbeat
@@ -186,7 +187,7 @@ class BrokerConnection:
         if send or len(self._upto) >= 4 * ACK_MAX:
             self.flush()
 
-    def reclaim(self, epoch: int, lost: str, entries: list[UsedEntry], cuts: list[Cut] = ()) -> None:  # type: ignore[assignment]
+    def reclaim(self, epoch: int, lost: str, entries: Sequence[Entry], cuts: Sequence[Cut] = ()) -> None:
         """RECLAIM: of ``epoch``, the batches this rank used of the broker of incarnation ``lost``
         (:data:`~wire.protocol.RESUME_LOSS`: its position at a checkpoint), as ``(part, seq, first, stop, checksum)``
         entries, and the rows it used of batches it used part of (``cuts``; a broker of version 6 cannot take them).
@@ -249,7 +250,7 @@ class BrokerConnection:
 
     # ---- joining ----------------------------------------------------------------------------------------------
 
-    def _join(self, resume: tuple[int, list[UsedEntry], list[Cut]] | None) -> None:
+    def _join(self, resume: Resume | None) -> None:
         """The first HELLO (and a resuming rank's RECLAIM). A rank number still held by a dead process's connection
         is retried until ``timeout``."""
         started = time.monotonic()
@@ -296,7 +297,7 @@ class BrokerConnection:
                 raise BrokerError(f"the broker at {self.address} speaks protocol version {self.version}, which "
                                   f"cannot resume an epoch exactly: upgrade it, or resume at an epoch boundary "
                                   f"without resume=", code=ErrorCode.VERSION)
-            self.reclaim(resume[0], RESUME_LOSS, resume[1], resume[2])
+            self.reclaim(resume.epoch, RESUME_LOSS, resume.entries, resume.cuts)
         self._grant_window()
 
     def _note_unread(self, header: dict) -> None:

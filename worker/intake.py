@@ -19,8 +19,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import zmq
@@ -28,13 +28,28 @@ import zmq
 from sparkbus.wire import protocol
 from sparkbus.wire.codec import decode_batch
 from sparkbus.wire.errors import BrokerError
-from sparkbus.wire.protocol import RESUME_LOSS, Kind, UsedEntry
+from sparkbus.wire.protocol import RESUME_LOSS, Kind
 from sparkbus.worker.connection import WHAT_TO_DO, BatchId, BrokerConnection, BrokerSilent
 from sparkbus.worker.stats import EpochStats, StreamStats
-from sparkbus.worker.used import Cut, UsedBatches
+from sparkbus.worker.used import Cut, Entry, UsedBatches
 
 Batch = dict[str, Any]                # numpy arrays, masked arrays and RaggedColumns
-Item = tuple[dict, Batch]             # a batch's header (its "rows", "nbytes", id fields) and its columns
+
+
+class Item(NamedTuple):
+    """One batch as the rank holds it."""
+
+    header: dict                      # its "rows", "nbytes", id fields (a pack's batch: "index")
+    batch: Batch
+
+
+class Message(NamedTuple):
+    """A message from a broker, and the connection it came on."""
+
+    broker: BrokerConnection
+    header: dict
+    frames: list[zmq.Frame]
+
 
 log = logging.getLogger("sparkbus.worker")
 
@@ -52,13 +67,13 @@ def _cut_rows(header: dict, columns: dict[str, Any], rows: tuple[int, int] | Non
     """A batch, or the rows of it the broker sent this rank (``cut``, a piece of an epoch's remainder): its
     columns sliced without a copy, its header saying the rows (``rows``, and ``cut`` unless they are all)."""
     if rows is None:
-        return header, columns
+        return Item(header, columns)
     lo, hi = rows
     if (lo, hi) == (0, header["rows"]):
         header.pop("cut", None)         # all of it (a pad's whole batch, or its repeat)
-        return header, columns
+        return Item(header, columns)
     share = header["nbytes"] * (hi - lo) // header["rows"] if header["rows"] else 0
-    return dict(header, rows=hi - lo, nbytes=share), {k: rows_of(v, lo, hi) for k, v in columns.items()}
+    return Item(dict(header, rows=hi - lo, nbytes=share), {k: rows_of(v, lo, hi) for k, v in columns.items()})
 
 
 class Intake:
@@ -108,7 +123,7 @@ class Intake:
 
     # ---- receiving ------------------------------------------------------------------------------------------
 
-    def receive(self, block: bool) -> tuple[BrokerConnection, dict, list[zmq.Frame]] | None:
+    def receive(self, block: bool) -> Message | None:
         """The next message (BATCH, EPOCH_END; STEPS, RELEASE) from a broker still in the current epoch, taking
         turns among them. Losses are handled on the way (``LOST``, a broker silent past its timeout); None also
         when the last broker still in the epoch was found gone (the epoch then ended: :attr:`end_seen`).
@@ -126,24 +141,24 @@ class Intake:
                     continue
             if message is None:
                 return None
-            if message[1]["kind"] != Kind.LOST:
+            if message.header["kind"] != Kind.LOST:
                 return message
-            self._lost(*message[:2])
+            self._lost(message.broker, message.header)
             if self.end_seen:                # the last broker still in the epoch was gone
                 return None
 
-    def _take_turn(self, block: bool) -> tuple[BrokerConnection, dict, list[zmq.Frame]] | None:
+    def _take_turn(self, block: bool) -> Message | None:
         if len(self._waiting) == 1:
             broker = self._waiting[0]
             message = broker.receive(block)
-            return None if message is None else (broker, *message)
+            return None if message is None else Message(broker, *message)
         while True:
             for _ in range(len(self._waiting)):
                 self._turn = (self._turn + 1) % len(self._waiting)
                 broker = self._waiting[self._turn]
                 message = broker.receive(block=False)
                 if message is not None:
-                    return (broker, *message)
+                    return Message(broker, *message)
             if not block:
                 return None
             self.poll(int(self._heartbeat * 1000))
@@ -304,11 +319,11 @@ class Intake:
             every.merge(broker.used)
         return every
 
-    def used_entries(self) -> list[UsedEntry]:
+    def used_entries(self) -> list[Entry]:
         """The whole batches of :meth:`used`."""
         return self.used().entries()
 
-    def resume(self, epoch: int, entries: list[UsedEntry], cuts: list[Cut] = ()) -> None:   # type: ignore[assignment]
+    def resume(self, epoch: int, entries: Sequence[Entry], cuts: Sequence[Cut] = ()) -> None:
         """Resume ``epoch`` from a checkpoint that had used ``entries`` (and the rows ``cuts``) of it: they are the
         lost entries of :data:`~wire.protocol.RESUME_LOSS` (the connections told their brokers when they joined:
         ``BrokerConnection(resume=)``)."""
@@ -385,7 +400,7 @@ class Intake:
             if self.forget is not None:
                 self.forget(broker, gone)
             self._unpacked = deque(item for item in self._unpacked
-                                   if self._source.get(protocol.batch_id(item[0])) is not broker)
+                                   if self._source.get(protocol.batch_id(item.header)) is not broker)
             self._forget_ids(broker)
             self.lost.merge(broker.used)
             self.lost.merge(self._elsewhere)   # the pooled ones may have been this broker's
@@ -397,7 +412,7 @@ class Intake:
         broker.forget_epoch()
         log.warning("rank %d: the broker at %s lost epoch %d (incarnation %s); %d used batches of the epoch are "
                     "reclaimed", broker.rank, broker.address, epoch, incarnation,
-                    sum(stop - first for _, _, first, stop, _ in entries))
+                    sum(entry.stop - entry.first for entry in entries))
         if gone:
             self._forget_ids(broker)          # what it had delivered of an ended epoch is used, never acknowledged
             broker.close()

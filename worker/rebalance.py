@@ -19,7 +19,7 @@ from sparkbus.wire import codec, protocol
 from sparkbus.wire.protocol import REMAINDERS, Kind
 from sparkbus.wire.remainder import plan
 from sparkbus.worker.collectives import wait, wait_until
-from sparkbus.worker.intake import rows_of
+from sparkbus.worker.intake import Item, rows_of
 
 _TAG_BATCH = 0x5B5
 _TAG_PIECE = 0x5B6
@@ -50,8 +50,8 @@ def plan_transfers(counts: list[int]) -> tuple[list[tuple[int, int, int]], int]:
     return transfers, target
 
 
-def share_remainder(comm: Any, left: list[tuple[dict, dict]], remainder: str,
-                    idle: Callable[[], None] | None = None) -> tuple[dict, dict] | None:
+def share_remainder(comm: Any, left: list[Item], remainder: str,
+                    idle: Callable[[], None] | None = None) -> Item | None:
     """The batches left over on every rank after :func:`exchange` (``left``: this rank's; fewer than the ranks in
     all) shared out by ``remainder`` (``wire.remainder.plan``): this rank's piece, the same plan on every rank, or
     None with ``"drop"`` (the caller drops ``left``). Each piece travels from the rank that holds its batch, whole,
@@ -105,7 +105,7 @@ def share_remainder(comm: Any, left: list[tuple[dict, dict]], remainder: str,
     if (piece.lo, piece.hi) != (0, header["rows"]):
         fields["cut"] = [base + piece.lo, base + piece.hi]
         fields.pop("nbytes", None)
-    return fields, rows
+    return Item(fields, rows)
 
 
 def pack_batch(header: dict, columns: dict[str, Any]) -> bytes:
@@ -123,7 +123,7 @@ def pack_batch(header: dict, columns: dict[str, Any]) -> bytes:
     return b"".join([struct.pack("<I", len(frames[0])), *[bytes(f) for f in frames]])
 
 
-def unpack_batch(buf: bytes) -> tuple[dict, dict[str, Any]]:
+def unpack_batch(buf: bytes) -> Item:
     """The inverse of :func:`pack_batch`; validates like any received batch."""
     (length,) = struct.unpack_from("<I", buf)
     header = protocol.unpack_header(buf[4:4 + length])
@@ -135,11 +135,11 @@ def unpack_batch(buf: bytes) -> tuple[dict, dict[str, Any]]:
     columns = codec.decode_batch(header, frames)
     if "arrived" in header:                  # what it was used as: see pack_batch
         header["checksum"] = header.pop("arrived")
-    return header, columns
+    return Item(header, columns)
 
 
-def exchange(comm: Any, held: list[tuple[dict, dict]], transfers: list[tuple[int, int, int]],
-             idle: Callable[[], None] | None = None) -> list[tuple[dict, dict]]:
+def exchange(comm: Any, held: list[Item], transfers: list[tuple[int, int, int]],
+             idle: Callable[[], None] | None = None) -> list[Item]:
     """Carry out ``transfers``: send from the end of ``held``, receive onto it. Returns what this rank holds.
 
     ``idle`` is called now and then while waiting (see :func:`worker.collectives.wait_until`)."""

@@ -181,7 +181,7 @@ class EvenRounds:
         if not intake.end_seen:
             while (more := intake.next_batch(ep)) is not None:
                 held.append(more)
-                intake.ack(more[0], send=False)
+                intake.ack(more.header, send=False)
         intake.flush()
         counts = collectives.allgather_count(self._comm, len(held), idle=intake.service)
         transfers, target = rebalance.plan_transfers(counts)

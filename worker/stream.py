@@ -22,7 +22,6 @@ from typing import Any
 import zmq
 
 from sparkbus.wire.address import broker_addresses
-from sparkbus.wire.protocol import UsedEntry
 from sparkbus.wire.remainder import check_remainder
 from sparkbus.worker.connection import BrokerConnection
 from sparkbus.worker.grants import GrantedSteps
@@ -30,7 +29,7 @@ from sparkbus.worker.intake import Batch, Intake
 from sparkbus.worker.launcher import launcher_rank
 from sparkbus.worker.stats import EpochStats, StreamStats  # and exported here: sparkbus.worker.stream.EpochStats
 from sparkbus.worker.steps import EvenRounds, IndependentSteps, StepPlan
-from sparkbus.worker.used import Cut
+from sparkbus.worker.used import Cut, Entry, Resume
 
 log = logging.getLogger("sparkbus.worker")
 
@@ -127,7 +126,7 @@ class BatchStream:
                                                       heartbeat=heartbeat, key=key, broker_key=broker_key,
                                                       grants=self.granted, remainder=self.remainder,
                                                       resume=None if resumed is None else
-                                                      (resumed["epoch"], resumed["used"], resumed["cuts"])))
+                                                      Resume(resumed["epoch"], resumed["used"], resumed["cuts"])))
         except BaseException:
             self._close_connections()
             raise
@@ -262,7 +261,7 @@ class BatchStream:
         log.warning("rank %d left the previous epoch before its end; skipping its remaining batches", self.rank)
         ignored = self._ep = EpochStats(epoch=-1)
         while self._intake.unfinished and (item := self._intake.next_batch(ignored)) is not None:
-            self._intake.ack(item[0], send=False)
+            self._intake.ack(item.header, send=False)
             self.stats.skipped_batches += 1
         self._intake.flush()
 
@@ -321,20 +320,20 @@ def _resume_state(state: Mapping[str, Any], stream: str, rank: int, size: int) -
             raise ValueError(f"resume= has the state of {name} {state.get(name)!r}, but this BatchStream is "
                              f"{name} {mine!r}: pass each rank its own state_dict()")
     epoch, steps, used = state.get("epoch"), state.get("steps"), state.get("used")
-    entries: list[UsedEntry] = []
+    entries: list[Entry] = []
     if type(epoch) is not int or epoch < 0 or type(steps) is not int or steps < 0 or not isinstance(used, list):
         raise ValueError("resume= has a state whose epoch, steps or used are malformed")
     for entry in used:
         if (not isinstance(entry, (list, tuple)) or len(entry) != 5 or any(type(n) is not int for n in entry)
                 or not 0 <= entry[2] < entry[3]):
             raise ValueError(f"resume= has a malformed used entry {entry!r} (want [part, seq, first, stop, checksum])")
-        entries.append((entry[0], entry[1], entry[2], entry[3], entry[4]))
+        entries.append(Entry(*entry))
     cuts: list[Cut] = []
     for cut in state.get("cuts", []) if state["format"] == 2 else []:
         if (not isinstance(cut, (list, tuple)) or len(cut) != 6 or any(type(n) is not int for n in cut)
                 or not 0 <= cut[3] < cut[4]):
             raise ValueError(f"resume= has a malformed cut {cut!r} (want [part, seq, index, lo, hi, checksum])")
-        cuts.append((cut[0], cut[1], cut[2], cut[3], cut[4], cut[5]))
+        cuts.append(Cut(*cut))
     return {"format": 2, "stream": stream, "rank": rank, "size": size, "epoch": epoch, "steps": steps,
             "used": entries, "cuts": cuts}
 

@@ -11,10 +11,41 @@ some rows only (its piece of an epoch's remainder, ``wire.remainder``), a *cut* 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 from sparkbus.wire.protocol import UsedEntry
 
-Cut = tuple[int, int, int, int, int, int]     # (part, seq, index, lo, hi, checksum): rows lo..hi-1 of a batch
+
+class Entry(NamedTuple):
+    """Batches ``first..stop-1`` of message ``(part, seq)`` used whole (``0, 1``: a batch that is not a pack), and the
+    message's checksum as it arrived: a RECLAIM entry, the five numbers of ``protocol.UsedEntry``
+    (``protocol.pack_used`` takes it)."""
+
+    part: int
+    seq: int
+    first: int
+    stop: int
+    checksum: int
+
+
+class Cut(NamedTuple):
+    """Rows ``lo..hi-1`` of batch ``batch`` of message ``(part, seq)`` (its ``index`` in a pack, 0 for a batch that is
+    not a pack), used when the batch was not used whole."""
+
+    part: int
+    seq: int
+    batch: int                        # ``index`` in a state_dict's cuts (a NamedTuple has its own tuple.index)
+    lo: int
+    hi: int
+    checksum: int
+
+
+class Resume(NamedTuple):
+    """What a checkpoint had used of ``epoch``, for a rank that resumes from it (``BatchStream(resume=)``)."""
+
+    epoch: int
+    entries: list[Entry]
+    cuts: list[Cut]
 
 
 class UsedBatches:
@@ -54,18 +85,18 @@ class UsedBatches:
         """Add everything ``other`` holds."""
         self.update(other.entries(), other.cuts())
 
-    def entries(self) -> list[UsedEntry]:
+    def entries(self) -> list[Entry]:
         """``(part, seq, first, stop, checksum)`` per contiguous run of used batches, sorted: what
         ``protocol.pack_used`` takes."""
-        out: list[UsedEntry] = []
+        out: list[Entry] = []
         for (part, seq), (checksum, indices) in sorted(self._messages.items()):
             run: list[int] = []
             for index in sorted(indices):
                 if run and index != run[-1] + 1:
-                    out.append((part, seq, run[0], run[-1] + 1, checksum))
+                    out.append(Entry(part, seq, run[0], run[-1] + 1, checksum))
                     run = []
                 run.append(index)
-            out.append((part, seq, run[0], run[-1] + 1, checksum))
+            out.append(Entry(part, seq, run[0], run[-1] + 1, checksum))
         return out
 
     def cuts(self) -> list[Cut]:
@@ -81,7 +112,7 @@ class UsedBatches:
                     merged[-1][1] = max(merged[-1][1], hi)
                 elif hi > lo:
                     merged.append([lo, hi])
-            out.extend((part, seq, index, lo, hi, checksum) for lo, hi in merged)
+            out.extend(Cut(part, seq, index, lo, hi, checksum) for lo, hi in merged)
         return out
 
     def clear(self) -> None:
