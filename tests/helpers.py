@@ -19,6 +19,12 @@ __all__ = ["FakeBroker", "Wire", "free_port_triple", "hello", "joined", "key_dir
            "send_hello", "wait_for"]
 
 
+def steps_of(batches: int, size: int, remainder: str = "split") -> int:
+    """The steps each of ``size`` ranks takes of an epoch of ``batches`` batches from one broker: the share, and
+    one more (a piece of the batches left over) unless they are dropped (``BatchStream(remainder=)``)."""
+    return batches // size + (1 if batches % size and remainder != "drop" else 0)
+
+
 def free_port_triple() -> int:
     """A port P on 127.0.0.1 with P, P+1 and P+2 free (feed, ranks, derived control)."""
     for _ in range(200):

@@ -409,10 +409,11 @@ def summarize_images(args: argparse.Namespace, console: Console, wall: float) ->
 
     problems = []
     for fed, trained in zip(feed, ranks["epochs"]):
-        got = sum(trained["batches"]) + sum(trained["dropped_batches"])
-        if got != fed[args.stream]["batches"]:
-            problems.append(f"{epoch_label(fed['epoch'], args.epochs)}: the ranks received {got} batches, "
-                            f"Spark fed {fed[args.stream]['batches']}")
+        # every image once: the epoch's last batches are shared out by rows, none dropped (BatchStream's default)
+        if trained["images"] != fed[args.stream]["rows"] or sum(trained["dropped_batches"]):
+            problems.append(f"{epoch_label(fed['epoch'], args.epochs)}: the ranks trained {trained['images']:,} "
+                            f"images and dropped {sum(trained['dropped_batches'])} batches, Spark fed "
+                            f"{fed[args.stream]['rows']:,}")
         if trained["val_images"] != IMAGE_VAL_ROWS:
             problems.append(f"{epoch_label(fed['epoch'], args.epochs)}: {trained['val_images']} held-out images, "
                             f"not {IMAGE_VAL_ROWS}")

@@ -47,7 +47,8 @@ def test_two_epochs_every_row_once_with_values_and_dtypes_intact(spark, start_br
 def test_even_ranks_yield_equal_counts_and_drop_at_most_one(spark, start_broker_process, start_ranks):
     broker = start_broker_process()
     # 21 batches of 100 rows: one must be left over; rank 1 is slow so the broker hands rank 0 more
-    ranks = start_ranks(2, broker.ranks, "--stream", "even", "--slow-rank", "1", "--slow-seconds", "0.05")
+    ranks = start_ranks(2, broker.ranks, "--stream", "even", "--slow-rank", "1", "--slow-seconds", "0.05",
+                        "--remainder", "drop")
     df = labelled_frame(spark, rows=2_100, partitions=3)
     feed(df, broker.feed, stream="even", batch_size=100, timeout=60)
     summaries = ranks.wait()

@@ -167,3 +167,33 @@ def test_a_group_of_another_size_joins_at_an_epoch_boundary(spark, start_broker_
     kept, lost = ids_of(three, range(3), 0)
     assert len(lost) == 0
     np.testing.assert_array_equal(np.sort(kept), np.arange(2_000))
+
+
+@pytest.mark.parametrize("size", [3, 7])
+def test_every_row_once_in_equal_steps_whatever_the_group_size(spark, start_broker_process, start_group, size):
+    broker = start_broker_process()
+    group = start_group(size, broker.ranks, "--stream", f"rows-{size}")
+    # 5 partitions of 469 rows: 25 batches (20 of 100 rows, 5 of 69); 3 ranks: 8 steps and 1 left over, 7 ranks:
+    # 3 steps and 4 left over, shared out by rows as one more step on every rank
+    feed(frame(spark, 2_345, 5), broker.feed, stream=f"rows-{size}", batch_size=100, timeout=60, pack_bytes=0)
+    summaries = group.wait()
+    steps, dropped = assert_even_and_exact(summaries, group, 0, 2_345)
+    assert (steps, dropped) == (25 // size + 1, 0)
+    figures = broker.stats()["streams"][f"rows-{size}"]["epochs"]["0"]
+    assert (figures["cut"], figures["pieces"], figures["dropped"]) == (25 % size, size, 0)
+    assert sum(s["epochs"][0]["rows"] for s in summaries) == 2_345
+
+
+def test_pad_gives_every_rank_a_whole_last_batch_and_counts_the_repeats(spark, start_broker_process, start_group):
+    broker = start_broker_process()
+    group = start_group(3, broker.ranks, "--stream", "pad", "--remainder", "pad")
+    feed(frame(spark, 2_345, 5), broker.feed, stream="pad", batch_size=100, timeout=60, pack_bytes=0)
+    summaries = group.wait()
+    assert [s["epochs"][0]["batches"] for s in summaries] == [9, 9, 9]
+    kept, lost = ids_of(group, range(3), 0)
+    repeated = sum(s["epochs"][0]["repeated_rows"] for s in summaries)
+    assert len(lost) == 0 and sum(s["epochs"][0]["repeated_batches"] for s in summaries) == 2
+    assert len(kept) == 2_345 + repeated and repeated in (2 * 69, 2 * 100)      # the one left over, twice again
+    np.testing.assert_array_equal(np.unique(kept), np.arange(2_345))
+    values, counts = np.unique(kept, return_counts=True)
+    assert set(counts.tolist()) == {1, 3} and (counts == 3).sum() == repeated // 2

@@ -2,8 +2,8 @@
 resumed from a mid-epoch checkpoint trains exactly what the checkpointed model has not seen (§3).
 
 Real pieces: the broker through its CLI, Spark in local mode, ranks under ``mpiexec -n 2`` or started without MPI
-(``--group``). Every test asserts the exact multiset of row ids the ranks trained on and dropped to keep equal
-steps: each row once, none twice while the ranks live, and equal steps on every rank.
+(``--group``). Every test asserts the exact multiset of row ids the ranks trained on: each row once (none dropped at
+the epoch's end, the default remainder), none twice while the ranks live, and equal steps on every rank.
 """
 
 from __future__ import annotations
@@ -39,11 +39,13 @@ def assert_each_row_once(ids: np.ndarray, rows: int) -> None:
 
 
 def trained(job, ranks: int = 2, epoch: int = 0) -> np.ndarray:
-    """Every id the ranks trained on in ``epoch``, and those they dropped to keep equal steps."""
+    """Every id the ranks trained on in ``epoch`` (none is dropped: the default remainder shares the leftovers out
+    by rows)."""
     epochs = [job.epoch(r, epoch) for r in range(ranks)]
     for data in epochs:
         np.testing.assert_array_equal(data["x"], data["id"].astype(np.float32))
-    return np.concatenate([d["id"] for d in epochs] + [d["dropped_id"] for d in epochs])
+        assert len(data["dropped_id"]) == 0, "a row dropped at the epoch's end"
+    return np.concatenate([d["id"] for d in epochs])
 
 
 def equal_steps(summaries: list[dict]) -> None:

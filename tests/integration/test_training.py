@@ -17,7 +17,7 @@ from sparkbus.feeder.epochs import epoch_order, feed_epochs
 from sparkbus.launch.mpi import loopback_env, mpiexec_python
 
 from harness import Children
-from helpers import wait_for
+from helpers import steps_of, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -176,17 +176,21 @@ def test_train_torch_learns_through_the_broker_and_resumes_exactly_from_a_mid_ep
               "--checkpoint", str(checkpoint))
     every = 8
 
-    # Run 1 checkpoints every 8 steps of epoch 0 (at 8 and 16 of its 21), trains all 21, then waits to validate:
-    # validation epoch 0 is not fed, so the epoch's end is never checkpointed. Killed there, the model it saved
-    # at step 16 has not seen steps 17..21, which it trained.
+    # Run 1 checkpoints every 8 steps of epoch 0 (at 8 and 16 of its 22: 21 and the last batch's rows), trains all
+    # 22, then waits to validate: validation epoch 0 is not fed, so the epoch's end is never checkpointed. Killed
+    # there, the model it saved at step 16 has not seen steps 17..22, which it trained.
     first = start_training(broker.ranks, *common, "--checkpoint-every", str(every))
     fed = feed_training_data(spark, broker.feed, 1, **data)     # training epoch 0 only
-    share = fed[0][STREAM]["batches"] // 2                      # steps a rank takes of an epoch (the data's: 21)
+    share = steps_of(fed[0][STREAM]["batches"], 2)              # steps a rank takes of the epoch (43 batches: 22)
     last = share // every * every                               # run 1's last checkpoint (16)
     assert 0 < last < share
+
+    def trained_whole_epoch():
+        figures = broker.stats()["streams"][STREAM]["epochs"]["0"]
+        return figures["ended"] and figures["acked"] == figures["batches_out"] and figures["queued"] == 0
+
     wait_for(lambda: checkpoint.exists() and torch.load(checkpoint, weights_only=True)["steps"] == last
-             and broker.stats()["streams"][STREAM]["epochs"]["0"]["acked"] == fed[0][STREAM]["batches"],
-             90, f"run 1 to checkpoint at step {last} and train the whole epoch")
+             and trained_whole_epoch(), 90, f"run 1 to checkpoint at step {last} and train the whole epoch")
     first.kill()
     saved = torch.load(checkpoint, weights_only=True)
     positions = load_positions(str(checkpoint))
@@ -209,12 +213,13 @@ def test_train_torch_learns_through_the_broker_and_resumes_exactly_from_a_mid_ep
     for e, f in zip(history, fed):
         assert e["batches"][0] == e["batches"][1]                               # equal steps on both ranks
         assert e["steps"] == e["batches"][0] and e["resumed_batches"] == [e["resumed_steps"]] * 2
-        assert sum(e["batches"]) + sum(e["resumed_batches"]) + sum(e["dropped_batches"]) == f[STREAM]["batches"]
+        assert [b + r for b, r in zip(e["batches"], e["resumed_batches"])] == [steps_of(f[STREAM]["batches"], 2)] * 2
+        assert sum(e["dropped_batches"]) == 0                                    # the last step's rows shared out
         assert e["val_rows"] == 1_000                                            # every validation row, once
         assert all(0 <= w <= s for w, s in zip(e["wait_seconds"], e["seconds"]))
         assert all(0 < f <= w + 0.05 for f, w in zip(e["first_batch_seconds"], e["wait_seconds"]))   # start-up
     assert [(e["steps"], e["resumed_steps"]) for e in history] == \
-        [(share - last, last), (fed[1][STREAM]["batches"] // 2, 0)]             # the rest of the epoch, exactly
+        [(share - last, last), (steps_of(fed[1][STREAM]["batches"], 2), 0)]     # the rest of the epoch, exactly
     after = broker.stats()["streams"][STREAM]["epochs"]
     assert after["0"]["adopted"] == 2 * last               # the broker matched the checkpoint's batches, not sent
     assert history[-1]["val_accuracy"] >= 0.8, history                          # chance is 0.25

@@ -190,7 +190,7 @@ def test_even_ranks_even_out_ragged_batches_with_values_intact(spark, start_brok
     broker = start_broker_process()
     # 31 batches of 64 rows, rank 1 slow: rank 0 holds more at the end. Agreed over MPI, batches move between the
     # ranks in wire form (the pooled leftovers); granted by the broker, in packs, a rank gives back the unused tail
-    # of a pack and the other gets it as a piece. One batch is dropped.
+    # of a pack and the other gets it as a piece. The one left over is shared out by rows: 32 rows each.
     ranks = start_ranks(2, broker.ranks, "--stream", "evened", "--values", "--even", "yes", "--slow-rank", "1",
                         "--slow-seconds", "0.03", "--prefetch-bytes", "0", "--steps", steps)
     df = typed_frame(spark, 31 * 64, 1)
@@ -198,8 +198,9 @@ def test_even_ranks_even_out_ragged_batches_with_values_intact(spark, start_brok
     summaries = ranks.wait()
     got, _ = received_by_id(ranks, 2)
     dropped = np.concatenate([ranks.epoch(r, 0)["dropped_id"] for r in range(2)])
-    assert [s["epochs"][0]["batches"] for s in summaries] == [15, 15] and len(dropped) == 64
-    assert sorted([*got, *dropped.tolist()]) == list(range(31 * 64))
+    assert [s["epochs"][0]["batches"] for s in summaries] == [16, 16] and len(dropped) == 0
+    assert [s["epochs"][0]["rows"] for s in summaries] == [15 * 64 + 32] * 2
+    assert sorted(got) == list(range(31 * 64))
     expected = expected_by_id(df)
     assert all(got[i] == expected[i] for i in got)
 
