@@ -98,19 +98,22 @@ def flatten_record_batch(batch: pa.RecordBatch, checked: dict | None = None) -> 
 
 # ---- 2. cutting ---------------------------------------------------------------------------------------------
 
-def cut(plans: Iterable[RecordBatchPlan], batch_size: int, max_bytes: int) -> Iterator[Batch]:
-    """Batches of exactly ``batch_size`` rows, fewer where ``max_bytes`` would be exceeded; the last may be short.
+def cut(plans: Iterable[RecordBatchPlan], batch_size: int, max_bytes: int, tokens_by: str | None = None,
+        batch_tokens: int = 0) -> Iterator[Batch]:
+    """Batches of exactly ``batch_size`` rows, fewer where ``max_bytes`` would be exceeded (or, with
+    ``batch_tokens``, the sum of the lengths of column ``tokens_by``); the last may be short.
 
-    A row larger than ``max_bytes`` is a batch of its own (the broker's ``--max-message`` still bounds it). A
-    batch that spans two record batches is concatenated (one copy); every other batch is a row range of one.
+    A row larger than ``max_bytes`` (or longer than ``batch_tokens``) is a batch of its own (the broker's
+    ``--max-message`` still bounds it). A batch that spans two record batches is concatenated (one copy); every
+    other batch is a row range of one.
     """
     pending: list[Batch] = []
-    pending_rows = pending_bytes = 0
+    pending_rows = pending_bytes = pending_tokens = 0
 
     def emit() -> Batch:
-        nonlocal pending, pending_rows, pending_bytes
+        nonlocal pending, pending_rows, pending_bytes, pending_tokens
         batch = pending[0] if len(pending) == 1 else _joined(pending)
-        pending, pending_rows, pending_bytes = [], 0, 0
+        pending, pending_rows, pending_bytes, pending_tokens = [], 0, 0, 0
         return batch
 
     for plan in plans:
@@ -122,6 +125,7 @@ def cut(plans: Iterable[RecordBatchPlan], batch_size: int, max_bytes: int) -> It
         sizes = plan.row_bytes()
         fixed = sizes if isinstance(sizes, int) else None           # bytes of every row, when they are equal
         cumulative = np.cumsum(sizes) if fixed is None else np.zeros(0, np.int64)
+        tokens = np.cumsum(row_lengths(_column(plan.batch, tokens_by))) if batch_tokens and tokens_by else None
         start = 0
         while start < n:
             room_rows, room_bytes = batch_size - pending_rows, max_bytes - pending_bytes
@@ -131,6 +135,10 @@ def cut(plans: Iterable[RecordBatchPlan], batch_size: int, max_bytes: int) -> It
                 base = int(cumulative[start - 1]) if start else 0
                 fits = int(np.searchsorted(cumulative, base + room_bytes, side="right")) - start
                 take = min(room_rows, n - start, fits)
+            if tokens is not None:
+                base = int(tokens[start - 1]) if start else 0
+                room = batch_tokens - pending_tokens
+                take = min(take, int(np.searchsorted(tokens, base + room, side="right")) - start)
             if take <= 0:
                 if pending:
                     yield emit()
@@ -141,11 +149,20 @@ def cut(plans: Iterable[RecordBatchPlan], batch_size: int, max_bytes: int) -> It
             pending.append(Batch(plan, start, take, taken))
             pending_rows += take
             pending_bytes += taken
+            if tokens is not None:
+                pending_tokens += int(tokens[start + take - 1]) - (int(tokens[start - 1]) if start else 0)
             start += take
             if pending_rows >= batch_size or start < n:
                 yield emit()
     if pending:
         yield emit()
+
+
+def _column(batch: pa.RecordBatch, name: str) -> pa.Array:
+    if name not in batch.schema.names:
+        raise KeyError(f"batch_tokens counts the lengths of {name!r}, which is not a column (columns: "
+                       f"{', '.join(batch.schema.names)})")
+    return batch.column(name)
 
 
 def _joined(pieces: list[Batch]) -> Batch:
@@ -155,7 +172,8 @@ def _joined(pieces: list[Batch]) -> Batch:
 
 
 def bucketed(record_batches: Iterable[pa.RecordBatch], batch_size: int, max_bytes: int, column: str,
-             window: int, seed: Sequence[int], ragged: frozenset = frozenset()) -> Iterator[Batch]:
+             window: int, seed: Sequence[int], ragged: frozenset = frozenset(), tokens_by: str | None = None,
+             batch_tokens: int = 0) -> Iterator[Batch]:
     """Length bucketing: windows of ``window * batch_size`` rows, each sorted by the length of ``column`` (stable),
     cut into batches, and yielded in an order shuffled by ``(seed, window number)``.
 
@@ -172,19 +190,23 @@ def bucketed(record_batches: Iterable[pa.RecordBatch], batch_size: int, max_byte
             rows += take
             record_batch = record_batch.slice(take)
             if rows == window_rows:
-                yield from _sorted_window(held, batch_size, max_bytes, column, (*seed, number), ragged)
+                yield from _sorted_window(held, batch_size, max_bytes, column, (*seed, number), ragged, tokens_by,
+                                          batch_tokens)
                 held, rows, number = [], 0, number + 1
     if held:
-        yield from _sorted_window(held, batch_size, max_bytes, column, (*seed, number), ragged)
+        yield from _sorted_window(held, batch_size, max_bytes, column, (*seed, number), ragged, tokens_by,
+                                  batch_tokens)
 
 
 def _sorted_window(pieces: list[pa.RecordBatch], batch_size: int, max_bytes: int, column: str,
-                   seed: Sequence[int], ragged: frozenset) -> Iterator[Batch]:
+                   seed: Sequence[int], ragged: frozenset, tokens_by: str | None = None,
+                   batch_tokens: int = 0) -> Iterator[Batch]:
     data = pieces[0] if len(pieces) == 1 else pa.concat_batches(pieces)
     if column not in data.schema.names:
         raise KeyError(f"bucket_by names {column!r}, which is not a column (columns: {', '.join(data.schema.names)})")
     order = np.argsort(row_lengths(data.column(column)), kind="stable")
-    batches = list(cut([RecordBatchPlan(data.take(pa.array(order)), ragged)], batch_size, max_bytes))
+    batches = list(cut([RecordBatchPlan(data.take(pa.array(order)), ragged)], batch_size, max_bytes, tokens_by,
+                       batch_tokens))
     rng = np.random.default_rng([abs(int(s)) for s in seed])
     for i in rng.permutation(len(batches)):
         yield batches[i]
@@ -257,13 +279,15 @@ def wire_columns(batch: pa.RecordBatch, ragged: frozenset | Sequence[str] = ()) 
 
 def partition_messages(record_batches: Iterable[pa.RecordBatch], batch_size: int, max_bytes: int, pack_bytes: int,
                        ragged: Sequence[str] = (), bucket_by: str | None = None, bucket_window: int = 64,
-                       seed: Sequence[int] = (0,)) -> Iterator[Message]:
+                       seed: Sequence[int] = (0,), tokens_by: str | None = None,
+                       batch_tokens: int | None = None) -> Iterator[Message]:
     """The whole path of a partition (steps 1-4 of the module notes): its record batches to wire messages."""
     checked: dict = {}
     declared = frozenset(ragged)
+    budget = batch_tokens or 0
     flat = (flatten_record_batch(b, checked) for b in record_batches)
-    batches = bucketed(flat, batch_size, max_bytes, bucket_by, bucket_window, seed, declared) if bucket_by \
-        else cut((RecordBatchPlan(b, declared) for b in flat), batch_size, max_bytes)
+    batches = bucketed(flat, batch_size, max_bytes, bucket_by, bucket_window, seed, declared, tokens_by, budget) \
+        if bucket_by else cut((RecordBatchPlan(b, declared) for b in flat), batch_size, max_bytes, tokens_by, budget)
     return messages(batches, pack_bytes)
 
 

@@ -78,7 +78,8 @@ def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "t
          max_batch_bytes: int = DEFAULT_MAX_BATCH_BYTES, pack_bytes: int = DEFAULT_PACK_BYTES,
          ragged: Sequence[str] = (), bucket_by: str | None = None, bucket_window: int = 64,
          arrow_batch_rows: int | None = None, key: str | None = None,
-         broker_key: str | None = None, recover: bool = True, resume: bool = False) -> FeedReport:
+         broker_key: str | None = None, recover: bool = True, resume: bool = False,
+         batch_tokens: int | None = None, tokens_by: str | None = None) -> FeedReport:
     """Stream every row of a DataFrame or RDD to the broker as one epoch of ``stream``.
 
     Opens the epoch with the partition count, runs one Spark job whose tasks push their partitions in batches
@@ -122,6 +123,11 @@ def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "t
             windows of ``bucket_window`` batches' worth of rows of a partition (sorted by length, then the
             window's batches in a shuffled order), so padding to the longest row of a batch wastes little.
             Deterministic: a retried task sends the same batches.
+        batch_tokens, tokens_by: token-budget batches: a batch also ends before the sum of the lengths of column
+            ``tokens_by`` (arrays, strings or binary; default ``bucket_by``, else the one ``ragged`` column) would
+            exceed ``batch_tokens``; a row longer than the budget is a batch of its own. ``batch_size`` still caps
+            the rows: set it high to let the tokens decide. With ``bucket_by``, rows of similar length fill each
+            budget (less padding on the rank).
         arrow_batch_rows: rows of the Arrow record batches Spark hands to the feeding tasks
             (``spark.sql.execution.arrow.maxRecordsPerBatch``, set for this job and restored after it). By default
             a whole number of batches, at most 8 and at most Spark's default of 10,000 rows: no batch then spans
@@ -155,15 +161,17 @@ def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "t
         TypeError: a DataFrame column of a type sparkbus cannot carry (named, with what to do), or a
             ``ragged``/``bucket_by`` name that is not such a column: found from the schema, before any job runs.
             Or ``data`` is neither a DataFrame nor an RDD.
-        ValueError: ``bucket_window`` below 1; ``resume`` on Spark Connect with several brokers (the partition
-            count is needed: feed through ``feed_epochs(..., partitions=...)``).
+        ValueError: ``bucket_window`` below 1; ``batch_tokens`` below 1 or without a column to count; ``resume``
+            on Spark Connect with several brokers (the partition count is needed: feed through
+            ``feed_epochs(..., partitions=...)``).
     """
     return _feed(data, FeedOptions(address=address, stream=stream, epoch=epoch, batch_size=batch_size, columns=columns,
                                    timeout=timeout, delivery=delivery, control=control,
                                    max_batch_bytes=max_batch_bytes, pack_bytes=pack_bytes, ragged=ragged,
                                    bucket_by=bucket_by, bucket_window=bucket_window,
                                    arrow_batch_rows=arrow_batch_rows, key=key, broker_key=broker_key,
-                                   recover=recover, resume=resume))
+                                   recover=recover, resume=resume, batch_tokens=batch_tokens,
+                                   tokens_by=tokens_by))
 
 
 def feed_watched(data: Any, address: str | Sequence[str] | None, stream: str, epoch: int,

@@ -132,7 +132,7 @@ def dataframe_job(df: Any, columns: Sequence[str] | None, cutting: dict, run: in
                    channel: ReportChannel, routes: Routes | None = None):
     import pyarrow as pa
 
-    prepared = prepare_dataframe(df, columns, cutting["ragged"], cutting["bucket_by"])
+    prepared = prepare_dataframe(df, columns, cutting["ragged"], cutting["bucket_by"], cutting["tokens_by"])
     report_schema = pa.schema([("partition", pa.int64()), ("batches", pa.int64()), ("rows", pa.int64()),
                                ("bytes", pa.int64()), ("seconds", pa.float64()), ("broker", pa.int64()),
                                ("attempt", pa.int64()), ("messages", pa.int64())])
@@ -224,7 +224,7 @@ def refuse_data(data: Any, options: FeedOptions) -> None:
         TypeError: as :func:`feeder.schema.prepare_dataframe`, or neither a DataFrame nor an RDD.
     """
     if is_dataframe(data):
-        prepare_dataframe(data, options.columns, options.ragged, options.bucket_by)
+        prepare_dataframe(data, options.columns, options.ragged, options.bucket_by, options.tokens_by)
     else:
         _require_rdd(data)
 

@@ -22,8 +22,9 @@ class FeedOptions:
     """The options of one :func:`feeder.feed` (each as documented there), with the brokers' addresses resolved.
 
     Raises (on construction):
-        ValueError: an address that does not parse, not as many control addresses as feed addresses, or
-            ``bucket_window`` below 1.
+        ValueError: an address that does not parse, not as many control addresses as feed addresses,
+            ``bucket_window`` below 1, or ``batch_tokens`` below 1 or without a column to count (``tokens_by``,
+            else ``bucket_by``, else the one ``ragged`` column).
     """
 
     address: str | Sequence[str] | None = None
@@ -39,6 +40,8 @@ class FeedOptions:
     ragged: Sequence[str] = ()
     bucket_by: str | None = None
     bucket_window: int = 64
+    batch_tokens: int | None = None
+    tokens_by: str | None = None
     arrow_batch_rows: int | None = None
     key: str | None = None
     broker_key: str | None = None
@@ -55,6 +58,16 @@ class FeedOptions:
         object.__setattr__(self, "feeds", tuple(feeds))
         object.__setattr__(self, "controls", tuple(controls))
         object.__setattr__(self, "ragged", tuple(self.ragged))
+        if self.batch_tokens is not None:
+            if type(self.batch_tokens) is not int or self.batch_tokens < 1:
+                raise ValueError(f"batch_tokens must be a number of tokens, at least 1, not {self.batch_tokens!r}")
+            counted = self.tokens_by or self.bucket_by or (self.ragged[0] if len(self.ragged) == 1 else None)
+            if counted is None:
+                raise ValueError("batch_tokens counts the lengths of one column of arrays, binary or strings: name "
+                                 "it with tokens_by= (or bucket_by=, or declare it alone in ragged=)")
+            object.__setattr__(self, "tokens_by", counted)
+        elif self.tokens_by is not None:
+            raise ValueError("tokens_by= names the column batch_tokens= counts: pass batch_tokens too")
         if self.columns is not None:
             object.__setattr__(self, "columns", tuple(self.columns))
 
@@ -67,7 +80,8 @@ class FeedOptions:
     def cutting(self) -> dict[str, Any]:
         """How a task cuts its partition into messages (:func:`feeder.columns.partition_messages`' arguments)."""
         return dict(batch_size=self.batch_size, max_bytes=self.max_batch_bytes, pack_bytes=self.pack_bytes,
-                    ragged=self.ragged, bucket_by=self.bucket_by, bucket_window=self.bucket_window)
+                    ragged=self.ragged, bucket_by=self.bucket_by, bucket_window=self.bucket_window,
+                    tokens_by=self.tokens_by, batch_tokens=self.batch_tokens)
 
     def task_settings(self) -> dict[str, Any]:
         """Where and how a task streams (:func:`feeder.task.stream_messages`' arguments besides its partition)."""

@@ -12,7 +12,7 @@ from typing import Any
 
 
 def prepare_dataframe(df: Any, columns: Sequence[str] | None = None, ragged: Sequence[str] = (),
-                      bucket_by: str | None = None) -> Any:
+                      bucket_by: str | None = None, tokens_by: str | None = None) -> Any:
     """Select the columns to feed, turning ML vectors into arrays; refuse what sparkbus cannot carry, by name.
 
     Everything is decided from the schema, before any Spark job runs.
@@ -39,7 +39,8 @@ def prepare_dataframe(df: Any, columns: Sequence[str] | None = None, ragged: Seq
     if not selected:
         raise TypeError("no columns to feed")
     flat = flat_spark_fields(names, fields)
-    for option, wanted in (("ragged", list(ragged)), ("bucket_by", [bucket_by] if bucket_by else [])):
+    for option, wanted in (("ragged", list(ragged)), ("bucket_by", [bucket_by] if bucket_by else []),
+                           ("batch_tokens' tokens_by", [tokens_by] if tokens_by else [])):
         for name in wanted:
             if name not in flat:
                 raise TypeError(f"{option} names {name!r}, which is not a fed column (fed: {', '.join(flat)})")

@@ -253,3 +253,35 @@ def test_a_feed_asks_for_whole_batches_per_arrow_batch_and_restores_the_setting(
     finally:
         spark.conf.unset(ARROW_BATCH_CONF)
     assert sorted(np.concatenate(got).tolist()) == list(range(3_000))
+
+
+def test_token_budget_batches_from_spark_hold_the_budget_with_every_row_once(spark, start_broker_process):
+    """``feed(..., batch_tokens=, tokens_by=)``: batches cut by the sum of a ragged column's lengths, a row longer
+    than the budget alone; with ``bucket_by`` too, rows of similar length fill each budget."""
+    from sparkbus.worker import RaggedColumn
+
+    broker = start_broker_process()
+    df = spark.range(0, 2_000, numPartitions=3).selectExpr(
+        "id", "sequence(0, cast(pmod(id * 7919, 97) as int) + (case when id % 500 = 0 then 600 else 0 end)) as ids")
+    for stream, extra in (("budget", {}), ("budget-bucketed", {"bucket_by": "ids"})):
+        got: list[tuple[np.ndarray, np.ndarray]] = []
+
+        def consume(rank, into):
+            into.extend((b["id"].copy(), b["ids"].lengths().copy() if isinstance(b["ids"], RaggedColumn)
+                         else np.full(len(b["id"]), b["ids"].shape[1])) for b in rank.epoch())
+
+        with BatchStream(broker.ranks, stream=stream, timeout=30) as rank:
+            consumer = threading.Thread(target=consume, args=(rank, got))
+            consumer.start()
+            feed(df, broker.feed, stream=stream, batch_size=10_000, ragged=["ids"], batch_tokens=512,
+                 timeout=60, **extra)
+            consumer.join(60)
+        ids = np.concatenate([i for i, _ in got])
+        np.testing.assert_array_equal(np.sort(ids), np.arange(2_000))
+        tokens = [int(lengths.sum()) for _, lengths in got]
+        assert all(t <= 512 or len(i) == 1 for t, (i, _) in zip(tokens, got)), "the budget holds"
+        assert sum(1 for t in tokens if t > 512) == 4, "the four rows longer than the budget travel alone"
+        assert sum(tokens) == sum(int(n) + 1 + (600 if i % 500 == 0 else 0)
+                                  for i, n in ((i, (i * 7919) % 97) for i in range(2_000)))
+        if extra:
+            assert np.median(tokens) > 400, "bucketed rows fill their budgets"

@@ -314,3 +314,53 @@ def test_random_arrow_arrays_survive_encode_and_decode(array, batch_size, pack_b
         assert isinstance(column, RaggedColumn) == (variable and (ragged or not _dense(array.type, column))), column
         if isinstance(column, RaggedColumn):
             assert column.to_arrow().to_pylist() == column.to_pylist()
+
+
+def _tokens(batches):
+    return [int(b["tokens"].lengths().sum()) if isinstance(b["tokens"], RaggedColumn) else
+            b["tokens"].shape[0] * b["tokens"].shape[1] for b in batches]
+
+
+def test_token_budget_batches_hold_the_budget_and_a_longer_row_travels_alone():
+    lengths = [3, 4, 2, 9, 1, 1, 30, 5, 5, 5, 2]
+    rb = pa.record_batch({"id": pa.array(np.arange(len(lengths))),
+                          "tokens": pa.array([[i] * n for i, n in enumerate(lengths)], pa.list_(pa.int32()))})
+    plans = [RecordBatchPlan(rb.slice(0, 5)), RecordBatchPlan(rb.slice(5))]      # a batch spans the two
+    rows = [b.rows for b in cut(plans, batch_size=100, max_bytes=1 << 20, tokens_by="tokens", batch_tokens=10)]
+    assert rows == [3, 2, 1, 1, 2, 2]      # 9 tokens, 10 (9 + 1, across the two), 1, 30 alone, 10, 7
+    out = batches_of([rb], batch_size=100, tokens_by="tokens", batch_tokens=10)
+    assert _tokens(out) == [9, 10, 1, 30, 10, 7]
+    assert values(out, "id") == list(range(len(lengths)))
+    assert all(t <= 10 or len(b["id"]) == 1 for t, b in zip(_tokens(out), out))
+    capped = [b.rows for b in cut([RecordBatchPlan(rb)], batch_size=2, max_bytes=1 << 20, tokens_by="tokens",
+                                  batch_tokens=1000)]
+    assert capped == [2, 2, 2, 2, 2, 1], "batch_size still caps the rows"
+
+
+def test_token_budgets_with_length_buckets_fill_each_budget_with_similar_lengths():
+    rng = np.random.default_rng(5)
+    lengths = rng.integers(1, 64, 500)
+    rb = pa.record_batch({"id": pa.array(np.arange(500)),
+                          "tokens": pa.array([[1] * int(n) for n in lengths], pa.list_(pa.int32()))})
+    out = batches_of([rb], batch_size=10_000, bucket_by="tokens", bucket_window=4, seed=(1,), batch_tokens=256,
+                     tokens_by="tokens")
+    assert sorted(values(out, "id")) == list(range(500))
+    sums = _tokens(out)
+    assert max(sums) <= 256 and sum(sums) == int(lengths.sum())
+    assert np.median(sums) > 200, "budgets are filled"
+
+
+def test_token_budget_options_are_checked_once():
+    from sparkbus.feeder.options import FeedOptions
+
+    assert FeedOptions("tcp://h:5555", batch_tokens=512, ragged=["ids"]).tokens_by == "ids"
+    assert FeedOptions("tcp://h:5555", batch_tokens=512, bucket_by="t", ragged=["ids", "t"]).tokens_by == "t"
+    assert FeedOptions("tcp://h:5555", batch_tokens=512, tokens_by="x").cutting()["batch_tokens"] == 512
+    with pytest.raises(ValueError, match="name it with tokens_by="):
+        FeedOptions("tcp://h:5555", batch_tokens=512, ragged=["a", "b"])
+    with pytest.raises(ValueError, match="at least 1"):
+        FeedOptions("tcp://h:5555", batch_tokens=0, tokens_by="x")
+    with pytest.raises(ValueError, match="pass batch_tokens too"):
+        FeedOptions("tcp://h:5555", tokens_by="x")
+    with pytest.raises(KeyError, match="batch_tokens counts the lengths of 'nope'"):
+        list(cut([RecordBatchPlan(pa.record_batch({"a": pa.array([1])}))], 10, 1 << 20, "nope", 5))
