@@ -26,13 +26,14 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
 from sparkbus.broker.auth import client_socket
 from sparkbus.wire import protocol
 from sparkbus.wire.errors import BrokerError
+from sparkbus.wire.headers import FromBroker, HeartbeatHeader, LostHeader, ToIntake, WelcomeHeader
 from sparkbus.wire.protocol import RESUME_LOSS, ErrorCode, Kind, pack_header, unpack_header
 from sparkbus.worker.used import Cut, Entry, Resume, UsedBatches
 
@@ -88,7 +89,7 @@ class BrokerConnection:
         self._figures: dict[str, float | int] = {}   # the rank's own figures, sent with ACKs and heartbeats
         self._unsent: list[int] = []                 # acknowledged ids not yet sent: epoch, part, seq, ...
         self._upto: list[int] = []                   # progress in packs not yet sent: epoch, part, seq, stop, ...
-        self._inbox: deque[tuple[dict, list[zmq.Frame]]] = deque()   # kept by service() while the rank waited
+        self._inbox: deque[tuple[ToIntake, list[zmq.Frame]]] = deque()   # kept by service() while the rank waited
         self.session = secrets.token_hex(8)           # the same across reconnections of this rank
         self.version = protocol.VERSION               # the connection's: an older broker's, once it said so
         self._received: set[tuple[int, ...]] = set()  # batch ids of the current epoch that arrived (a piece
@@ -271,7 +272,7 @@ class BrokerConnection:
                                       f"{self.timeout:g} s: {self._refusal}")
                 raise BrokerError(f"no answer from a sparkbus broker at {self.address} within {self.timeout:g} s: "
                                   f"is it running, and is this its ranks address?")
-            header = unpack_header(self._sock.recv_multipart()[0])
+            header = cast(FromBroker, unpack_header(self._sock.recv_multipart()[0]))
             if header["kind"] == Kind.WELCOME and header["req"] == self._req:
                 self.incarnation, self.journal = header["incarnation"], header["journal"]
                 self._note_unread(header)
@@ -300,7 +301,7 @@ class BrokerConnection:
             self.reclaim(resume.epoch, RESUME_LOSS, resume.entries, resume.cuts)
         self._grant_window()
 
-    def _note_unread(self, header: dict) -> None:
+    def _note_unread(self, header: WelcomeHeader | HeartbeatHeader) -> None:
         """The broker's ``unread`` (a HEARTBEAT or WELCOME, version 7): this rank's stream has nothing under way,
         while these streams hold data that no rank reads. Warned once for each new set of names."""
         unread = tuple(str(name) for name in header.get("unread", ()))
@@ -350,7 +351,7 @@ class BrokerConnection:
 
     # ---- receiving --------------------------------------------------------------------------------------------
 
-    def receive(self, block: bool = True) -> tuple[dict, list[zmq.Frame]] | None:
+    def receive(self, block: bool = True) -> tuple[ToIntake, list[zmq.Frame]] | None:
         """The next BATCH, EPOCH_END (or, granted steps, STEPS and RELEASE) from the broker; heartbeats both ways
         while waiting, never spinning.
 
@@ -362,7 +363,7 @@ class BrokerConnection:
             return self._inbox.popleft()
         return self._from_socket(block)
 
-    def _from_socket(self, block: bool) -> tuple[dict, list[zmq.Frame]] | None:
+    def _from_socket(self, block: bool) -> tuple[ToIntake, list[zmq.Frame]] | None:
         while True:
             now = time.monotonic()
             silent_for = now - self._last_heard
@@ -384,26 +385,27 @@ class BrokerConnection:
                 wait = min(self.heartbeat, self.timeout - silent_for)
                 self._sock.poll(int(max(wait, 0.001) * 1000))
                 continue
-            header = unpack_header(frames[0].bytes)
-            kind = header["kind"]
-            if kind == Kind.ERROR and self._rejoin_since is not None:
+            # validated by unpack_header against its kind's schema: the types say the same (wire.headers)
+            header = cast(FromBroker, unpack_header(frames[0].bytes))
+            if header["kind"] == Kind.ERROR and self._rejoin_since is not None:
                 self._refusal = header["reason"]        # refusals while rejoining do not count as "heard"
                 continue
             self._last_heard = time.monotonic()
-            if kind == Kind.STEPS:
+            if header["kind"] == Kind.STEPS:
                 self.adopted = max(self.adopted, header.get("adopted", 0))
-            if kind == Kind.BATCH or kind == Kind.STEPS or kind == Kind.RELEASE or kind == Kind.LOST:
+            if (header["kind"] == Kind.BATCH or header["kind"] == Kind.STEPS or header["kind"] == Kind.RELEASE
+                    or header["kind"] == Kind.LOST):
                 return header, frames[1:]
-            if kind == Kind.EPOCH_END:
+            if header["kind"] == Kind.EPOCH_END:
                 self.ended = header["epoch"]
                 self._received.clear()
                 self._acked.clear()
                 self.got = self.adopted = 0
                 return header, frames[1:]
-            if kind == Kind.ERROR and header["code"] == ErrorCode.UNKNOWN_RANK:
+            if header["kind"] == Kind.ERROR and header["code"] == ErrorCode.UNKNOWN_RANK:
                 self._refusal = ""
                 self._rejoin(header["reason"])
-            elif kind == Kind.WELCOME:
+            elif header["kind"] == Kind.WELCOME:
                 if self._rejoin_since is not None and header["req"] == self._req:
                     self._rejoin_since = None
                     self.rejoins += 1
@@ -412,11 +414,12 @@ class BrokerConnection:
                     known, self.incarnation, self.journal = self.incarnation, header["incarnation"], header["journal"]
                     if known and known != self.incarnation and not self.journal and self.version >= 6:
                         # A restart without a journal: what this rank had of the old incarnation is lost with it.
-                        return {"kind": Kind.LOST, "stream": self.stream, "epoch": self.ended + 1, "lost": known,
-                                "restarted": True}, []
-            elif kind == Kind.ERROR:
+                        lost: LostHeader = {"v": self.version, "kind": Kind.LOST, "stream": self.stream,
+                                            "epoch": self.ended + 1, "lost": known, "restarted": True}
+                        return lost, []
+            elif header["kind"] == Kind.ERROR:
                 raise BrokerError(f"the broker at {self.address} reported: {header['reason']}", code=header["code"])
-            elif kind == Kind.HEARTBEAT:
+            elif header["kind"] == Kind.HEARTBEAT:
                 self._note_unread(header)
             else:
-                log.warning("ignoring unexpected %s from the broker", kind.name)
+                log.warning("ignoring unexpected %s from the broker", header["kind"].name)

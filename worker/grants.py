@@ -24,6 +24,7 @@ from collections import deque
 from collections.abc import Callable, Generator
 
 from sparkbus.wire.errors import ProtocolError
+from sparkbus.wire.headers import BatchHeader
 from sparkbus.wire.protocol import Kind
 from sparkbus.worker.connection import BrokerConnection
 from sparkbus.worker.intake import Batch, Intake, Item
@@ -124,15 +125,14 @@ class GrantedSteps:
         if message is None:
             return
         broker, header, frames = message
-        kind = header["kind"]
-        if kind == Kind.BATCH:
+        if header["kind"] == Kind.BATCH:
             self._held[broker].extend(self._intake.unpack(broker, header, frames, self._ep))
-        elif kind == Kind.STEPS:
+        elif header["kind"] == Kind.STEPS:
             self._granted[broker] = max(self._granted[broker], header["steps"])
             self._adopted[broker] = max(self._adopted[broker], header.get("adopted", 0))
-        elif kind == Kind.RELEASE:
+        elif header["kind"] == Kind.RELEASE:
             self._release(broker, header["epoch"], header["keep"], header["drop"])
-        elif kind == Kind.EPOCH_END:
+        elif header["kind"] == Kind.EPOCH_END:
             steps = header.get("steps")
             if steps is None:
                 raise ProtocolError(f"the broker at {broker.address} ended epoch {header['epoch']} without granted "
@@ -167,7 +167,7 @@ class GrantedSteps:
                 self._intake.ack(header, send=False)
                 self._count_drop(header, batch)
 
-    def _count_drop(self, header: dict, batch: Batch) -> None:
+    def _count_drop(self, header: BatchHeader, batch: Batch) -> None:
         self._ep.dropped_batches += 1
         self._ep.dropped_rows += header["rows"]
         if self._on_drop is not None:

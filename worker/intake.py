@@ -28,6 +28,7 @@ import zmq
 from sparkbus.wire import protocol
 from sparkbus.wire.codec import decode_batch
 from sparkbus.wire.errors import BrokerError
+from sparkbus.wire.headers import BatchHeader, EpochEndHeader, LostHeader, ToIntake
 from sparkbus.wire.protocol import RESUME_LOSS, Kind
 from sparkbus.worker.connection import WHAT_TO_DO, BatchId, BrokerConnection, BrokerSilent
 from sparkbus.worker.stats import EpochStats, StreamStats
@@ -39,7 +40,7 @@ Batch = dict[str, Any]                # numpy arrays, masked arrays and RaggedCo
 class Item(NamedTuple):
     """One batch as the rank holds it."""
 
-    header: dict                      # its "rows", "nbytes", id fields (a pack's batch: "index")
+    header: BatchHeader               # its "rows", "nbytes", id fields (a pack's batch: "index")
     batch: Batch
 
 
@@ -47,7 +48,7 @@ class Message(NamedTuple):
     """A message from a broker, and the connection it came on."""
 
     broker: BrokerConnection
-    header: dict
+    header: ToIntake
     frames: list[zmq.Frame]
 
 
@@ -63,7 +64,7 @@ def rows_of(column: Any, start: int, stop: int) -> Any:
     return part
 
 
-def _cut_rows(header: dict, columns: dict[str, Any], rows: tuple[int, int] | None) -> Item:
+def _cut_rows(header: BatchHeader, columns: dict[str, Any], rows: tuple[int, int] | None) -> Item:
     """A batch, or the rows of it the broker sent this rank (``cut``, a piece of an epoch's remainder): its
     columns sliced without a copy, its header saying the rows (``rows``, and ``cut`` unless they are all)."""
     if rows is None:
@@ -73,7 +74,7 @@ def _cut_rows(header: dict, columns: dict[str, Any], rows: tuple[int, int] | Non
         header.pop("cut", None)         # all of it (a pad's whole batch, or its repeat)
         return Item(header, columns)
     share = header["nbytes"] * (hi - lo) // header["rows"] if header["rows"] else 0
-    return Item(dict(header, rows=hi - lo, nbytes=share), {k: rows_of(v, lo, hi) for k, v in columns.items()})
+    return Item({**header, "rows": hi - lo, "nbytes": share}, {k: rows_of(v, lo, hi) for k, v in columns.items()})
 
 
 class Intake:
@@ -141,9 +142,10 @@ class Intake:
                     continue
             if message is None:
                 return None
-            if message.header["kind"] != Kind.LOST:
+            header = message.header
+            if header["kind"] != Kind.LOST:
                 return message
-            self._lost(message.broker, message.header)
+            self._lost(message.broker, header)
             if self.end_seen:                # the last broker still in the epoch was gone
                 return None
 
@@ -184,16 +186,15 @@ class Intake:
             if message is None:
                 return None
             broker, header, frames = message
-            kind = header["kind"]
-            if kind == Kind.EPOCH_END:
+            if header["kind"] == Kind.EPOCH_END:
                 if not self.ended(broker, header, ep):
                     continue
                 ep.wait_seconds += time.monotonic() - started
                 return None
-            if kind == Kind.RELEASE:        # granted steps, while this rank skips what is left of an epoch
+            if header["kind"] == Kind.RELEASE:     # granted steps, while this rank skips what is left of an epoch
                 broker.give_back(header["epoch"], [], kept=broker.got + broker.adopted)
                 continue
-            if kind != Kind.BATCH:          # STEPS: nothing to wait for when every batch is taken as it comes
+            if header["kind"] != Kind.BATCH:       # STEPS: nothing to wait for when every batch is taken as it comes
                 continue
             items = self.unpack(broker, header, frames, ep)
             if items:
@@ -202,7 +203,7 @@ class Intake:
         self._unpacked.extend(items)
         return self._unpacked.popleft()
 
-    def ended(self, broker: BrokerConnection, header: dict, ep: EpochStats) -> bool:
+    def ended(self, broker: BrokerConnection, header: EpochEndHeader, ep: EpochStats) -> bool:
         """``broker``'s EPOCH_END: whether every broker has now ended the epoch (:attr:`end_seen`)."""
         self._enter(header["epoch"])
         self._waiting.remove(broker)         # its later batches wait until every broker ended this epoch
@@ -217,15 +218,15 @@ class Intake:
         self._waiting = list(self.connections)
         self.end_seen = True
 
-    def source(self, header: dict) -> BrokerConnection:
+    def source(self, header: BatchHeader) -> BrokerConnection:
         """The broker a batch this rank holds came from."""
         return self._source[protocol.batch_id(header)]
 
-    def source_of(self, header: dict) -> BrokerConnection | None:
+    def source_of(self, header: BatchHeader) -> BrokerConnection | None:
         """The broker a batch this rank holds came from, None if it no longer knows (acknowledged, or lost)."""
         return self._source.get(protocol.batch_id(header))
 
-    def unpack(self, broker: BrokerConnection, header: dict, frames: list[zmq.Frame],
+    def unpack(self, broker: BrokerConnection, header: BatchHeader, frames: list[zmq.Frame],
                ep: EpochStats) -> list[Item]:
         """A BATCH's batches, decoded: one, or the batches of a pack (views of its frames, no copy); none if
         this rank had it already (:meth:`BrokerConnection.arrived`).
@@ -267,7 +268,7 @@ class Intake:
         for index in range(first, stop):
             rows = splits[index]
             share = nbytes * rows // header["rows"] if header["rows"] else 0
-            items.append(_cut_rows(dict(header, rows=rows, nbytes=share, index=index),
+            items.append(_cut_rows({**header, "rows": rows, "nbytes": share, "index": index},
                                    {k: rows_of(v, start, start + rows) for k, v in columns.items()}, rows_cut))
             start += rows
         return items
@@ -302,7 +303,7 @@ class Intake:
 
     # ---- what was used, and losses ------------------------------------------------------------------------
 
-    def note_used(self, header: dict) -> None:
+    def note_used(self, header: BatchHeader) -> None:
         """The loop has this batch now (yielded): record it as used, of the connection it came from."""
         source = self._source.get(protocol.batch_id(header))
         record = source.used if source is not None else self._elsewhere
@@ -341,7 +342,7 @@ class Intake:
         for broker in self.connections:
             broker.used.clear()
 
-    def _lost(self, broker: BrokerConnection, header: dict) -> None:
+    def _lost(self, broker: BrokerConnection, header: LostHeader) -> None:
         """A LOST from ``broker`` (or, ``restarted``, its own rejoin found it restarted without journal)."""
         lost = header["lost"]
         if header.get("restarted"):
@@ -426,7 +427,7 @@ class Intake:
 
     # ---- acknowledging --------------------------------------------------------------------------------------
 
-    def ack(self, header: dict, send: bool = True) -> None:
+    def ack(self, header: BatchHeader, send: bool = True) -> None:
         """The loop is done with this batch: acknowledge it (a pack: with its last batch) to the broker that
         sent it. ``send=False`` keeps it for the next :meth:`flush`."""
         batch_id = protocol.batch_id(header)

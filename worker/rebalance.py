@@ -11,11 +11,12 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from sparkbus.wire import codec, protocol
+from sparkbus.wire.headers import BatchHeader
 from sparkbus.wire.protocol import REMAINDERS, Kind
 from sparkbus.wire.remainder import plan
 from sparkbus.worker.collectives import wait, wait_until
@@ -60,7 +61,8 @@ def share_remainder(comm: Any, left: list[Item], remainder: str,
     Raises:
         ValueError: the ranks passed different ``remainder`` values.
     """
-    size, me = comm.Get_size(), comm.Get_rank()
+    size: int = comm.Get_size()
+    me: int = comm.Get_rank()
     code = REMAINDERS.index(remainder)
     mine = np.full(size + 1, -1, dtype=np.int64)
     mine[0] = code
@@ -99,7 +101,7 @@ def share_remainder(comm: Any, left: list[Item], remainder: str,
     piece = pieces[me]
     base = header.get("cut", [0])[0]         # a batch that was itself a piece (a resumed epoch's)
     rows = {k: rows_of(v, piece.lo, piece.hi) for k, v in columns.items()}
-    fields = dict(header, rows=piece.hi - piece.lo)
+    fields: BatchHeader = {**header, "rows": piece.hi - piece.lo}
     if piece.repeat:
         fields["repeat"] = True
     if (piece.lo, piece.hi) != (0, header["rows"]):
@@ -108,7 +110,7 @@ def share_remainder(comm: Any, left: list[Item], remainder: str,
     return Item(fields, rows)
 
 
-def pack_batch(header: dict, columns: dict[str, Any]) -> bytes:
+def pack_batch(header: BatchHeader, columns: dict[str, Any]) -> bytes:
     """One buffer holding a batch in wire form: 4-byte header length, header, column bytes. The header also says
     which batch of its message it is (``index``, a pack's) and the message's checksum as it arrived (``arrived``):
     the rank that trains it records it as used under those (``RECLAIM``, ``BatchStream.state_dict``)."""
@@ -126,7 +128,7 @@ def pack_batch(header: dict, columns: dict[str, Any]) -> bytes:
 def unpack_batch(buf: bytes) -> Item:
     """The inverse of :func:`pack_batch`; validates like any received batch."""
     (length,) = struct.unpack_from("<I", buf)
-    header = protocol.unpack_header(buf[4:4 + length])
+    header = cast(BatchHeader, protocol.unpack_header(buf[4:4 + length]))    # a rank's pack_batch: a BATCH
     view, offset, frames = memoryview(buf), 4 + length, []
     for spec in header["cols"]:
         for size in protocol.column_frame_sizes(spec, header["rows"]):

@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from typing import Any, NamedTuple, Protocol
 
+from sparkbus.wire.headers import BatchHeader
 from sparkbus.worker import collectives, rebalance
 from sparkbus.worker.intake import Batch, Intake, Item
 from sparkbus.worker.stats import EpochStats
@@ -30,7 +31,7 @@ ROUND_LINGER = 0.02     # ... but no longer than this (seconds)
 class Step(NamedTuple):
     """One step's batch."""
 
-    header: dict
+    header: BatchHeader
     batch: Batch
     acknowledge: bool = True    # when the loop comes back for the next; False: acknowledged already
 

@@ -22,6 +22,7 @@ from typing import Any
 import zmq
 
 from sparkbus.wire.address import broker_addresses
+from sparkbus.wire.headers import BatchHeader
 from sparkbus.wire.remainder import check_remainder
 from sparkbus.worker.connection import BrokerConnection
 from sparkbus.worker.grants import GrantedSteps
@@ -187,7 +188,7 @@ class BatchStream:
             plan = IndependentSteps(self._intake, ep)
         self._intake.forget = getattr(plan, "forget", None)
         steps = plan.steps()
-        holding: dict | None = None           # the header of the batch the loop has now (acknowledged on next)
+        holding: BatchHeader | None = None           # the header of the batch the loop has now (acknowledged on next)
         try:
             for step in steps:
                 if ep.first_batch_seconds < 0:
@@ -266,7 +267,7 @@ class BatchStream:
         self._intake.flush()
 
     @staticmethod
-    def _count(ep: EpochStats, header: dict, batch: Batch) -> None:
+    def _count(ep: EpochStats, header: BatchHeader, batch: Batch) -> None:
         ep.batches += 1
         ep.rows += header["rows"]
         if "cut" in header:
