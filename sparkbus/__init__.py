@@ -22,12 +22,13 @@ from sparkbus.wire.errors import (
     VersionMismatch,
 )
 from sparkbus.wire.protocol import VERSION
-from sparkbus.wire.ragged import RaggedColumn, pad
+from sparkbus.wire.ragged import Carry, Packed, RaggedColumn, pack, pad
 from sparkbus.worker import BatchStream, EpochStats, ShuffleBuffer, StreamStats, shuffled
 
 __version__ = "0.3.0"
 
-__all__ = ["AuthError", "BatchStream", "BrokerConfig", "BrokerError", "BrokerUnreachable",
+__all__ = ["AuthError", "BatchStream", "BrokerConfig", "BrokerError", "BrokerUnreachable", "Carry",
            "DivergedPartitionsWarning", "EpochStats", "FeedError", "FeedReport", "FeedTimeout", "NoRanksWarning",
-           "ProtocolError", "RaggedColumn", "ShuffleBuffer", "SparkbusError", "StreamStats", "VERSION",
-           "VersionMismatch", "epoch_order", "feed", "feed_epochs", "pad", "shuffled"]
+           "Packed", "ProtocolError", "RaggedColumn", "ShuffleBuffer", "SparkbusError", "StreamStats", "VERSION",
+           "VersionMismatch", "epoch_order", "feed", "feed_epochs", "pack", "pad",
+           "shuffled"]

@@ -384,3 +384,87 @@ def pad(column: Any, value: Any = 0, max_length: int | None = None,
         array = array.astype(dtype, copy=False)
     return array, np.full(len(array), array.shape[1], dtype=np.int64)
 
+
+
+# ---- packing sequences into rows of one length (language-model pre-training) ----------------------------------
+
+class Carry(NamedTuple):
+    """Tokens after the last whole row of a :func:`pack`: pass it as ``carry=`` to the next call."""
+
+    tokens: np.ndarray        # the tokens, in order
+    starts: np.ndarray        # indices into ``tokens`` where a document begins
+
+
+class Packed(NamedTuple):
+    """Sequences packed into rows of ``length`` tokens (:func:`pack`)."""
+
+    tokens: np.ndarray        # [rows, length]: a read-only view of the batch's frame when no carry came in
+    segments: np.ndarray      # [rows, length] int32: 1, 2, ... the document within its row; 0 for padding
+    positions: np.ndarray     # [rows, length] int32: the position in its document, from 0 at each document and row
+    rest: Carry               # what did not fill a whole row
+
+    @property
+    def attention_mask(self) -> np.ndarray:
+        """[rows, length, length] bool: a token attends to the tokens before it in its own document (causal,
+        block-diagonal by ``segments``). A new array; for long rows prefer ``segments`` with an attention kernel
+        that takes them."""
+        same = self.segments[:, :, None] == self.segments[:, None, :]
+        causal = np.tri(self.tokens.shape[1], dtype=bool)
+        return same & causal & (self.segments[:, :, None] > 0)
+
+
+def pack(column: Any, length: int, carry: Carry | None = None, pad_last: bool = False,
+         value: Any = 0) -> Packed:
+    """Pack variable-length sequences (token ids: a :class:`RaggedColumn` of arrays of numbers, or a numpy
+    ``[n, k]`` array) into rows of exactly ``length`` tokens, documents back to back, each row cut where it is
+    full (a document may go on in the next row), with the boundaries kept: ``segments`` numbers the documents of a
+    row, ``positions`` restarts at each document and row.
+
+    Zero-copy: a batch's tokens lie back to back in its frame (Arrow's layout), so without ``carry`` the rows are a
+    reshaped view of it; ``segments`` and ``positions`` are new (int32). With ``carry`` (the ``rest`` of the call
+    before, to pack across batches without dropping a token) the tokens are joined once (a copy). Every token goes
+    out once: in a row or in ``rest``; ``pad_last`` pads the last partial row with ``value`` (segment 0) instead.
+    A null row and an empty row add nothing.
+
+    Raises:
+        ValueError: ``length`` below 1.
+        TypeError: a column that is not one level of arrays of numbers (strings, binary, arrays of arrays), or
+            arrays holding nulls.
+    """
+    if length < 1:
+        raise ValueError(f"pack() needs a row length of at least 1, not {length}")
+    if isinstance(column, RaggedColumn):
+        if column.kind != "list" or column.depth != 1:
+            raise TypeError(f"pack() takes sequences of numbers (token ids); this column is {column._type_name()}")
+        flat = column.values
+        if isinstance(flat, np.ma.MaskedArray):
+            raise TypeError("pack() takes token ids without nulls inside the arrays")
+        offsets = column.offsets.astype(np.int64, copy=False)
+    else:
+        array = np.asarray(column)
+        if array.ndim != 2:
+            raise TypeError(f"pack() needs rows of token ids: an array of shape {array.shape} is not [n, k]")
+        flat = array.reshape(-1)
+        offsets = np.arange(0, array.size + 1, max(array.shape[1], 1), dtype=np.int64)[:len(array) + 1]
+    flat = cast(np.ndarray, flat)
+    starts = offsets[:-1][np.diff(offsets) > 0]
+    if carry is not None and len(carry.tokens):
+        starts = np.concatenate([carry.starts.astype(np.int64, copy=False), starts + len(carry.tokens)])
+        flat = np.concatenate([carry.tokens, flat])
+    total = len(flat)
+    rows, used = divmod(total, length)[0], total // length * length
+    if pad_last and used < total:
+        flat = np.concatenate([flat, np.full(used + length - total, value, dtype=flat.dtype)])
+        rows, used = rows + 1, used + length
+    tokens = flat[:used].reshape(rows, length)
+    boundary = np.zeros(used, dtype=bool)
+    boundary[starts[starts < used]] = True
+    boundary[::length] = True                       # every row starts a segment (a document going on, or a new one)
+    index = np.arange(used, dtype=np.int64)
+    positions = (index - np.maximum.accumulate(np.where(boundary, index, 0))).astype(np.int32)
+    segments = np.cumsum(boundary.reshape(rows, length), axis=1, dtype=np.int32)
+    if used > total:                                # the padding of the last row: no document
+        segments.reshape(-1)[total:] = 0
+        positions[total:] = 0
+    rest = Carry(flat[used:] if used <= total else flat[:0], starts[starts >= used] - used)
+    return Packed(tokens, segments, positions.reshape(rows, length), rest)
