@@ -329,7 +329,10 @@ class Broker:
                 raise ProtocolError(f"stream {h['stream']!r} is recovering an epoch from Spark's lineage: a rank of "
                                     f"protocol version {h['v']} cannot take part (upgrade it to version "
                                     f"{protocol.RECOVERY_VERSION} or later)")
-            held, consumed = (protocol.unpack_ids(f.buffer) for f in body) if body else ((), ())
+            try:
+                held, consumed = (protocol.unpack_ids(f.buffer) for f in body) if body else ((), ())
+            except ProtocolError as exc:      # its id frames are unreadable: malformed, as a RECLAIM's frame
+                raise ProtocolError(exc.reason, ErrorCode.MALFORMED) from None
             if (h["resume"] and h.get("incarnation", self.incarnation) != self.incarnation
                     and self.ledger.journal is None):
                 # It names batches of a broker that is gone (this one restarted without its journal): it says what

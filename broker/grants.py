@@ -31,7 +31,7 @@ from collections.abc import Iterable
 
 from sparkbus.broker.books import Outcome, Transmit
 from sparkbus.broker.pieces import batch_rows, cut, cut_rows, singles
-from sparkbus.broker.rejoin import MissedEnd, Rejoin
+from sparkbus.broker.rejoin import MissedEnd, Rejoin, check_rank_hello
 from sparkbus.broker.state import BatchId, EpochState, HeldBatch, RankState, StreamState
 from sparkbus.wire import protocol, remainder
 from sparkbus.wire.errors import ProtocolError
@@ -54,6 +54,7 @@ class Grants(Rejoin):
             ProtocolError: as :meth:`Rejoin.join_rank`; a group that mixes granted and agreed steps; another size
                 mid-epoch.
         """
+        check_rank_hello(h)
         grants = bool(h.get("grants", False))
         rest = h.get("remainder", "drop")
         if rest not in protocol.REMAINDERS:

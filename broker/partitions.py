@@ -12,6 +12,7 @@ from typing import Any, NamedTuple
 
 from sparkbus.broker.books import Books
 from sparkbus.broker.events import BatchTaken, EpochClosed, EpochOpened, PartitionClaimed, PartitionCommitted
+from sparkbus.broker.journal import DeliveredEpochs
 from sparkbus.broker.state import EpochState, HeldBatch, PendingCommit, StreamState
 from sparkbus.wire import protocol
 from sparkbus.wire.errors import ProtocolError
@@ -20,6 +21,17 @@ from sparkbus.wire.protocol import ErrorCode, Kind
 log = logging.getLogger("sparkbus.broker")
 
 MAX_PARTITIONS = 10_000_000
+# Epochs a stream may have open (opened and not yet retired: delivered and every batch acknowledged). feed_epochs
+# opens one epoch at a time and a few run ahead of the ranks (as far as --max-buffer lets them): a limit far above
+# that, which a peer opening epochs it never feeds meets long before the broker's memory does.
+MAX_OPEN_EPOCHS = 256
+MAX_BROKER_EPOCHS = 16_384    # ... and epochs open on the whole broker, over its streams (MAX_STREAMS of them)
+# Runs of consecutive epoch numbers a stream's delivered epochs make: each is kept (a range) for as long as the
+# stream, and after it retires, so that a delivered epoch is refused again. feed_epochs delivers one run.
+MAX_DELIVERED_RUNS = 1024
+# Attempts of one partition the broker keeps apart: Spark's retries, speculative copies and re-feeds are a handful;
+# each attempt costs the seqs it sent, so a peer inventing attempt numbers is refused past this.
+MAX_ATTEMPTS = 256
 
 
 class Rejected(Exception):
@@ -62,12 +74,36 @@ class Partitions(Books):
                                 f"feed a new epoch number or a new stream name")
         ep = stream.epochs.get(number)
         if ep is None:
+            self.check_room_for_epoch(stream, number)
             self._open(EpochOpened(name, number, partitions, delivery, commit))
             log.info("stream %r epoch %d opened: %d partitions, %s delivery, committed by %s", name, number,
                      partitions, delivery, "the driver" if commit == "driver" else "each task's end")
         elif ep.partitions != partitions or ep.delivery != delivery or ep.closed:
             raise ProtocolError(f"stream {name!r} epoch {number} is already open with {ep.partitions} "
                                 f"partitions and {ep.delivery} delivery")
+
+    def check_room_for_epoch(self, stream: StreamState, number: int) -> None:
+        """Raise :class:`ProtocolError` if ``stream`` may not open another epoch (``number``): it has
+        :data:`MAX_OPEN_EPOCHS` open, its delivered epochs make :data:`MAX_DELIVERED_RUNS` runs and ``number`` would
+        start another, or the broker has :data:`MAX_BROKER_EPOCHS` open over all its streams."""
+        if len(stream.epochs) >= MAX_OPEN_EPOCHS:
+            raise ProtocolError(f"stream {stream.name!r} cannot open epoch {number}: it has {len(stream.epochs)} "
+                                f"epochs open (not yet delivered and acknowledged), the most a stream may have "
+                                f"({MAX_OPEN_EPOCHS}). Open the next epoch once its ranks have consumed earlier ones, "
+                                f"or feed another stream")
+        finished = stream.finished
+        if not any(n in finished or n in stream.epochs for n in (number - 1, number + 1)):
+            runs = delivered_runs(finished)
+            if runs >= MAX_DELIVERED_RUNS:
+                raise ProtocolError(f"stream {stream.name!r} cannot open epoch {number}: its delivered epochs make "
+                                    f"{runs} runs of consecutive numbers, the most a stream keeps "
+                                    f"({MAX_DELIVERED_RUNS}); number the epochs one after the other, or feed "
+                                    f"another stream")
+        total = sum(len(s.epochs) for s in self.streams.values())
+        if total >= MAX_BROKER_EPOCHS:
+            raise ProtocolError(f"stream {stream.name!r} cannot open epoch {number}: the broker has {total} epochs "
+                                f"open over its streams, the most it keeps ({MAX_BROKER_EPOCHS}). Let the ranks "
+                                f"finish earlier epochs first, or spread the streams over more brokers")
 
     def _open(self, event: EpochOpened) -> None:
         self.stream(event.stream).epochs[event.epoch] = EpochState(event.epoch, event.partitions, event.delivery,
@@ -143,7 +179,12 @@ class Partitions(Books):
             ep.unassigned += 1 if splits is None else len(splits)
             raise Rejected("unassigned", f"partition {number} of recovering epoch {ep.epoch} is not carried here")
         part = ep.part(number)
-        seen = part.attempts.setdefault(attempt, set())
+        seen = part.attempts.get(attempt)
+        if seen is None:
+            if len(part.attempts) >= MAX_ATTEMPTS:
+                raise Rejected("refused", f"partition {number} of epoch {ep.epoch} has {MAX_ATTEMPTS} attempts "
+                                          f"already: attempt {attempt} is refused")
+            seen = part.attempts[attempt] = set()
         if seq in seen:
             raise Rejected("replayed", f"attempt {attempt} sent partition {number} seq {seq} twice")
         seen.add(seq)
@@ -209,6 +250,10 @@ class Partitions(Books):
         if ep.recovery is not None and number not in ep.recovery.carries:
             raise ProtocolError(f"partition {number} of recovering epoch {ep.epoch} is not carried by this broker")
         part = ep.part(number)
+        if attempt not in part.pending and len(part.pending) >= MAX_ATTEMPTS:
+            raise ProtocolError(f"partition {number} of epoch {ep.epoch} has {MAX_ATTEMPTS} attempts waiting for "
+                                f"their batches already: attempt {attempt}'s PARTITION_END is refused (Spark retries "
+                                f"a partition a few times; so many attempts is a bug of the sender)")
         part.pending[attempt] = PendingCommit(identity, h["req"], h["batches"], h["rows"])
         if part.committed_attempt is not None or len(part.attempts.get(attempt, ())) >= h["batches"]:
             return self._attempt_complete(stream, ep, number, attempt)
@@ -327,6 +372,17 @@ class Partitions(Books):
                         stream, ep.epoch, number)
 
 
+def delivered_runs(finished: DeliveredEpochs) -> int:
+    """How many runs of consecutive numbers a stream's delivered epochs make: its ranges and the epochs that keep
+    their figures (not folded into the ranges yet), together."""
+    runs, reach = 0, -1
+    for start, stop in sorted([*finished.ranges.pairs(), *((n, n + 1) for n in finished)]):
+        if start > reach:              # epochs are not negative: the first span starts a run
+            runs += 1
+        reach = max(reach, stop)
+    return runs
+
+
 def check_modes(delivery: str, commit: str) -> None:
     """Raise :class:`ProtocolError` for a delivery or commit mode this broker does not know."""
     if delivery not in protocol.DELIVERY_MODES:
@@ -335,4 +391,5 @@ def check_modes(delivery: str, commit: str) -> None:
         raise ProtocolError(f"commit {commit!r} is not one of {', '.join(protocol.COMMIT_MODES)}")
 
 
-__all__ = ["Partitions", "Rejected", "Reply", "MAX_PARTITIONS", "check_modes"]
+__all__ = ["Partitions", "Rejected", "Reply", "MAX_PARTITIONS", "MAX_OPEN_EPOCHS", "MAX_BROKER_EPOCHS",
+           "MAX_DELIVERED_RUNS", "MAX_ATTEMPTS", "check_modes"]

@@ -38,6 +38,10 @@ log = logging.getLogger("sparkbus.broker")
 
 MAX_RECLAIM_EPOCHS = 4          # epochs per stream whose RECLAIMs are kept (the open one, a resume's, a few late)
 MAX_RECLAIM_ENTRIES = 1 << 21   # used-batch entries per stream kept (about 200 MB at the very most)
+MAX_RECLAIM_RECORDS = 16_384    # RECLAIMs kept per stream, one per (epoch, loss, rank session): ranks x losses
+MAX_INCARNATION = 64            # characters of a loss's name (a broker's incarnation: 16 hex digits; "" a resume)
+MAX_LOSSES = 32                 # losses one epoch waits for, or keeps RECLAIMs of: a few brokers lost, a resume
+MAX_RECOVERY_RANGES = 1 << 16   # ranges of partitions an epoch's recovery carries (each EPOCH_RECOVER adds some)
 RESUME = ""                     # the loss a resume from a checkpoint is named by
 
 # (first, stop, checksum, member, rank number, rows) of one message's batches; rows: (lo, hi) of batch ``first``
@@ -65,8 +69,9 @@ class Recovery(Partitions, Dispatch):
             raise ProtocolError(f"epoch {number} with {partitions} partitions is out of range")
         check_modes(delivery, commit)
         lost = h["lost"]
-        if not all(type(loss) is str for loss in lost):
-            raise ProtocolError("EPOCH_RECOVER's lost must be a list of incarnations (str)")
+        if len(lost) > MAX_LOSSES or not all(type(loss) is str and len(loss) <= MAX_INCARNATION for loss in lost):
+            raise ProtocolError(f"EPOCH_RECOVER's lost must be a list of at most {MAX_LOSSES} incarnations, strings "
+                                f"of at most {MAX_INCARNATION} characters")
         stream = self.stream(name)
         ep = stream.epochs.get(number)
         limit = ep.partitions if ep is not None and not h["reset"] else partitions
@@ -74,6 +79,7 @@ class Recovery(Partitions, Dispatch):
         recovered = carries if h["reset"] else PartitionRanges(protocol.range_pairs(h["recovered"], limit))
         if not recovered <= carries:
             raise ProtocolError("EPOCH_RECOVER's recovered partitions must be among those it carries")
+        self._check_recovery_bounds(stream, number, h["reset"], lost, carries, recovered)
         if h["reset"]:
             self._rewind(stream, number)
             lost = [RESUME, *(loss for loss in lost if loss != RESUME)]
@@ -103,6 +109,27 @@ class Recovery(Partitions, Dispatch):
         log.info("stream %r epoch %d recovering: %d partitions carried, %d recovered, losses %s%s", name, number,
                  len(rec.carries), len(rec.recovered), ", ".join(repr(loss) for loss in rec.lost),
                  " (reset)" if h["reset"] else "")
+
+    def _check_recovery_bounds(self, stream: StreamState, number: int, reset: bool, lost: list[str],
+                               carries: PartitionRanges, recovered: PartitionRanges) -> None:
+        """Refuse (:class:`ProtocolError`), before anything changes, an EPOCH_RECOVER that would make the epoch wait
+        for more than :data:`MAX_LOSSES` losses, carry more than :data:`MAX_RECOVERY_RANGES` ranges of partitions,
+        or open an epoch beyond :data:`~broker.partitions.MAX_OPEN_EPOCHS`."""
+        ep = None if reset else stream.epochs.get(number)
+        rec = ep.recovery if ep is not None else None
+        losses = dict.fromkeys([*(rec.lost if rec is not None else ()), *([RESUME] if reset else ()), *lost])
+        if len(losses) > MAX_LOSSES:
+            raise ProtocolError(f"stream {stream.name!r} epoch {number} would wait for {len(losses)} losses, more "
+                                f"than the {MAX_LOSSES} an epoch's recovery may: feed the epoch again instead")
+        if rec is not None:
+            ranges = max(len((rec.carries | carries).pairs()), len((rec.recovered | recovered).pairs()))
+            if ranges > MAX_RECOVERY_RANGES:
+                raise ProtocolError(f"stream {stream.name!r} epoch {number}: its recovery would carry {ranges} "
+                                    f"ranges of partitions, more than {MAX_RECOVERY_RANGES}: feed the epoch again "
+                                    f"instead")
+        freed = reset and any(n >= number for n in stream.epochs)      # the rewind forgets them first
+        if number not in stream.epochs and not freed and (reset or number not in stream.finished):
+            self.check_room_for_epoch(stream, number)
 
     def _rewind(self, stream: StreamState, number: int) -> None:
         """A resume at epoch ``number``: forget it and every later epoch (:meth:`_reset`). The checkpointed model has
@@ -160,10 +187,17 @@ class Recovery(Partitions, Dispatch):
         stream = self.streams[rank.stream]
         if h["stream"] != stream.name:
             raise ProtocolError(f"rank {rank.rank} reads stream {stream.name!r}, not {h['stream']!r}")
-        number = h["epoch"]
+        number, loss = h["epoch"], h["lost"]
         if number < 0:
             raise ProtocolError(f"epoch {number} is out of range")
-        members = stream.reclaims.setdefault(number, {}).setdefault(h["lost"], {})
+        if len(loss) > MAX_INCARNATION:
+            raise ProtocolError(f"a RECLAIM's lost names a broker's incarnation: at most {MAX_INCARNATION} "
+                                f"characters, got {len(loss)}")
+        losses = stream.reclaims.get(number, {})
+        if loss not in losses and len(losses) >= MAX_LOSSES:
+            raise ProtocolError(f"stream {stream.name!r} epoch {number} has the ranks' RECLAIMs of {len(losses)} "
+                                f"losses already, the most the broker keeps ({MAX_LOSSES}): this one is refused")
+        members = stream.reclaims.setdefault(number, {}).setdefault(loss, {})
         members[rank.member] = Reclaimed(rank.rank, entries, tuple(cuts))
         ep = stream.epochs.get(number)
         if ep is not None and ep.recovery is not None:
@@ -178,22 +212,27 @@ class Recovery(Partitions, Dispatch):
         self._bound_reclaims(stream)
 
     def _bound_reclaims(self, stream: StreamState) -> None:
-        """At most :data:`MAX_RECLAIM_EPOCHS` epochs and :data:`MAX_RECLAIM_ENTRIES` entries per stream: the oldest
-        epoch not recovering goes first."""
+        """At most :data:`MAX_RECLAIM_EPOCHS` epochs, :data:`MAX_RECLAIM_RECORDS` RECLAIMs and
+        :data:`MAX_RECLAIM_ENTRIES` entries per stream: the oldest epoch not recovering goes first."""
         reclaims = stream.reclaims
 
         def entries() -> int:
             return sum(len(r.entries) + len(r.cuts) for losses in reclaims.values() for ms in losses.values()
                        for r in ms.values())
 
-        while len(reclaims) > MAX_RECLAIM_EPOCHS or (len(reclaims) > 0 and entries() > MAX_RECLAIM_ENTRIES):
+        def records() -> int:
+            return sum(len(ms) for losses in reclaims.values() for ms in losses.values())
+
+        while len(reclaims) > MAX_RECLAIM_EPOCHS or (len(reclaims) > 0 and (
+                records() > MAX_RECLAIM_RECORDS or entries() > MAX_RECLAIM_ENTRIES)):
             def recovering(n: int) -> bool:
                 ep = stream.epochs.get(n)
                 return ep is not None and ep.recovery is not None
             oldest = min(reclaims, key=lambda n: (recovering(n), n))
             del reclaims[oldest]
-            log.warning("stream %r: the ranks' reclaims of epoch %d are dropped (at most %d epochs and %d entries "
-                        "are kept per stream)", stream.name, oldest, MAX_RECLAIM_EPOCHS, MAX_RECLAIM_ENTRIES)
+            log.warning("stream %r: the ranks' reclaims of epoch %d are dropped (at most %d epochs, %d reclaims and "
+                        "%d entries are kept per stream)", stream.name, oldest, MAX_RECLAIM_EPOCHS,
+                        MAX_RECLAIM_RECORDS, MAX_RECLAIM_ENTRIES)
 
     def send_lost(self, stream: StreamState, transmit: Transmit, only: bytes | None = None) -> None:
         """``LOST`` to each rank of ``stream`` (or only to ``only``) that has not sent its RECLAIM for a loss a
@@ -477,4 +516,5 @@ def _without(ranges: EpochRanges, number: int) -> EpochRanges:
     return EpochRanges(kept)
 
 
-__all__ = ["Recovery", "MAX_RECLAIM_EPOCHS", "MAX_RECLAIM_ENTRIES"]
+__all__ = ["Recovery", "MAX_RECLAIM_EPOCHS", "MAX_RECLAIM_ENTRIES", "MAX_RECLAIM_RECORDS", "MAX_INCARNATION",
+           "MAX_LOSSES", "MAX_RECOVERY_RANGES"]

@@ -22,6 +22,20 @@ from sparkbus.wire.protocol import ErrorCode, Kind
 
 log = logging.getLogger("sparkbus.broker")
 
+# Characters of a rank's session (a BatchStream draws 16 hex digits): kept with its connection, its lost connection
+# and its RECLAIMs, so a peer's long strings are refused rather than kept.
+MAX_SESSION = 64
+
+
+def check_rank_hello(h: dict) -> None:
+    """Raise :class:`ProtocolError` for a rank's HELLO whose number is outside its communicator or whose session is
+    longer than :data:`MAX_SESSION`: checked before anything changes."""
+    if not 0 <= h["rank"] < h["size"]:
+        raise ProtocolError(f"rank {h['rank']} is outside a communicator of size {h['size']}")
+    if len(h["session"]) > MAX_SESSION:
+        raise ProtocolError(f"a rank's session must have at most {MAX_SESSION} characters, got {len(h['session'])} "
+                            f"(BatchStream draws 16 hex digits)")
+
 
 class MissedEnd(NamedTuple):
     """An epoch that ended while a rank was away: what to send it again, then ``EPOCH_END(epoch, batches)``."""
@@ -57,8 +71,7 @@ class Rejoin(Books):
                 connected.
         """
         size, number, name, session = h["size"], h["rank"], h["stream"], h["session"]
-        if not 0 <= number < size:
-            raise ProtocolError(f"rank {number} is outside a communicator of size {size}")
+        check_rank_hello(h)
         stream = self.stream(name)
         current = self.ranks.get(identity)
         if current is not None and session and current.session == session and current.stream == name:
