@@ -37,7 +37,7 @@ pytestmark = pytest.mark.timeout(90)      # the wheel's tests set their own (the
 ROOT = Path(__file__).resolve().parents[2]
 # What the issue names: the rank side must import without these (asserted to be among the refused).
 EXTRAS_PACKAGES = ("pyspark", "py4j", "pandas", "mpi4py", "torch", "rich", "prometheus_client", "grpc")
-USER_EXTRAS = {"spark", "connect", "mpi", "torch", "broker"}        # what `all` must hold
+USER_EXTRAS = {"spark", "connect", "mpi", "torch", "broker", "text"}        # what `all` must hold
 DEVELOPER_EXTRAS = {"test", "bench", "images", "demo"}
 
 # sitecustomize for the children: refuse the names in SPARKBUS_TEST_REFUSE (a JSON list) before any other finder.
