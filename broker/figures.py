@@ -69,6 +69,8 @@ class RankFigures(_RankFiguresBase, total=False):
     wait_s: float            # its training loop's time waiting for data
     first_batch_s: float     # from its start to its first batch
     consumed: int            # batches its training loop took
+    peer_wait_s: float       # of wait_s, waiting for peers (equal steps); the rest is a wait for data
+    step_s: float            # its training loop's own time with its batches
 
 
 # what a rank reports about itself (protocol.OPTIONAL of ACK and HEARTBEAT), in order
@@ -290,6 +292,12 @@ RANK_METRICS: list[Metric] = [
            "Seconds the rank's training loop waited for data, as the rank reports.", "wait_s", sum),
     Metric("sparkbus_rank_first_batch_seconds", "gauge", _RANK,
            "Seconds from the rank's start to its first batch, as the rank reports.", "first_batch_s", min),
+    Metric("sparkbus_rank_peer_wait_seconds", "counter", _RANK,
+           "Of the rank's data wait, seconds it waited for peers to keep steps equal, as the rank reports.",
+           "peer_wait_s", sum),
+    Metric("sparkbus_rank_step_seconds", "counter", _RANK,
+           "Seconds the rank's training loop spent on its batches (its own work), as the rank reports.", "step_s",
+           sum),
 ]
 
 METRICS: list[Metric] = BROKER_METRICS + STREAM_METRICS + EPOCH_METRICS + RANK_METRICS

@@ -200,11 +200,12 @@ def watch(fetch: Callable[[], dict[str, Figures]], interval: float) -> None:
     """Redraw the figures of one or more brokers (``fetch`` returns them by address) until Ctrl-C (rich Live).
 
     Each rank's wait share is the part of the last interval its training loop spent waiting for data, from the
-    ``wait_s`` it reports on its acknowledgements and heartbeats.
+    ``wait_s`` it reports on its acknowledgements and heartbeats; ``why`` says what held it over that interval
+    (:func:`why_it_waits`).
     """
     from rich.live import Live
 
-    previous: dict[tuple[str, str, int], tuple[float, float]] = {}
+    previous: dict[tuple[str, str, int], tuple[float, ...]] = {}
     try:
         with Live(_watch_table(fetch(), previous), refresh_per_second=4, screen=False) as live:
             while True:
@@ -214,7 +215,19 @@ def watch(fetch: Callable[[], dict[str, Figures]], interval: float) -> None:
         pass
 
 
-def _watch_table(stats: dict[str, Figures], previous: dict[tuple[str, str, int], tuple[float, float]]) -> Any:
+def why_it_waits(data_wait: float, peer_wait: float, step: float) -> str:
+    """A rank's verdict over some interval, from the seconds its loop waited for data (``wait_s`` less
+    ``peer_wait_s``), for peers, and spent on its own batches: ``input-bound`` (the data wait is above a tenth of its
+    own time: Spark, or the broker, is behind), ``peer-bound`` (it waited more for slower peers than for data),
+    else ``compute-bound`` (the loop's work dominates; backpressure holds Spark back). The same rule as
+    ``EpochStats.verdict``."""
+    threshold = 0.1 * step
+    if peer_wait > max(data_wait, threshold):
+        return "peer-bound"
+    return "input-bound" if data_wait > threshold else "compute-bound"
+
+
+def _watch_table(stats: dict[str, Figures], previous: dict[tuple[str, str, int], tuple[float, ...]]) -> Any:
     from rich.console import Group
     from rich.table import Table
 
@@ -225,21 +238,26 @@ def _watch_table(stats: dict[str, Figures], previous: dict[tuple[str, str, int],
         table = Table(title=f"{address}: buffer {_mib(b['buffered_bytes'])} of {_mib(b['max_buffer'])}"
                             f"{' (feed paused)' if b['feed_paused'] else ''}", title_justify="left")
         for column in ("stream", "epoch", "in", "out", "acked", "queued", "rank", "in flight", "consumed",
-                       "wait share"):
+                       "wait share", "why"):
             table.add_column(column, justify="left" if column == "stream" else "right", no_wrap=True)
         for name, s in sorted(one["streams"].items()):
             live = [(n, e) for n, e in s["epochs"].items() if not e["ended"] or e["queued"]] or \
                 list(s["epochs"].items())[-1:]
             for number, e in live:
                 table.add_row(name, number, str(e["batches_in"]), str(e["batches_out"]), str(e["acked"]),
-                              str(e["queued"]), "", "", "", "")
+                              str(e["queued"]), "", "", "", "", "")
             for r in sorted(s["ranks"], key=lambda r: r["rank"]):
                 key = (address, name, r["rank"])
                 wait = float(r.get("wait_s", 0.0))
+                peer, step = float(r.get("peer_wait_s", 0.0)), float(r.get("step_s", 0.0))
                 before = previous.get(key)
-                share = f"{(wait - before[0]) / (now - before[1]):.0%}" if before and now > before[1] else "-"
-                previous[key] = (wait, now)
+                share, why = "-", "-"
+                if before and now > before[1]:
+                    share = f"{(wait - before[0]) / (now - before[1]):.0%}"
+                    waited, peers, own = wait - before[0], peer - before[2], step - before[3]
+                    why = why_it_waits(waited - peers, peers, own) if waited + own > 0 else "idle"
+                previous[key] = (wait, now, peer, step)
                 table.add_row(name, "", "", "", "", "", str(r["rank"]), str(r["inflight"]),
-                              str(r.get("consumed", "-")), share)
+                              str(r.get("consumed", "-")), share, why)
         tables.append(table)
     return Group(*tables)

@@ -114,6 +114,8 @@ class HeartbeatHeader(_HeartbeatFields, total=False):
     wait_s: float
     first_batch_s: float
     consumed: int
+    peer_wait_s: float
+    step_s: float
     unread: list[str]       # as WELCOME's
 
 

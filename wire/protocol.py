@@ -130,8 +130,11 @@ OPTIONAL: dict[Kind, dict[str, type]] = {
     Kind.RECLAIM: {"cuts": list},          # rows of batches used: [part, seq, index, lo, hi, checksum]*
     # a rank's own figures, on the messages it sends anyway: for `sparkbus status` and the metrics
     Kind.ACK: {"wait_s": float, "first_batch_s": float, "consumed": int,
+               "peer_wait_s": float,           # of wait_s, the wait for peers (equal steps: a grant, an agreement)
+               "step_s": float,                # the training loop's own time with its batches
                "upto": list},                  # progress in packs: [e, p, s, stop, ...], batches before stop used
-    Kind.HEARTBEAT: {"wait_s": float, "first_batch_s": float, "consumed": int,
+    Kind.HEARTBEAT: {"wait_s": float, "first_batch_s": float, "consumed": int, "peer_wait_s": float,
+                     "step_s": float,
                      "unread": list},      # broker -> rank whose stream has nothing under way: streams no rank reads
     Kind.WELCOME: {"ranks": int,           # to a feeder's HELLO naming a stream: the ranks reading it now
                    "unread": list},        # to a rank's: as HEARTBEAT's
@@ -147,8 +150,8 @@ ADDED: dict[int, tuple[frozenset[Kind], dict[Kind, tuple[str, ...]]]] = {
         {Kind.HELLO: ("incarnation",), Kind.STEPS: ("adopted",)}),
     7: (frozenset({Kind.PARTITION_RECEIVED, Kind.PARTITION_COMMIT}),
         {Kind.EPOCH_OPEN: ("commit",), Kind.EPOCH_RECOVER: ("commit",), Kind.WELCOME: ("ranks", "unread"),
-            Kind.HEARTBEAT: ("unread",), Kind.BATCH: ("cut", "repeat"), Kind.HELLO: ("remainder",),
-            Kind.RECLAIM: ("cuts",)}),
+            Kind.HEARTBEAT: ("unread", "peer_wait_s", "step_s"), Kind.BATCH: ("cut", "repeat"),
+            Kind.HELLO: ("remainder",), Kind.RECLAIM: ("cuts",), Kind.ACK: ("peer_wait_s", "step_s")}),
 }
 
 _KINDS = {int(k): k for k in Kind}

@@ -66,8 +66,12 @@ class GrantedSteps:
                 if self._over():
                     break
                 started = time.monotonic()
+                for_peers = self._waiting_for_grant()
                 self._pump()
-                ep.wait_seconds += time.monotonic() - started
+                waited = time.monotonic() - started
+                ep.wait_seconds += waited
+                if for_peers:
+                    ep.peer_wait_seconds += waited
         except BaseException:
             self._intake.put_back(deque(item for held in self._held.values() for item in held))
             raise
@@ -86,6 +90,10 @@ class GrantedSteps:
                 self._taken[broker] += 1
                 return held.popleft()
         return None
+
+    def _waiting_for_grant(self) -> bool:
+        """Whether this rank holds batches it may not use yet: a peer has fewer (the grant is the smallest count)."""
+        return any(held and self._used(b) >= self._final.get(b, self._granted[b]) for b, held in self._held.items())
 
     def _over(self) -> bool:
         """Every broker ended the epoch and this rank took the steps each said.

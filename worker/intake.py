@@ -83,13 +83,14 @@ class Intake:
     Args:
         connections: one per broker, joined already.
         stats: the stream's totals (``first_batch_seconds`` is set here, at the first batch).
-        figures: this rank's ``(consumed, wait_s)`` so far, told to the brokers with acknowledgements.
+        figures: this rank's own figures so far (``consumed``, ``wait_s``, ``peer_wait_s``, ``step_s``), told to the
+            brokers with acknowledgements.
         verify: check each batch's checksum.
         heartbeat: seconds to wait in one poll for several brokers.
     """
 
     def __init__(self, connections: list[BrokerConnection], stats: StreamStats,
-                 figures: Callable[[], tuple[int, float]], *, verify: bool, heartbeat: float,
+                 figures: Callable[[], dict[str, float | int]], *, verify: bool, heartbeat: float,
                  progress_every: int = 4):
         self.connections = connections
         self._progress_every = max(progress_every, 1)
@@ -461,9 +462,9 @@ class Intake:
 
     def _report(self) -> None:
         # What this rank tells its brokers about itself (for monitoring): once per message, and with each flush.
-        consumed, wait_s = self._figures()
+        figures = self._figures()
         for broker in self.connections:
-            broker.report(consumed=consumed, wait_s=wait_s)
+            broker.report(**figures)
 
     def flush(self) -> None:
         """Send every acknowledgement that waits, with this rank's figures."""

@@ -106,7 +106,9 @@ class EvenRounds:
             started = time.monotonic()
             pending, self._ahead = self._ahead, None     # an error while waiting must not wait again on the way out
             steps = pending.result(idle=intake.service)
-            ep.wait_seconds += time.monotonic() - started
+            waited = time.monotonic() - started
+            ep.wait_seconds += waited
+            ep.peer_wait_seconds += waited
             if steps:
                 return steps
         if not self._ready and not intake.end_seen:
@@ -119,7 +121,9 @@ class EvenRounds:
         started = time.monotonic()
         intake.flush()                  # nothing of ours may hold the broker back while we agree
         steps = collectives.allreduce_min(self._comm, len(self._ready), idle=intake.service)
-        ep.wait_seconds += time.monotonic() - started
+        waited = time.monotonic() - started
+        ep.wait_seconds += waited
+        ep.peer_wait_seconds += waited
         return steps
 
     def _agree_ahead(self) -> None:

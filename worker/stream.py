@@ -143,9 +143,13 @@ class BatchStream:
                      "it were taken before the checkpoint, the rest of the epoch comes", self.rank, stream,
                      resumed["epoch"], resumed["steps"])
 
-    def _figures(self) -> tuple[int, float]:
-        # What this rank tells its brokers about itself: batches consumed and data-wait, over every epoch so far.
-        return self.stats.batches + self._ep.batches, self.stats.wait_seconds + self._ep.wait_seconds
+    def _figures(self) -> dict[str, float | int]:
+        # What this rank tells its brokers about itself, over every epoch so far: batches consumed, data-wait, the
+        # part of it spent waiting for peers, and the loop's own time (ACK's fields, docs/PROTOCOL.md).
+        stats, ep = self.stats, self._ep
+        return {"consumed": stats.batches + ep.batches, "wait_s": stats.wait_seconds + ep.wait_seconds,
+                "peer_wait_s": stats.peer_wait_seconds + ep.peer_wait_seconds,
+                "step_s": stats.step_seconds + ep.step_seconds}
 
     def _service(self) -> None:
         """Keep the broker connections alive (what a wait in an MPI collective calls)."""
@@ -197,7 +201,9 @@ class BatchStream:
                 self._intake.note_used(step.header)
                 holding = step.header if step.acknowledge else None
                 self._in_epoch = True
+                handed = time.monotonic()
                 yield step.batch
+                ep.step_seconds += time.monotonic() - handed
                 if holding is not None:
                     header, holding = holding, None
                     self._intake.ack(header)

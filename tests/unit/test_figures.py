@@ -29,7 +29,7 @@ from sparkbus.broker.figures import (
 )
 from sparkbus.broker.metrics import MetricsExporter
 
-from test_ledger import STREAM, end, hello, join, push, window
+from harness import STREAM, end, hello, join, push, window
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
@@ -50,7 +50,8 @@ def figures():
     end(ledger, 0, 0, 0, 3)
     join(ledger, b"a", dict(hello(0, 2), session="a"), prefetch=2)
     join(ledger, b"b", dict(hello(1, 2), session="b"), prefetch=2)
-    ledger.report(ledger.rank(b"a"), {"wait_s": 0.5, "first_batch_s": 0.25, "consumed": 1})
+    ledger.report(ledger.rank(b"a"), {"wait_s": 0.5, "first_batch_s": 0.25, "consumed": 1, "peer_wait_s": 0.125,
+                                      "step_s": 2.0})
     ledger.dispatch(ledger.streams[STREAM], lambda identity, frames: Outcome.SENT)
     window(ledger, b"b", 2)
     ledger.rank_gone(b"b", "disconnected")          # a lost rank holding batches: an orphan
