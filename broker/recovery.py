@@ -32,7 +32,7 @@ from sparkbus.broker.rejoin import MissedEnd
 from sparkbus.broker.state import BatchId, EpochRecovery, EpochState, HeldBatch, RankState, Reclaimed, StreamState
 from sparkbus.wire import protocol
 from sparkbus.wire.errors import ProtocolError
-from sparkbus.wire.protocol import Kind, PartitionRanges
+from sparkbus.wire.protocol import RESUME_LOSS, Kind, PartitionRanges
 
 log = logging.getLogger("sparkbus.broker")
 
@@ -42,7 +42,7 @@ MAX_RECLAIM_RECORDS = 16_384    # RECLAIMs kept per stream, one per (epoch, loss
 MAX_INCARNATION = 64            # characters of a loss's name (a broker's incarnation: 16 hex digits; "" a resume)
 MAX_LOSSES = 32                 # losses one epoch waits for, or keeps RECLAIMs of: a few brokers lost, a resume
 MAX_RECOVERY_RANGES = 1 << 16   # ranges of partitions an epoch's recovery carries (each EPOCH_RECOVER adds some)
-RESUME = ""                     # the loss a resume from a checkpoint is named by
+RESUME = RESUME_LOSS            # the loss a resume from a checkpoint is named by (one definition: wire.protocol)
 
 # (first, stop, checksum, member, rank number, rows) of one message's batches; rows: (lo, hi) of batch ``first``
 # only (a cut), or None: all of them
