@@ -5,9 +5,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))   # tests/harness.py, tests/helpers.py
+sys.path.insert(0, str(Path(__file__).parent))   # tests/harness/, the one harness
 
-from harness import children, context, sockets  # noqa: E402, F401  (fixtures of every suite)
+pytest_plugins = ["harness"]      # the fixtures of every suite: tests/harness/__init__.py lists them
 
 
 def _keys_for_every_broker_and_client() -> None:

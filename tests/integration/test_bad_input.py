@@ -13,7 +13,7 @@ from sparkbus.wire import codec, protocol
 from sparkbus.wire.protocol import ErrorCode, Kind
 from sparkbus.worker import BatchStream
 
-from helpers import hello, wait_for
+from harness import hello, wait_for
 from sources import labelled_frame
 
 pytestmark = pytest.mark.timeout(120)

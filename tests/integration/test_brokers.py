@@ -10,8 +10,7 @@ import pytest
 from sparkbus.feeder import feed
 from sparkbus.wire.errors import BrokerError
 
-from harness import run_child
-from helpers import wait_for
+from harness import run_child, wait_for
 from sources import Collector, check_values, labelled_frame, staged_frame, staged_rdd
 
 pytestmark = pytest.mark.timeout(180)

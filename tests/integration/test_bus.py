@@ -9,7 +9,7 @@ import pytest
 from sparkbus.feeder import feed
 from sparkbus.feeder.task import DEFAULT_PACK_BYTES
 
-from helpers import wait_for
+from harness import wait_for
 from sources import check_values, labelled_frame
 
 pytestmark = pytest.mark.timeout(180)

@@ -23,7 +23,7 @@ from sparkbus.feeder import feed
 from sparkbus.launch.processes import ChildProcess, LaunchError, wait_for
 from sparkbus.wire.errors import FeedError
 
-from helpers import free_port_triple
+from harness import free_port_triple
 from sources import Collector, check_values, failing_frame, labelled_frame
 
 HERE = Path(__file__).parent

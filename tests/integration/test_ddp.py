@@ -19,8 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from harness import Children, run_child
-from helpers import steps_of
+from harness import Children, run_child, steps_of
 
 pytestmark = pytest.mark.timeout(150)
 

@@ -15,7 +15,7 @@ import pytest
 
 from sparkbus.feeder import feed
 
-from helpers import wait_for
+from harness import wait_for
 from sources import staged_frame
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]

@@ -15,7 +15,7 @@ from sparkbus.feeder import DivergedPartitionsWarning, feed, stream_partition
 from sparkbus.wire.errors import BrokerError
 from sparkbus.wire.protocol import Kind
 
-from helpers import wait_for
+from harness import wait_for
 from sources import Collector, staged_frame, staged_rdd
 
 pytestmark = pytest.mark.timeout(180)

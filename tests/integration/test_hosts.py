@@ -30,7 +30,7 @@ from host_agent import AgentError, HostAgent
 from sparkbus.launch import netns
 from sparkbus.launch.mpi import LOOPBACK_MPI
 
-from helpers import wait_for
+from harness import wait_for
 
 HERE = Path(__file__).parent
 MPIEXEC = Path(sys.executable).parent / "mpiexec"

@@ -12,8 +12,7 @@ from sparkbus.feeder import feed
 from sparkbus.wire.errors import BrokerError
 from sparkbus.worker import BatchStream
 
-from harness import run_child
-from helpers import free_port_triple
+from harness import free_port_triple, run_child
 from sources import labelled_frame
 
 pytestmark = pytest.mark.timeout(120)

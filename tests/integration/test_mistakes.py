@@ -19,7 +19,7 @@ from sparkbus.wire.errors import BrokerError, BrokerUnreachable
 from sparkbus.wire.protocol import Kind
 from sparkbus.worker import BatchStream
 
-from helpers import free_port_triple
+from harness import free_port_triple
 from sources import labelled_frame
 
 pytestmark = pytest.mark.timeout(90)

@@ -19,7 +19,7 @@ import pytest
 
 from sparkbus.feeder import DivergedPartitionsWarning, feed, feed_epochs
 
-from helpers import wait_for
+from harness import wait_for
 from sources import staged_frame
 
 pytestmark = pytest.mark.timeout(300)

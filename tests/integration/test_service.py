@@ -13,7 +13,7 @@ from sparkbus.feeder import feed
 from sparkbus.wire.errors import BrokerError
 from sparkbus.worker import BatchStream
 
-from helpers import key_directory
+from harness import key_directory
 from sources import labelled_frame
 
 pytestmark = pytest.mark.timeout(180)
@@ -107,7 +107,7 @@ def test_metrics_over_http_match_what_the_ranks_received(spark, start_broker_pro
             delivered = ("sparkbus_epochs_delivered_total", tuple(sorted(epoch.items())))
             return samples.get(key) == got["batches"] and samples.get(delivered) == 1 and samples
 
-        from helpers import wait_for
+        from harness import wait_for
         samples = wait_for(settled, 10, "the published figures to catch up with the rank")
     labels = tuple(sorted(epoch.items()))
     assert samples[("sparkbus_rows_in_total", labels)] == 6_000 == report.rows

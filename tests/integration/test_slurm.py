@@ -23,7 +23,7 @@ import pytest
 
 from sparkbus.launch.processes import WaitTimeout
 
-from helpers import free_port_triple, wait_for
+from harness import free_port_triple, wait_for
 from slurm_cluster import OneNodeSlurm, SlurmUnavailable, free_ports, unavailable
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(90)]

@@ -12,7 +12,7 @@ import pytest
 
 from sparkbus.launch.mpi import loopback_env, mpiexec_python
 
-from helpers import steps_of
+from harness import steps_of
 
 pytestmark = pytest.mark.timeout(150)
 

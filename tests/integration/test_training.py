@@ -16,8 +16,7 @@ import pytest
 from sparkbus.feeder.epochs import epoch_order, feed_epochs
 from sparkbus.launch.mpi import loopback_env, mpiexec_python
 
-from harness import Children
-from helpers import steps_of, wait_for
+from harness import Children, steps_of, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -24,8 +24,7 @@ from sparkbus.broker import auth
 from sparkbus.broker.auth import KeyAuthority, create_keypair, make_curve_client, make_curve_server, zap_reply
 from sparkbus.wire.errors import AuthError, SparkbusError
 
-from harness import run_child
-from helpers import key_directory
+from harness import key_directory, run_child
 
 WAIT_MS = 5000
 

@@ -8,7 +8,7 @@ import zmq
 from sparkbus.wire import codec, protocol
 from sparkbus.wire.protocol import Kind
 
-from helpers import recv_header, send, send_hello, wait_for
+from harness import recv_header, send, send_hello, wait_for
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from sparkbus.broker.state import HeldBatch
 from sparkbus.wire import codec
 from sparkbus.wire.protocol import ErrorCode, Kind
 
-from helpers import recv_header, send, wait_for
+from harness import recv_header, send, wait_for
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -12,7 +12,7 @@ from sparkbus.wire import codec
 from sparkbus.wire.protocol import Kind
 from sparkbus.worker.steps import ROUND_BATCHES
 
-from helpers import FakeBroker, joined
+from harness import FakeBroker, joined
 
 
 class Request:

@@ -14,7 +14,7 @@ from sparkbus.wire import codec
 from sparkbus.wire.protocol import Kind
 from sparkbus.worker import BatchStream
 
-from helpers import recv_header, send
+from harness import recv_header, send
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -14,8 +14,7 @@ from sparkbus.wire import codec, protocol
 from sparkbus.wire.errors import ProtocolError
 from sparkbus.wire.protocol import Kind
 
-from helpers import FakeBroker, Wire, hello, joined
-from test_ledger import STREAM, end, feed, join, push
+from harness import STREAM, FakeBroker, Wire, end, feed, hello, join, joined, push
 
 pytestmark = pytest.mark.timeout(30)
 

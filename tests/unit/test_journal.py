@@ -23,8 +23,7 @@ from sparkbus.wire import protocol
 from sparkbus.wire.errors import ProtocolError
 from sparkbus.wire.protocol import Kind
 
-from helpers import Wire, hello
-from test_ledger import STREAM, ack, batch_frames, end, join, nbytes, window
+from harness import STREAM, Wire, ack, batch_frames, end, hello, join, nbytes, push, window
 
 PREFIX = struct.Struct("<II")      # a record: body length, CRC-32 of the body, then the msgpack body
 
@@ -58,12 +57,6 @@ def restart(journals):
         return ledger
 
     return replayed
-
-
-def push(ledger, epoch, part, seq, attempt=0, **kw):
-    """A batch as live traffic: its header bytes given, so the ledger journals it."""
-    frames = batch_frames(epoch, part, seq, attempt, **kw)
-    return ledger.accept_batch(protocol.unpack_header(frames[0]), frames, frames[0])
 
 
 def epoch_files(directory, epoch=0, stream=STREAM):
@@ -152,19 +145,19 @@ class Script:
             ("open again, same terms", lambda: ledger.open_epoch(STREAM, 0, 2, delivery)),
             ("partition claimed by a broker", lambda: ledger.claim_partition(claim(1, 2))),
             ("claimed again: the first claim holds", lambda: ledger.claim_partition(claim(1, 0))),
-            ("batch kept", lambda: push(ledger, 0, 0, 0, attempt=0)),
-            ("batch of another attempt", lambda: push(ledger, 0, 0, 0, attempt=1)),
-            ("batch diverging", lambda: push(ledger, 0, 0, 1, attempt=1, salt=3)),
-            ("batch kept, second seq", lambda: push(ledger, 0, 0, 1, attempt=0)),
-            ("replayed seq refused", refused(lambda: push(ledger, 0, 0, 1, attempt=0))),
-            ("unknown epoch refused", refused(lambda: push(ledger, 7, 0, 0))),
-            ("out of range refused", refused(lambda: push(ledger, 0, 2, 0))),
+            ("batch kept", lambda: push(ledger, 0, 0, 0, attempt=0, journalled=True)),
+            ("batch of another attempt", lambda: push(ledger, 0, 0, 0, attempt=1, journalled=True)),
+            ("batch diverging", lambda: push(ledger, 0, 0, 1, attempt=1, salt=3, journalled=True)),
+            ("batch kept, second seq", lambda: push(ledger, 0, 0, 1, attempt=0, journalled=True)),
+            ("replayed seq refused", refused(lambda: push(ledger, 0, 0, 1, attempt=0, journalled=True))),
+            ("unknown epoch refused", refused(lambda: push(ledger, 7, 0, 0, journalled=True))),
+            ("out of range refused", refused(lambda: push(ledger, 0, 2, 0, journalled=True))),
             ("commit refused: another count", lambda: end(ledger, 0, 0, 1, 1)),
             ("commit", lambda: end(ledger, 0, 0, 0, 2)),
             ("partition end deferred", lambda: end(ledger, 0, 1, 2, 2)),
-            ("pack of the deferred attempt", lambda: push(ledger, 0, 1, 0, attempt=2, splits=[2, 3])),
-            ("batch completing a deferred commit", lambda: push(ledger, 0, 1, 1, attempt=2)),
-            ("batch after the commit", lambda: push(ledger, 0, 1, 1, attempt=4)),
+            ("pack of the deferred attempt", lambda: push(ledger, 0, 1, 0, attempt=2, splits=[2, 3], journalled=True)),
+            ("batch completing a deferred commit", lambda: push(ledger, 0, 1, 1, attempt=2, journalled=True)),
+            ("batch after the commit", lambda: push(ledger, 0, 1, 1, attempt=4, journalled=True)),
             ("partition end of a committed partition", lambda: end(ledger, 0, 1, 4, 7)),
             ("rank joins", lambda: join(ledger, b"r", hello())),
             ("window of two: two sent", lambda: deliver(2)),
@@ -172,7 +165,7 @@ class Script:
             ("close", lambda: ledger.close_epoch(STREAM, 0, 2)),
             ("window of ten: the rest sent", lambda: deliver(10)),
             ("second epoch opened", lambda: ledger.open_epoch(STREAM, 1, 1, "stream")),
-            ("its batch", lambda: push(ledger, 1, 0, 0)),
+            ("its batch", lambda: push(ledger, 1, 0, 0, journalled=True)),
             ("acks of the rest", lambda: ack(ledger, b"r", wire.to(b"r")[1:])),
             ("ended and retired", wire.dispatch),
             ("window of one", lambda: deliver(1)),
@@ -199,7 +192,7 @@ def test_a_replayed_journal_delivers_what_was_not_acknowledged_and_retires_like_
     live = Ledger(journals(tmp_path))
     live.open_epoch(STREAM, 0, 1, "stream")
     for seq in range(3):
-        push(live, 0, 0, seq)
+        push(live, 0, 0, seq, journalled=True)
     end(live, 0, 0, 0, 3)
     live.close_epoch(STREAM, 0, 1)
     wire = Wire(live)
@@ -225,10 +218,10 @@ def test_a_rank_resuming_after_a_restart_keeps_its_packs_and_the_figures_count_t
                                                                                              journals):
     live = Ledger(journals(tmp_path))
     live.open_epoch(STREAM, 0, 1, "stream")
-    push(live, 0, 0, 0, splits=[1, 1, 1])
-    push(live, 0, 0, 1, splits=[2, 2])
-    push(live, 0, 0, 2)
-    push(live, 0, 0, 3)
+    push(live, 0, 0, 0, splits=[1, 1, 1], journalled=True)
+    push(live, 0, 0, 1, splits=[2, 2], journalled=True)
+    push(live, 0, 0, 2, journalled=True)
+    push(live, 0, 0, 3, journalled=True)
     end(live, 0, 0, 0, 4)
     live.close_epoch(STREAM, 0, 1)
     h = dict(hello(), session="job")
@@ -315,7 +308,7 @@ def test_a_log_torn_in_its_first_record_leaves_no_epoch(tmp_path, restart, journ
     ledger = restart(torn)
     assert not ledger.streams.get(STREAM) or not ledger.streams[STREAM].epochs
     with pytest.raises(Rejected) as unknown:
-        push(ledger, 0, 0, 0)
+        push(ledger, 0, 0, 0, journalled=True)
     assert unknown.value.reason == "unknown_epoch"
 
 
@@ -373,7 +366,7 @@ def test_retired_epochs_are_remembered_across_restarts_and_their_files_are_gone(
     join(live, b"r", hello(), prefetch=10)
     for epoch in (0, 1, 2):
         live.open_epoch(STREAM, epoch, 1, "stream")
-        push(live, epoch, 0, 0)
+        push(live, epoch, 0, 0, journalled=True)
         end(live, epoch, 0, 0, 1)
         live.close_epoch(STREAM, epoch, 1)
         wire.dispatch()
@@ -392,7 +385,7 @@ def test_retired_epochs_are_remembered_across_restarts_and_their_files_are_gone(
         with pytest.raises(ProtocolError, match="already delivered epoch"):
             again.open_epoch(STREAM, epoch, 1, "stream")
         with pytest.raises(Rejected) as late:
-            push(again, epoch, 0, 0, attempt=1)
+            push(again, epoch, 0, 0, attempt=1, journalled=True)
         assert late.value.reason == "late_duplicate"
     assert not any(p.exists() for e in (0, 1) for p in epoch_files(tmp_path, e))
     assert restart(tmp_path).streams[STREAM].finished == stream.finished
@@ -401,7 +394,7 @@ def test_retired_epochs_are_remembered_across_restarts_and_their_files_are_gone(
 def test_an_epoch_retired_but_whose_files_were_not_deleted_yet_stays_retired(tmp_path, restart, journals):
     live = Ledger(journals(tmp_path))
     live.open_epoch(STREAM, 0, 1, "stream")
-    push(live, 0, 0, 0)
+    push(live, 0, 0, 0, journalled=True)
     saved = {p: p.read_bytes() for p in epoch_files(tmp_path)}
     end(live, 0, 0, 0, 1)
     live.close_epoch(STREAM, 0, 1)
@@ -425,14 +418,14 @@ def test_what_a_restarted_broker_journals_after_a_torn_record_survives_the_next_
                                                                                         journals):
     live = Ledger(journals(tmp_path))
     live.open_epoch(STREAM, 0, 1, "stream")
-    push(live, 0, 0, 0)
-    push(live, 0, 0, 1)
+    push(live, 0, 0, 0, journalled=True)
+    push(live, 0, 0, 1, journalled=True)
     log, _ = epoch_files(tmp_path)
     os.truncate(log, log.stat().st_size - 3)         # killed while writing the record of seq 1
 
     second = restart(tmp_path)
     assert [b.id for b in second.streams[STREAM].epochs[0].queue] == [(0, 0, 0)]
-    push(second, 0, 0, 1)                            # the task is retried: seq 1 comes again
+    push(second, 0, 0, 1, journalled=True)           # the task is retried: seq 1 comes again
     [committed] = end(second, 0, 0, 0, 2)
     assert committed.kind == Kind.PARTITION_COMMITTED          # fsynced and promised to the task
     second.close_epoch(STREAM, 0, 1)
@@ -448,8 +441,8 @@ def test_what_a_restarted_broker_journals_after_a_damaged_record_survives_the_ne
                                                                                          journals, damage):
     live = Ledger(journals(tmp_path))
     live.open_epoch(STREAM, 0, 2, "stream")
-    push(live, 0, 0, 0)
-    push(live, 0, 0, 1)
+    push(live, 0, 0, 0, journalled=True)
+    push(live, 0, 0, 1, journalled=True)
     log, data = epoch_files(tmp_path)
     start, stop = record_bounds(log)[-1]             # the record of seq 1
     if damage == "flipped byte":
@@ -466,9 +459,9 @@ def test_what_a_restarted_broker_journals_after_a_damaged_record_survives_the_ne
 
     second = restart(tmp_path)
     assert [b.id for b in second.streams[STREAM].epochs[0].queue] == [(0, 0, 0)]
-    push(second, 0, 0, 0, attempt=1)                 # the task is retried: its copy of seq 0 is a duplicate
-    push(second, 0, 0, 1, attempt=1)
-    push(second, 0, 1, 0)
+    push(second, 0, 0, 0, attempt=1, journalled=True)  # the task is retried: its copy of seq 0 is a duplicate
+    push(second, 0, 0, 1, attempt=1, journalled=True)
+    push(second, 0, 1, 0, journalled=True)
     assert end(second, 0, 0, 1, 2)[0].kind == Kind.PARTITION_COMMITTED
     assert end(second, 0, 1, 0, 1)[0].kind == Kind.PARTITION_COMMITTED
     second.close_epoch(STREAM, 0, 2)
@@ -486,7 +479,7 @@ def test_an_epoch_retired_after_a_torn_retired_log_is_remembered_at_the_next_res
     join(live, b"r", hello(), prefetch=10)
     for epoch in (0, 1):
         live.open_epoch(STREAM, epoch, 1, "stream")
-        push(live, epoch, 0, 0)
+        push(live, epoch, 0, 0, journalled=True)
         end(live, epoch, 0, 0, 1)
         live.close_epoch(STREAM, epoch, 1)
         wire.dispatch()
@@ -518,7 +511,7 @@ def test_after_a_restart_independent_consumers_wait_for_each_other_before_batche
     live = Ledger(journals(tmp_path))
     live.open_epoch(STREAM, 0, 1, "stream")
     for seq in range(4):
-        push(live, 0, 0, seq)
+        push(live, 0, 0, seq, journalled=True)
     end(live, 0, 0, 0, 4)
     live.close_epoch(STREAM, 0, 1)
     wire = Wire(live)

@@ -1,72 +1,22 @@
 """The broker's rules, without sockets: `Ledger` driven directly with fake frames, identities and callbacks.
 
 Batches are real frames from `codec.encode_batch` (the ledger reads only the header and the frame lengths);
-`Wire` (tests/helpers.py) stands in for the daemon's sends and records what went to which rank.
+`Wire` (tests/harness/ledger.py) stands in for the daemon's sends and records what went to which rank.
 """
 
 from __future__ import annotations
 
 import logging
 
-import numpy as np
 import pytest
 
 from sparkbus.broker.ledger import MAX_WINDOW_BYTES, Ledger, Rejected
 from sparkbus.broker.state import MAX_WINDOW, EpochState
-from sparkbus.wire import codec, protocol
+from sparkbus.wire import protocol
 from sparkbus.wire.errors import ProtocolError
 from sparkbus.wire.protocol import Kind
 
-from helpers import Wire, hello
-
-STREAM = "s"
-
-
-def batch_frames(epoch, part, seq, attempt=0, rows=2, salt=0, stream=STREAM, splits=None):
-    """Frames of one batch; ``salt`` changes the data (and so the checksum) as a recomputed partition would.
-
-    ``splits``: a pack of small batches (one message, one id) with these rows each (``rows`` is then their sum).
-    """
-    rows = rows if splits is None else sum(splits)
-    values = np.arange(rows, dtype="<i8") + 1000 * part + 100 * seq + salt
-    return codec.encode_batch(stream, epoch, part, seq, {"x": values}, attempt=attempt, splits=splits)
-
-
-def push(ledger, epoch, part, seq, attempt=0, **kw):
-    """Hand one batch to the ledger as the daemon does (validated header, the frames as they came)."""
-    frames = batch_frames(epoch, part, seq, attempt, **kw)
-    return ledger.accept_batch(protocol.unpack_header(frames[0]), frames)
-
-
-def nbytes(epoch, part, seq, **kw):
-    return sum(len(f) for f in batch_frames(epoch, part, seq, **kw))
-
-
-def end(ledger, epoch, part, attempt, batches, req=1, identity=None, stream=STREAM):
-    """A task's PARTITION_END; the task's identity names its attempt so replies can be told apart."""
-    identity = identity or f"task-{part}-{attempt}".encode()
-    return ledger.end_partition(identity, {"req": req, "stream": stream, "epoch": epoch, "part": part,
-                                           "attempt": attempt, "batches": batches, "rows": 2 * batches})
-
-
-def join(ledger, identity, h, prefetch=0, prefetch_bytes=0):
-    """Admit a rank (HELLO) that then states a window of ``prefetch`` batches or ``prefetch_bytes`` bytes (CREDIT);
-    returns its state."""
-    ledger.join_rank(identity, h)
-    if prefetch or prefetch_bytes:
-        window(ledger, identity, prefetch, prefetch_bytes)
-    return ledger.rank(identity)
-
-
-def feed(ledger, epoch, partitions, batches, delivery="stream", close=True):
-    """Open an epoch, stream ``batches`` batches into each partition with attempt 0, commit, close."""
-    ledger.open_epoch(STREAM, epoch, partitions, delivery)
-    for part in range(partitions):
-        for seq in range(batches):
-            push(ledger, epoch, part, seq)
-        assert end(ledger, epoch, part, 0, batches)[0].kind == Kind.PARTITION_COMMITTED
-    if close:
-        assert ledger.close_epoch(STREAM, epoch, partitions) == []
+from harness import STREAM, Wire, ack, batch_frames, end, feed, hello, join, nbytes, push, window
 
 
 def dispatched(batches, ranks=(b"a", b"b"), prefetch=1):
@@ -79,21 +29,6 @@ def dispatched(batches, ranks=(b"a", b"b"), prefetch=1):
         join(ledger, name, hello(), prefetch=prefetch)
     wire.dispatch()
     return ledger, wire
-
-
-# Ranks state their windows and acknowledge batches through these helpers (and the machine's _window,
-# _acknowledge), so that a change of how they do so is mostly an edit here.
-
-
-def window(ledger, identity, batches, nbytes=0):
-    """The rank on ``identity`` states its window (CREDIT): ``batches`` in flight, or ``nbytes`` bytes of them."""
-    ledger.set_window(ledger.rank(identity), batches, nbytes)
-
-
-def ack(ledger, identity, ids):
-    """The rank on ``identity`` acknowledges ``ids`` (sent flat, as on the wire); returns how many were not in
-    flight to it."""
-    return ledger.acknowledge(ledger.rank(identity), [x for i in ids for x in i])
 
 
 def held_bytes_in(ledger):

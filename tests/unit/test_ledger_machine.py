@@ -46,7 +46,7 @@ from sparkbus.wire import codec, protocol
 from sparkbus.wire.errors import ProtocolError
 from sparkbus.wire.protocol import Kind
 
-from test_ledger import STREAM, batch_frames, hello
+from harness import STREAM, batch_frames, hello
 
 MAX_EPOCHS = 3
 NEVER_OPENED = 99

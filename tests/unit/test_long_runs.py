@@ -23,8 +23,7 @@ from sparkbus.broker.versions import PeerVersions
 from sparkbus.wire import protocol
 from sparkbus.wire.protocol import ErrorCode, Kind
 
-from helpers import hello, recv_header, send
-from test_ledger import push
+from harness import hello, push, recv_header, send
 
 pytestmark = pytest.mark.timeout(60)
 

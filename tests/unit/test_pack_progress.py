@@ -11,8 +11,7 @@ from sparkbus.broker.ledger import Ledger
 from sparkbus.wire import codec, protocol
 from sparkbus.wire.protocol import Kind
 
-from helpers import FakeBroker, Wire, hello, joined
-from test_ledger import STREAM, end, join, push
+from harness import STREAM, FakeBroker, Wire, end, hello, join, joined, push
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -6,28 +6,17 @@ from __future__ import annotations
 import pytest
 
 from sparkbus.broker.ledger import MAX_PARTITIONS, Ledger
-from sparkbus.wire import codec, protocol
 from sparkbus.wire.errors import ProtocolError
 from sparkbus.wire.protocol import Kind
 
-from helpers import Wire, hello
-
-STREAM = "s"
-
-
-def push(ledger, epoch, part, seq, attempt=0):
-    frames = codec.encode_batch(STREAM, epoch, part, seq, {"x": [part, seq]}, attempt=attempt)
-    return ledger.accept_batch(protocol.unpack_header(frames[0]), frames)
+from harness import STREAM, Wire, end, hello, push
 
 
 def commit(ledger, epoch, part, batches):
     """Stream ``batches`` batches of ``part`` with attempt 0 and commit them."""
     for seq in range(batches):
         push(ledger, epoch, part, seq)
-    replies = ledger.end_partition(f"task-{part}".encode(), {"req": 1, "stream": STREAM, "epoch": epoch,
-                                                              "part": part, "attempt": 0, "batches": batches,
-                                                              "rows": 2 * batches})
-    assert [r.kind for r in replies] == [Kind.PARTITION_COMMITTED]
+    assert [r.kind for r in end(ledger, epoch, part, 0, batches)] == [Kind.PARTITION_COMMITTED]
 
 
 def test_the_close_states_the_count_of_an_epoch_opened_with_the_bound_and_the_ranks_get_every_batch():

@@ -7,7 +7,7 @@ import pytest
 from sparkbus.wire import codec, protocol
 from sparkbus.wire.protocol import ErrorCode, Kind, pack_header, unpack_header
 
-from helpers import FakeBroker, joined
+from harness import FakeBroker, joined
 
 
 def batch(seq):

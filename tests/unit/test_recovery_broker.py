@@ -19,8 +19,7 @@ from sparkbus.wire import codec, protocol
 from sparkbus.wire.errors import ProtocolError
 from sparkbus.wire.protocol import ErrorCode, Kind
 
-from helpers import Wire, hello, recv_header, send
-from test_ledger import STREAM, batch_frames, end, join, push
+from harness import STREAM, Wire, batch_frames, end, hello, join, push, recv_header, send
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -17,7 +17,7 @@ from sparkbus.wire.errors import BrokerError
 from sparkbus.wire.protocol import ErrorCode, Kind, pack_header, unpack_header
 from sparkbus.worker import BatchStream, shuffled
 
-from helpers import FakeBroker, recv_header, send, wait_for
+from harness import FakeBroker, recv_header, send, wait_for
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -14,8 +14,8 @@ from sparkbus.wire import codec
 from sparkbus.wire.errors import ProtocolError
 from sparkbus.wire.protocol import Kind, unpack_header
 
-from helpers import Wire
-from helpers import hello as rank_hello
+from harness import Wire
+from harness import hello as rank_hello
 
 
 def hello(rank, size=2, session=None, resume=False, ended=-1, even=True, stream="s"):

@@ -21,8 +21,7 @@ from sparkbus.wire.errors import ProtocolError
 from sparkbus.wire.protocol import Kind
 from sparkbus.wire.remainder import Piece, check_remainder, plan
 
-from helpers import hello
-from test_ledger import STREAM, end, join
+from harness import STREAM, end, hello, join
 
 pytestmark = pytest.mark.timeout(30)
 

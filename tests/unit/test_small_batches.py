@@ -12,7 +12,7 @@ from sparkbus.wire import codec, protocol
 from sparkbus.wire.errors import ProtocolError
 from sparkbus.wire.protocol import Kind
 
-from helpers import FakeBroker, Wire, joined, recv_header, send, send_hello
+from harness import FakeBroker, Wire, feed, hello, joined, recv_header, send, send_hello
 
 
 def batch(first, rows, width=4):
@@ -140,15 +140,12 @@ def test_a_rank_waiting_for_its_peers_keeps_what_the_broker_sends_for_later(cont
 
 
 def test_until_every_rank_has_stated_its_window_ranks_get_batches_by_their_batch_window_only():
-    from test_rejoin import feed as feed_epoch
-    from test_rejoin import hello as hello_rank
-
     from sparkbus.broker.ledger import Ledger
 
     ledger = Ledger()
-    feed_epoch(ledger, 10)
+    feed(ledger, 0, 1, 10)
     for r in (0, 1):
-        ledger.join_rank(f"r{r}".encode(), hello_rank(r))
+        ledger.join_rank(f"r{r}".encode(), hello(r, 2, even=True, session=f"session-{r}"))
     ledger.set_window(ledger.rank(b"r0"), 4, 1 << 20)          # room for all ten by bytes
     wire = Wire(ledger)
     wire.dispatch()
