@@ -59,6 +59,9 @@ class DivergedPartitionsWarning(UserWarning):
     """Spark recomputed partitions differently across task attempts; in stream delivery rows may be off."""
 
 
+SLOWEST_TASKS = 3           # the slowest feeding tasks a FeedReport names
+
+
 class FeedReport(NamedTuple):
     """What :func:`feed` sent: partitions, batches, rows, payload bytes, wall-clock seconds, and the partitions
     whose task attempts produced different batches (see :class:`DivergedPartitionsWarning`)."""
@@ -70,6 +73,17 @@ class FeedReport(NamedTuple):
     seconds: float
     diverged: tuple[int, ...] = ()
     brokers: tuple[int, ...] = ()     # partitions streamed through each broker, in the order of the addresses
+    task_seconds: float = 0.0         # the feeding tasks' time, summed (of the attempts Spark declared successful)
+    blocked_seconds: float = 0.0      # ... of it, held back by full brokers: backpressure from the ranks
+    slowest: tuple[tuple[int, str, float], ...] = ()   # the slowest tasks: (partition, executor host, seconds)
+
+    @property
+    def backpressure(self) -> float:
+        """The share of the feeding tasks' time their sends were held back by full brokers. Near 1: the ranks
+        are the bottleneck (compute-bound: Spark waits for them). Near 0 while ranks wait for data: Spark is
+        (input-bound; ``slowest`` names the slowest tasks and their hosts). See docs/OPERATIONS.md, "Why
+        training waits"."""
+        return self.blocked_seconds / self.task_seconds if self.task_seconds > 0 else 0.0
 
 
 def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "train", epoch: int = 0,
@@ -312,7 +326,11 @@ def _feed(data: Any, options: FeedOptions, run: EpochRun = NO_RUN) -> FeedReport
     # figures count the epoch instead (payload bytes, without the headers a report counts)
     batches, rows, nbytes = (sum(r.batches for r in reports), produced, sum(r.bytes for r in reports)) \
         if held is not None else taken
-    return FeedReport(partitions, batches, rows, nbytes, time.monotonic() - started, differed, tuple(shares))
+    streamed = [r for r in reports if r.attempt != -1]
+    slowest = tuple((r.partition, r.host, round(r.seconds, 3))
+                    for r in sorted(streamed, key=lambda r: r.seconds, reverse=True)[:SLOWEST_TASKS])
+    return FeedReport(partitions, batches, rows, nbytes, time.monotonic() - started, differed, tuple(shares),
+                      sum(r.seconds for r in streamed), sum(r.blocked for r in streamed), slowest)
 
 
 def _feed_unwatched(job: FeedJob, clients: list[ControlClient], brokers: list[dict], stream: str,

@@ -36,7 +36,7 @@ class FeedJob(NamedTuple):
 
 
 REPORT_SCHEMA = ("partition long, batches long, rows long, bytes long, seconds double, broker long, attempt long, "
-                 "messages long")
+                 "messages long, blocked double, host string")
 ARROW_BATCH_CONF = "spark.sql.execution.arrow.maxRecordsPerBatch"
 SPARK_ARROW_BATCH_ROWS = 10_000         # Spark's default of that setting
 
@@ -135,7 +135,8 @@ def dataframe_job(df: Any, columns: Sequence[str] | None, cutting: dict, run: in
     prepared = prepare_dataframe(df, columns, cutting["ragged"], cutting["bucket_by"], cutting["tokens_by"])
     report_schema = pa.schema([("partition", pa.int64()), ("batches", pa.int64()), ("rows", pa.int64()),
                                ("bytes", pa.int64()), ("seconds", pa.float64()), ("broker", pa.int64()),
-                               ("attempt", pa.int64()), ("messages", pa.int64())])
+                               ("attempt", pa.int64()), ("messages", pa.int64()), ("blocked", pa.float64()),
+                               ("host", pa.string())])
     accumulated = channel if isinstance(channel, AccumulatorReports) else None
     epoch = settings["epoch"]
 

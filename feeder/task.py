@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterable, Sequence
 from contextlib import ExitStack
@@ -47,6 +48,9 @@ class PartitionReport(NamedTuple):
     broker: int = 0         # which of the feed's brokers streamed it (an index in its list)
     attempt: int = -1       # the attempt identity it streamed with (:func:`attempt_id`); -1: it streamed nothing
     messages: int = 0       # the messages it sent (a pack of small batches is one): its PARTITION_END's count
+    blocked: float = 0.0    # seconds held back by a full broker (backpressure: the ranks were slower): its blocked
+                            # sends and the wait for PARTITION_END's answer, which comes once the broker holds all
+    host: str = ""          # the executor's host
 
 
 def stream_partition(batches: Iterable[dict], feed_address: str | Sequence[str],
@@ -113,25 +117,30 @@ def stream_messages(messages: Iterable[Message] | Iterable[tuple[dict[str, Any],
         push.sndtimeo = int(timeout * 1000)
         push.connect(feed_address)
         messages_sent = count = rows = nbytes = 0
+        blocked = 0.0
         try:
             for seq, (columns, splits) in enumerate(messages):
                 frames = encode_batch(stream, epoch, partition, seq, columns, attempt=attempt, splits=splits)
+                before = time.perf_counter()
                 try:
                     push.send_multipart(frames, copy=False)
                 except zmq.Again:
                     raise FeedTimeout(f"the broker at {feed_address} took no batch for {timeout:g} s "
                                       f"(partition {partition}, message {seq}): it is full and its ranks are "
                                       f"not consuming, or it is gone") from None
+                blocked += time.perf_counter() - before     # ~0 unless the broker's --max-buffer is full
                 messages_sent += 1
                 count += 1 if splits is None else len(splits)
                 rows += sum(splits) if splits is not None else _rows(columns)
                 nbytes += sum(memoryview(f).nbytes for f in frames)
+            before = time.perf_counter()
             control.request(Kind.PARTITION_END, stream=stream, epoch=epoch, part=partition, attempt=attempt,
                             batches=messages_sent, rows=rows)
+            blocked += time.perf_counter() - before   # answered once the broker holds every batch: room for them
         finally:
             push.close(linger=0)    # after the commit nothing is left in it; on failure Spark retries
     return PartitionReport(partition, count, rows, nbytes, time.monotonic() - started, index, attempt,
-                           messages_sent)
+                           messages_sent, blocked, socket.gethostname())
 
 
 def _rows(columns: dict[str, Any]) -> int:

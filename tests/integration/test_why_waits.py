@@ -1,0 +1,67 @@
+"""Why training waits, end to end: the feed's report says how long its tasks were held back by a full broker
+(backpressure) and names the slowest tasks and their hosts; each rank's figures split its wait into data and
+peers beside its own work, with a verdict. A slow training loop makes the feed backpressured and the rank
+compute-bound; a slow Spark partition makes the rank input-bound and the feed unhindered."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from sparkbus.feeder import feed
+from sparkbus.worker import BatchStream
+
+from sources import staged_frame
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+
+def consume(address: str, stream: str, seconds_per_batch: float, out: dict) -> threading.Thread:
+    def run():
+        with BatchStream(address, stream=stream, timeout=60) as rank:     # its window: 4 batches, or 8 MiB
+            ids = []
+            for batch in rank.epoch():
+                ids.append(batch["id"].copy())
+                time.sleep(seconds_per_batch)         # the training loop's own work
+            out["ids"], out["ep"] = np.concatenate(ids), rank.stats.epochs[-1]
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def test_a_slow_loop_backpressures_the_feed_and_the_rank_is_compute_bound(spark, start_broker_process):
+    broker = start_broker_process("--max-buffer", "256KiB")
+    out: dict = {}
+    rank = consume(broker.ranks, "slow-loop", 0.06, out)
+    df = spark.range(3_000, numPartitions=2).selectExpr("id", "array_repeat(cast(id as float), 64) as x")
+    report = feed(df, broker.feed, stream="slow-loop", batch_size=50, pack_bytes=0, timeout=60)
+    rank.join(60)
+    np.testing.assert_array_equal(np.sort(out["ids"]), np.arange(3_000))
+    assert report.backpressure > 0.3, report            # 60 batches at 60 ms: the tasks waited for the rank
+    assert [host for _, host, _ in report.slowest] == [socket.gethostname()] * 2
+    assert sorted(p for p, _, _ in report.slowest) == [0, 1] and report.task_seconds >= report.blocked_seconds
+    ep = out["ep"]
+    assert ep.verdict == "compute-bound", ep
+    assert ep.step_seconds >= 60 * 0.06 and ep.peer_wait_seconds == 0.0
+
+
+def test_a_slow_partition_leaves_the_rank_input_bound_and_the_feed_unhindered(spark, start_broker_process):
+    broker = start_broker_process()
+    out: dict = {}
+    rank = consume(broker.ranks, "slow-spark", 0.0, out)
+    # 3 partitions of 500 rows; partition 2 takes 0.25 s per batch of 100 (1.25 s): the rank has the others'
+    # batches early, then waits for Spark
+    report = feed(staged_frame(spark, 1_500, 3, slow=2, slow_seconds=0.25), broker.feed, stream="slow-spark",
+                  batch_size=100, pack_bytes=0, timeout=60)
+    rank.join(60)
+    np.testing.assert_array_equal(np.sort(out["ids"]), np.arange(1_500))
+    assert report.backpressure < 0.1, report
+    assert report.slowest[0][0] == 2 and report.slowest[0][2] >= 1.2, report
+    ep = out["ep"]
+    assert ep.verdict == "input-bound", ep
+    assert ep.data_wait_seconds >= 0.5, ep
