@@ -17,11 +17,7 @@ from sparkbus.wire import protocol
 from sparkbus.wire.errors import ProtocolError
 from sparkbus.wire.protocol import ErrorCode, Kind
 
-try:
-    from harness import STREAM, Wire, end, hello, join, push, recv_header, send
-except ImportError:       # the harness before it held the ledger's helpers (tests/helpers.py, test_ledger.py)
-    from helpers import Wire, hello, recv_header, send
-    from test_ledger import STREAM, end, join, push
+from harness import STREAM, Wire, end, hello, join, push, recv_header, send
 
 
 def recover_header(epoch=0, partitions=2, carries=(0, 2), recovered=(1, 2), lost=("x",), reset=False):
