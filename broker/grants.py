@@ -72,11 +72,13 @@ class Grants(Rejoin):
                                 f"of a group must pass the same BatchStream(remainder=))")
         if grants and h["size"] != stream.group_size and stream.group_size:
             ep = stream.delivering()
-            if ep is not None and ep.acked and not ep.all_acked:
+            resumes = h.get("resumes")       # a rank resuming this epoch from its group's checkpoint: its feed
+            if ep is not None and ep.acked and not ep.all_acked and resumes != ep.epoch:     # resets the epoch
                 raise ProtocolError(
                     f"stream {stream.name!r} is in the middle of epoch {ep.epoch} ({ep.acked} batches consumed by "
                     f"a group of {stream.group_size} ranks): a group of {h['size']} ranks can join it only at an "
-                    f"epoch boundary. Restart with {stream.group_size} ranks, or feed a new stream")
+                    f"epoch boundary, or resuming it from a checkpoint (BatchStream(resume=[every rank's "
+                    f"state])). Restart with {stream.group_size} ranks, or feed a new stream")
             for old in others:
                 log.info("rank %d/%d of stream %r gives way to a group of %d ranks", old.rank, old.size,
                          stream.name, h["size"])

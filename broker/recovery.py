@@ -43,6 +43,7 @@ MAX_INCARNATION = 64            # characters of a loss's name (a broker's incarn
 MAX_LOSSES = 32                 # losses one epoch waits for, or keeps RECLAIMs of: a few brokers lost, a resume
 MAX_RECOVERY_RANGES = 1 << 16   # ranges of partitions an epoch's recovery carries (each EPOCH_RECOVER adds some)
 RESUME = RESUME_LOSS            # the loss a resume from a checkpoint is named by (one definition: wire.protocol)
+CHECKPOINT = "<checkpoint>"     # who used what a resume's RECLAIMs name: the checkpointed model, no rank of now
 
 # (first, stop, checksum, member, rank number, rows) of one message's batches; rows: (lo, hi) of batch ``first``
 # only (a cut), or None: all of them
@@ -315,8 +316,13 @@ class Recovery(Partitions, Dispatch):
         assert rec is not None
         if rec.index is None:
             index: dict[tuple[int, int], list[Used]] = {}
-            for members in stream.reclaims.get(ep.epoch, {}).values():
-                for member, reclaimed in members.items():
+            losses = stream.reclaims.get(ep.epoch, {})
+            # a checkpoint's first: what the resumed model had used is the group's, whichever rank names it (a
+            # resume on another number of ranks names the old group's batches on every new rank)
+            for loss in sorted(losses, key=lambda loss: loss != RESUME):
+                for member, reclaimed in losses[loss].items():
+                    if loss == RESUME:
+                        member, reclaimed = CHECKPOINT, Reclaimed(-1, reclaimed.entries, reclaimed.cuts)
                     for part, seq, first, stop, checksum in reclaimed.entries:
                         index.setdefault((part, seq), []).append((first, stop, checksum, member, reclaimed.rank,
                                                                   None))
@@ -333,20 +339,29 @@ class Recovery(Partitions, Dispatch):
 
         They count as the rank's (for grants, and in ``STEPS.adopted``) from its RECLAIM on: counted only once
         matched, a rank would take steps on a grant that did not know them yet, and end the epoch with more steps
-        than the others once Spark's recomputation reached them."""
+        than the others once Spark's recomputation reached them. What a checkpoint had used (a resume's RECLAIM)
+        counts for no rank: the resumed group's steps are those it takes from the resume on, shared out evenly
+        whatever the size of the group that took the checkpoint."""
         rec = ep.recovery
         if rec is None:
             return []
         if rec.expected is None:
             named: dict[str, tuple[int, set[tuple[int, ...]]]] = {}
-            for members in stream.reclaims.get(ep.epoch, {}).values():   # as the index: every loss, each entry once
+            losses = stream.reclaims.get(ep.epoch, {})
+            checkpoint: set[tuple[int, ...]] = set()
+            for reclaimed in losses.get(RESUME, {}).values():
+                checkpoint.update((part, seq, first, stop) for part, seq, first, stop, _ in reclaimed.entries)
+                checkpoint.update((part, seq, at, at + 1, lo, hi) for part, seq, at, lo, hi, _ in reclaimed.cuts)
+            for loss, members in losses.items():       # as the index: every loss, each entry once
+                if loss == RESUME:
+                    continue
                 for member, reclaimed in members.items():
                     entries = named.setdefault(member, (reclaimed.rank, set()))[1]
                     entries.update((part, seq, first, stop) for part, seq, first, stop, _ in reclaimed.entries
                                    if part in rec.recovered)
                     entries.update((part, seq, at, at + 1, lo, hi) for part, seq, at, lo, hi, _ in reclaimed.cuts
                                    if part in rec.recovered)      # a cut is one step of its rank's
-            rec.expected = {member: (number, sum(e[3] - e[2] for e in entries))
+            rec.expected = {member: (number, sum(e[3] - e[2] for e in entries - checkpoint))
                             for member, (number, entries) in named.items()}
         pending = []
         for member, (number, count) in rec.expected.items():
@@ -424,9 +439,14 @@ class Recovery(Partitions, Dispatch):
                 self._adopt(stream, ep, piece, *owner)
 
     def _adopt(self, stream: StreamState, ep: EpochState, piece: HeldBatch, member: str, number: int) -> None:
-        """``piece`` was used by the rank ``member`` (rank ``number``) before the loss: consumed by it."""
+        """``piece`` was used by the rank ``member`` (rank ``number``) before the loss: consumed by it; or
+        (``member`` :data:`CHECKPOINT`) by the model a resume's checkpoint saved: consumed, counted for no rank."""
         ep.adopt(piece)
         self.buffered -= piece.nbytes
+        if member == CHECKPOINT:
+            if piece.settle() and self._observed:
+                self._emit(BatchesAcked(stream.name, ep.epoch, [list(piece.id)]))
+            return
         assert ep.recovery is not None
         ep.recovery.matched[member] = ep.recovery.matched.get(member, 0) + piece.count
         rank = self._rank_of(stream, member, number)

@@ -115,7 +115,8 @@ def feed_epochs(df: Any, address: str | Sequence[str] | None, epochs: int, strea
                 shuffle_seed: int | None = None, first_epoch: int = 0, *, shuffle: bool = True,
                 key: Sequence[str] | None = None, partitions: int | None = None,
                 on_epoch: Callable[[int, FeedReport], None] | None = None,
-                resume: Mapping[str, Any] | int | None = None, wait_delivered: bool = False,
+                resume: Mapping[str, Any] | Sequence[Mapping[str, Any]] | int | None = None,
+                wait_delivered: bool = False,
                 **feed_kwargs: Any) -> list[FeedReport]:
     """Feed epochs ``first_epoch .. first_epoch + epochs - 1`` of ``df`` to ``stream``, one after the other.
 
@@ -291,13 +292,19 @@ class FedEpochs:
             client.close()
 
 
-def resumed_epoch(resume: Mapping[str, Any] | int, stream: str) -> int:
-    """The epoch a resume starts at: a rank's ``BatchStream.state_dict()`` (of ``stream``), or an epoch number.
+def resumed_epoch(resume: Mapping[str, Any] | Sequence[Mapping[str, Any]] | int, stream: str) -> int:
+    """The epoch a resume starts at: a rank's ``BatchStream.state_dict()`` (of ``stream``), every rank's (a list:
+    a resume on another number of ranks), or an epoch number.
 
     Raises:
         ValueError: a state of another stream, without an epoch, or a negative epoch.
         TypeError: neither a state nor an int.
     """
+    if isinstance(resume, Sequence) and not isinstance(resume, (str, bytes)) and resume:
+        epochs = {resumed_epoch(one, stream) for one in resume}          # every rank's state of one checkpoint
+        if len(epochs) != 1:
+            raise ValueError(f"the resume states are of epochs {sorted(epochs)}: pass the states of one checkpoint")
+        return epochs.pop()
     if isinstance(resume, Mapping):
         if resume.get("stream") != stream:
             raise ValueError(f"the resume state is of stream {resume.get('stream')!r}, not {stream!r}: pass the "

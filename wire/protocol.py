@@ -121,7 +121,8 @@ OPTIONAL: dict[Kind, dict[str, type]] = {
     Kind.HELLO: {"grants": bool,           # even steps granted by the broker (STEPS), not agreed among the ranks
                  "got": int,               # ... a rank that rejoins: the batches of its current epoch it has had
                  "incarnation": str,       # a rank that rejoins: the incarnation of the broker it knew
-                 "remainder": str},        # granted steps: what the epoch's last batches become (REMAINDERS)
+                 "remainder": str,         # granted steps: what the epoch's last batches become (REMAINDERS)
+                 "resumes": int},          # a rank resuming this epoch from a checkpoint (BatchStream(resume=))
     Kind.STEPS: {"adopted": int},          # of the rank's count, batches it used from lost brokers (RECLAIM)
     Kind.EPOCH_END: {"steps": int},        # granted streams: the epoch's steps from this broker, the same for all
     Kind.EPOCH_CLOSE: {"expected": int},   # partitions committed at this broker (default: all of them)
@@ -151,7 +152,7 @@ ADDED: dict[int, tuple[frozenset[Kind], dict[Kind, tuple[str, ...]]]] = {
     7: (frozenset({Kind.PARTITION_RECEIVED, Kind.PARTITION_COMMIT}),
         {Kind.EPOCH_OPEN: ("commit",), Kind.EPOCH_RECOVER: ("commit",), Kind.WELCOME: ("ranks", "unread"),
             Kind.HEARTBEAT: ("unread", "peer_wait_s", "step_s"), Kind.BATCH: ("cut", "repeat"),
-            Kind.HELLO: ("remainder",), Kind.RECLAIM: ("cuts",), Kind.ACK: ("peer_wait_s", "step_s")}),
+            Kind.HELLO: ("remainder", "resumes"), Kind.RECLAIM: ("cuts",), Kind.ACK: ("peer_wait_s", "step_s")}),
 }
 
 _KINDS = {int(k): k for k in Kind}

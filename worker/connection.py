@@ -110,6 +110,7 @@ class BrokerConnection:
         self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(3 * heartbeat * 1000))
         self._sock.connect(address)
         self._last_heard = self._last_said = time.monotonic()
+        self.resumes = None if resume is None else resume[0]   # the epoch this rank resumes from a checkpoint
         try:
             self._join(resume)
         except BaseException:
@@ -131,6 +132,8 @@ class BrokerConnection:
                 optional["remainder"] = self.remainder
         if resume and self.incarnation and self.version >= 6:
             optional["incarnation"] = self.incarnation      # a broker restarted without journal ignores the ids
+        if self.resumes is not None and self.version >= 7:
+            optional["resumes"] = self.resumes              # a group of another size may take over that epoch
         header = pack_header(Kind.HELLO, v=self.version, req=self._req, role="rank", stream=self.stream, rank=self.rank,
                              size=self.size, even=self.even, session=self.session, resume=resume,
                              ended=self.ended, **optional)

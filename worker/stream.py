@@ -30,7 +30,7 @@ from sparkbus.worker.intake import Batch, Intake
 from sparkbus.worker.launcher import launcher_rank
 from sparkbus.worker.stats import EpochStats, StreamStats  # and exported here: sparkbus.worker.stream.EpochStats
 from sparkbus.worker.steps import EvenRounds, IndependentSteps, StepPlan
-from sparkbus.worker.used import Cut, Entry, Resume
+from sparkbus.worker.used import Cut, Entry, Resume, UsedBatches
 
 log = logging.getLogger("sparkbus.worker")
 
@@ -84,7 +84,10 @@ class BatchStream:
             the rank tells every broker what the checkpointed model had used of the epoch (``RECLAIM`` with
             ``lost=""``), and its first :meth:`epoch` yields only what the brokers deliver of it: the rest. The
             feed must re-feed that epoch for a resume (``feed_epochs(..., resume=...)``). ``stats`` count the
-            steps taken before the checkpoint in ``resumed_batches``, apart from ``batches``.
+            steps taken before the checkpoint in ``resumed_batches``, apart from ``batches``. To resume on another
+            number of ranks, pass every rank's state of the checkpoint as a list (``resume=[s0, ..., sN-1]``,
+            each new rank the same list): what they had used together is not delivered again, and the rest is
+            shared over the new group with equal steps (docs/TRAINING.md, "Resuming").
     Raises:
         BrokerError: the broker does not answer within ``timeout``, refuses this rank, or goes silent (with
             several brokers: every one of them; one gone while others answer is read on without, its batches
@@ -102,7 +105,7 @@ class BatchStream:
                  on_drop: Callable[[Batch], None] | None = None, abort_on_error: bool = True,
                  context: zmq.Context | None = None, key: str | None = None, broker_key: str | None = None,
                  rank: int | str | None = None, size: int | None = None, steps: str = "broker",
-                 resume: Mapping[str, Any] | None = None, remainder: str = "split"):
+                 resume: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None, remainder: str = "split"):
         if prefetch < 1 or prefetch_bytes < 0:
             raise ValueError("prefetch must be at least 1 and prefetch_bytes not negative")
         self.remainder = check_remainder(remainder)
@@ -313,23 +316,54 @@ class BatchStream:
         self.close()
 
 
-def _resume_state(state: Mapping[str, Any], stream: str, rank: int, size: int) -> dict[str, Any]:
-    """``state`` (a :meth:`BatchStream.state_dict`) checked for this stream, rank and group size.
+def _resume_state(state: Mapping[str, Any] | Sequence[Mapping[str, Any]], stream: str, rank: int,
+                  size: int) -> dict[str, Any]:
+    """``state`` (a :meth:`BatchStream.state_dict`) checked for this stream, rank and group size; or every rank's
+    state of one checkpoint (a list of a group of N's), merged for a rank of a group of any size: what the
+    checkpointed model had used, all ranks' together.
 
     Raises:
         ValueError: not a state of format 1 or 2, of another stream, rank or size, or malformed ``used`` entries
-            or ``cuts``.
+            or ``cuts``; a list that is not ranks 0..N-1 of one group and one epoch.
     """
+    if isinstance(state, Sequence) and not isinstance(state, (str, bytes)):
+        states = [_parsed_state(one, stream) for one in state]
+        if not states:
+            raise ValueError("resume=[...] takes every rank's state_dict() of one checkpoint, not an empty list")
+        group = states[0]["size"]
+        if (sorted(one["rank"] for one in states) != list(range(group)) or any(one["size"] != group for one in states)
+                or len({one["epoch"] for one in states}) != 1):
+            raise ValueError(f"resume=[...] takes every rank's state_dict() of one checkpoint: ranks 0..N-1 of a "
+                             f"group of N, at one epoch; got ranks {sorted(one['rank'] for one in states)} of groups "
+                             f"{sorted({one['size'] for one in states})} at epochs "
+                             f"{sorted({one['epoch'] for one in states})}")
+        used = UsedBatches()
+        for one in states:
+            used.update(one["used"], one["cuts"])
+        return {"format": 2, "stream": stream, "rank": rank, "size": size, "epoch": states[0]["epoch"],
+                "steps": max(one["steps"] for one in states), "used": [Entry(*e) for e in used.entries()],
+                "cuts": [Cut(*c) for c in used.cuts()], "from_size": group}
+    parsed = _parsed_state(state, stream)
+    for name, mine in (("rank", rank), ("size", size)):
+        if parsed[name] != mine:
+            raise ValueError(f"resume= has the state of {name} {parsed[name]!r}, but this BatchStream is "
+                             f"{name} {mine!r}: pass each rank its own state_dict(), or every rank's as a list "
+                             f"(resume=[...]) to resume on another number of ranks")
+    return parsed
+
+
+def _parsed_state(state: Any, stream: str) -> dict[str, Any]:
+    """One rank's ``state_dict()``, checked for its form and stream."""
     if not isinstance(state, Mapping) or state.get("format") not in (1, 2):
         raise ValueError("resume= takes a BatchStream.state_dict() (format 2, or format 1 of sparkbus 0.2)")
-    for name, mine in (("stream", stream), ("rank", rank), ("size", size)):
-        if state.get(name) != mine:
-            raise ValueError(f"resume= has the state of {name} {state.get(name)!r}, but this BatchStream is "
-                             f"{name} {mine!r}: pass each rank its own state_dict()")
+    if state.get("stream") != stream:
+        raise ValueError(f"resume= has the state of stream {state.get('stream')!r}, but this BatchStream is "
+                         f"stream {stream!r}: pass each rank its own state_dict()")
     epoch, steps, used = state.get("epoch"), state.get("steps"), state.get("used")
     entries: list[Entry] = []
-    if type(epoch) is not int or epoch < 0 or type(steps) is not int or steps < 0 or not isinstance(used, list):
-        raise ValueError("resume= has a state whose epoch, steps or used are malformed")
+    if type(epoch) is not int or epoch < 0 or type(steps) is not int or steps < 0 or not isinstance(used, list) \
+            or type(state.get("rank")) is not int or type(state.get("size")) is not int:
+        raise ValueError("resume= has a state whose epoch, steps, rank, size or used are malformed")
     for entry in used:
         if (not isinstance(entry, (list, tuple)) or len(entry) != 5 or any(type(n) is not int for n in entry)
                 or not 0 <= entry[2] < entry[3]):
@@ -341,8 +375,8 @@ def _resume_state(state: Mapping[str, Any], stream: str, rank: int, size: int) -
                 or not 0 <= cut[3] < cut[4]):
             raise ValueError(f"resume= has a malformed cut {cut!r} (want [part, seq, index, lo, hi, checksum])")
         cuts.append(Cut(*cut))
-    return {"format": 2, "stream": stream, "rank": rank, "size": size, "epoch": epoch, "steps": steps,
-            "used": entries, "cuts": cuts}
+    return {"format": 2, "stream": stream, "rank": state["rank"], "size": state["size"], "epoch": epoch,
+            "steps": steps, "used": entries, "cuts": cuts}
 
 
 def _group(comm: Any, rank: int | str | None, size: int | None) -> tuple[int, int]:

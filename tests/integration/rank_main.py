@@ -48,6 +48,8 @@ parser.add_argument("--timeout", type=float, default=60.0)
 parser.add_argument("--values", action="store_true", help="record every column's values as JSON too")
 parser.add_argument("--checkpoint-at", type=int, default=0, help="save state_dict() after this many batches of epoch 0")
 parser.add_argument("--resume", help="a directory with a state file written by --checkpoint-at: resume from it")
+parser.add_argument("--resume-all", help="a directory with every rank's state file: resume from all of them "
+                                         "(a group of another size)")
 args = parser.parse_args()
 
 group = {}
@@ -94,6 +96,8 @@ def main():
         options["remainder"] = args.remainder
     if args.resume:
         options["resume"] = json.loads((Path(args.resume) / f"{name}-state.json").read_text())
+    if args.resume_all:
+        options["resume"] = [json.loads(p.read_text()) for p in sorted(Path(args.resume_all).glob("*-state.json"))]
     with BatchStream(args.ranks, comm=comm, stream=args.stream, prefetch=args.prefetch, **options, even=even,
                      timeout=args.timeout, on_drop=lambda b: dropped.append(b["id"].copy()), steps=args.steps,
                      **group) as stream:

@@ -235,6 +235,38 @@ def test_a_stream_whose_only_broker_stays_away_fails_the_feed_saying_what_to_do(
 
 # ---- §3: exact resume from a mid-epoch checkpoint --------------------------------------------------------------
 
+@pytest.mark.parametrize("restart", [False, True], ids=["broker-kept-running", "everything-restarted"])
+def test_a_checkpoint_of_two_ranks_resumes_on_three_exactly(spark, start_broker_process, start_ranks, restart):
+    """Two ranks checkpoint after 5 steps and die after 9; three ranks resume from both states (``resume=[...]``,
+    each the same list) and ``feed_epochs(resume=[...])``: what the checkpointed model had used is not delivered
+    again, the rest goes to the three with equal steps, and no row is dropped."""
+    broker = start_broker_process("--heartbeat", "200ms")
+    first = start_ranks(2, broker.ranks, "--stream", "elastic", "--checkpoint-at", "5", "--stop-after", "9")
+    frame = staged_frame(spark, 4_000, 2)
+    options = dict(stream="elastic", epochs=1, shuffle=False, batch_size=100, timeout=30, pack_bytes=0)
+    feed_epochs(frame, broker.feed, **options)
+    first.wait_stopped(["rank0", "rank1"])
+    first.kill()
+    if restart:
+        broker.proc.kill()
+        broker.proc.wait(5)
+        broker.restart()
+    states = [json.loads((first.out / f"rank{r}-state.json").read_text()) for r in range(2)]
+    assert [(s["rank"], s["size"], s["epoch"], s["steps"]) for s in states] == [(0, 2, 0, 5), (1, 2, 0, 5)]
+    second = start_ranks(3, broker.ranks, "--stream", "elastic", "--resume-all", str(first.out))
+    feed_epochs(frame, broker.feed, resume=states, **options)
+    summaries = second.wait(150)
+    before = []
+    for r in range(2):
+        with np.load(first.out / f"rank{r}-checkpoint.npz") as data:
+            before.append(data["id"])
+    assert sum(len(b) for b in before) == 1_000
+    assert_each_row_once(np.concatenate([*before, trained(second, ranks=3)]), 4_000)
+    equal_steps(summaries)
+    # 30 batches left for 3 ranks: 10 steps each, whatever the old group's size
+    assert [s["epochs"][0]["batches"] for s in summaries] == [10, 10, 10]
+
+
 @pytest.mark.parametrize("restart, packs, epochs, stop_after", [
     (False, False, 1, 9), (True, False, 1, 9), (False, True, 1, 9), (False, False, 2, 30)],
     ids=["broker-kept-running", "everything-restarted", "inside-packs", "killed-in-the-next-epoch"])

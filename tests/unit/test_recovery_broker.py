@@ -630,3 +630,47 @@ def test_a_spark_connect_bound_of_ten_million_partitions_is_one_range_not_ten_mi
         ledger.recover_epoch({"req": 2, "stream": STREAM, "epoch": 0, "partitions": MAX_PARTITIONS,
                               "delivery": "stream", "carries": [0, 3], "recovered": [2, 4], "lost": [],
                               "reset": False})
+
+
+def test_a_checkpoint_of_two_ranks_resumes_on_three_with_equal_steps_and_counts_for_no_rank():
+    """The old group of 2 took 2 steps each of a 10-batch epoch and died mid-epoch; a group of 3, each saying it
+    resumes epoch 0 (``HELLO.resumes``) and naming all 4 used batches (every rank the same, ``resume=[...]``), takes
+    the epoch over: the 4 are adopted by the checkpoint, counted for no rank, and the 6 left go 2, 2, 2."""
+    ledger = up_a_while(Ledger())
+    wire = Wire(ledger)
+    granted = dict(even=True, grants=True)
+    for r in range(2):
+        join(ledger, f"old{r}".encode(), dict(hello(r, 2, session=f"old{r}", **granted), remainder="split"),
+             prefetch=8)
+    ledger.open_epoch(STREAM, 0, 1, "stream")
+    for seq in range(10):
+        push(ledger, 0, 0, seq)
+    wire.dispatch()
+    acked(ledger, b"old0", *wire.to(b"old0")[:2])
+    acked(ledger, b"old1", *wire.to(b"old1")[:2])
+    used_before = sorted(wire.to(b"old0")[:2] + wire.to(b"old1")[:2])
+    with pytest.raises(ProtocolError, match="only at an epoch boundary, or resuming it from a checkpoint"):
+        ledger.join_rank(b"late", dict(hello(0, 3, session="late", **granted), remainder="split"))
+    checkpoint = [used(0, 0, seq) for _, _, seq in used_before]
+    for r in range(3):
+        join(ledger, f"new{r}".encode(), dict(hello(r, 3, session=f"new{r}", **granted), remainder="split",
+                                              resumes=0), prefetch=8)
+        reclaim(ledger, f"new{r}".encode(), 0, "", *checkpoint)
+    assert not any(r.identity.startswith(b"old") for r in ledger.streams[STREAM].ranks.values())
+    recover(ledger, partitions=1, carries=(0,), recovered=(), lost=(), reset=True)
+    for seq in range(10):
+        push(ledger, 0, 0, seq)
+    end(ledger, 0, 0, 0, 10)
+    ledger.close_epoch(STREAM, 0, 1)
+    for _ in range(5):
+        wire.dispatch()
+        for r in range(3):
+            name = f"new{r}".encode()
+            fresh = [i for i in wire.to(name) if i not in used_before]
+            ledger.acknowledge(ledger.rank(name), [n for i in fresh for n in i])
+    news = [[i for i in wire.to(f"new{r}".encode())] for r in range(3)]
+    assert sorted(i for n in news for i in n) == sorted(set((0, 0, s) for s in range(10)) - set(used_before))
+    assert [len(n) for n in news] == [2, 2, 2]
+    assert [h["steps"] for who, h in wire.headers if h["kind"] == Kind.EPOCH_END and who.startswith(b"new")] == \
+        [2, 2, 2]
+    assert figures(ledger)["adopted"] == 4, "the checkpoint's batches: consumed, never sent"

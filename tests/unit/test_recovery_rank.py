@@ -475,3 +475,25 @@ def test_rows_of_a_batch_are_a_view_counted_as_a_cut_saved_in_the_state_and_recl
     with pytest.raises(ValueError, match="malformed cut"):
         BatchStream("inproc://nowhere", context=context, stream="s",
                     resume=dict(states[0], cuts=[[0, 0, 0, 7, 3, 1]]))
+
+
+def test_every_ranks_state_resumes_a_group_of_another_size_and_a_bad_list_is_refused(context):
+    """``resume=[...]``: the states of ranks 0..N-1 of one checkpoint, merged (what they had used together), for a
+    rank of a group of any size; it says which epoch it resumes in its HELLO (``resumes``)."""
+    states = [{"format": 2, "stream": "s", "rank": r, "size": 2, "epoch": 3, "steps": 4,
+               "used": [[r, 0, 0, 2, 11 + r]], "cuts": [[5, 0, 0, 0, 3, 7]] if r else []} for r in range(2)]
+    a = Broker(context, "inproc://resume-all", "r1")
+    stream = join(context, [a], resume=json.loads(json.dumps(states)), rank=2, size=3)
+    with stream:
+        assert a.hello["resumes"] == 3 and a.hello["size"] == 3
+        (reclaim, frames), _ = a.after_welcome
+        assert protocol.unpack_used(frames[0], reclaim["entries"]) == [(0, 0, 0, 2, 11), (1, 0, 0, 2, 12)]
+        assert reclaim["cuts"] == [5, 0, 0, 0, 3, 7]
+        merged = stream.state_dict()
+        assert (merged["rank"], merged["size"], merged["epoch"], merged["steps"]) == (2, 3, 3, 4)
+    for bad, message in [([states[0]], "ranks 0..N-1"), ([states[0], dict(states[1], epoch=4)], "at one epoch"),
+                         ([], "not an empty list"), ([states[0], states[0]], "ranks 0..N-1")]:
+        with pytest.raises(ValueError, match=message):
+            BatchStream("inproc://nowhere", context=context, stream="s", rank=0, size=3, resume=bad)
+    with pytest.raises(ValueError, match="every rank's as a list"):
+        BatchStream("inproc://nowhere", context=context, stream="s", rank=0, size=3, resume=states[0])
