@@ -235,36 +235,43 @@ def test_a_stream_whose_only_broker_stays_away_fails_the_feed_saying_what_to_do(
 
 # ---- §3: exact resume from a mid-epoch checkpoint --------------------------------------------------------------
 
-@pytest.mark.parametrize("restart", [False, True], ids=["broker-kept-running", "everything-restarted"])
-def test_a_checkpoint_of_two_ranks_resumes_on_three_exactly(spark, start_broker_process, start_ranks, restart):
-    """Two ranks checkpoint after 5 steps and die after 9; three ranks resume from both states (``resume=[...]``,
-    each the same list) and ``feed_epochs(resume=[...])``: what the checkpointed model had used is not delivered
-    again, the rest goes to the three with equal steps, and no row is dropped."""
-    broker = start_broker_process("--heartbeat", "200ms")
-    first = start_ranks(2, broker.ranks, "--stream", "elastic", "--checkpoint-at", "5", "--stop-after", "9")
+@pytest.mark.parametrize("old, new, restart, brokers", [(2, 3, False, 1), (2, 3, True, 1), (3, 2, False, 1),
+                                                        (3, 2, False, 2)],
+                         ids=["2-on-3-broker-kept-running", "2-on-3-everything-restarted", "3-on-2", "3-on-2-brokers"])
+def test_a_checkpoint_resumes_on_another_number_of_ranks_exactly(spark, start_broker_process, start_ranks, old,
+                                                                  new, restart, brokers):
+    """``old`` ranks checkpoint after 5 steps and die after 9; ``new`` ranks resume from all their states
+    (``resume=[...]``, each the same list) and ``feed_epochs(resume=[...])``: what the checkpointed model had used
+    is not delivered again, the rest goes to the new group with equal steps, and no row is dropped."""
+    every = [start_broker_process("--heartbeat", "200ms") for _ in range(brokers)]
+    broker = every[0]
+    ranks_address = ",".join(b.ranks for b in every)
+    feed_address = [b.feed for b in every] if brokers > 1 else broker.feed
+    first = start_ranks(old, ranks_address, "--stream", "elastic", "--checkpoint-at", "5", "--stop-after", "9")
     frame = staged_frame(spark, 4_000, 2)
     options = dict(stream="elastic", epochs=1, shuffle=False, batch_size=100, timeout=30, pack_bytes=0)
-    feed_epochs(frame, broker.feed, **options)
-    first.wait_stopped(["rank0", "rank1"])
+    feed_epochs(frame, feed_address, **options)
+    first.wait_stopped([f"rank{r}" for r in range(old)])
     first.kill()
     if restart:
         broker.proc.kill()
         broker.proc.wait(5)
         broker.restart()
-    states = [json.loads((first.out / f"rank{r}-state.json").read_text()) for r in range(2)]
-    assert [(s["rank"], s["size"], s["epoch"], s["steps"]) for s in states] == [(0, 2, 0, 5), (1, 2, 0, 5)]
-    second = start_ranks(3, broker.ranks, "--stream", "elastic", "--resume-all", str(first.out))
-    feed_epochs(frame, broker.feed, resume=states, **options)
+    states = [json.loads((first.out / f"rank{r}-state.json").read_text()) for r in range(old)]
+    assert [(s["rank"], s["size"], s["epoch"], s["steps"]) for s in states] == [(r, old, 0, 5) for r in range(old)]
+    second = start_ranks(new, ranks_address, "--stream", "elastic", "--resume-all", str(first.out))
+    feed_epochs(frame, feed_address, resume=states, **options)
     summaries = second.wait(150)
     before = []
-    for r in range(2):
+    for r in range(old):
         with np.load(first.out / f"rank{r}-checkpoint.npz") as data:
             before.append(data["id"])
-    assert sum(len(b) for b in before) == 1_000
-    assert_each_row_once(np.concatenate([*before, trained(second, ranks=3)]), 4_000)
+    assert sum(len(b) for b in before) == old * 500
+    assert_each_row_once(np.concatenate([*before, trained(second, ranks=new)]), 4_000)
     equal_steps(summaries)
-    # 30 batches left for 3 ranks: 10 steps each, whatever the old group's size
-    assert [s["epochs"][0]["batches"] for s in summaries] == [10, 10, 10]
+    if brokers == 1:      # 40 batches less the checkpoint's 5 a rank, shared out (the one left over by rows)
+        left = 40 - 5 * old
+        assert [s["epochs"][0]["batches"] for s in summaries] == [left // new + (1 if left % new else 0)] * new
 
 
 @pytest.mark.parametrize("restart, packs, epochs, stop_after", [
