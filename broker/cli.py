@@ -106,7 +106,7 @@ def run_status(args: argparse.Namespace) -> int:
     from sparkbus.broker.auth import BROKER_KEY_ENV, KEY_ENV, load_key_pair, load_public_key
     from sparkbus.broker.client import fetch_stats
     from sparkbus.broker.figures import Figures
-    from sparkbus.broker.status import render_stats, render_totals, totals
+    from sparkbus.broker.status import render_stats, render_totals, totals, with_verdicts
     from sparkbus.wire.address import broker_addresses
     from sparkbus.wire.errors import BrokerError
 
@@ -146,7 +146,7 @@ def run_status(args: argparse.Namespace) -> int:
         return 1
     if len(stats) == 1:
         (one,) = stats.values()
-        print(json.dumps(one, indent=2, sort_keys=True) if args.json else render_stats(one))
+        print(json.dumps(with_verdicts(one), indent=2, sort_keys=True) if args.json else render_stats(one))
     elif args.json:
         print(json.dumps({"brokers": stats, "totals": totals(stats)}, indent=2, sort_keys=True))
     else:

@@ -11,6 +11,7 @@ import msgpack
 
 from sparkbus.broker.figures import Figures
 from sparkbus.wire.protocol import MAX_HEADER_BYTES
+from sparkbus.wire.verdict import RankWaits, Verdict, of_pipeline, of_rank, rank_waits
 
 PAGE_BYTES = MAX_HEADER_BYTES - 1024     # of figures per STATS_REPLY: room for the rest of the header
 
@@ -19,6 +20,7 @@ TOTALLED = ("batches_in", "rows_in", "batches_out", "rows_out", "acked", "queued
 
 
 class StreamTotals(TypedDict):
+    verdict: dict[str, Any]      # why the stream's training waits (:func:`stream_verdict`)
     batches_in: int
     rows_in: int
     batches_out: int
@@ -71,12 +73,42 @@ def render_stats(stats: Figures) -> str:
                          f"acked {e['acked']}, "
                          f"queued {e['queued']}, duplicates {e['duplicates']}, "
                          f"redelivered {e.get('redelivered', 0)}{_recovery(e)}")
+        waits = {w.rank: w for w in rank_waits(s)}
         for r in sorted(s["ranks"], key=lambda r: r["rank"]):
+            w = waits.get(r["rank"])
             lines.append(f"  rank {r['rank']}/{r['size']}: window {r['window']} / {_mib(r['window_bytes'])}, "
                          f"in flight {r['inflight']}, "
                          f"batches {r['batches']} ({_mib(r['bytes'])}), acked {r['acked']}, "
-                         f"idle {r['idle_s']:.1f} s")
+                         f"idle {r['idle_s']:.1f} s"
+                         f"{'' if w is None else f', {of_rank(w.data_wait, w.peer_wait, w.step)}'}")
+        if waits:
+            lines.append(f"  why training waits: {of_pipeline(list(waits.values()))}")
     return "\n".join(lines)
+
+
+def stream_verdict(figures: Mapping[str, Mapping[str, Any]], stream: str) -> Verdict:
+    """Why ``stream``'s training waits, over one or more brokers' figures (by address): every rank's own figures
+    (each rank reports the same to every broker: the latest is kept), through
+    :func:`sparkbus.wire.verdict.of_pipeline`. The broker does not know Spark's backpressure: the feed's
+    ``FeedReport.verdict`` does, and tells ``balanced`` from ``compute-bound``."""
+    latest: dict[int, RankWaits] = {}
+    for one in figures.values():
+        for w in rank_waits(one["streams"].get(stream, {})):
+            if w.rank not in latest or w.step > latest[w.rank].step:
+                latest[w.rank] = w
+    return of_pipeline([latest[r] for r in sorted(latest)])
+
+
+def with_verdicts(stats: Figures) -> dict[str, Any]:
+    """One broker's figures with ``verdicts``: per stream, :func:`stream_verdict` as a record (``sparkbus status
+    --json``)."""
+    return {**stats, "verdicts": {name: _verdict_record(stream_verdict({"": stats}, name))
+                                  for name in stats["streams"]}}
+
+
+def _verdict_record(verdict: Verdict) -> dict[str, Any]:
+    return {"kind": verdict.kind, "data_wait_share": round(verdict.data_wait_share, 4),
+            "slowest_rank": verdict.slowest_rank, "line": str(verdict)}
 
 
 def _recovery(epoch: Mapping[str, Any]) -> str:
@@ -95,11 +127,14 @@ def totals(stats: dict[str, Figures]) -> Totals:
         total["max_buffer"] += one["broker"]["max_buffer"]
         for name, s in one["streams"].items():
             t = total["streams"].setdefault(name, {"batches_in": 0, "rows_in": 0, "batches_out": 0, "rows_out": 0,
-                                                   "acked": 0, "queued": 0, "ranks": 0})
+                                                   "acked": 0, "queued": 0, "ranks": 0,
+                                                   "verdict": {}})
             t["ranks"] = max(t["ranks"], len(s["ranks"]))
             for e in [*s["epochs"].values(), *([s["earlier"]] if s.get("earlier") else [])]:
                 for key in TOTALLED:
                     t[key] += _figure(e, key)      # type: ignore[literal-required]
+    for name, t in total["streams"].items():
+        t["verdict"] = _verdict_record(stream_verdict(stats, name))
     return total
 
 
@@ -193,6 +228,8 @@ def render_totals(total: Totals) -> str:
         lines.append(f"stream {name!r}: {t['ranks']} ranks; in {t['batches_in']} batches {t['rows_in']} rows, "
                      f"out {t['batches_out']} batches {t['rows_out']} rows, acked {t['acked']}, "
                      f"queued {t['queued']}")
+        if t["verdict"].get("kind") not in (None, "unknown"):
+            lines.append(f"  why training waits: {t['verdict']['line']}")
     return "\n".join(lines)
 
 
@@ -216,15 +253,9 @@ def watch(fetch: Callable[[], dict[str, Figures]], interval: float) -> None:
 
 
 def why_it_waits(data_wait: float, peer_wait: float, step: float) -> str:
-    """A rank's verdict over some interval, from the seconds its loop waited for data (``wait_s`` less
-    ``peer_wait_s``), for peers, and spent on its own batches: ``input-bound`` (the data wait is above a tenth of its
-    own time: Spark, or the broker, is behind), ``peer-bound`` (it waited more for slower peers than for data),
-    else ``compute-bound`` (the loop's work dominates; backpressure holds Spark back). The same rule as
-    ``EpochStats.verdict``."""
-    threshold = 0.1 * step
-    if peer_wait > max(data_wait, threshold):
-        return "peer-bound"
-    return "input-bound" if data_wait > threshold else "compute-bound"
+    """A rank's verdict over some interval (:func:`sparkbus.wire.verdict.of_rank`, the rule of
+    ``EpochStats.verdict``), from the seconds its loop waited for data, for peers, and spent on its own batches."""
+    return of_rank(data_wait, peer_wait, step)
 
 
 def _watch_table(stats: dict[str, Figures], previous: dict[tuple[str, str, int], tuple[float, ...]]) -> Any:

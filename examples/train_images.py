@@ -51,7 +51,7 @@ import numpy as np
 
 from sparkbus.cli_help import HelpFormatter
 from sparkbus.feeder import epoch_order, feed  # none of these imports pyspark, torch or MPI
-from sparkbus.progress import EpochTimes, epoch_label, wait_share
+from sparkbus.progress import EpochTimes, epoch_label, wait_share, waited_line
 from sparkbus.worker import BatchStream
 from sparkbus.worker.collectives import allreduce, gather
 
@@ -274,6 +274,7 @@ def feed_images(spark: Any, address: str, epochs: int, *, decode: str = "rank", 
         fed.append(entry)
         print(f"fed {epoch_label(epoch, epochs)}: {report.rows:,} images in {report.batches} batches "
               f"({report.bytes / 1e6:.1f} MB) in {report.seconds:.1f} s", flush=True)
+        print(waited_line(epoch, epochs, report), flush=True)
     return fed
 
 

@@ -39,7 +39,7 @@ import numpy as np
 
 from sparkbus.cli_help import HelpFormatter
 from sparkbus.feeder import feed, feed_epochs  # none of these imports pyspark, torch or MPI
-from sparkbus.progress import EpochTimes, epoch_label, wait_share
+from sparkbus.progress import EpochTimes, epoch_label, wait_share, waited_line
 from sparkbus.worker import BatchStream, pad
 from sparkbus.worker.collectives import allreduce, wait
 
@@ -208,6 +208,7 @@ def feed_text_data(spark: Any, address: str, epochs: int, *, stream: str = "text
         fed.append(entry)
         print(f"fed {epoch_label(epoch, epochs)} ({'bucketed' if bucketed else 'plain'}): {report.rows:,} rows in "
               f"{report.batches} batches in {report.seconds:.1f} s", flush=True)
+        print(waited_line(epoch, epochs, report), flush=True)
     return fed
 
 

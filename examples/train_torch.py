@@ -46,7 +46,7 @@ import numpy as np
 
 from sparkbus.cli_help import HelpFormatter
 from sparkbus.feeder import feed, feed_epochs  # none of these imports pyspark, torch or MPI
-from sparkbus.progress import EpochTimes, epoch_label
+from sparkbus.progress import EpochTimes, epoch_label, waited_line
 from sparkbus.worker import BatchStream
 from sparkbus.worker.collectives import allreduce, wait
 from sparkbus.worker.torch_data import to_tensors
@@ -175,6 +175,7 @@ def feed_training_data(spark: Any, address: str, epochs: int, *, stream: str = "
         fed.append(entry)
         print(f"fed {epoch_label(epoch, epochs)}: {report.rows:,} rows in {report.batches} batches in "
               f"{report.seconds:.1f} s", flush=True)
+        print(waited_line(epoch, epochs, report), flush=True)
     return fed
 
 

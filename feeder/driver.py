@@ -45,9 +45,11 @@ from sparkbus.feeder.options import DEFAULT_MAX_BATCH_BYTES, FeedOptions
 from sparkbus.feeder.recovery import EpochFeed, Outcome, taken_figures
 from sparkbus.feeder.schema import check_spark_type, prepare_dataframe
 from sparkbus.feeder.task import DEFAULT_PACK_BYTES, PartitionReport
+from sparkbus.feeder.waits import WaitsWatch
 from sparkbus.feeder.watch import Loss
 from sparkbus.wire.errors import BrokerError, FeedError
 from sparkbus.wire.protocol import Kind
+from sparkbus.wire.verdict import RankWaits, Verdict, of_pipeline
 
 log = logging.getLogger("sparkbus.feeder")
 # EPOCH_OPEN's partitions when the count is known only once the job has run (Spark Connect): the broker's limit,
@@ -76,6 +78,7 @@ class FeedReport(NamedTuple):
     task_seconds: float = 0.0         # the feeding tasks' time, summed (of the attempts Spark declared successful)
     blocked_seconds: float = 0.0      # ... of it, held back by full brokers: backpressure from the ranks
     slowest: tuple[tuple[int, str, float], ...] = ()   # the slowest tasks: (partition, executor host, seconds)
+    ranks: tuple[RankWaits, ...] = ()   # each rank's seconds while this feed ran: data wait, peer wait, own work
 
     @property
     def backpressure(self) -> float:
@@ -84,6 +87,14 @@ class FeedReport(NamedTuple):
         (input-bound; ``slowest`` names the slowest tasks and their hosts). See docs/OPERATIONS.md, "Why
         training waits"."""
         return self.blocked_seconds / self.task_seconds if self.task_seconds > 0 else 0.0
+
+    @property
+    def verdict(self) -> Verdict:
+        """Why training waited while this epoch was fed, and who to look at: ``input-bound`` (the ranks waited
+        for data; the slowest tasks and executors named), ``compute-bound`` (Spark was held back by the ranks; the
+        slowest rank named) or ``balanced``; ``unknown`` when no rank reported its figures. ``str()`` of it is one
+        line. See :func:`sparkbus.wire.verdict.of_pipeline` and docs/OPERATIONS.md, "Why training waits"."""
+        return of_pipeline(self.ranks, self.backpressure if self.task_seconds > 0 else None, self.slowest)
 
 
 def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "train", epoch: int = 0,
@@ -258,6 +269,8 @@ def _feed(data: Any, options: FeedOptions, run: EpochRun = NO_RUN) -> FeedReport
         gone = {loss.broker for loss in adopted if loss.gone}
         # ... an absent broker (but one already found gone), ...
         brokers = greet_brokers(clients, list(options.feeds), options.control_derived, stream, gone)
+        waits = stack.enter_context(WaitsWatch(options.controls, stream, options.timeout, options.key,
+                                               options.broker_key))
         if opens:        # ... an epoch already delivered, a stream name refused
             for i, client in enumerate(clients):
                 if i not in gone:
@@ -303,6 +316,7 @@ def _feed(data: Any, options: FeedOptions, run: EpochRun = NO_RUN) -> FeedReport
             outcome = _feed_unwatched(job, clients, brokers, stream, epoch, committer)
         if way is not Way.REFEED:
             warn_if_no_ranks(clients, gone, stream, epoch, started)
+        waits.stop()             # the last reading of the ranks' figures, with the feed's end
     partitions, reports, shares, diverged, held, taken = outcome
     produced = sum(r.rows for r in reports)
     if held is not None and held != produced:
@@ -330,7 +344,7 @@ def _feed(data: Any, options: FeedOptions, run: EpochRun = NO_RUN) -> FeedReport
     slowest = tuple((r.partition, r.host, round(r.seconds, 3))
                     for r in sorted(streamed, key=lambda r: r.seconds, reverse=True)[:SLOWEST_TASKS])
     return FeedReport(partitions, batches, rows, nbytes, time.monotonic() - started, differed, tuple(shares),
-                      sum(r.seconds for r in streamed), sum(r.blocked for r in streamed), slowest)
+                      sum(r.seconds for r in streamed), sum(r.blocked for r in streamed), slowest, waits.spans())
 
 
 def _feed_unwatched(job: FeedJob, clients: list[ControlClient], brokers: list[dict], stream: str,

@@ -10,6 +10,10 @@ rank's ``state_dict()`` and ``sparkbus status`` do; a progress line adds the epo
 hides what the stream costs once it flows (a first epoch read "data wait 94 %" for a job that mostly waited for
 Spark's JVM), so the figures show it apart as ``start-up`` and take the data wait and the throughput over the time
 after the first batch (:class:`EpochTimes`).
+
+**Why.** At the end of each epoch the feed's side prints one line saying why training waited while it was fed
+(``FeedReport.verdict``: input-bound with the slowest Spark tasks named, compute-bound with the slowest rank named,
+or balanced): :func:`waited_line`.
 """
 
 from __future__ import annotations
@@ -22,6 +26,12 @@ def epoch_label(epoch: int, epochs: int) -> str:
     """``epoch 0 (1 of 3)``: the API's 0-based ``epoch``, then its place among the run's ``epochs`` (resumed ones
     included: epoch 1 of a 3-epoch run resumed there is ``epoch 1 (2 of 3)``)."""
     return f"epoch {epoch} ({epoch + 1} of {epochs})"
+
+
+def waited_line(epoch: int, epochs: int, report: Any) -> str:
+    """``why training waited in epoch 0 (1 of 3): compute-bound: ...``: a :class:`~sparkbus.FeedReport`'s
+    verdict, the one line the demo and the examples print after an epoch's ``fed`` line."""
+    return f"why training waited in {epoch_label(epoch, epochs)}: {report.verdict}"
 
 
 @dataclass(frozen=True)

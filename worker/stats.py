@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sparkbus.wire.verdict import of_rank
+
 
 @dataclass
 class EpochStats:
@@ -41,13 +43,10 @@ class EpochStats:
 
     @property
     def verdict(self) -> str:
-        """Why this rank's training waited, in a word: ``"input-bound"`` (its data wait after the first batch is
-        above a tenth of its own step time), ``"peer-bound"`` (it waited more for slower peers than for data,
-        above a tenth of its step time), else ``"compute-bound"`` (the loop's own work dominates)."""
-        threshold = 0.1 * self.step_seconds      # the same rule as broker.status.why_it_waits
-        if self.peer_wait_seconds > max(self.data_wait_seconds, threshold):
-            return "peer-bound"
-        return "input-bound" if self.data_wait_seconds > threshold else "compute-bound"
+        """Why this rank's training waited, in a word (:func:`sparkbus.wire.verdict.of_rank`): ``"input-bound"``
+        (its data wait after the first batch is above a tenth of its own step time), ``"peer-bound"`` (it waited
+        more for slower peers than for data, above a tenth of its step time), else ``"compute-bound"``."""
+        return of_rank(self.data_wait_seconds, self.peer_wait_seconds, self.step_seconds)
 
 
 @dataclass

@@ -23,7 +23,7 @@ import numpy as np
 from sparkbus.cli_help import HelpFormatter
 from sparkbus.demo import synthetic
 from sparkbus.feeder import epoch_order, feed
-from sparkbus.progress import epoch_label
+from sparkbus.progress import epoch_label, waited_line
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"({result.bytes / 1e6:,.1f} MB) from {result.partitions} partitions in {result.seconds:.1f} s: "
                   f"{result.rows / result.seconds:,.0f} rows/s, {result.bytes / 1e6 / result.seconds:,.1f} MB/s",
                   flush=True)
+            print(waited_line(epoch, args.epochs, result), flush=True)
     finally:
         if args.report:
             Path(args.report).write_text(json.dumps(report, indent=2))

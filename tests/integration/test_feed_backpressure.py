@@ -48,20 +48,62 @@ def test_a_slow_loop_backpressures_the_feed_and_the_rank_is_compute_bound(spark,
     ep = out["ep"]
     assert ep.verdict == "compute-bound", ep
     assert ep.step_seconds >= 60 * 0.06 and ep.peer_wait_seconds == 0.0
+    verdict = report.verdict            # the feed's: Spark held back by the rank, which is named
+    assert (verdict.kind, verdict.slowest_rank) == ("compute-bound", 0), verdict
+    assert [r.rank for r in report.ranks] == [0] and report.ranks[0].step > 1.0, report.ranks
+    assert str(verdict).startswith("compute-bound: ") and str(verdict).endswith("slowest rank: 0"), str(verdict)
 
 
 def test_a_slow_partition_leaves_the_rank_input_bound_and_the_feed_unhindered(spark, start_broker_process):
     broker = start_broker_process()
     out: dict = {}
     rank = consume(broker.ranks, "slow-spark", 0.0, out)
-    # 3 partitions of 500 rows; partition 2 takes 0.25 s per batch of 100 (1.25 s): the rank has the others'
+    # 3 partitions of 500 rows; partition 2 takes 0.5 s per batch of 100 (2.5 s): the rank has the others'
     # batches early, then waits for Spark
-    report = feed(staged_frame(spark, 1_500, 3, slow=2, slow_seconds=0.25), broker.feed, stream="slow-spark",
+    report = feed(staged_frame(spark, 1_500, 3, slow=2, slow_seconds=0.5), broker.feed, stream="slow-spark",
                   batch_size=100, pack_bytes=0, timeout=60)
     rank.join(60)
     np.testing.assert_array_equal(np.sort(out["ids"]), np.arange(1_500))
     assert report.backpressure < 0.1, report
-    assert report.slowest[0][0] == 2 and report.slowest[0][2] >= 1.2, report
+    # the slow partition named: at least three of its sleeps fall in its feeding task's time (the first batch can
+    # be made before the task's clock starts, in Spark's Python worker for mapInArrow)
+    assert report.slowest[0][0] == 2 and report.slowest[0][2] >= 1.5, report
     ep = out["ep"]
     assert ep.verdict == "input-bound", ep
     assert ep.data_wait_seconds >= 0.5, ep
+    verdict = report.verdict            # the feed's: the ranks waited for Spark; the slow task and its host named
+    assert verdict.kind == "input-bound" and verdict.slowest_tasks[0][:2] == (2, socket.gethostname()), verdict
+    assert f"slowest Spark tasks: partition 2 on {socket.gethostname()}" in str(verdict), str(verdict)
+
+
+def paced_frame(spark, rows: int, partitions: int, seconds_per_batch: float):
+    """ids 0..rows-1, each partition made in Arrow batches of 50 at ``seconds_per_batch`` each: tasks that take
+    a while, so that their share held back is measured over more than their last reply."""
+    def produce(batches):
+        import pyarrow as pa
+        import pyarrow.compute as pc
+
+        for batch in batches:
+            for start in range(0, batch.num_rows, 50):
+                time.sleep(seconds_per_batch)
+                ids = batch.column("id").slice(start, 50)
+                yield pa.RecordBatch.from_arrays([ids, pc.cast(ids, pa.float32())], ["id", "x"])
+
+    return spark.range(rows, numPartitions=partitions).mapInArrow(produce, "id long, x float")
+
+
+def test_a_run_where_neither_side_waits_is_balanced(spark, start_broker_process):
+    """Spark produces faster than the rank trains (two tasks at 10 ms a batch of 50 rows, the rank at 30 ms) and
+    the broker holds the whole epoch: the tasks are never held back and the rank, once its first batch came,
+    always has its next one."""
+    broker = start_broker_process()
+    out: dict = {}
+    rank = consume(broker.ranks, "balanced", 0.03, out)
+    report = feed(paced_frame(spark, 4_000, 2, 0.01), broker.feed, stream="balanced", batch_size=50, pack_bytes=0,
+                  timeout=60)
+    rank.join(60)
+    np.testing.assert_array_equal(np.sort(out["ids"]), np.arange(4_000))
+    verdict = report.verdict
+    assert report.backpressure < 0.25 and verdict.kind == "balanced", (report, verdict)
+    assert str(verdict).startswith("balanced: ranks waited "), str(verdict)
+    assert out["ep"].verdict == "compute-bound", out["ep"]       # the rank's own view: it hardly waited

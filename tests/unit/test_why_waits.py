@@ -63,3 +63,68 @@ def test_sparkbus_status_watch_gives_each_rank_the_same_verdict():
     for data, peer, step in [(0.5, 2.0, 4.0), (1.5, 0.0, 4.0), (0.1, 0.1, 4.0)]:
         assert why_it_waits(data, peer, step) == EpochStats(0, wait_seconds=data + peer, peer_wait_seconds=peer,
                                                             step_seconds=step).verdict
+
+
+# ---- the pipeline's verdict: the ranks' figures beside Spark's backpressure (wire.verdict) ------------------------
+
+def test_the_pipeline_verdict_names_who_to_look_at():
+    from sparkbus.wire.verdict import RankWaits, SlowTask, of_pipeline
+
+    tasks = [(2, "exec-b", 12.5), (0, "exec-a", 3.0)]
+    waited = of_pipeline([RankWaits(0, 3.0, 0.0, 10.0), RankWaits(1, 2.0, 0.5, 10.0)], 0.02, tasks)
+    assert (waited.kind, waited.slowest_rank) == ("input-bound", None)
+    assert waited.slowest_tasks == (SlowTask(2, "exec-b", 12.5), SlowTask(0, "exec-a", 3.0))
+    assert waited.data_wait_share == pytest.approx(0.25)
+    assert str(waited) == ("input-bound: ranks waited 25% of their step time for data, Spark held back 2%; slowest "
+                           "Spark tasks: partition 2 on exec-b (12.5 s), partition 0 on exec-a (3.0 s)")
+    # Spark held back: the ranks are behind, the one with the most step time named (the other waits for it)
+    behind = of_pipeline([RankWaits(0, 0.1, 4.0, 6.0), RankWaits(1, 0.1, 0.0, 10.0)], 0.6, tasks)
+    assert (behind.kind, behind.slowest_rank) == ("compute-bound", 1)
+    assert str(behind).endswith("Spark held back 60%; slowest rank: 1")
+    # neither waits for the other
+    even = of_pipeline([RankWaits(0, 0.2, 0.0, 10.0), RankWaits(1, 0.3, 0.0, 10.0)], 0.05, tasks)
+    assert (even.kind, even.slowest_rank, even.data_wait_share) == ("balanced", None, pytest.approx(0.025))
+    # backpressure unknown (sparkbus status): ranks that hardly wait are compute-bound
+    assert of_pipeline([RankWaits(0, 0.2, 0.0, 10.0)]).kind == "compute-bound"
+    assert of_pipeline([], 0.5).kind == "unknown" and str(of_pipeline([], None)) == "unknown: no rank's figures"
+
+
+def test_the_ranks_figures_leave_the_start_up_out_and_count_from_a_restart():
+    from sparkbus.feeder.waits import waits_between
+    from sparkbus.wire.verdict import RankWaits, rank_waits
+
+    stream = {"ranks": [
+        {"rank": 0, "wait_s": 5.0, "peer_wait_s": 1.0, "first_batch_s": 3.0, "step_s": 8.0},
+        {"rank": 1, "wait_s": 4.0, "peer_wait_s": 0.0, "step_s": 0.0},       # no first batch yet: all start-up
+        {"rank": 2},                                                          # has reported nothing
+    ]}
+    assert rank_waits(stream) == [RankWaits(0, 1.0, 1.0, 8.0), RankWaits(1, 0.0, 0.0, 0.0)]
+    before = {0: RankWaits(0, 1.0, 1.0, 8.0), 1: RankWaits(1, 2.0, 0.0, 9.0)}
+    after = {0: RankWaits(0, 1.5, 3.0, 12.0), 1: RankWaits(1, 0.5, 0.0, 1.0), 3: RankWaits(3, 0.1, 0.0, 2.0)}
+    assert waits_between(before, after) == (RankWaits(0, 0.5, 2.0, 4.0), RankWaits(1, 0.5, 0.0, 1.0),
+                                            RankWaits(3, 0.1, 0.0, 2.0))
+
+
+def test_sparkbus_status_says_why_each_stream_waits():
+    from sparkbus.broker.status import render_stats, totals, with_verdicts
+
+    def figures(step0: float, step1: float) -> dict:
+        rank = {"size": 2, "window": 4, "window_bytes": 2**20, "inflight": 0, "batches": 10, "bytes": 2**20,
+                "acked": 10, "idle_s": 0.1, "wait_s": 1.5, "peer_wait_s": 0.0, "first_batch_s": 1.0}
+        return {"broker": {"version": "0.3.0", "pid": 1, "uptime_s": 9.0, "buffered_bytes": 0, "max_buffer": 2**30,
+                           "feed_paused": False, "rejected": {}},
+                "streams": {"train": {"ranks": [{**rank, "rank": 0, "step_s": step0},
+                                                {**rank, "rank": 1, "step_s": step1}],
+                                      "expected_ranks": 2, "epochs": {}}}}
+
+    one = figures(10.0, 20.0)
+    text = render_stats(one)
+    assert "acked 10, idle 0.1 s, compute-bound" in text
+    assert ("  why training waits: compute-bound: ranks waited 3% of their step time for data; slowest rank: 1"
+            in text.splitlines())
+    assert with_verdicts(one)["verdicts"]["train"]["kind"] == "compute-bound"
+    assert with_verdicts(one)["verdicts"]["train"]["slowest_rank"] == 1
+    # two brokers hold the same ranks' figures (the latest kept): input-bound once the ranks' steps are short
+    both = totals({"a": figures(1.0, 2.0), "b": figures(1.0, 1.0)})
+    assert both["streams"]["train"]["verdict"]["kind"] == "input-bound"     # 0.5 s of data wait each over 1 + 2 s
+    assert both["streams"]["train"]["verdict"]["data_wait_share"] == pytest.approx(1.0 / 3.0, abs=1e-4)

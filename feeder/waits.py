@@ -1,0 +1,112 @@
+"""The ranks' side of a feed's verdict (``FeedReport.verdict``): every rank's figures, read from the brokers while
+the feed runs, so that the report says how long the ranks waited for data while this epoch was fed beside how long
+Spark was held back by them (:mod:`sparkbus.wire.verdict`).
+
+Read every second by a thread of its own (:class:`WaitsWatch`), not only at the end: a rank that has read the
+whole epoch leaves before the feed's last reply, and the broker forgets its figures then."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from types import TracebackType
+
+from sparkbus.broker.client import ControlClient
+from sparkbus.wire.errors import BrokerError
+from sparkbus.wire.protocol import Kind
+from sparkbus.wire.verdict import RankWaits, rank_waits
+
+log = logging.getLogger(__name__)
+
+READ_TIMEOUT = 5.0     # seconds for one broker's figures: a verdict is not worth holding the feed up
+READ_EVERY = 1.0       # seconds between two readings while the feed runs
+
+
+def read_waits(clients: Sequence[ControlClient], stream: str) -> dict[int, RankWaits]:
+    """Each rank's seconds so far on ``stream``, as the brokers have them (each rank reports the same to every
+    broker: the one with the most step time is kept). A broker that does not answer is skipped."""
+    latest: dict[int, RankWaits] = {}
+    for client in clients:
+        try:
+            figures = client.request(Kind.STATS_REQUEST, timeout=min(client.timeout, READ_TIMEOUT))["stats"]
+            waits = rank_waits(figures["streams"].get(stream, {}))
+        except (BrokerError, KeyError, TypeError, ValueError) as exc:
+            log.debug("stream %r: no ranks' figures from %s for the verdict: %s", stream, client.address, exc)
+            continue
+        for w in waits:
+            if w.rank not in latest or w.step > latest[w.rank].step:
+                latest[w.rank] = w
+    return latest
+
+
+def waits_between(before: dict[int, RankWaits], after: dict[int, RankWaits]) -> tuple[RankWaits, ...]:
+    """Each rank's seconds from ``before`` to ``after``; a rank that started again since (its figures went back)
+    or joined in between counts from its start."""
+    spans = []
+    for rank in sorted(after):
+        now, then = after[rank], before.get(rank)
+        if then is None or now.step < then.step or now.data_wait < then.data_wait or now.peer_wait < then.peer_wait:
+            spans.append(now)
+        else:
+            spans.append(RankWaits(rank, now.data_wait - then.data_wait, now.peer_wait - then.peer_wait,
+                                   now.step - then.step))
+    return tuple(spans)
+
+
+class WaitsWatch:
+    """Every rank's figures on ``stream`` from ``controls`` (the brokers' control addresses), read when entered,
+    every :data:`READ_EVERY` seconds by a thread with sockets of its own, and once more when left; :meth:`spans`
+    is each rank's seconds in between. Best effort: a broker that does not answer costs the verdict a reading,
+    never the feed."""
+
+    def __init__(self, controls: Sequence[str], stream: str, timeout: float, key: str | None = None,
+                 broker_key: str | None = None, every: float = READ_EVERY):
+        self._controls, self._stream, self._every = list(controls), stream, every
+        self._client_args = dict(timeout=min(timeout, READ_TIMEOUT), key=key, broker_key=broker_key)
+        self._before: dict[int, RankWaits] | None = None
+        self._latest: dict[int, RankWaits] = {}
+        self._first = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"sparkbus-waits-{stream}", daemon=True)
+
+    def __enter__(self) -> WaitsWatch:
+        self._thread.start()
+        self._first.wait(READ_TIMEOUT * max(len(self._controls), 1) + 1.0)    # the "before" reading first
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Take the last reading and end the thread (again: nothing)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(READ_TIMEOUT * max(len(self._controls), 1) + 1.0)
+
+    def spans(self) -> tuple[RankWaits, ...]:
+        """Each rank's seconds between the first reading and the last."""
+        return waits_between(self._before or {}, dict(self._latest))
+
+    def _run(self) -> None:
+        clients: list[ControlClient] = []
+        try:
+            clients = [ControlClient(c, **self._client_args) for c in self._controls]  # type: ignore[arg-type]
+            self._before = read_waits(clients, self._stream)
+            self._latest = dict(self._before)
+            self._first.set()
+            while True:
+                stop = self._stop.wait(self._every)
+                for rank, now in read_waits(clients, self._stream).items():
+                    then = self._latest.get(rank)
+                    if then is None or now.step >= then.step:
+                        self._latest[rank] = now
+                if stop:
+                    return
+        except Exception as exc:            # noqa: BLE001 - the verdict is best effort; the feed goes on
+            log.debug("stream %r: the ranks' figures could not be read: %s", self._stream, exc)
+        finally:
+            self._first.set()
+            for client in clients:
+                client.close()
