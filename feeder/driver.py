@@ -269,8 +269,8 @@ def _feed(data: Any, options: FeedOptions, run: EpochRun = NO_RUN) -> FeedReport
         gone = {loss.broker for loss in adopted if loss.gone}
         # ... an absent broker (but one already found gone), ...
         brokers = greet_brokers(clients, list(options.feeds), options.control_derived, stream, gone)
-        waits = stack.enter_context(WaitsWatch(options.controls, stream, options.timeout, options.key,
-                                               options.broker_key))
+        waits = stack.enter_context(WaitsWatch([c for i, c in enumerate(options.controls) if i not in gone],
+                                               stream, options.timeout, options.key, options.broker_key))
         if opens:        # ... an epoch already delivered, a stream name refused
             for i, client in enumerate(clients):
                 if i not in gone:

@@ -19,7 +19,7 @@ from sparkbus.wire.verdict import RankWaits, rank_waits
 
 log = logging.getLogger(__name__)
 
-READ_TIMEOUT = 5.0     # seconds for one broker's figures: a verdict is not worth holding the feed up
+READ_TIMEOUT = 2.0     # seconds for one broker's figures: a verdict is not worth holding the feed up
 READ_EVERY = 1.0       # seconds between two readings while the feed runs
 
 
@@ -72,7 +72,7 @@ class WaitsWatch:
 
     def __enter__(self) -> WaitsWatch:
         self._thread.start()
-        self._first.wait(READ_TIMEOUT * max(len(self._controls), 1) + 1.0)    # the "before" reading first
+        self._first.wait(READ_TIMEOUT)      # the "before" reading, most often, before the job's first batch
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
