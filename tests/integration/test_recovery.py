@@ -236,8 +236,9 @@ def test_a_stream_whose_only_broker_stays_away_fails_the_feed_saying_what_to_do(
 # ---- §3: exact resume from a mid-epoch checkpoint --------------------------------------------------------------
 
 @pytest.mark.parametrize("old, new, restart, brokers", [(2, 3, False, 1), (2, 3, True, 1), (3, 2, False, 1),
-                                                        (3, 2, False, 2)],
-                         ids=["2-on-3-broker-kept-running", "2-on-3-everything-restarted", "3-on-2", "3-on-2-brokers"])
+                                                        (3, 2, True, 1), (3, 2, False, 2)],
+                         ids=["2-on-3-broker-kept-running", "2-on-3-everything-restarted", "3-on-2",
+                              "3-on-2-everything-restarted", "3-on-2-brokers"])
 def test_a_checkpoint_resumes_on_another_number_of_ranks_exactly(spark, start_broker_process, start_ranks, old,
                                                                   new, restart, brokers):
     """``old`` ranks checkpoint after 5 steps and die after 9; ``new`` ranks resume from all their states
