@@ -15,20 +15,20 @@ from .figures import Recorder, machine, verdicts, write_report
 DESCRIPTION = """\
 Measure how fast sparkbus moves data on this machine, each figure beside an anchor measured in the same run:
 
-  hop    one hop through the broker, batches of 1 KiB, 64 KiB and 1 MiB from a sender process to a receiver
-         process over loopback TCP: MB/s, and batches/s at 1 KiB, against zmq.proxy (ZeroMQ's C broker, the
-         most a hop can do)
-  e2e    end to end: a cached DataFrame (id + 64 float32 features) in Spark local mode, fed through a broker to
-         2 ranks: rows/s against Spark's own hand-off to Python (mapInArrow, nothing done: no sink is faster),
-         and the time to the first and the last batch against staging the DataFrame as Parquet
-  table  the same end to end for your own data (--parquet PATH: a Parquet file or directory read by Spark)
+  hop    one hop through the broker: batches of 2^10, 2^16 and 2^20 bytes from a sender process to a
+         receiver process over loopback TCP; MB/s (and batches/s for the smallest) against zmq.proxy,
+         the C broker of libzmq, the most a hop can do
+  e2e    end to end: a cached Spark dataframe (id + 64 float32 features) in local mode, fed through a
+         broker to 2 ranks; rows/s against Spark's own hand-off to Python (mapInArrow, nothing done: no
+         sink is faster), and the time to the first and the last batch against staging it as Parquet
+  table  the same end to end for your own data (--parquet PATH: a Parquet file or directory)
 
-Each figure is the median of --reps repetitions and is written, as it is measured, as one JSON line to
+Each figure is the median of --reps repetitions, written as it is measured as one JSON line to
 OUT/figures.jsonl (section, name, value, unit, the anchor and the ratio to it); then OUT/RESULTS.md and
-OUT/results.json list the figures and each target (ratio to reach) with PASS or MISS. Exit status: 0 when
-every figure was measured, whatever the verdicts; 1 when a section failed; 2 on a usage error.
-e2e and table need pyspark and Java (pip install 'sparkbus[spark]'). The comparisons with other ways of feeding
-(several brokers, Spark set-ups, fault tables, ...) are in a source checkout's benchmarks/ (make bench)."""
+OUT/results.json list the figures and each target (the ratio to reach) with PASS or MISS. Exit status: 0
+when every figure was measured, whatever the verdicts; 1 when a section failed; 2 on a usage error.
+e2e and table need pyspark and Java (pip install 'sparkbus[spark]'). Comparisons with other ways of
+feeding (several brokers, Spark set-ups, fault tables, ...) are in a source checkout's benchmarks/."""
 
 TITLES = {"hop": "The hop: sparkbus's broker vs zmq.proxy",
           "e2e": "End to end from Spark: sparkbus vs Spark's hand-off and Parquet staging",
