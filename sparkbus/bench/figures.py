@@ -128,20 +128,27 @@ def markdown(figures: Sequence[Figure], titles: dict[str, str], about: dict[str,
     lines = ["# sparkbus benchmark", "", f"Measured {about.get('date', '')} on {about.get('nproc')} cores "
              f"(load {', '.join(f'{x:.1f}' for x in about.get('load', ()))}), Python {about.get('python')}, "
              + ", ".join(f"{k} {v}" for k, v in about.get("versions", {}).items()) + ".", ""]
-    judged = verdicts(figures)
-    if judged:
-        lines += ["## Targets", "", "| target | goal | measured | verdict |", "|---|---|---|---|"]
-        lines += [f"| {v['what']} | {v['goal']} | {cell(v['measured'])} | **{v['verdict']}** |" for v in judged]
-        lines.append("")
+    lines += target_lines(figures)
     for section in dict.fromkeys(f.section for f in figures):
-        lines += [f"## {titles.get(section, section)}", "",
-                  "| figure | value | unit | vs | ratio |", "|---|---|---|---|---|"]
-        lines += [f"| {f.name} | {cell(f.value)} | {f.unit} | {f.anchor or '-'} | {cell(f.ratio)} |"
-                  for f in figures if f.section == section]
-        lines.append("")
+        lines += [f"## {titles.get(section, section)}", "", *figure_lines([f for f in figures if f.section == section])]
     if notes:
         lines += ["## Notes", "", *[f"- {n}" for n in notes], ""]
     return "\n".join(lines)
+
+
+def target_lines(figures: Sequence[Figure]) -> list[str]:
+    """The targets judged in this run, as a Markdown table (nothing when none was)."""
+    judged = verdicts(figures)
+    if not judged:
+        return []
+    return ["## Targets", "", "| target | goal | measured | verdict |", "|---|---|---|---|",
+            *(f"| {v['what']} | {v['goal']} | {cell(v['measured'])} | **{v['verdict']}** |" for v in judged), ""]
+
+
+def figure_lines(figures: Sequence[Figure]) -> list[str]:
+    """Figures as a Markdown table: each beside the anchor it is a ratio against."""
+    return ["| figure | value | unit | vs | ratio |", "|---|---|---|---|---|",
+            *(f"| {f.name} | {cell(f.value)} | {f.unit} | {f.anchor or '-'} | {cell(f.ratio)} |" for f in figures), ""]
 
 
 def write_report(out: Path, figures: Sequence[Figure], titles: dict[str, str], about: dict[str, Any],

@@ -21,6 +21,7 @@ from sparkbus.bench.targets import TARGETS
 pytestmark = pytest.mark.timeout(400)
 ROOT = Path(__file__).resolve().parents[2]
 SPARKBUS = Path(sys.executable).parent / "sparkbus"
+BENCH = [sys.executable, str(ROOT / "benchmarks" / "bench.py")]
 SIZES = ("1 KiB", "64 KiB", "1 MiB")
 HOP = {f"{way} {size}" for way in ("zmq.proxy", "sparkbus") for size in SIZES} | {
     "zmq.proxy 1 KiB batches/s", "sparkbus 1 KiB batches/s"}
@@ -28,21 +29,22 @@ E2E = {"Arrow hand-off rows/s", "sparkbus rows/s", "sparkbus seconds to last bat
        "Parquet staging rows/s", "Parquet staging seconds to last batch", "Parquet staging first batch"}
 
 
-def valid_figures(path: Path) -> dict[str, dict[str, object]]:
-    """The run's figures by section and name, each checked: finite and positive, its anchor a figure of the same
-    section of this run, its ratio that figure's value divided into its own."""
+def valid_figures(path: Path, zero_allowed: tuple[str, ...] = ()) -> dict[str, dict[str, object]]:
+    """The run's figures by section and name, each checked: finite and positive (or zero, in the units
+    ``zero_allowed``: a share of waiting, rows lost), its anchor a figure of the same section of this run, its
+    ratio that figure's value divided into its own."""
     figures = load(path.read_text().splitlines())
     by_section: dict[str, dict[str, object]] = {}
     for f in figures:
         assert f.name not in by_section.setdefault(f.section, {}), f"{f.section}: {f.name} twice"
         by_section[f.section][f.name] = f
     for f in figures:
-        assert math.isfinite(f.value) and f.value > 0 and f.unit, f
+        assert math.isfinite(f.value) and (f.value > 0 or f.value == 0 and f.unit in zero_allowed) and f.unit, f
         assert f.reps and all(math.isfinite(r) for r in f.reps), f
         if f.anchor is not None:
             anchor = by_section[f.section].get(f.anchor)
             assert anchor is not None, f"{f.section}: {f.name}'s anchor {f.anchor} was not measured in this run"
-            assert f.ratio == pytest.approx(f.value / anchor.value), f
+            assert f.ratio == (pytest.approx(f.value / anchor.value) if anchor.value else None), f
     return by_section
 
 
@@ -85,12 +87,50 @@ def test_a_quick_sparkbus_bench_produces_every_figure_against_its_anchor(tmp_pat
     assert len(report["figures"]) == sum(map(len, figures.values()))
 
 
+
+def test_the_quick_peer_comparisons_produce_every_figure_against_its_anchor(tmp_path):
+    """benchmarks/bench.py --quick: every section of its default, of the Spark set-ups only local[2] (the
+    standalone ones start a cluster and a driver per set-up, minutes on 2 cores: the test below)."""
+    result = subprocess.run([*BENCH, "--quick", "--spark-configs", "local", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=380)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    figures = valid_figures(tmp_path / "figures.jsonl", zero_allowed=("%",))
+    assert set(figures) == {"hop", "rss", "e2e", "cluster", "scaling", "wait", "brokers", "varlen", "spark"}
+    # the hop: every size three ways, and the CURVE rows against the plain hop of their size
+    for size in ("1 KiB", "16 KiB", "64 KiB", "256 KiB", "1 MiB", "4 MiB"):
+        assert figures["hop"][f"sparkbus {size}"].anchor == f"zmq.proxy {size}"
+        assert figures["hop"][f"zmq.proxy {size}"].anchor == f"direct {size}"
+    for size in ("64 KiB", "1 MiB"):
+        assert figures["hop"][f"sparkbus, CURVE {size}"].anchor == f"sparkbus {size}"
+    assert set(figures["e2e"]) == E2E | {"Arrow hand-off MB/s", "sparkbus MB/s"}
+    assert {name for name in figures["scaling"]} == {"1 rank, 4 tasks", "2 ranks, 4 tasks", "4 ranks, 4 tasks",
+                                                     "2 ranks, 1 tasks", "2 ranks, 2 tasks",
+                                                     "4 ranks, 4 tasks, steps over MPI"}
+    assert set(figures["brokers"]) == {"1 broker", "2 brokers", "4 brokers"}
+    assert set(figures["spark"]) == {f"{way}, local, {n} partitions" for way in ("Spark alone", "to the ranks")
+                                     for n in (4, 16)}
+    assert {"binary", "varints", "padding share, bucket_by"} <= set(figures["varlen"])
+    assert {f"sparkbus {kind}, {size} batches" for kind in ("fixed", "tokens") for size in ("1 MiB", "64 KiB")} \
+        <= set(figures["cluster"])
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert {(t["section"], t["name"]) for t in report["targets"]} == {
+        (t.section, t.name) for t in TARGETS if t.section not in ("images",)}
+    # the cluster-shaped runs (2b): Spark's Python workers on one CPU, the ranks on the other, this tree's sparkbus
+    cluster = report["cluster"]
+    assert cluster["where"]["affinity"] == cluster["cpus"]["spark"] != cluster["cpus"]["bus"]
+    assert Path(cluster["where"]["feeder"]).resolve() == (ROOT / "feeder").resolve()
+    # variable-length columns (7): every byte seen
+    for pair in report["varlen"]["pairs"].values():
+        assert all(run["touched_bytes"] >= run["payload_bytes"] for run in pair["compared"] if not run["dropped_rows"])
+    assert (tmp_path / "throughput.png").stat().st_size > 10_000
+
+
 @pytest.mark.skipif(not os.environ.get("SPARKBUS_TEST_STANDALONE_BENCH"),
                     reason="a standalone cluster and a driver: about a minute on an idle 2-core machine; "
                            "set SPARKBUS_TEST_STANDALONE_BENCH=1")
 @pytest.mark.timeout(420)
 def test_the_standalone_spark_setups_run(tmp_path):
-    result = subprocess.run([str(SPARKBUS), "bench", "--quick", "--only", "spark", "--spark-configs", "2x1",
+    result = subprocess.run([*BENCH, "--quick", "--only", "spark", "--spark-configs", "2x1",
                              "--spark-partitions", "4", "--out", str(tmp_path)],
                             capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
