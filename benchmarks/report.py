@@ -127,7 +127,8 @@ def markdown(run: Run, sections: Sequence[Section]) -> str:
         ["load average (1, 5, 15 min)", f"start {_load(m['load_start'])}; end {_load(m.get('load_end'))}"]],
         notes=["a load average above the core count means other work ran alongside: figures low and noisy"])
     parts = [f"# sparkbus benchmark ({run.sizes.name} size)", "",
-             f"Measured {m['date']} by `benchmarks/bench.py{' --quick' if run.quick else ''}` in {run.seconds:.0f} s; each "
+             f"Measured {m['date']} by `benchmarks/bench.py{' --quick' if run.quick else ''}` in {run.seconds:.0f} s; "
+             "each "
              f"figure the median of {run.sizes.reps} repetition(s), beside the anchor it is a ratio of, measured in "
              "the same run. What each figure means: benchmarks/README.md."]
     parts += markdown_table(machine) + ["", *figures.target_lines(run.figures)]
