@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     record = Recorder(out / "figures.jsonl")
     about = machine()
-    failed = False
+    failed = missing = False
     spark = None
     with tempfile.TemporaryDirectory(prefix="sparkbus-bench-") as tmp:
         work = Path(tmp)
@@ -86,9 +86,10 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     df = spark.read.parquet(str(Path(args.parquet).resolve()))
                     record.add(*e2e.measure("table", df, work, reps, args.timeout, parquet=not args.no_staging))
-            except ImportError as exc:
-                print(f"sparkbus bench: error: {exc}", file=sys.stderr)
-                return 2
+            except ImportError as exc:          # an extra not installed (pyspark): said, the other sections run
+                missing = True
+                record.notes.append(f"{section} not run: {exc}")
+                print(f"sparkbus bench: error: {section}: {exc}", file=sys.stderr)
             except Exception as exc:  # noqa: BLE001 - a failed section is reported; the others still run
                 failed = True
                 record.notes.append(f"{section} failed: {exc}")
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     for v in verdicts(record.figures):
         print(f"{v['verdict']}  {v['what']}: {v['measured']:.3g} (goal {v['goal']})")
     print(f"figures: {out / 'figures.jsonl'}; report: {out / 'RESULTS.md'}")
-    return 1 if failed else 0
+    return 2 if missing else 1 if failed else 0
 
 
 if __name__ == "__main__":
