@@ -1,7 +1,8 @@
 """sparkbus benchmark: every figure of benchmarks/README.md, each a section (``sections.Section``).
 
-Runs the chosen sections in order, printing each figure as it is measured, then the report (the targets with
-PASS/MISS and every section's tables), also written as ``OUT/RESULTS.md``, ``OUT/results.json`` and
+Runs the chosen sections in order, writing each section's figures as JSON lines to ``OUT/figures.jsonl`` (records
+of ``sparkbus.bench.figures``) as it ends, then the report (the targets of ``sparkbus/bench/targets.py`` with
+PASS/MISS, every section's figures and tables), also written as ``OUT/RESULTS.md``, ``OUT/results.json`` and
 ``OUT/throughput.png``. Exit status 0 when every figure was measured, whatever the verdicts; 1 when a part failed;
 130 on Ctrl-C. Every child process is stopped on the way out.
 """
@@ -86,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from benchmarks import common, report, spark_configs
     from benchmarks.sections import Context, Dataset, Run
+    from sparkbus.bench.figures import Recorder
     from sparkbus.broker.config import parse_size
 
     sizes = common.QUICK if args.quick else common.FULL
@@ -115,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{time.monotonic() - started:5.1f} s] {text}", flush=True)
 
     ctx = Context(children, sizes, work, log, args, results=run.results, notes=run.notes)
+    record = Recorder(args.out / "figures.jsonl")
+    run.figures = record.figures
     log(f"sparkbus benchmark, {sizes.name} size, {sizes.reps} repetition(s); work dir {work}")
     chosen = [s for s in sections if s.name in args.sections]
     needs = {s.name: s.needs(args) for s in chosen}
@@ -138,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                         run.notes.append("part of the cached DataFrame spilled to disk: raise the driver memory")
             log(section.title)
             run.results[section.name] = section.measure(ctx)
+            record.add(*section.figures(run, run.results[section.name]))
     except KeyboardInterrupt as exc:
         failed = f"interrupted ({exc or 'Ctrl-C'})"
     except Exception as exc:
@@ -159,7 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     run.machine["load_end"] = os.getloadavg()
     if failed:
         run.notes.append(f"the run did not complete: {failed.splitlines()[0]}")
-    run.targets = report.targets(run, sections)
+    for section in chosen:                 # a section that failed part-way: what it measured
+        if section.name in run.results and not any(f.section == section.name for f in run.figures):
+            try:
+                record.add(*section.figures(run, run.results[section.name]))
+            except Exception as exc:  # noqa: BLE001 - its tables still say what was measured
+                run.notes.append(f"{section.name}: no figures ({type(exc).__name__}: {exc})")
     md, png = report.write(run, sections, args.out)
     print()
     print(report.markdown(run, sections))

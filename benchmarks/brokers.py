@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sparkbus.bench.figures import Figure
+
 from . import end_to_end, spark_data
 from .common import Children, Sizes
 from .end_to_end import Series
@@ -67,6 +69,13 @@ class BrokersSection(Section[Brokers]):
     def measure(self, ctx: Context) -> Brokers:
         assert ctx.dataset is not None
         return run(ctx.children, ctx.df, ctx.dataset.rows, ctx.sizes, ctx.work, ctx.log)
+
+    def figures(self, run: Run, result: Brokers) -> list[Figure]:
+        """Rows/s delivered to the ranks over n brokers, against 1 broker."""
+        one = result.series.get(1)
+        anchor = one.figure("brokers", "1 broker", "rows_per_s", "rows/s") if one and one.runs else None
+        return ([anchor] if anchor else []) + [s.figure("brokers", f"{n} brokers", "rows_per_s", "rows/s", anchor)
+                                               for n, s in sorted(result.series.items()) if s is not one and s.runs]
 
     def tables(self, run: Run, result: Brokers) -> list[Table]:
         one = result.series[1].med("rows_per_s") if 1 in result.series else float("nan")

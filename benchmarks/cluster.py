@@ -12,11 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sparkbus.bench.figures import Figure, figure
+
 from . import end_to_end, spark_data
 from .common import ROOT, BenchError, Children, KiB, MiB, Sizes, median, on_cpus
 from .end_to_end import RANKS, CpuMeter, Series
 from .hop import size_label
-from .sections import Context, Run, Section, Table, Target, at_least, at_most
+from .sections import Context, Run, Section, Table
 from .spark_configs import Config, DriverProcess
 
 BATCH_BYTES = (MiB, 64 * KiB)
@@ -184,9 +186,6 @@ def spark_cpu_ratio(point: ClusterPoint) -> float:
 
 # ---- the section ------------------------------------------------------------------------------------------
 
-CLUSTER_RATIOS = ((MiB, 0.95), (64 * KiB, 0.9))     # batch size -> x the Arrow hand-off on the same core
-FEEDER_CPU_PER_GB = 0.45                            # CPU-s per GB above the hand-off, at 1 MiB batches
-KIND_LABELS = {"fixed": "fixed-width", "tokens": "variable-length (int arrays, mean 64)"}
 
 
 class ClusterSection(Section[Cluster]):
@@ -201,28 +200,18 @@ class ClusterSection(Section[Cluster]):
                                                {"spark": list(spark_cpus), "bus": list(bus_cpus)})
         return run(ctx.children, ctx.sizes, ctx.work, log=ctx.log, out=out)
 
-    def targets(self, run: Run, result: Cluster) -> list[Target]:
-        """The ratio to the hand-off per kind and batch size, and the feeder's CPU above the hand-off's."""
-        ratios, cpu = [], []
-        for kind in KINDS:
-            for size, goal in CLUSTER_RATIOS:
-                point = result.points.get((kind, size))
-                measured = point is not None and bool(point.sparkbus.runs and point.limit.runs)
-                what = f"{KIND_LABELS[kind]}, {size_label(size)} batches"
-                if point is None or not measured:
-                    ratios.append(Target(f"cluster-shaped end to end, {what}", f">= {goal} x the Arrow hand-off on "
-                                         "the same core", not_measured(result, kind), None))
-                    continue
-                r = ratio(point)
-                ratios.append(Target(f"cluster-shaped end to end, {what}", f">= {goal} x the Arrow hand-off on the "
-                                     f"same core", f"{r:.2f} x ({point.sparkbus.med('rows_per_s'):,.0f} vs "
-                                     f"{point.limit.med('rows_per_s'):,.0f} rows/s)", at_least(r, goal)))
+    def figures(self, run: Run, result: Cluster) -> list[Figure]:
+        """Per kind and batch size: rows/s against the Arrow hand-off on the same core, and the feeder's CPU-s per
+        GB in Spark's Python workers above the hand-off's."""
+        out = []
+        for (kind, size), point in result.points.items():
+            if point.limit.runs and point.sparkbus.runs:
+                what = f"{kind}, {size_label(size)} batches"
+                limit = point.limit.figure("cluster", f"hand-off {what}", "rows_per_s", "rows/s")
                 per_gb = feeder_cpu_per_gb(point, result.kinds[kind]["payload_bytes"])
-                goal_text = f"<= {FEEDER_CPU_PER_GB}" if size == MiB else "printed (no target)"
-                cpu.append(Target(f"feeder CPU-s per GB above the Arrow hand-off (Spark's Python workers), {what}, "
-                                  "cluster-shaped", goal_text, f"{per_gb:.2f} CPU-s/GB",
-                                  at_most(per_gb, FEEDER_CPU_PER_GB) if size == MiB else None))
-        return ratios + cpu
+                out += [limit, point.sparkbus.figure("cluster", f"sparkbus {what}", "rows_per_s", "rows/s", limit),
+                        figure("cluster", f"feeder CPU-s per GB above the hand-off, {what}", [per_gb], "CPU-s/GB")]
+        return out
 
     def tables(self, run: Run, result: Cluster) -> list[Table]:
         def cpu(series: Series, group: str) -> float:
@@ -252,10 +241,3 @@ class ClusterSection(Section[Cluster]):
                             "kinds": result.kinds, "refused": result.refused,
                             "points": [{"kind": k[0], "batch_bytes": k[1], "limit": p.limit.runs,
                                         "sparkbus": p.sparkbus.runs} for k, p in result.points.items()]}}
-
-
-def not_measured(result: Any, kind: str) -> str:
-    """``not run``, or why the feeder refused ``kind`` (a section's record with a ``refused`` dict)."""
-    if result is not None and kind in result.refused:
-        return f"not measured: the feeder refused it ({result.refused[kind].split('failed: ')[-1][:100]})"
-    return "not run"

@@ -11,12 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sparkbus.bench.figures import Figure
 from sparkbus.launch.processes import wait_for
 
 from . import spark_data
 from .common import BenchError, Children, MiB, Sizes, median, run_ranks
 from .end_to_end import BATCH_SIZE, RANKS, Series
-from .sections import Context, Run, Section, Table, Target, at_most, per
+from .sections import Context, Run, Section, Table, per
 
 GO_BUFFERED = 16 * MiB
 MAX_BUFFER = "32MiB"
@@ -161,7 +162,6 @@ def _buffered(broker) -> int:
 
 # ---- the section ------------------------------------------------------------------------------------------
 
-WAIT_SHARE = 0.02                                # data-wait with even=True, share of the epoch
 
 
 class DataWaitSection(Section[DataWait]):
@@ -175,15 +175,14 @@ class DataWaitSection(Section[DataWait]):
         rate = e2e.sparkbus.med("rows_per_s") if e2e else None
         return run(ctx.children, ctx.spark, ctx.df, ctx.dataset.rows, ctx.sizes, ctx.work, rate, ctx.log)
 
-    def targets(self, run: Run, result: DataWait) -> list[Target]:
-        goal, targets = f"<= {WAIT_SHARE * 100:.0f} % of the epoch", []
-        for label, series in (("ranks' data-wait (even=True) while the feed outpaces compute", result.series),
-                              ("... the same with the steps agreed over MPI (beside the broker's grants)",
-                               result.agreed)):
-            if series is not None and series.runs:
-                share = series.med("wait_share")
-                targets.append(Target(label, goal, f"{share * 100:.2f} % (worst rank)", at_most(share, WAIT_SHARE)))
-        return targets
+    def figures(self, run: Run, result: DataWait) -> list[Figure]:
+        """The worst rank's data-wait, % of the epoch: steps granted by the broker (the figure), then even=False and
+        steps agreed over MPI against it."""
+        granted = result.series.figure("wait", "data-wait, steps granted", "wait_share", "%", scale=100)
+        return [granted, *(series.figure("wait", name, "wait_share", "%", granted, 100)
+                           for name, series in (("data-wait, even=False", result.diagnostic),
+                                                ("data-wait, steps agreed over MPI", result.agreed))
+                           if series is not None and series.runs)]
 
     def tables(self, run: Run, result: DataWait) -> list[Table]:
         anchor = result.series.med("wait_share")

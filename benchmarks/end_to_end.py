@@ -6,7 +6,6 @@ before any clock starts. Also the runs that figures 2b, 3, 5, 6 and 7 make (``ru
 from __future__ import annotations
 
 import itertools
-import math
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -14,11 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sparkbus.bench.figures import Figure, figure
 from sparkbus.launch.broker import BrokerProcess
 
 from . import spark_data
 from .common import BenchError, Children, Sizes, median, run_ranks
-from .sections import Context, Run, Section, Table, Target, at_least
+from .sections import Context, Run, Section, Table
 from .spark_data import ROW_BYTES
 
 RANKS = 2
@@ -82,6 +82,11 @@ class Series:
 
     def med(self, key: str) -> float:
         return median([r[key] for r in self.runs if r.get(key) is not None])
+
+    def figure(self, section: str, name: str, key: str, unit: str, anchor: Figure | None = None,
+               scale: float = 1.0) -> Figure:
+        """The figure of ``key`` over its repetitions (times ``scale``), against ``anchor``."""
+        return figure(section, name, [r[key] * scale for r in self.runs if r.get(key) is not None], unit, anchor)
 
 
 def run_sparkbus(children: Children, broker: BrokerProcess | Sequence[BrokerProcess], df: Any, rows: int,
@@ -221,8 +226,6 @@ def run(children: Children, df: Any, rows: int, sizes: Sizes, work: Path, log=pr
 
 # ---- the section ------------------------------------------------------------------------------------------
 
-E2E_RATIO = 0.9                                  # x the Arrow hand-off limit
-PARQUET_FASTER, PARQUET_FIRST = 2.5, 0.05        # x faster to the last batch; first batch at most x staging's
 
 
 class EndToEndSection(Section[EndToEnd]):
@@ -234,18 +237,17 @@ class EndToEndSection(Section[EndToEnd]):
         assert ctx.dataset is not None
         return run(ctx.children, ctx.df, ctx.dataset.rows, ctx.sizes, ctx.work, ctx.log)
 
-    def targets(self, run: Run, result: EndToEnd) -> list[Target]:
+    def figures(self, run: Run, result: EndToEnd) -> list[Figure]:
         s, p, lim = result.sparkbus, result.parquet, result.limit
-        ratio = s.med("rows_per_s") / lim.med("rows_per_s")
-        faster, first = p.med("last") / s.med("last"), s.med("first") / p.med("first")
-        return [Target("end to end from the cached DataFrame, rows/s", f">= {E2E_RATIO} x the Arrow hand-off limit",
-                       f"{ratio:.2f} x ({s.med('rows_per_s'):,.0f} vs {lim.med('rows_per_s'):,.0f} rows/s)",
-                       at_least(ratio, E2E_RATIO)),
-                Target("end to end vs Parquet staging", f">= {PARQUET_FASTER} x faster to the last batch; first "
-                       f"batch in <= {PARQUET_FIRST} x staging's time", f"{faster:.2f} x faster to the last; first "
-                       f"batch at {first:.3f} x ({s.med('first'):.2f} s vs {p.med('first'):.2f} s)",
-                       None if math.isnan(faster) or math.isnan(first)
-                       else (faster >= PARQUET_FASTER and first <= PARQUET_FIRST))]
+        limit = lim.figure("e2e", "Arrow hand-off rows/s", "rows_per_s", "rows/s")
+        last, p_first = s.figure("e2e", "sparkbus seconds to last batch", "last", "s"), \
+            p.figure("e2e", "Parquet staging first batch", "first", "s")
+        limit_mb = lim.figure("e2e", "Arrow hand-off MB/s", "rows_per_s", "MB/s", scale=ROW_BYTES / 1e6)
+        return [limit, s.figure("e2e", "sparkbus rows/s", "rows_per_s", "rows/s", limit),
+                limit_mb, s.figure("e2e", "sparkbus MB/s", "rows_per_s", "MB/s", limit_mb, ROW_BYTES / 1e6),
+                p.figure("e2e", "Parquet staging rows/s", "rows_per_s", "rows/s", limit), last,
+                p.figure("e2e", "Parquet staging seconds to last batch", "last", "s", last), p_first,
+                s.figure("e2e", "sparkbus first batch", "first", "s", p_first)]
 
     def tables(self, run: Run, result: EndToEnd) -> list[Table]:
         s, p, lim = result.sparkbus, result.parquet, result.limit

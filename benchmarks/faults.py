@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from sparkbus.bench.figures import Figure, figure
 from sparkbus.launch.broker import BrokerProcess
 from sparkbus.launch.processes import LaunchError, wait_for
 
@@ -467,6 +468,16 @@ class FaultsSection(Section[FaultTable]):
     def measure(self, ctx: Context) -> FaultTable:
         plan = plan_of(ctx.sizes.name.startswith("quick"), min(ctx.sizes.timeout * 2, 120.0))
         return run(ctx, plan, self.name)
+
+    def figures(self, run: Run, result: FaultTable) -> list[Figure]:
+        """Per kind of fault measured: rows lost and rows trained twice, against the rows fed."""
+        out = []
+        for row in result.rows():
+            if "skipped" not in row:
+                fed = figure("faults", f"{row['kind']}: rows fed", [row["rows_fed"]], "rows")
+                out += [fed, *(figure("faults", f"{row['kind']}: rows {what}", [row[key]], "rows", fed)
+                               for key, what in (("lost", "lost"), ("twice", "trained twice")))]
+        return out
 
     def tables(self, run: Run, result: FaultTable) -> list[Table]:
         p = result.plan

@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sparkbus.bench.figures import Figure, figure
 from sparkbus.broker.client import ControlClient
 from sparkbus.wire.protocol import Kind
 
 from . import agents
 from .common import Agent, BenchError, Children, KiB, MiB, Sizes, median, open_epoch
-from .sections import Context, Run, Section, Table, Target, at_least
+from .sections import Context, Run, Section, Table
 
 SIZES = (1 * KiB, 16 * KiB, 64 * KiB, 256 * KiB, 1 * MiB, 4 * MiB)
 MODES = ("direct", "zmq.proxy", "sparkbus")
@@ -235,10 +236,6 @@ __all__ = ["run", "HopResult", "SIZES", "MODES", "CURVE_SIZES", "CURVE_MODE", "c
 
 # ---- the section ------------------------------------------------------------------------------------------
 
-HOP_RATIOS = ((64 * KiB, 0.8), (MiB, 0.95))      # batch size -> sparkbus / zmq.proxy at least
-HOP_SMALL_RATE = 100_000                         # batches/s at 1 KiB, delivered to the training loop
-
-
 class HopSection(Section[list[HopResult]]):
     """Figure 1: the broker hop, its diagnostics, the CPU of each process, and what CURVE costs."""
 
@@ -247,18 +244,30 @@ class HopSection(Section[list[HopResult]]):
     def measure(self, ctx: Context) -> list[HopResult]:
         return run(ctx.children, ctx.sizes, ctx.log)
 
-    def targets(self, run: Run, result: list[HopResult]) -> list[Target]:
+    def figures(self, run: Run, result: list[HopResult]) -> list[Figure]:
+        """MB/s per way and size (direct, then zmq.proxy against direct, sparkbus against zmq.proxy), batches/s at
+        1 KiB, and each diagnostic or CURVE row against the plain sparkbus hop of its size."""
         hop = {(h.mode, h.size): h for h in result}
-        out = []
-        for size, goal in HOP_RATIOS:
-            s, p = hop["sparkbus", size].mb_per_s, hop["zmq.proxy", size].mb_per_s
-            out.append(Target(f"sparkbus broker throughput at {size_label(size)} batches", f">= {goal} x zmq.proxy",
-                              f"{s / p:.2f} x ({s:,.0f} vs {p:,.0f} MB/s)", at_least(s / p, goal)))
-        rate, proxy = hop["sparkbus", KiB].batches_per_s, hop["zmq.proxy", KiB].batches_per_s
-        return out + [Target("sparkbus broker at 1 KiB batches, delivered to the training loop",
-                             f">= {HOP_SMALL_RATE:,} batches/s",
-                             f"{rate:,.0f} batches/s ({rate / proxy:.2f} x zmq.proxy's)",
-                             at_least(rate, HOP_SMALL_RATE))]
+        out: list[Figure] = []
+
+        def add(h: HopResult, name: str, anchor: Figure | None, batches: bool = False) -> Figure:
+            reps = [r["batches"] / r["seconds"] * (1 if batches else h.size / 1e6) for r in h.runs]
+            out.append(figure("hop", name, reps, "batches/s" if batches else "MB/s", anchor))
+            return out[-1]
+
+        for size in SIZES:
+            if all((m, size) in hop for m in MODES):
+                for batches in (False, True) if size == KiB else (False,):
+                    unit = " batches/s" if batches else ""
+                    direct = add(hop["direct", size], f"direct {size_label(size)}{unit}", None, batches)
+                    proxy = add(hop["zmq.proxy", size], f"zmq.proxy {size_label(size)}{unit}", direct, batches)
+                    add(hop["sparkbus", size], f"sparkbus {size_label(size)}{unit}", proxy, batches)
+        plain = {f.name: f for f in out}
+        for h in result:
+            anchor = plain.get(f"sparkbus {size_label(h.size)}")
+            if h.mode not in MODES and h.runs and anchor is not None:
+                add(h, f"{h.mode} {size_label(h.size)}", anchor)
+        return out
 
     def tables(self, run: Run, result: list[HopResult]) -> list[Table]:
         from sparkbus.broker.daemon import IO_THREADS

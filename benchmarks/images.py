@@ -14,17 +14,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from sparkbus.bench.figures import Figure, figure
 from sparkbus.launch.broker import BrokerProcess
 
 from .common import BenchError, Children, EarlyExit, median, run_ranks
 from .end_to_end import CpuMeter
-from .sections import Context, Run, Section, Table, Target, at_least, at_most
+from .sections import Context, Run, Section, Table
 from .spark_data import storage_of
 
 IMAGES, QUICK_IMAGES = 50_000, 5_000
 REPS, QUICK_REPS = 5, 1
 SIZE, PARTITIONS, BATCH_SIZE, RANKS, DECODERS = 32, 4, 128, 2, 2
-FASTER, FIRST = 1.5, 0.05                      # the targets: images/s ratio at least, first-image ratio at most
 WAYS = ("sparkbus", "staging")
 SEED = 7
 
@@ -322,12 +322,15 @@ class ImagesSection(Section[dict]):
         return measure(ctx.spark, images, reps, work=ctx.work / "images", timeout=max(ctx.sizes.timeout, 120.0),
                        log=ctx.log)
 
-    def targets(self, run: Run, result: dict) -> list[Target]:
-        faster, first = result["ratios"]["faster"], result["ratios"]["first"]
-        return [Target(f"images/s into {result['ranks']} decoding ranks vs Parquet staging + DataLoader, to the last "
-                       "image", f">= {FASTER} x", f"{faster:.3f} x", at_least(faster, FASTER)),
-                Target("first decoded image vs Parquet staging + DataLoader, from the start of the Spark job",
-                       f"<= {FIRST} x", f"{first:.3f} x", at_most(first, FIRST))]
+    def figures(self, run: Run, result: dict) -> list[Figure]:
+        """Images/s to the last image and the first decoded image, sparkbus against staging + DataLoader."""
+        runs = result["runs"]
+        rate = figure("images", "staging + DataLoader images/s", [r["images_per_s"] for r in runs["staging"]],
+                      "images/s")
+        first = figure("images", "staging + DataLoader first image", [r["first"] for r in runs["staging"]], "s")
+        return [rate, figure("images", "sparkbus images/s", [r["images_per_s"] for r in runs["sparkbus"]],
+                             "images/s", rate),
+                first, figure("images", "sparkbus first image", [r["first"] for r in runs["sparkbus"]], "s", first)]
 
     def tables(self, run: Run, result: dict) -> list[Table]:
         s, p, frame = result["medians"]["sparkbus"], result["medians"]["staging"], result["frame"]

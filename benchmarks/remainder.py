@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import zmq
 
+from sparkbus.bench.figures import Figure, figure
 from sparkbus.broker.client import ControlClient
 from sparkbus.feeder.task import stream_partition
 from sparkbus.launch.broker import BrokerProcess
@@ -130,6 +131,16 @@ class RemainderSection(Section[dict]):
             return measure(broker, ranks, ctx.sizes.reps)
         finally:
             broker.stop()
+
+    def figures(self, run: Run, result: dict) -> list[Figure]:
+        """Per number of ranks: the time from a rank's last full step to its epoch's end, split against drop."""
+        out = []
+        for n, runs in result.items():
+            drop = figure("remainder", f"{n} ranks, drop", [statistics.median(r.end_seconds) * 1e3
+                                                             for r in runs["drop"]], "ms")
+            out += [drop, figure("remainder", f"{n} ranks, split", [statistics.median(r.end_seconds) * 1e3
+                                                                    for r in runs["split"]], "ms", drop)]
+        return out
 
     def tables(self, run: Run, result: dict) -> list[Table]:
         rows = []

@@ -1,8 +1,10 @@
-"""The report, the same for every section: the machine, the targets and each section's tables, as Markdown
+"""The report, the same for every section: the machine, the targets judged on the run's figures (records of
+``sparkbus.bench.figures``, also written as ``figures.jsonl``), each section's figures and tables, as Markdown
 (``RESULTS.md``, also printed), JSON (``results.json``: every repetition) and one plot (``throughput.png``)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -14,8 +16,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from sparkbus.bench import figures
+
 from .common import ROOT, MiB
-from .sections import Run, Section, Table, Target
+from .sections import Run, Section, Table
 
 # ---- the machine --------------------------------------------------------------------------------------------
 
@@ -108,11 +112,6 @@ def _ran(run: Run, sections: Sequence[Section]) -> list[Section]:
 
 # ---- the run ------------------------------------------------------------------------------------------------
 
-def targets(run: Run, sections: Sequence[Section]) -> list[Target]:
-    """Every target of the sections that ran, in the report's order."""
-    return [t for s in _ran(run, sections) for t in s.targets(run, run.results[s.name])]
-
-
 def tables(run: Run, sections: Sequence[Section]) -> list[tuple[Section, list[Table]]]:
     return [(s, s.tables(run, run.results[s.name])) for s in _ran(run, sections)]
 
@@ -127,15 +126,15 @@ def markdown(run: Run, sections: Sequence[Section]) -> str:
                                                       if m["modified"] else "")],
         ["load average (1, 5, 15 min)", f"start {_load(m['load_start'])}; end {_load(m.get('load_end'))}"]],
         notes=["a load average above the core count means other work ran alongside: figures low and noisy"])
-    verdicts = Table("Targets", ["target", "goal", "measured", "verdict"],
-                     [[t.what, t.goal, t.measured, f"**{t.verdict}**"] for t in run.targets])
     parts = [f"# sparkbus benchmark ({run.sizes.name} size)", "",
-             f"Measured {m['date']} by `sparkbus bench{' --quick' if run.quick else ''}` in {run.seconds:.0f} s; each "
+             f"Measured {m['date']} by `benchmarks/bench.py{' --quick' if run.quick else ''}` in {run.seconds:.0f} s; "
+             "each "
              f"figure the median of {run.sizes.reps} repetition(s), beside the anchor it is a ratio of, measured in "
              "the same run. What each figure means: benchmarks/README.md."]
-    parts += markdown_table(machine) + markdown_table(verdicts)
+    parts += markdown_table(machine) + ["", *figures.target_lines(run.figures)]
     for section, section_tables in tables(run, sections):
-        parts += ["", f"## {section.title}"]
+        parts += ["", f"## {section.title}", "", *figures.figure_lines([f for f in run.figures
+                                                                        if f.section == section.name])]
         for table in section_tables:
             parts += markdown_table(table)
     if run.notes:
@@ -150,7 +149,8 @@ def _load(load: Any) -> str:
 def to_json(run: Run, sections: Sequence[Section]) -> dict[str, Any]:
     out: dict[str, Any] = {"sizes": run.sizes.__dict__, "machine": run.machine, "seconds": run.seconds,
                            "dataset": run.dataset.__dict__ if run.dataset else None,
-                           "targets": [t.__dict__ | {"verdict": t.verdict} for t in run.targets]}
+                           "figures": [dataclasses.asdict(f) for f in run.figures],
+                           "targets": figures.verdicts(run.figures)}
     for section in _ran(run, sections):
         out |= section.json(run, run.results[section.name])
     return out

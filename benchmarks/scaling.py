@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from sparkbus.bench.figures import Figure, figure
 from sparkbus.broker.client import ControlClient
 from sparkbus.wire.protocol import Kind
 
@@ -17,7 +18,7 @@ from . import agents, end_to_end
 from .common import BenchError, Children, MiB, Sizes, median, open_epoch, rss_sampler, vm_hwm
 from .end_to_end import Series
 from .report import gib
-from .sections import Context, Run, Section, Table, Target, at_least, at_most
+from .sections import Context, Run, Section, Table
 from .spark_data import ROW_BYTES
 
 RANKS = (1, 2, 4)
@@ -130,7 +131,6 @@ def _one_rss(broker, feeders, consumer, per_feeder: int, sizes: Sizes, timeout: 
 
 # ---- the sections -----------------------------------------------------------------------------------------
 
-RANKS_RATIO = 1.0                                # 4 ranks vs 1 rank on one broker, same data
 Scaling = dict[tuple[int, int, str], Series]     # (ranks, feeding tasks, steps) -> repetitions
 
 
@@ -145,16 +145,14 @@ class ScalingSection(Section[Scaling]):
         return run(ctx.children, ctx.df, ctx.dataset.rows, ctx.sizes, ctx.work, e2e.sparkbus if e2e else None,
                    ctx.log)
 
-    def targets(self, run: Run, result: Scaling) -> list[Target]:
-        one, targets = result.get((1, run.sizes.partitions, "broker")), []
-        for steps, what in (("broker", "4 ranks vs 1 rank on one broker, same data, rows/s"),
-                            ("mpi", "... 4 ranks with their steps agreed over MPI (beside the broker's grants)")):
-            four = result.get((4, run.sizes.partitions, steps))
-            if four is not None and one is not None and four.runs and one.runs:
-                ratio = four.med("rows_per_s") / one.med("rows_per_s")
-                targets.append(Target(what, f">= {RANKS_RATIO:.1f} x", f"{ratio:.2f} x ({four.med('rows_per_s'):,.0f} "
-                                      f"vs {one.med('rows_per_s'):,.0f} rows/s)", at_least(ratio, RANKS_RATIO)))
-        return targets
+    def figures(self, run: Run, result: Scaling) -> list[Figure]:
+        """Rows/s of every point against 1 rank fed by as many tasks."""
+        one = result.get((1, run.sizes.partitions, "broker"))
+        anchor = one.figure("scaling", f"1 rank, {run.sizes.partitions} tasks", "rows_per_s", "rows/s") \
+            if one and one.runs else None
+        return ([anchor] if anchor else []) + [
+            s.figure("scaling", f"{r} ranks, {k} tasks" + (", steps over MPI" if steps == "mpi" else ""), "rows_per_s",
+                     "rows/s", anchor) for (r, k, steps), s in sorted(result.items()) if s is not one and s.runs]
 
     def tables(self, run: Run, result: Scaling) -> list[Table]:
         one = result.get((1, run.sizes.partitions, "broker"))
@@ -182,11 +180,11 @@ class RssSection(Section[list[RssRun]]):
     def measure(self, ctx: Context) -> list[RssRun]:
         return run_rss(ctx.children, ctx.sizes, ctx.log)
 
-    def targets(self, run: Run, result: list[RssRun]) -> list[Target]:
-        peak, bound = median([x.peak_rss for x in result]), result[0].max_buffer + 100 * MiB
-        return [Target(f"broker peak RSS with {gib(median([x.bytes for x in result]))} through it",
-                       "<= --max-buffer + 100 MiB", f"{peak / MiB:,.0f} MiB (bound {bound / MiB:,.0f} MiB)",
-                       at_most(peak, bound))]
+    def figures(self, run: Run, result: list[RssRun]) -> list[Figure]:
+        """The broker's peak RSS against its bound, --max-buffer + 100 MiB."""
+        bound = figure("rss", "bound: --max-buffer + 100 MiB", [result[0].max_buffer / MiB + 100], "MiB")
+        return [bound, figure("rss", "broker peak RSS", [x.peak_rss / MiB for x in result], "MiB", bound),
+                figure("rss", "bytes through", [x.bytes / MiB for x in result], "MiB", bound)]
 
     def tables(self, run: Run, result: list[RssRun]) -> list[Table]:
         peak, bound = median([x.peak_rss for x in result]), result[0].max_buffer + 100 * MiB

@@ -1,7 +1,8 @@
 """What a section of the benchmark is: one figure that measures and judges its results, and lays them out as tables.
 
-``bench.py`` runs the sections it is given, in order, each with a :class:`Context`; ``report.py`` renders what
-every section returns (its :class:`Target` records and :class:`Table` records) as Markdown, JSON and a plot. A
+``bench.py`` runs the sections it is given, in order, each with a :class:`Context`; every section's figures are
+records (``sparkbus.bench.figures.Figure``, written as JSON lines, judged against ``sparkbus.bench.targets``);
+``report.py`` renders them with the section's :class:`Table` records as Markdown, JSON and a plot. A
 section's result is a typed record of its own, kept in :attr:`Run.results` under the section's name.
 """
 
@@ -13,6 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Generic, TypeVar
+
+from sparkbus.bench.figures import Figure
 
 from .common import Children, Sizes
 
@@ -34,37 +37,9 @@ class Table:
     log: bool = False
 
 
-@dataclass
-class Target:
-    """One goal of a figure and what this run measured against it."""
-
-    what: str
-    goal: str
-    measured: str
-    passed: bool | None      # None: not measured in this run (or a figure printed without a goal)
-
-    @property
-    def verdict(self) -> str:
-        return "n/a" if self.passed is None else ("PASS" if self.passed else "MISS")
-
-
 def per(value: float, anchor: float) -> float:
     """``value / anchor``, NaN where the anchor is 0 (a ratio the report prints as ``-``)."""
     return value / anchor if anchor else math.nan
-
-
-def _measured(value: float | None) -> bool:
-    return value is not None and not (isinstance(value, float) and math.isnan(value))
-
-
-def at_least(value: float | None, goal: float) -> bool | None:
-    """The verdict of ``value >= goal``: None where nothing was measured (None or NaN)."""
-    return bool(value >= goal) if value is not None and _measured(value) else None
-
-
-def at_most(value: float | None, goal: float) -> bool | None:
-    """The verdict of ``value <= goal``: None where nothing was measured (None or NaN)."""
-    return bool(value <= goal) if value is not None and _measured(value) else None
 
 
 @dataclass
@@ -110,7 +85,7 @@ class Run:
     notes: list[str] = field(default_factory=list)
     dataset: Dataset | None = None
     seconds: float = 0.0
-    targets: list[Target] = field(default_factory=list)
+    figures: list[Figure] = field(default_factory=list)      # every section's, as recorded (figures.jsonl)
 
     @property
     def quick(self) -> bool:
@@ -144,8 +119,9 @@ class Section(Generic[R]):
         spark) puts it in ``ctx.results`` first, so that a failure part-way still reports what was measured."""
         raise NotImplementedError
 
-    def targets(self, run: Run, result: R) -> list[Target]:
-        """Its targets, judged on what it measured."""
+    def figures(self, run: Run, result: R) -> list[Figure]:
+        """Its figures as records (one JSON line each), each with the anchor measured beside it; the targets
+        (sparkbus/bench/targets.py) are judged on these."""
         return []
 
     def tables(self, run: Run, result: R) -> list[Table]:

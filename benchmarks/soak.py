@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sparkbus.bench.figures import Figure, figure
+
 from .common import ROOT, BenchError, Children, KiB, MiB, open_epoch
 from .sections import Context, Run, Section, Table, per
 
@@ -156,6 +158,16 @@ class SoakSection(Section[Soak]):
     def measure(self, ctx: Context) -> Soak:
         epochs = QUICK_EPOCHS if ctx.sizes.name.startswith("quick") else EPOCHS
         return run(ctx.children, epochs, ctx.work, min(ctx.sizes.timeout, 120.0), ctx.log)
+
+    def figures(self, run: Run, result: Soak) -> list[Figure]:
+        """The broker's RSS, status size and series at the end, against once its list of epochs is full."""
+        full = next((s for s in result.samples if s["epoch"] > KEEP_EPOCHS), result.first)
+        last, out = result.samples[-1], []
+        for key, name, unit, scale in (("rss_bytes", "broker RSS", "MiB", 1 / MiB), ("status_bytes", "status size",
+                                       "bytes", 1), ("series", "metric series", "series", 1)):
+            anchor = figure("soak", f"{name} at epoch {full['epoch']}", [full[key] * scale], unit)
+            out += [anchor, figure("soak", f"{name} at epoch {last['epoch']}", [last[key] * scale], unit, anchor)]
+        return out
 
     def tables(self, run: Run, result: Soak) -> list[Table]:
         full = next((s for s in result.samples if s["epoch"] > KEEP_EPOCHS), result.first)   # the figures' list full

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sparkbus.bench.figures import Figure
 from sparkbus.launch.cluster import QUICK_START_JAVA_OPTS, StandaloneCluster
 from sparkbus.launch.processes import ChildProcess, LaunchError, wait_for
 from sparkbus.launch.spark import LOCAL_CONF
@@ -280,6 +281,16 @@ class SparkSection(Section[SparkSetups]):
         if spilled:
             ctx.notes.append(f"Spark set-ups whose cached data spilled to disk: {', '.join(spilled)} "
                              "(raise the executors' memory)")
+        return out
+
+    def figures(self, run: Run, result: SparkSetups) -> list[Figure]:
+        """Per set-up and partitions: rows/s to the ranks against Spark alone in the same set-up."""
+        out = []
+        for (key, parts), s in result.points.items():
+            if s.runs:
+                what = f"{key}, {parts} partitions"
+                alone = s.figure("spark", f"Spark alone, {what}", "limit_rows_per_s", "rows/s")
+                out += [alone, s.figure("spark", f"to the ranks, {what}", "rows_per_s", "rows/s", alone)]
         return out
 
     def tables(self, run: Run, result: SparkSetups) -> list[Table]:

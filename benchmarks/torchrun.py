@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sparkbus.bench.figures import Figure, figure
+
 from .common import ROOT, BenchError, Children, KiB, median, open_epoch
 from .sections import Context, Run, Section, Table
 
@@ -210,6 +212,17 @@ class TorchrunSection(Section[FirstBatch]):
 
     def measure(self, ctx: Context) -> FirstBatch:
         return run(ctx.children, ctx.sizes.reps, ctx.work, min(ctx.sizes.timeout, 120.0), ctx.log)
+
+    def figures(self, run: Run, result: FirstBatch) -> list[Figure]:
+        """The slowest rank's launch to first batch per way of launching, against mpiexec with mpi4py."""
+        def of(way: str, anchor: Figure | None = None) -> Figure:
+            return figure("torchrun", f"{way}: launch to first batch",
+                          [r["launch_to_first"] for r in result.runs[way]], "s", anchor)
+
+        if not result.runs.get("mpiexec"):
+            return []
+        anchor = of("mpiexec")
+        return [anchor, *(of(way, anchor) for way in WAYS if way != "mpiexec" and result.runs.get(way))]
 
     def tables(self, run: Run, result: FirstBatch) -> list[Table]:
         anchor = result.med("mpiexec", "launch_to_first")

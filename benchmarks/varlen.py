@@ -10,14 +10,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sparkbus.bench.figures import Figure, figure
 from sparkbus.wire.errors import FeedError
 
 from . import end_to_end, spark_data
-from .cluster import not_measured
 from .common import BenchError, Children, MiB, Sizes
 from .end_to_end import RANKS, Series
 from .padding import PaddingShares
-from .sections import Context, Run, Section, Table, Target, at_least, at_most
+from .sections import Context, Run, Section, Table
 
 BASELINE = "ints"
 COMPARED = ("binary", "varints")
@@ -146,12 +146,6 @@ def ratio(pair: Pair) -> float:
 
 # ---- the section ------------------------------------------------------------------------------------------
 
-VARLEN_RATIOS = {"binary": 0.9, "varints": 0.8}  # compared kind / the fixed-width path at the same bytes, at least
-PADDING_RATIO = 0.3                              # padding share with bucket_by / in Spark's order, at most
-VARLEN_LABELS = {"binary": "binary rows of 64 KiB, end to end, vs the fixed-width path at the same bytes",
-                 "varints": "variable-length int arrays averaging 64 KiB, end to end, vs the fixed-width path"}
-
-
 class VarlenSection(Section[Varlen]):
     """Figure 7: binary and variable-length int columns vs the fixed-width path, and the padding share."""
 
@@ -161,21 +155,19 @@ class VarlenSection(Section[Varlen]):
         out = ctx.results[self.name] = Varlen(ctx.sizes.varlen_rows)
         return run(ctx.children, ctx.spark, ctx.sizes, ctx.work, log=ctx.log, out=out)
 
-    def targets(self, run: Run, result: Varlen) -> list[Target]:
+    def figures(self, run: Run, result: Varlen) -> list[Figure]:
+        """MB/s of each compared kind against the fixed-width runs interleaved with it; the padding share with
+        length bucketing against Spark's order."""
         out = []
-        for kind, goal in VARLEN_RATIOS.items():
-            pair = result.pairs.get(kind)
-            if pair and pair.compared.runs and pair.baseline.runs:
-                out.append(Target(VARLEN_LABELS[kind], f">= {goal} x", f"{ratio(pair):.2f} x "
-                                  f"({pair.compared.med('mb_per_s'):,.0f} vs {pair.baseline.med('mb_per_s'):,.0f} "
-                                  "MB/s)", at_least(ratio(pair), goal)))
-            else:
-                out.append(Target(VARLEN_LABELS[kind], f">= {goal} x", not_measured(result, kind), None))
+        for kind, pair in result.pairs.items():
+            if pair.compared.runs and pair.baseline.runs:
+                anchor = pair.baseline.figure("varlen", f"{BASELINE} beside {kind}", "mb_per_s", "MB/s")
+                out += [anchor, pair.compared.figure("varlen", kind, "mb_per_s", "MB/s", anchor)]
         pad = result.padding
-        what = "padding share with length bucketing (bucket_by, window 64) vs Spark's order, batches of 64"
-        return out + [Target(what, f"<= {PADDING_RATIO} x", f"{pad.ratio:.2f} x ({pad.bucketed:.1%} vs "
-                             f"{pad.plain:.1%})" if pad else not_measured(result, "padding"),
-                             at_most(pad.ratio, PADDING_RATIO) if pad else None)]
+        if pad:
+            plain = figure("varlen", "padding share, Spark's order", [pad.plain * 100], "%")
+            out += [plain, figure("varlen", "padding share, bucket_by", [pad.bucketed * 100], "%", plain)]
+        return out
 
     def tables(self, run: Run, result: Varlen) -> list[Table]:
         rows = [[kind, c.med("mb_per_s"), c.med("rows_per_s"), c.med("first"), b.med("mb_per_s"), ratio(pair),

@@ -1,5 +1,5 @@
 """The sparkbus command line: broker (the daemon), status (live figures), keys (CURVE pairs), demo (the end-to-end
-demo, from the installed package) and bench (the benchmark, from a source checkout)."""
+demo, from the installed package) and bench (the benchmark: the hop, end to end, the user's own data)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,7 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import sys
-from pathlib import Path
 from typing import cast
 
 from sparkbus.broker.config import (
@@ -194,35 +192,11 @@ def default_control() -> str:
     return control_address(feed)
 
 
-BENCH_DESCRIPTION = """\
-Run the benchmark: every figure of benchmarks/README.md, section by section, then the tables and each target with
-its measured value; writes RESULTS.md, throughput.png and results.json to --out. The benchmark is part of a source
-checkout (benchmarks/), not of the installed package: git clone the repository, then make bench."""
-
-
 def run_bench(args: list[str]) -> int:
-    """``sparkbus bench``: benchmarks/bench.py of the source checkout this package was installed from (editable)."""
-    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
-    if not script.exists():
-        print("sparkbus bench: error: the benchmark runs from a source checkout of sparkbus, not from the installed "
-              "package: git clone the repository, then make bench (or .venv/bin/sparkbus bench there)",
-              file=sys.stderr)
-        return 2
-    if {"-h", "--help"} & set(args):
-        # bench.py's own help names its file and its sections' classes: say it as this command does
-        shown = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=60,
-                               env={**os.environ, "COLUMNS": os.environ.get("COLUMNS", "100")})
-        if shown.returncode != 0:
-            print(shown.stderr, file=sys.stderr)
-            return shown.returncode
-        usage, _, rest = shown.stdout.partition("\n\n")
-        options = rest[rest.find("options:"):] if "options:" in rest else rest
-        old, new = "usage: benchmarks/bench.py", "usage: sparkbus bench"
-        usage = usage.replace(old, new).replace("\n" + " " * (len(old) + 1), "\n" + " " * (len(new) + 1))
-        print(f"{usage}\n\n{BENCH_DESCRIPTION}\n\n{options}", end="")
-        return 0
-    # exec, not a child: Ctrl-C and SIGTERM then reach the benchmark itself, which stops its processes in order
-    os.execv(sys.executable, [sys.executable, str(script), *args])
+    """``sparkbus bench``: sparkbus.bench.run in this process (the hop, end to end, the user's own data)."""
+    from sparkbus.bench.run import main as bench
+
+    return bench(args)
 
 
 def run_demo(args: list[str]) -> int:
@@ -264,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
     create.add_argument("path", help="the files' name without suffix, e.g. keys/spark-prod")
     commands.add_parser("demo", help="run the end-to-end demo: a broker, Spark and MPI ranks on this machine "
                                      "(sparkbus demo --help)", add_help=False)
-    commands.add_parser("bench", help="run the benchmark, from a source checkout (sparkbus bench --help)",
+    commands.add_parser("bench", help="measure the broker hop, Spark end to end and your own data on this machine "
+                                      "(sparkbus bench --help)",
                         add_help=False)
     argv = sys.argv[1:] if argv is None else argv
     passed = {"demo": run_demo, "bench": run_bench}       # their own parsers read the rest of the line
