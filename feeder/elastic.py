@@ -77,7 +77,8 @@ class FeedRun:
         else:
             sc = session.sparkContext
             sc.addJobTag(self.tag)
-            sc.setInterruptOnCancel(True)
+            # a job group too, of this run's jobs alone: the status tracker finds them by it (not by a tag)
+            sc.setJobGroup(self.tag, f"sparkbus feed_elastic of stream {self.stream!r}", interruptOnCancel=True)
         try:
             feed_epochs(self.df, self.address, self.epochs, stream=self.stream, first_epoch=self.first_epoch,
                         resume=self.resume, on_epoch=self._on_epoch, **self.options)
@@ -88,6 +89,7 @@ class FeedRun:
                 session.removeTag(self.tag)
             else:
                 session.sparkContext.removeJobTag(self.tag)
+                session.sparkContext.setLocalProperty("spark.jobGroup.id", None)
 
     def cancel(self, timeout: float = CANCEL_WAIT) -> None:
         """Stop this feed: its running Spark job is cancelled (again every half second, for a job started just
@@ -108,10 +110,20 @@ class FeedRun:
             else:
                 session.sparkContext.cancelJobsWithTag(self.tag)
             self.thread.join(0.5)
-        if not self.connect:           # the cancelled job's tasks: interrupted before the resumed feed starts
-            tracker = session.sparkContext.statusTracker()
-            while tracker.getActiveStageIds() and time.monotonic() < deadline:
+        if not self.connect:           # the cancelled job's tasks: ended (killed) before the resumed feed starts
+            while self.running_tasks() and time.monotonic() < deadline:
                 time.sleep(0.2)
+
+    def running_tasks(self) -> int:
+        """The tasks of this run's Spark jobs still running (a cancelled job's until they are killed)."""
+        tracker = self.df.sparkSession.sparkContext.statusTracker()
+        running = 0
+        for job in tracker.getJobIdsForGroup(self.tag):
+            info = tracker.getJobInfo(job)
+            for stage in info.stageIds if info is not None else ():
+                stage_info = tracker.getStageInfo(stage)
+                running += stage_info.numActiveTasks if stage_info is not None else 0
+        return running
 
 
 def feed_elastic(df: Any, address: str | Sequence[str] | None, checkpoints: str | Path, epochs: int,
