@@ -7,9 +7,13 @@ resumes from, and the feed (``feed_elastic``, beside Spark) re-feeds from there:
 
     python examples/train_elastic.py --feed tcp://127.0.0.1:5555 --checkpoints /shared/run1 --epochs 3
 
-    torchrun --nnodes 1:1 --nproc-per-node 2 --max-restarts 1 --master-addr 127.0.0.1 --master-port 29500 \\
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 1:1 --nproc-per-node 2 --max-restarts 1 \\
+        --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29500 \\
         examples/train_elastic.py --ranks tcp://127.0.0.1:5556 --checkpoints /shared/run1 --epochs 3 \\
         --checkpoint-every 10
+
+(c10d rendezvous, each round with a store of its own: with torch 2.13, a group restarted on a store shared across
+rounds reads the old group's gloo addresses; docs/TRAINING.md, "Elastic restarts").
 
 To see a restart, add ``--kill-rank 1 --kill-after 14``: rank 1 SIGKILLs itself after 14 steps, on torchrun's
 first attempt only (``TORCHELASTIC_RESTART_COUNT`` 0); torchrun restarts the group, which resumes from the step-10

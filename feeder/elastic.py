@@ -171,7 +171,7 @@ def feed_elastic(df: Any, address: str | Sequence[str] | None, checkpoints: str 
     idle_since = time.monotonic()
     try:
         while True:
-            request = pending_request(directory)
+            request = pending_request(directory, stream)
             if request is not None:
                 if running is not None:
                     log.warning("stream %r: a group of %d ranks resumes from %s; cancelling the running feed",
@@ -191,7 +191,7 @@ def feed_elastic(df: Any, address: str | Sequence[str] | None, checkpoints: str 
                 reports.extend(running.reports)
                 error, running = running.error, None
                 idle_since = time.monotonic()
-                if error is not None and pending_request(directory) is None:
+                if error is not None and pending_request(directory, stream) is None:
                     raise error     # a failure no resume explains
                 continue
             if running is None and idle_timeout is not None and time.monotonic() - idle_since > idle_timeout:
@@ -213,14 +213,14 @@ def serve(request: ResumeRequest, df: Any, address: Any, epochs: int, stream: st
         raise ValueError(f"request {request.path.name} names streams {sorted(request.resumes)}, not {stream!r}: "
                          f"the ranks must call ElasticCheckpoints.resume({stream!r}) before joined()")
     resume = request.resumes[stream]
-    mark_served(request)
+    mark_served(request, stream)
     if resume is None:
         log.info("stream %r: first start of a group of %d ranks; feeding from epoch %d", stream, request.ranks,
                  first_epoch)
     else:
-        log.info("stream %r: a group of %d ranks resumes from %s; feeding epoch %s again", stream, request.ranks,
-                 request.checkpoint or "the beginning",
-                 resume if isinstance(resume, int) else resume[0]["epoch"])
+        log.warning("stream %r: a group of %d ranks resumes from %s; feeding epoch %s again", stream,
+                    request.ranks, request.checkpoint or "the beginning",
+                    resume if isinstance(resume, int) else resume[0]["epoch"])
     return FeedRun(df, address, epochs, stream, first_epoch, resume, options, on_epoch).start()
 
 

@@ -7,7 +7,7 @@ Layout of the directory (a shared filesystem when the ranks and the feed run on 
     ckpt-<ns>-e<epoch>-s<step>/positions.json  every rank's state_dict() of each stream, ranks 0..N-1
     ckpt-.../payload.pt         what the ranks saved with it (the model, the optimizer), torch.save'd, if anything
     requests/<ns>-<token>.json  one per start of a group: what it resumes from; the feed serves the newest
-    requests/*.served           requests the feed has served (or found superseded by a newer one)
+    requests/<ns>-<token>.<stream>.served  the feed of that stream served it (or found a newer one)
     done                        the ranks trained their last epoch: the feed stops watching
 
 A checkpoint is written into a directory of its own and renamed into place before ``LATEST`` names it, so a reader
@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 log = logging.getLogger("sparkbus.worker")
 
@@ -225,24 +226,29 @@ def latest(directory: str | os.PathLike[str]) -> str | None:
     return name if (Path(directory) / name / POSITIONS).exists() else None
 
 
-def pending_request(directory: str | os.PathLike[str]) -> ResumeRequest | None:
-    """The newest request not served yet (older pending ones are marked served: superseded), or None."""
+def pending_request(directory: str | os.PathLike[str], stream: str) -> ResumeRequest | None:
+    """The newest request that the feed of ``stream`` has not served yet (older ones it has not served are marked
+    served: superseded), or None."""
     folder = Path(directory) / REQUESTS
     if not folder.is_dir():
         return None
-    pending = sorted(folder.glob("*.json"))
+    pending = [p for p in sorted(folder.glob("*.json")) if not served_marker(p, stream).exists()]
     if not pending:
         return None
     for old in pending[:-1]:
         log.info("request %s superseded by %s", old.name, pending[-1].name)
-        mark_served(old)
+        served_marker(old, stream).touch()
     raw = json.loads(pending[-1].read_text())
     return ResumeRequest(pending[-1], int(raw["ranks"]), raw.get("checkpoint"), raw["resumes"])
 
 
-def mark_served(request: ResumeRequest | Path) -> None:
-    path = request.path if isinstance(request, ResumeRequest) else request
-    os.replace(path, path.with_suffix(".served"))
+def served_marker(request: Path, stream: str) -> Path:
+    """The file that says the feed of ``stream`` served ``request`` (one feed per stream reads the same requests)."""
+    return request.with_name(f"{request.stem}.{quote(stream, safe='')}.served")
+
+
+def mark_served(request: ResumeRequest, stream: str) -> None:
+    served_marker(request.path, stream).touch()
 
 
 def is_done(directory: str | os.PathLike[str]) -> bool:

@@ -138,8 +138,11 @@ def check_resumed(old: Path, old_ranks: int, new: Path, new_ranks: int) -> str:
     return checkpoint
 
 
-def served(checkpoints: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted((checkpoints / "requests").glob("*.served"))]
+def served(checkpoints: Path, stream: str) -> list[dict]:
+    """The groups' requests, in order, once the feed of ``stream`` has served every one."""
+    requests = sorted((checkpoints / "requests").glob("*.json"))
+    assert all(p.with_name(f"{p.stem}.{stream}.served").exists() for p in requests)
+    return [json.loads(p.read_text()) for p in requests]
 
 
 def test_a_rank_killed_mid_epoch_is_restarted_by_torchrun_and_every_row_is_trained_once(spark, start_broker_process,
@@ -156,7 +159,7 @@ def test_a_rank_killed_mid_epoch_is_restarted_by_torchrun_and_every_row_is_train
     reports = feed.finish()
     assert not (out / "attempt0" / "rank1.json").exists()       # the first attempt died
     check_resumed(out / "attempt0", 2, out / "attempt1", 2)
-    requests = served(checkpoints)
+    requests = served(checkpoints, "elastic-restart")
     assert [(r["ranks"], r["checkpoint"] is None) for r in requests] == [(2, True), (2, False)], requests
     assert [r.rows for r in reports][-EPOCHS:] == [ROWS] * EPOCHS      # the resumed epoch and the next, fed whole
     assert "cancelling the running feed" in caplog.text        # the first feed was still held back by the broker
@@ -174,5 +177,6 @@ def test_a_checkpoint_of_two_ranks_resumes_on_three_under_torchrun(spark, start_
         (tmp_path / "three" / "torchrun.log").read_text()[-8000:]
     reports = feed.finish()
     check_resumed(tmp_path / "two" / "attempt0", 2, tmp_path / "three" / "attempt0", 3)
-    assert [(r["ranks"], r["checkpoint"] is None) for r in served(checkpoints)] == [(2, True), (3, False)]
+    requests = served(checkpoints, "elastic-resize")
+    assert [(r["ranks"], r["checkpoint"] is None) for r in requests] == [(2, True), (3, False)], requests
     assert [r.rows for r in reports][-EPOCHS:] == [ROWS] * EPOCHS
