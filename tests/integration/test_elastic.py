@@ -180,3 +180,69 @@ def test_a_checkpoint_of_two_ranks_resumes_on_three_under_torchrun(spark, start_
     requests = served(checkpoints, "elastic-resize")
     assert [(r["ranks"], r["checkpoint"] is None) for r in requests] == [(2, True), (3, False)], requests
     assert [r.rows for r in reports][-EPOCHS:] == [ROWS] * EPOCHS
+
+
+# ---- the checkpoint directory alone (no broker, no Spark, no torch): what each start of a group asks for ----------
+
+class FakeStream:
+    """Stands in for a BatchStream: its name and a state_dict() at ``epoch`` after ``steps`` steps."""
+
+    def __init__(self, stream: str, rank: int, size: int, epoch: int, steps: int) -> None:
+        self.stream = stream
+        self.state = {"format": 2, "stream": stream, "rank": rank, "size": size, "epoch": epoch, "steps": steps,
+                      "used": [[0, s, 0, 1, s] for s in range(steps)], "cuts": []}
+
+    def state_dict(self) -> dict:
+        return dict(self.state)
+
+
+def test_each_start_of_a_group_asks_for_what_it_resumes_from(tmp_path):
+    from sparkbus import ElasticCheckpoints
+    from sparkbus.worker.checkpoint import latest, mark_served, pending_request
+
+    first = ElasticCheckpoints(tmp_path, rank=0, size=1)
+    assert first.resume("train") is None and first.load_payload() is None
+    first.joined()
+    request = pending_request(tmp_path, "train")
+    assert request is not None and request.resumes == {"train": None} and request.ranks == 1
+    mark_served(request, "train")
+    assert pending_request(tmp_path, "train") is None
+    assert pending_request(tmp_path, "val") is not None          # another stream's feed serves it too
+
+    # restarted before any checkpoint: the first epoch again, nothing used
+    early = ElasticCheckpoints(tmp_path, rank=0, size=1)
+    assert early.resume("train", first_epoch=2) == [{"format": 2, "stream": "train", "rank": 0, "size": 1,
+                                                     "epoch": 2, "steps": 0, "used": [], "cuts": []}]
+    early.joined()
+    assert pending_request(tmp_path, "train").resumes == {"train": 2}
+
+    # two ranks' states saved (as rank 0 gathers them), resumed by a group of three
+    others = [FakeStream("train", 1, 2, 0, 5).state_dict()]
+    two = ElasticCheckpoints(tmp_path, rank=0, size=2, gather=lambda obj: [obj, *(json.dumps({"train": o})
+                                                                                   for o in others)])
+    name = two.save([FakeStream("train", 0, 2, 0, 5)])
+    assert latest(tmp_path) == name and name.endswith("-e0-s5")
+    three = ElasticCheckpoints(tmp_path, rank=0, size=3)
+    states = three.resume("train")
+    assert [(s["rank"], s["size"], s["steps"]) for s in states] == [(0, 2, 5), (1, 2, 5)]
+    three.joined()
+    newest = pending_request(tmp_path, "train")               # the early restart's request: superseded
+    assert newest.ranks == 3 and newest.checkpoint == name and newest.resumes["train"] == states
+    with pytest.raises(ValueError, match="no state of stream 'val'"):
+        three.resume("val")
+
+
+def test_only_the_newest_checkpoints_are_kept_and_a_payload_travels_with_its_positions(tmp_path):
+    torch = pytest.importorskip("torch")
+    from sparkbus import ElasticCheckpoints
+
+    ckpt = ElasticCheckpoints(tmp_path, rank=0, size=1, keep=2)
+    names = [ckpt.save([FakeStream("train", 0, 1, 0, steps)], {"w": torch.full((2,), float(steps))})
+             for steps in (1, 2, 3)]
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*")) == names[1:]
+    resumed = ElasticCheckpoints(tmp_path, rank=0, size=1)
+    assert resumed.resume("train") is None                   # no group started here: a first start
+    ckpt.joined()
+    again = ElasticCheckpoints(tmp_path, rank=0, size=1)
+    assert again.resume("train")[0]["steps"] == 3 and again.checkpoint == names[-1]
+    assert again.load_payload()["w"].tolist() == [3.0, 3.0]
