@@ -11,6 +11,7 @@ imports neither pyspark, mpi4py nor torch; those are imported where they are use
 
 from sparkbus.broker.config import BrokerConfig
 from sparkbus.feeder import DivergedPartitionsWarning, FeedReport, NoRanksWarning, epoch_order, feed, feed_epochs
+from sparkbus.feeder.elastic import feed_elastic
 from sparkbus.wire.errors import (
     AuthError,
     BrokerError,
@@ -24,11 +25,13 @@ from sparkbus.wire.errors import (
 from sparkbus.wire.protocol import VERSION
 from sparkbus.wire.ragged import Carry, Packed, RaggedColumn, pack, pad
 from sparkbus.worker import BatchStream, EpochStats, ShuffleBuffer, StreamStats, shuffled
+from sparkbus.worker.checkpoint import ElasticCheckpoints
 
 __version__ = "0.3.0"
 
 __all__ = ["AuthError", "BatchStream", "BrokerConfig", "BrokerError", "BrokerUnreachable", "Carry",
-           "DivergedPartitionsWarning", "EpochStats", "FeedError", "FeedReport", "FeedTimeout", "NoRanksWarning",
+           "DivergedPartitionsWarning", "ElasticCheckpoints", "EpochStats", "FeedError", "FeedReport", "FeedTimeout",
+           "NoRanksWarning",
            "Packed", "ProtocolError", "RaggedColumn", "ShuffleBuffer", "SparkbusError", "StreamStats", "VERSION",
-           "VersionMismatch", "epoch_order", "feed", "feed_epochs", "pack", "pad",
+           "VersionMismatch", "epoch_order", "feed", "feed_elastic", "feed_epochs", "pack", "pad",
            "shuffled"]
