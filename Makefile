@@ -42,7 +42,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 	rm -rf build/mypy && mkdir -p build/mypy/sparkbus
 	ln -s $(CURDIR)/sparkbus/*.py build/mypy/sparkbus/
-	ln -s $(CURDIR)/sparkbus/demo build/mypy/sparkbus/demo
+	ln -s $(CURDIR)/sparkbus/demo $(CURDIR)/sparkbus/bench build/mypy/sparkbus/
 	for part in feeder broker worker wire launch; do ln -s $(CURDIR)/$$part build/mypy/sparkbus/$$part; done
 	$(VENV)/bin/mypy
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from sparkbus.bench.figures import Figure, figure
+from sparkbus.bench.hop import recording_cost
 from sparkbus.broker.client import ControlClient
 from sparkbus.wire.protocol import Kind
 
@@ -263,6 +264,8 @@ class HopSection(Section[list[HopResult]]):
                     proxy = add(hop["zmq.proxy", size], f"zmq.proxy {size_label(size)}{unit}", direct, batches)
                     add(hop["sparkbus", size], f"sparkbus {size_label(size)}{unit}", proxy, batches)
         plain = {f.name: f for f in out}
+        if "sparkbus 64 KiB" in plain:          # what recording why training waits costs, against this hop
+            out += recording_cost(plain["sparkbus 64 KiB"])
         for h in result:
             anchor = plain.get(f"sparkbus {size_label(h.size)}")
             if h.mode not in MODES and h.runs and anchor is not None:

@@ -4,6 +4,7 @@ sparkbus's broker against ``zmq.proxy`` (the C broker, the most a hop can do), b
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -46,6 +47,23 @@ def _one(way: str, size: int, feed: str, ranks: str, control: str, seconds: floa
     return {"mb": got["received"] * size / seconds_taken / 1e6, "batches": got["received"] / seconds_taken}
 
 
+def recording_cost(hop: Figure, messages: int = 200_000) -> list[Figure]:
+    """What recording why training waits costs per 64 KiB batch against the hop's own time per batch (``hop``, MB/s
+    at 64 KiB, of this run): the feed's task times each send and the rank each step, a ``perf_counter`` pair and a
+    sum on each side (with this loop's own overhead: an upper bound)."""
+    costs = []
+    for _ in range(3):
+        total, started = 0.0, time.perf_counter()
+        for _ in range(messages):
+            before = time.perf_counter()
+            total += time.perf_counter() - before       # a task's send
+            before = time.perf_counter()
+            total += time.perf_counter() - before       # a rank's step
+        costs.append((time.perf_counter() - started) / messages * 1e6)
+    per_batch = figure("hop", "sparkbus 64 KiB, time per batch", [(64 << 10) / r for r in hop.reps], "us")
+    return [per_batch, figure("hop", "recording why training waits, per 64 KiB batch", costs, "us", per_batch)]
+
+
 def measure(work: Path, reps: int, seconds: float, timeout: float = 60.0,
             sizes: Sequence[int] = SIZES) -> list[Figure]:
     """Per size, the MB/s of ``zmq.proxy`` (the anchor) and of sparkbus (and its ratio); at the smallest size also
@@ -71,6 +89,8 @@ def measure(work: Path, reps: int, seconds: float, timeout: float = 60.0,
             raw = figure("hop", f"zmq.proxy {label(size)}", [r["mb"] for r in runs["zmq.proxy"]], "MB/s")
             ours = figure("hop", f"sparkbus {label(size)}", [r["mb"] for r in runs["sparkbus"]], "MB/s", raw)
             figures += [raw, ours]
+            if size == 64 << 10:
+                figures += recording_cost(ours)
             if size == min(sizes):
                 raw_b = figure("hop", f"zmq.proxy {label(size)} batches/s",
                                [r["batches"] for r in runs["zmq.proxy"]], "batches/s")

@@ -24,7 +24,8 @@ SPARKBUS = Path(sys.executable).parent / "sparkbus"
 BENCH = [sys.executable, str(ROOT / "benchmarks" / "bench.py")]
 SIZES = ("1 KiB", "64 KiB", "1 MiB")
 HOP = {f"{way} {size}" for way in ("zmq.proxy", "sparkbus") for size in SIZES} | {
-    "zmq.proxy 1 KiB batches/s", "sparkbus 1 KiB batches/s"}
+    "zmq.proxy 1 KiB batches/s", "sparkbus 1 KiB batches/s", "sparkbus 64 KiB, time per batch",
+    "recording why training waits, per 64 KiB batch"}
 E2E = {"Arrow hand-off rows/s", "sparkbus rows/s", "sparkbus seconds to last batch", "sparkbus first batch",
        "Parquet staging rows/s", "Parquet staging seconds to last batch", "Parquet staging first batch"}
 
@@ -102,6 +103,7 @@ def test_the_quick_peer_comparisons_produce_every_figure_against_its_anchor(tmp_
     for size in ("1 KiB", "16 KiB", "64 KiB", "256 KiB", "1 MiB", "4 MiB"):
         assert figures["hop"][f"sparkbus {size}"].anchor == f"zmq.proxy {size}"
         assert figures["hop"][f"zmq.proxy {size}"].anchor == f"direct {size}"
+    assert figures["hop"]["recording why training waits, per 64 KiB batch"].anchor == "sparkbus 64 KiB, time per batch"
     for size in ("64 KiB", "1 MiB"):
         assert figures["hop"][f"sparkbus, CURVE {size}"].anchor == f"sparkbus {size}"
     assert set(figures["e2e"]) == E2E | {"Arrow hand-off MB/s", "sparkbus MB/s"}
