@@ -11,7 +11,7 @@ import msgpack
 
 from sparkbus.broker.figures import Figures
 from sparkbus.wire.protocol import MAX_HEADER_BYTES
-from sparkbus.wire.verdict import RankWaits, Verdict, of_pipeline, of_rank, rank_waits
+from sparkbus.wire.verdict import RankWaits, Verdict, of_pipeline, of_rank, queued, rank_waits
 
 PAGE_BYTES = MAX_HEADER_BYTES - 1024     # of figures per STATS_REPLY: room for the rest of the header
 
@@ -92,11 +92,14 @@ def stream_verdict(figures: Mapping[str, Mapping[str, Any]], stream: str) -> Ver
     :func:`sparkbus.wire.verdict.of_pipeline`. The broker does not know Spark's backpressure: the feed's
     ``FeedReport.verdict`` does, and tells ``balanced`` from ``compute-bound``."""
     latest: dict[int, RankWaits] = {}
+    held = 0
     for one in figures.values():
+        held += queued(one["streams"].get(stream, {}))
         for w in rank_waits(one["streams"].get(stream, {})):
             if w.rank not in latest or w.step > latest[w.rank].step:
                 latest[w.rank] = w
-    return of_pipeline([latest[r] for r in sorted(latest)])
+    # one reading: batches queued now stand for the window round trip (the feed's verdict weighs its readings)
+    return of_pipeline([latest[r] for r in sorted(latest)], queued_share=1.0 if held else 0.0)
 
 
 def with_verdicts(stats: Figures) -> dict[str, Any]:
@@ -108,7 +111,7 @@ def with_verdicts(stats: Figures) -> dict[str, Any]:
 
 def _verdict_record(verdict: Verdict) -> dict[str, Any]:
     return {"kind": verdict.kind, "data_wait_share": round(verdict.data_wait_share, 4),
-            "slowest_rank": verdict.slowest_rank, "line": str(verdict)}
+            "slowest_rank": verdict.slowest_rank, "window": verdict.window, "line": str(verdict)}
 
 
 def _recovery(epoch: Mapping[str, Any]) -> str:

@@ -79,6 +79,7 @@ class FeedReport(NamedTuple):
     blocked_seconds: float = 0.0      # ... of it, held back by full brokers: backpressure from the ranks
     slowest: tuple[tuple[int, str, float], ...] = ()   # the slowest tasks: (partition, executor host, seconds)
     ranks: tuple[RankWaits, ...] = ()   # each rank's seconds while this feed ran: data wait, peer wait, own work
+    queued_share: float | None = None   # ... the share of their data wait while the brokers held batches for them
 
     @property
     def backpressure(self) -> float:
@@ -91,10 +92,12 @@ class FeedReport(NamedTuple):
     @property
     def verdict(self) -> Verdict:
         """Why training waited while this epoch was fed, and who to look at: ``input-bound`` (the ranks waited
-        for data; the slowest tasks and executors named), ``compute-bound`` (Spark was held back by the ranks; the
+        for data; the slowest tasks and executors named, or the window round trip when the brokers held batches
+        for the ranks meanwhile), ``compute-bound`` (Spark was held back by the ranks; the
         slowest rank named) or ``balanced``; ``unknown`` when no rank reported its figures. ``str()`` of it is one
         line. See :func:`sparkbus.wire.verdict.of_pipeline` and docs/OPERATIONS.md, "Why training waits"."""
-        return of_pipeline(self.ranks, self.backpressure if self.task_seconds > 0 else None, self.slowest)
+        return of_pipeline(self.ranks, self.backpressure if self.task_seconds > 0 else None, self.slowest,
+                           self.queued_share)
 
 
 def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "train", epoch: int = 0,
@@ -344,7 +347,8 @@ def _feed(data: Any, options: FeedOptions, run: EpochRun = NO_RUN) -> FeedReport
     slowest = tuple((r.partition, r.host, round(r.seconds, 3))
                     for r in sorted(streamed, key=lambda r: r.seconds, reverse=True)[:SLOWEST_TASKS])
     return FeedReport(partitions, batches, rows, nbytes, time.monotonic() - started, differed, tuple(shares),
-                      sum(r.seconds for r in streamed), sum(r.blocked for r in streamed), slowest, waits.spans())
+                      sum(r.seconds for r in streamed), sum(r.blocked for r in streamed), slowest, waits.spans(),
+                      waits.queued_share())
 
 
 def _feed_unwatched(job: FeedJob, clients: list[ControlClient], brokers: list[dict], stream: str,

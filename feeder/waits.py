@@ -15,7 +15,7 @@ from types import TracebackType
 from sparkbus.broker.client import ControlClient
 from sparkbus.wire.errors import BrokerError
 from sparkbus.wire.protocol import Kind
-from sparkbus.wire.verdict import RankWaits, rank_waits
+from sparkbus.wire.verdict import RankWaits, queued, rank_waits
 
 log = logging.getLogger(__name__)
 
@@ -23,21 +23,24 @@ READ_TIMEOUT = 2.0     # seconds for one broker's figures: a verdict is not wort
 READ_EVERY = 1.0       # seconds between two readings while the feed runs
 
 
-def read_waits(clients: Sequence[ControlClient], stream: str) -> dict[int, RankWaits]:
+def read_waits(clients: Sequence[ControlClient], stream: str) -> tuple[dict[int, RankWaits], int]:
     """Each rank's seconds so far on ``stream``, as the brokers have them (each rank reports the same to every
-    broker: the one with the most step time is kept). A broker that does not answer is skipped."""
+    broker: the one with the most step time is kept), and the messages the brokers hold queued for its ranks. A
+    broker that does not answer is skipped."""
     latest: dict[int, RankWaits] = {}
+    held = 0
     for client in clients:
         try:
             figures = client.request(Kind.STATS_REQUEST, timeout=min(client.timeout, READ_TIMEOUT))["stats"]
             waits = rank_waits(figures["streams"].get(stream, {}))
+            held += queued(figures["streams"].get(stream, {}))
         except (BrokerError, KeyError, TypeError, ValueError) as exc:
             log.debug("stream %r: no ranks' figures from %s for the verdict: %s", stream, client.address, exc)
             continue
         for w in waits:
             if w.rank not in latest or w.step > latest[w.rank].step:
                 latest[w.rank] = w
-    return latest
+    return latest, held
 
 
 def waits_between(before: dict[int, RankWaits], after: dict[int, RankWaits]) -> tuple[RankWaits, ...]:
@@ -66,6 +69,7 @@ class WaitsWatch:
         self._client_args = dict(timeout=min(timeout, READ_TIMEOUT), key=key, broker_key=broker_key)
         self._before: dict[int, RankWaits] | None = None
         self._latest: dict[int, RankWaits] = {}
+        self._waited = self._waited_queued = 0.0     # the ranks' data wait between readings; ... with batches queued
         self._first = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"sparkbus-waits-{stream}", daemon=True)
@@ -89,19 +93,30 @@ class WaitsWatch:
         """Each rank's seconds between the first reading and the last."""
         return waits_between(self._before or {}, dict(self._latest))
 
+    def queued_share(self) -> float | None:
+        """The share of the ranks' data wait that passed while the brokers held batches queued for them (as seen
+        at the end of each interval between readings); None if they did not wait."""
+        return self._waited_queued / self._waited if self._waited > 0 else None
+
     def _run(self) -> None:
         clients: list[ControlClient] = []
         try:
             clients = [ControlClient(c, **self._client_args) for c in self._controls]  # type: ignore[arg-type]
-            self._before = read_waits(clients, self._stream)
+            self._before, _ = read_waits(clients, self._stream)
             self._latest = dict(self._before)
             self._first.set()
             while True:
                 stop = self._stop.wait(self._every)
-                for rank, now in read_waits(clients, self._stream).items():
+                waited = sum(w.data_wait for w in self._latest.values())
+                reading, held = read_waits(clients, self._stream)
+                for rank, now in reading.items():
                     then = self._latest.get(rank)
                     if then is None or now.step >= then.step:
                         self._latest[rank] = now
+                grew = max(sum(w.data_wait for w in self._latest.values()) - waited, 0.0)
+                self._waited += grew
+                if held:                   # the ranks waited while the broker held batches for them
+                    self._waited_queued += grew
                 if stop:
                     return
         except Exception as exc:            # noqa: BLE001 - the verdict is best effort; the feed goes on

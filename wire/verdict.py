@@ -20,6 +20,7 @@ BALANCED = "balanced"
 UNKNOWN = "unknown"
 
 WAIT_SHARE = 0.1      # a rank's wait above a tenth of its own step time holds training back
+WINDOW_SHARE = 0.5    # most of the ranks' data wait passed while the broker held batches for them: the window
 BACKPRESSURE = 0.25   # Spark's tasks held back by full brokers more than a quarter of their time: ranks are behind
 
 
@@ -60,10 +61,14 @@ class Verdict(NamedTuple):
     backpressure: float | None          # the share of Spark's task time held back by full brokers (None: unknown)
     slowest_rank: int | None = None     # the rank with the most step time (compute-bound), or None
     slowest_tasks: tuple[SlowTask, ...] = ()   # the slowest feeding tasks (input-bound)
+    window: bool = False                # input-bound on the window round trip: the broker held batches meanwhile
 
     def __str__(self) -> str:
         held = "" if self.backpressure is None else f", Spark held back {self.backpressure:.0%}"
         figures = f"ranks waited {self.data_wait_share:.0%} of their step time for data{held}"
+        if self.kind == INPUT_BOUND and self.window:
+            return (f"input-bound on the window round trip: {figures} while the broker held batches for them "
+                    f"(raise BatchStream's prefetch or prefetch_bytes)")
         if self.kind == INPUT_BOUND:
             tasks = ", ".join(f"partition {t.partition} on {t.host} ({t.seconds:.1f} s)" for t in self.slowest_tasks)
             return f"input-bound: {figures}; slowest Spark tasks: {tasks or 'not reported'}"
@@ -76,12 +81,14 @@ class Verdict(NamedTuple):
 
 
 def of_pipeline(ranks: Sequence[RankWaits], backpressure: float | None = None,
-                slowest_tasks: Sequence[tuple[int, str, float]] = ()) -> Verdict:
+                slowest_tasks: Sequence[tuple[int, str, float]] = (), queued_share: float | None = None) -> Verdict:
     """The pipeline's verdict over an interval from every rank's figures and, when the feed knows it, Spark's
     backpressure:
 
     * ``input-bound`` when the ranks together waited for data more than a tenth of their step time (the slowest
-      feeding tasks named);
+      feeding tasks named), *on the window round trip* (``window``) when most of that wait passed while the broker
+      held batches for the stream (``queued_share``, the share of the ranks' data wait during which it did, above
+      a half): the batches were there, the ranks' windows too small to keep them coming;
     * ``compute-bound`` when Spark was held back more than a quarter of its tasks' time (the ranks are behind), or,
       backpressure unknown (``sparkbus status``), when the ranks hardly waited: the slowest rank named, the one
       with the most step time (the others wait for it, peer-bound);
@@ -95,7 +102,8 @@ def of_pipeline(ranks: Sequence[RankWaits], backpressure: float | None = None,
     share = sum(r.data_wait for r in ranks) / step if step > 0 else 0.0
     slowest = max(ranks, key=lambda r: r.step).rank
     if step > 0 and share > WAIT_SHARE:
-        return Verdict(INPUT_BOUND, share, backpressure, None, tasks)
+        window = queued_share is not None and queued_share > WINDOW_SHARE
+        return Verdict(INPUT_BOUND, share, backpressure, None, tasks, window)
     if backpressure is None or backpressure > BACKPRESSURE:
         return Verdict(COMPUTE_BOUND, share, backpressure, slowest, tasks)
     return Verdict(BALANCED, share, backpressure, None, tasks)
@@ -115,5 +123,12 @@ def rank_waits(stream: Mapping[str, Any]) -> list[RankWaits]:
     return waits
 
 
+
+def queued(stream: Mapping[str, Any]) -> int:
+    """From one stream's figures in a ``STATS_REPLY``, the messages the broker holds queued for its ranks (every
+    epoch's)."""
+    return sum(int(e.get("queued", 0)) for e in stream.get("epochs", {}).values())
+
+
 __all__ = ["BALANCED", "COMPUTE_BOUND", "INPUT_BOUND", "PEER_BOUND", "UNKNOWN", "RankWaits", "SlowTask", "Verdict",
-           "of_pipeline", "of_rank", "rank_waits"]
+           "of_pipeline", "of_rank", "queued", "rank_waits"]

@@ -20,9 +20,9 @@ from sources import staged_frame
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 
-def consume(address: str, stream: str, seconds_per_batch: float, out: dict) -> threading.Thread:
+def consume(address: str, stream: str, seconds_per_batch: float, out: dict, **window) -> threading.Thread:
     def run():
-        with BatchStream(address, stream=stream, timeout=60) as rank:     # its window: 4 batches, or 8 MiB
+        with BatchStream(address, stream=stream, timeout=60, **window) as rank:    # default window: 4 batches, 8 MiB
             ids = []
             for batch in rank.epoch():
                 ids.append(batch["id"].copy())
@@ -107,3 +107,20 @@ def test_a_run_where_neither_side_waits_is_balanced(spark, start_broker_process)
     assert report.backpressure < 0.25 and verdict.kind == "balanced", (report, verdict)
     assert str(verdict).startswith("balanced: ranks waited "), str(verdict)
     assert out["ep"].verdict == "compute-bound", out["ep"]       # the rank's own view: it hardly waited
+
+
+def test_a_window_too_small_for_the_round_trip_is_named(spark, start_broker_process):
+    """A rank whose window is one batch (``prefetch=1, prefetch_bytes=0``) and whose loop takes no time waits a
+    round trip for every batch while the broker, full, holds batches for it: input-bound on the window, not on
+    Spark."""
+    broker = start_broker_process("--max-buffer", "64KiB")
+    out: dict = {}
+    rank = consume(broker.ranks, "window", 0.0, out, prefetch=1, prefetch_bytes=0)
+    df = spark.range(6_000, numPartitions=2).selectExpr("id", "array_repeat(cast(id as float), 16) as x")
+    report = feed(df, broker.feed, stream="window", batch_size=10, pack_bytes=0, timeout=60)
+    rank.join(60)
+    np.testing.assert_array_equal(np.sort(out["ids"]), np.arange(6_000))
+    verdict = report.verdict
+    assert (verdict.kind, verdict.window) == ("input-bound", True), (report, verdict)
+    assert report.queued_share is not None and report.queued_share > 0.5, report
+    assert str(verdict).startswith("input-bound on the window round trip: ") and "prefetch" in str(verdict)

@@ -77,6 +77,14 @@ def test_the_pipeline_verdict_names_who_to_look_at():
     assert waited.data_wait_share == pytest.approx(0.25)
     assert str(waited) == ("input-bound: ranks waited 25% of their step time for data, Spark held back 2%; slowest "
                            "Spark tasks: partition 2 on exec-b (12.5 s), partition 0 on exec-a (3.0 s)")
+    assert not waited.window
+    # most of the ranks' wait passed while the broker held batches for them: the window round trip, not Spark
+    window = of_pipeline([RankWaits(0, 3.0, 0.0, 10.0)], 0.6, tasks, queued_share=0.9)
+    assert (window.kind, window.window) == ("input-bound", True)
+    assert str(window) == ("input-bound on the window round trip: ranks waited 30% of their step time for data, "
+                           "Spark held back 60% while the broker held batches for them (raise BatchStream's "
+                           "prefetch or prefetch_bytes)")
+    assert not of_pipeline([RankWaits(0, 3.0, 0.0, 10.0)], 0.0, tasks, queued_share=0.4).window
     # Spark held back: the ranks are behind, the one with the most step time named (the other waits for it)
     behind = of_pipeline([RankWaits(0, 0.1, 4.0, 6.0), RankWaits(1, 0.1, 0.0, 10.0)], 0.6, tasks)
     assert (behind.kind, behind.slowest_rank) == ("compute-bound", 1)
@@ -128,3 +136,7 @@ def test_sparkbus_status_says_why_each_stream_waits():
     both = totals({"a": figures(1.0, 2.0), "b": figures(1.0, 1.0)})
     assert both["streams"]["train"]["verdict"]["kind"] == "input-bound"     # 0.5 s of data wait each over 1 + 2 s
     assert both["streams"]["train"]["verdict"]["data_wait_share"] == pytest.approx(1.0 / 3.0, abs=1e-4)
+    assert not both["streams"]["train"]["verdict"]["window"]          # nothing queued: the ranks waited for Spark
+    held = figures(1.0, 2.0)
+    held["streams"]["train"]["epochs"] = {"0": {"queued": 5}}
+    assert with_verdicts(held)["verdicts"]["train"]["window"] is True
