@@ -152,3 +152,15 @@ def test_the_plan_is_a_function_of_the_seed_not_of_the_order_of_the_sources():
             np.testing.assert_array_equal(x, y)
         np.testing.assert_array_equal(a[0], c[0])                   # the same counts and layout
         assert (a[1] != c[1]).any()                                  # other rows in the slots
+
+
+@pytest.mark.parametrize("counts", [(7, 3), (717, 307), (4, 3, 3), (10, 20, 30, 40), (1, 99)])
+def test_any_run_of_consecutive_slots_holds_each_share_within_two_rows(counts):
+    """What a token-budget batch holds (docs/MIXTURES.md): a run of slots, across windows, of any length."""
+    layout = np.tile(smooth_layout(counts), 3)
+    window = sum(counts)
+    for s, c in enumerate(counts):
+        seen = np.concatenate([[0], np.cumsum(layout == s)])
+        for length in range(1, 2 * window + 1, max(1, window // 50)):
+            run = seen[length:] - seen[:-length]           # every run of this length
+            assert np.all(np.abs(run - length * c / window) < 2), (s, length)
