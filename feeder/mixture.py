@@ -34,6 +34,7 @@ import xxhash
 
 from sparkbus.feeder.driver import FeedReport, feed, feed_watched
 from sparkbus.feeder.epochs import FedEpochs, default_partitions, resumed_epoch
+from sparkbus.feeder.jobs import with_partitions
 from sparkbus.wire.errors import BrokerError
 
 log = logging.getLogger("sparkbus.feeder")
@@ -124,42 +125,36 @@ class PassPermutation:
     def _half(self) -> int:
         return max(1, (max(self.n - 1, 1).bit_length() + 1) // 2)
 
-    def _rounds(self, x: np.ndarray, keys: Sequence[np.uint64]) -> np.ndarray:
-        half = np.uint64(self._half)
-        mask = np.uint64((1 << self._half) - 1)
+    def _forward(self, x: np.ndarray) -> np.ndarray:
+        half, mask = np.uint64(self._half), np.uint64((1 << self._half) - 1)
         left, right = x >> half, x & mask
-        for key in keys:
+        for key in self._keys:
             left, right = right, left ^ (_mix(right ^ key) & mask)
         return (left << half) | right
 
-    def _walk(self, x: np.ndarray, keys: Sequence[np.uint64]) -> np.ndarray:
-        x = self._rounds(np.asarray(x, dtype=np.uint64), keys)
+    def _backward(self, x: np.ndarray) -> np.ndarray:
+        # the rounds in reverse, each undone (left and right swap roles)
+        half, mask = np.uint64(self._half), np.uint64((1 << self._half) - 1)
+        left, right = x >> half, x & mask
+        for key in reversed(self._keys):
+            left, right = right ^ (_mix(left ^ key) & mask), left
+        return (left << half) | right
+
+    def _walk(self, x: np.ndarray, rounds: Callable[[np.ndarray], np.ndarray]) -> np.ndarray:
+        """``rounds`` on the power-of-two domain, applied again to what falls outside ``0 .. n - 1`` (cycle walking:
+        a bijection of the range, since each cycle that leaves it comes back)."""
+        x = rounds(np.asarray(x, dtype=np.uint64))
         out = x >= np.uint64(self.n)
         while out.any():
-            x[out] = self._rounds(x[out], keys)
+            x[out] = rounds(x[out])
             out = x >= np.uint64(self.n)
         return x.astype(np.int64)
 
     def forward(self, rows: np.ndarray) -> np.ndarray:
-        return self._walk(rows, self._keys)
+        return self._walk(rows, self._forward)
 
     def backward(self, positions: np.ndarray) -> np.ndarray:
-        # the inverse network: the rounds in reverse, each undone (left and right swap roles)
-        half = np.uint64(self._half)
-        mask = np.uint64((1 << self._half) - 1)
-
-        def undo(x: np.ndarray, keys: Sequence[np.uint64]) -> np.ndarray:
-            left, right = x >> half, x & mask
-            for key in reversed(keys):
-                left, right = right ^ (_mix(left ^ key) & mask), left
-            return (left << half) | right
-
-        x = undo(np.asarray(positions, dtype=np.uint64), self._keys)
-        out = x >= np.uint64(self.n)
-        while out.any():
-            x[out] = undo(x[out], self._keys)
-            out = x >= np.uint64(self.n)
-        return x.astype(np.int64)
+        return self._walk(positions, self._backward)
 
 
 @dataclass(frozen=True)
@@ -426,15 +421,13 @@ def feed_mixture(sources: Mapping[str, Any], address: str | Sequence[str] | None
             column named like the internal ones; ``resume`` of another stream or outside the epochs.
         BrokerError, FeedError, TypeError: as :func:`feeder.feed`.
     """
-    if not sources:
-        raise ValueError("feed_mixture needs at least one source")
+    check_sources(sources, weights, source_column, slot_column)
     if epochs < 0 or first_epoch < 0:
         raise ValueError(f"epochs ({epochs}) and first_epoch ({first_epoch}) must not be negative")
-    columns = {name: list(df.columns) for name, df in sources.items()}
-    if len({tuple(sorted(c)) for c in columns.values()}) > 1:
-        raise ValueError(f"the sources' columns differ: {columns}")
-    if source_column in next(iter(columns.values())):
-        raise ValueError(f"the sources have a column {source_column!r}: pass another source_column=")
+    start = first_epoch if resume is None else resumed_epoch(resume, stream)
+    if not first_epoch <= start < first_epoch + max(epochs, 1):
+        raise ValueError(f"resume at epoch {start} is not one of the epochs to feed, {first_epoch} to "
+                         f"{first_epoch + epochs - 1}")
     batch_size = feed_kwargs.get("batch_size", 1024)
     by_tokens = feed_kwargs.get("batch_tokens") is not None
     if window is None:
@@ -452,17 +445,14 @@ def feed_mixture(sources: Mapping[str, Any], address: str | Sequence[str] | None
     log.info("stream %r: a mixture of %s, %s rows per window of %d, %d rows an epoch in %d partitions, seed %d",
              stream, ", ".join(plan.names), "/".join(map(str, plan.counts)), plan.window, plan.rows_per_epoch,
              len(keys), seed)
-    start = first_epoch if resume is None else resumed_epoch(resume, stream)
-    if not first_epoch <= start < first_epoch + max(epochs, 1):
-        raise ValueError(f"resume at epoch {start} is not one of the epochs to feed, {first_epoch} to "
-                         f"{first_epoch + epochs - 1}")
     # the loop of feed_epochs (feeder/epochs.py), with a DataFrame of its own each epoch
     reports = []
     watching = feed_kwargs.get("recover", True) and epochs > 0
     fed = FedEpochs(address, stream, feed_kwargs) if watching else None
     try:
         for epoch in range(start, first_epoch + epochs):
-            data = mixture_epoch(indexed, plan, epoch, block, keys, source_column, slot_column)
+            data = with_partitions(mixture_epoch(indexed, plan, epoch, block, keys, source_column, slot_column),
+                                   len(keys))
             again = resume is not None and epoch == start
             if fed is None:
                 report = feed(data, address, stream=stream, epoch=epoch, resume=again, **feed_kwargs)
@@ -490,6 +480,29 @@ def feed_mixture(sources: Mapping[str, Any], address: str | Sequence[str] | None
         if fed is not None:
             fed.close()
     return reports
+
+
+
+def check_sources(sources: Mapping[str, Any], weights: Mapping[str, float], source_column: str,
+                  slot_column: str | None) -> None:
+    """What ``feed_mixture`` refuses before any Spark job: no source, weights not one per source, sources of other
+    columns, a column named like the source or slot column.
+
+    Raises:
+        ValueError: saying which.
+    """
+    if not sources:
+        raise ValueError("feed_mixture needs at least one source")
+    if set(weights) != set(sources):
+        raise ValueError(f"weights are for {sorted(weights)}, the sources are {sorted(sources)}: give one weight per "
+                         f"source")
+    columns = {name: list(df.columns) for name, df in sources.items()}
+    if len({tuple(sorted(c)) for c in columns.values()}) > 1:
+        raise ValueError(f"the sources' columns differ: {columns}")
+    clash = [c for c in (source_column, slot_column) if c and c in next(iter(columns.values()))]
+    if clash or source_column == slot_column:
+        raise ValueError(f"the sources have a column {(clash or [source_column])[0]!r}: pass another "
+                         f"source_column= or slot_column=")
 
 
 __all__ = ["MixturePlan", "PassPermutation", "feed_mixture", "mixture_epoch", "window_counts", "smooth_layout"]

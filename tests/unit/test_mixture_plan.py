@@ -9,6 +9,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from sparkbus import feed_mixture
 from sparkbus.feeder.mixture import MixturePlan, PassPermutation, block_rows, exact_window, smooth_layout, window_counts
 
 pytestmark = pytest.mark.timeout(60)
@@ -164,3 +165,25 @@ def test_any_run_of_consecutive_slots_holds_each_share_within_two_rows(counts):
         for length in range(1, 2 * window + 1, max(1, window // 50)):
             run = seen[length:] - seen[:-length]           # every run of this length
             assert np.all(np.abs(run - length * c / window) < 2), (s, length)
+
+
+class Frame:
+    """Stands in for a DataFrame where feed_mixture refuses before any Spark job."""
+
+    def __init__(self, *columns: str) -> None:
+        self.columns = list(columns)
+
+
+@pytest.mark.parametrize("sources, weights, more, message", [
+    ({}, {}, {}, "at least one source"),
+    ({"a": Frame("x"), "b": Frame("x")}, {"a": 1}, {}, "one weight per source"),
+    ({"a": Frame("x"), "b": Frame("y")}, {"a": 1, "b": 1}, {}, "columns differ"),
+    ({"a": Frame("source"), "b": Frame("source")}, {"a": 1, "b": 1}, {}, "another source_column"),
+    ({"a": Frame("x")}, {"a": 1}, {"slot_column": "x"}, "another source_column= or slot_column="),
+    ({"a": Frame("x"), "b": Frame("x")}, {"a": 0.999, "b": 0.001}, {"batch_size": 64}, "larger window"),
+    ({"a": Frame("x")}, {"a": 1}, {"resume": {"stream": "other", "epoch": 0}}, "of stream 'other'"),
+    ({"a": Frame("x")}, {"a": 1}, {"resume": 3, "epochs": 2}, "not one of the epochs"),
+])
+def test_feed_mixture_refuses_before_any_spark_job_saying_why(sources, weights, more, message):
+    with pytest.raises(ValueError, match=message):
+        feed_mixture(sources, "tcp://127.0.0.1:1", weights=weights, **more)
