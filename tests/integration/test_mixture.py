@@ -2,7 +2,8 @@
 local mode, two ranks under ``mpiexec``. Every assertion is exact: each slot of each epoch delivered once, holding
 the (source, row, pass) the plan puts there; every window's counts exact, and every batch a whole window; a
 mid-epoch checkpoint resumed delivers exactly the slots the checkpoint had not used, and the next epoch goes on
-with the plan (the small source's passes numbered on).
+with the plan (the small source's passes numbered on); a broker killed while the ranks train the mixture costs a
+recomputation of the epoch's DataFrame from Spark's lineage, and every slot is still trained once.
 
 The sources' rows are numbered apart (``web`` 0..999, ``code`` 10,000..10,089), and the ranks record each row's
 slot in its epoch as ``id`` (``slot_column="id"``): what a rank's checkpoint saves is then the slots it used.
@@ -11,11 +12,14 @@ slot in its epoch as ``id`` (``slot_column="id"``): what a rank's checkpoint sav
 from __future__ import annotations
 
 import json
+import threading
 
 import numpy as np
 import pytest
 
 from sparkbus import MixturePlan, feed_mixture
+
+from harness import wait_for
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -38,8 +42,8 @@ def plan() -> MixturePlan:
 
 
 def options(stream: str, **more) -> dict:
-    return dict(weights=WEIGHTS, rows_per_epoch=ROWS, stream=stream, seed=SEED, slot_column="id", batch_size=BATCH,
-                timeout=60, **more)
+    return {**dict(weights=WEIGHTS, rows_per_epoch=ROWS, stream=stream, seed=SEED, slot_column="id", batch_size=BATCH,
+                   timeout=60), **more}
 
 
 def assert_the_plan(slots: np.ndarray, rows: np.ndarray, epoch: int, names: list[str] | None = None) -> None:
@@ -128,3 +132,42 @@ def test_a_mid_epoch_checkpoint_resumes_the_mixture_exactly(spark, start_broker_
     assert len({s["epochs"][0]["batches"] for s in summaries}) == 1, "equal steps after the resume"
     assert_the_plan(np.concatenate([second.epoch(r, 1)["id"] for r in range(2)]),
                     np.concatenate([second.epoch(r, 1)["row"] for r in range(2)]), 1)
+
+
+def test_a_broker_lost_mid_epoch_is_recovered_from_the_mixtures_lineage(spark, start_broker_process, start_ranks):
+    """The epoch is fed (the broker holds it all) and the ranks train it slowly; the broker is killed without a
+    journal and restarted: ``feed_mixture(wait_delivered=True)`` watches the epoch, recomputes the partitions no
+    broker holds from the same plan, and the ranks train every slot once (what they had used is not sent again)."""
+    broker = start_broker_process("--heartbeat", "200ms")
+    ranks = start_ranks(2, broker.ranks, "--stream", "lineage-mix", "--slow-rank", "0", "--slow-seconds", "0.2")
+    result: dict = {}
+
+    def run() -> None:
+        try:
+            result["reports"] = feed_mixture(sources(spark), broker.feed, wait_delivered=True,
+                                             **options("lineage-mix", pack_bytes=0, timeout=10))
+        except BaseException as exc:        # raised in the test below
+            result["error"] = exc
+
+    feeding = threading.Thread(target=run)
+    feeding.start()
+
+    def acked() -> int:
+        epochs = broker.stats()["streams"].get("lineage-mix", {}).get("epochs", {})
+        return epochs.get("0", {}).get("acked", 0)
+
+    wait_for(lambda: acked() >= 6 or not feeding.is_alive(), 120, "some batches of the mixture trained")
+    assert "error" not in result and feeding.is_alive(), result
+    broker.proc.kill()                               # kill -9, mid-epoch, no journal: its state is gone
+    broker.proc.wait(5)
+    broker.restart()
+    feeding.join(200)
+    assert not feeding.is_alive(), "feed_mixture did not finish"
+    if "error" in result:
+        raise result["error"]
+    summaries = ranks.wait(150)
+    assert len({s["epochs"][0]["batches"] for s in summaries}) == 1, "equal steps"
+    data = [ranks.epoch(r, 0) for r in range(2)]
+    assert_the_plan(np.concatenate([d["id"] for d in data]), np.concatenate([d["row"] for d in data]), 0)
+    end = broker.stats()["streams"]["lineage-mix"]["epochs"]["0"]
+    assert end["adopted"] >= 6 - 2, end      # what the ranks had trained before the kill was not sent again
