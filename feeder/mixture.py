@@ -12,9 +12,9 @@ The plan, in short:
   slot ``i`` of an epoch is (source ``s``, its ``d``-th draw of the epoch).
 - **Draws and passes.** Source ``s`` draws ``D_s`` rows an epoch; its ``k``-th draw since the first epoch
   (``k = epoch * D_s + d``) is in pass ``p = k // n_s``, at position ``k % n_s`` of that pass's order: a
-  permutation of the source's ``n_s`` rows fixed by ``(seed, source, p)``, so reshuffled for every pass. Passes count on across epochs: a large
-  source is read without replacement until its pass ends (which may be epochs later), a small one repeats, each
-  repetition in a new order.
+  permutation of the source's ``n_s`` rows fixed by ``(seed, source, p)``, so reshuffled for every pass. Passes
+  count on across epochs: a large source is read without replacement until its pass ends (which may be epochs
+  later), a small one repeats, each repetition in a new order.
 - **Rows.** A source's row ``j`` is its ``j``-th row in partition order (``spark_partition_id`` and
   ``monotonically_increasing_id``, with offsets counted once): a source must give the same rows in the same
   partitions in the same order whenever Spark computes it (read from files or a table, ``spark.range``, cached).
