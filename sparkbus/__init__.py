@@ -12,6 +12,7 @@ imports neither pyspark, mpi4py nor torch; those are imported where they are use
 from sparkbus.broker.config import BrokerConfig
 from sparkbus.feeder import DivergedPartitionsWarning, FeedReport, NoRanksWarning, epoch_order, feed, feed_epochs
 from sparkbus.feeder.elastic import feed_elastic
+from sparkbus.feeder.mixture import MixturePlan, feed_mixture
 from sparkbus.wire.errors import (
     AuthError,
     BrokerError,
@@ -31,7 +32,6 @@ __version__ = "0.3.0"
 
 __all__ = ["AuthError", "BatchStream", "BrokerConfig", "BrokerError", "BrokerUnreachable", "Carry",
            "DivergedPartitionsWarning", "ElasticCheckpoints", "EpochStats", "FeedError", "FeedReport", "FeedTimeout",
-           "NoRanksWarning",
-           "Packed", "ProtocolError", "RaggedColumn", "ShuffleBuffer", "SparkbusError", "StreamStats", "VERSION",
-           "VersionMismatch", "epoch_order", "feed", "feed_elastic", "feed_epochs", "pack", "pad",
-           "shuffled"]
+           "MixturePlan", "NoRanksWarning", "Packed", "ProtocolError", "RaggedColumn", "ShuffleBuffer", "SparkbusError",
+           "StreamStats", "VERSION", "VersionMismatch", "epoch_order", "feed", "feed_elastic", "feed_epochs",
+           "feed_mixture", "pack", "pad", "shuffled"]
