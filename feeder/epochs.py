@@ -173,15 +173,29 @@ def feed_epochs(df: Any, address: str | Sequence[str] | None, epochs: int, strea
     if not first_epoch <= start < first_epoch + max(epochs, 1):
         raise ValueError(f"resume at epoch {start} is not one of the epochs to feed, {first_epoch} to "
                          f"{first_epoch + epochs - 1}")
+
+    def epoch_data(epoch: int) -> Any:
+        data = epoch_order(df, epoch, seed, key, partitions) if shuffle else df
+        return with_partitions(data, partitions) if partitions is not None else data
+
+    return feed_each_epoch(epoch_data, address, stream, range(start, first_epoch + epochs),
+                           resume is not None, feed_kwargs, on_epoch, wait_delivered)
+
+
+def feed_each_epoch(epoch_data: Callable[[int], Any], address: str | Sequence[str] | None, stream: str,
+                    epochs: range, resume: bool, feed_kwargs: dict[str, Any],
+                    on_epoch: Callable[[int, FeedReport], None] | None = None,
+                    wait_delivered: bool = False) -> list[FeedReport]:
+    """The loop of :func:`feed_epochs` (and of ``feed_mixture``): each epoch's data (``epoch_data(epoch)``, the
+    same whenever it is asked for) fed in turn, the first as a resume if ``resume``; the epochs fed before
+    watched (:class:`FedEpochs`) and fed again from a lost broker, until delivered."""
     reports = []
-    watching = feed_kwargs.get("recover", True) and epochs > 0
+    watching = feed_kwargs.get("recover", True) and len(epochs) > 0
     fed = FedEpochs(address, stream, feed_kwargs) if watching else None
     try:
-        for epoch in range(start, first_epoch + epochs):
-            data = epoch_order(df, epoch, seed, key, partitions) if shuffle else df
-            if partitions is not None:
-                data = with_partitions(data, partitions)
-            again = resume is not None and epoch == start
+        for epoch in epochs:
+            data = epoch_data(epoch)
+            again = resume and epoch == epochs.start
             if fed is None:
                 report = feed(data, address, stream=stream, epoch=epoch, resume=again, **feed_kwargs)
             else:

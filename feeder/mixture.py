@@ -32,10 +32,9 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from sparkbus.feeder.driver import FeedReport, feed, feed_watched
-from sparkbus.feeder.epochs import FedEpochs, default_partitions, resumed_epoch
+from sparkbus.feeder.driver import FeedReport
+from sparkbus.feeder.epochs import default_partitions, feed_each_epoch, resumed_epoch
 from sparkbus.feeder.jobs import with_partitions
-from sparkbus.wire.errors import BrokerError
 
 log = logging.getLogger("sparkbus.feeder")
 
@@ -445,42 +444,12 @@ def feed_mixture(sources: Mapping[str, Any], address: str | Sequence[str] | None
     log.info("stream %r: a mixture of %s, %s rows per window of %d, %d rows an epoch in %d partitions, seed %d",
              stream, ", ".join(plan.names), "/".join(map(str, plan.counts)), plan.window, plan.rows_per_epoch,
              len(keys), seed)
-    # the loop of feed_epochs (feeder/epochs.py), with a DataFrame of its own each epoch
-    reports = []
-    watching = feed_kwargs.get("recover", True) and epochs > 0
-    fed = FedEpochs(address, stream, feed_kwargs) if watching else None
-    try:
-        for epoch in range(start, first_epoch + epochs):
-            data = with_partitions(mixture_epoch(indexed, plan, epoch, block, keys, source_column, slot_column),
-                                   len(keys))
-            again = resume is not None and epoch == start
-            if fed is None:
-                report = feed(data, address, stream=stream, epoch=epoch, resume=again, **feed_kwargs)
-            else:
-                fed.check()
-                while True:
-                    try:
-                        report = feed_watched(data, address, stream, epoch, on_recovery=fed.recover, resume=again,
-                                              without=fed.gone(), **feed_kwargs)
-                        break
-                    except BrokerError as exc:
-                        if exc.code is not None or not fed.lost_another():
-                            raise
-            log.info("stream %r mixture epoch %d fed: %d rows in %d batches in %.1f s", stream, epoch, report.rows,
-                     report.batches, report.seconds)
-            reports.append(report)
-            if fed is not None:
-                fed.add(epoch, data)
-                fed.check()
-            if on_epoch is not None:
-                on_epoch(epoch, report)
-        while fed is not None and wait_delivered and fed.pending:
-            fed.wait()
-    finally:
-        if fed is not None:
-            fed.close()
-    return reports
-
+    # the loop of feed_epochs, with a DataFrame of its own each epoch
+    return feed_each_epoch(
+        lambda epoch: with_partitions(mixture_epoch(indexed, plan, epoch, block, keys, source_column, slot_column),
+                                      len(keys)),
+        address, stream, range(start, first_epoch + epochs), resume is not None, feed_kwargs, on_epoch,
+        wait_delivered)
 
 
 def check_sources(sources: Mapping[str, Any], weights: Mapping[str, float], source_column: str,
