@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from sparkbus.cli_help import HelpFormatter
-from sparkbus.progress import epoch_label
+from sparkbus.progress import epoch_label, waited_line
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -97,7 +97,8 @@ def run_feed(args: argparse.Namespace) -> int:
         feed_elastic(data, args.feed, args.checkpoints, args.epochs, stream=args.stream, shuffle_seed=args.seed,
                      key=["id"], batch_size=args.batch_size, timeout=args.timeout,
                      on_epoch=lambda e, r: print(f"fed {epoch_label(e, args.epochs)}: {r.rows:,} rows in "
-                                                 f"{r.batches} batches in {r.seconds:.1f} s", flush=True))
+                                                 f"{r.batches} batches in {r.seconds:.1f} s\n"
+                                                 f"{waited_line(e, args.epochs, r)}", flush=True))
     finally:
         spark.stop()
     return 0

@@ -396,6 +396,10 @@ def test_the_quick_demo_runs_from_the_wheel(installed):
     assert "epoch 0 (1 of 2)" in result.stdout and "epoch 1 (2 of 2)" in result.stdout
     assert not re.search(r"epoch \d+/\d+", result.stdout), result.stdout[-4000:]
     assert "start-up" in result.stdout and "rank 0: start-up" in result.stdout
+    # after each epoch, one line saying why training waited (FeedReport.verdict)
+    for label in ("epoch 0 (1 of 2)", "epoch 1 (2 of 2)"):
+        assert re.search(rf"why training waited in {re.escape(label)}: (input-bound|compute-bound|balanced)",
+                         result.stdout), result.stdout[-4000:]
 
 
 @pytest.mark.slow
