@@ -64,6 +64,18 @@ class DivergedPartitionsWarning(UserWarning):
 SLOWEST_TASKS = 3           # the slowest feeding tasks a FeedReport names
 
 
+class TaskTiming(NamedTuple):
+    """One feeding task that Spark declared successful: its partition, the executor's host, when it began (the
+    executor's clock, ``time.time()``), its seconds and, of them, the seconds its sends were held back by full
+    brokers."""
+
+    partition: int
+    host: str
+    started: float
+    seconds: float
+    blocked: float
+
+
 class FeedReport(NamedTuple):
     """What :func:`feed` sent: partitions, batches, rows, payload bytes, wall-clock seconds, and the partitions
     whose task attempts produced different batches (see :class:`DivergedPartitionsWarning`)."""
@@ -80,6 +92,7 @@ class FeedReport(NamedTuple):
     slowest: tuple[tuple[int, str, float], ...] = ()   # the slowest tasks: (partition, executor host, seconds)
     ranks: tuple[RankWaits, ...] = ()   # each rank's seconds while this feed ran: data wait, peer wait, own work
     queued_share: float | None = None   # ... the share of their data wait while the brokers held batches for them
+    tasks: tuple[TaskTiming, ...] = ()  # every feeding task, by partition: host, start, seconds, held back
 
     @property
     def backpressure(self) -> float:
@@ -346,9 +359,11 @@ def _feed(data: Any, options: FeedOptions, run: EpochRun = NO_RUN) -> FeedReport
     streamed = [r for r in reports if r.attempt != -1]
     slowest = tuple((r.partition, r.host, round(r.seconds, 3))
                     for r in sorted(streamed, key=lambda r: r.seconds, reverse=True)[:SLOWEST_TASKS])
+    tasks = tuple(TaskTiming(r.partition, r.host, r.started, round(r.seconds, 3), round(r.blocked, 3))
+                  for r in sorted(streamed, key=lambda r: r.partition))
     return FeedReport(partitions, batches, rows, nbytes, time.monotonic() - started, differed, tuple(shares),
                       sum(r.seconds for r in streamed), sum(r.blocked for r in streamed), slowest, waits.spans(),
-                      waits.queued_share())
+                      waits.queued_share(), tasks)
 
 
 def _feed_unwatched(job: FeedJob, clients: list[ControlClient], brokers: list[dict], stream: str,
@@ -382,5 +397,5 @@ def _cut_short_partitions(diverged: set[int]) -> str:
 
 
 # check_spark_type and prepare_dataframe live in feeder.schema now; importable from here as before
-__all__ = ["feed", "FeedReport", "DivergedPartitionsWarning", "NoRanksWarning", "check_spark_type", "prepare_dataframe",
-           "is_connect_dataframe"]
+__all__ = ["feed", "FeedReport", "TaskTiming", "DivergedPartitionsWarning", "NoRanksWarning", "check_spark_type",
+           "prepare_dataframe", "is_connect_dataframe"]

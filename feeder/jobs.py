@@ -14,7 +14,7 @@ import secrets
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, get_type_hints
 
 from sparkbus.feeder.columns import partition_messages, record_batches_from_rows
 from sparkbus.feeder.commits import AccumulatorReports, ReportChannel, StreamedReports
@@ -35,8 +35,10 @@ class FeedJob(NamedTuple):
     reports: ReportChannel | None = None
 
 
-REPORT_SCHEMA = ("partition long, batches long, rows long, bytes long, seconds double, broker long, attempt long, "
-                 "messages long, blocked double, host string")
+# PartitionReport's fields as Spark and Arrow types: a DataFrame's feeding tasks return their reports as rows
+REPORT_TYPES = {int: ("long", "int64"), float: ("double", "float64"), str: ("string", "string")}
+REPORT_FIELDS = tuple(get_type_hints(PartitionReport).items())
+REPORT_SCHEMA = ", ".join(f"{name} {REPORT_TYPES[kind][0]}" for name, kind in REPORT_FIELDS)
 ARROW_BATCH_CONF = "spark.sql.execution.arrow.maxRecordsPerBatch"
 SPARK_ARROW_BATCH_ROWS = 10_000         # Spark's default of that setting
 
@@ -133,10 +135,7 @@ def dataframe_job(df: Any, columns: Sequence[str] | None, cutting: dict, run: in
     import pyarrow as pa
 
     prepared = prepare_dataframe(df, columns, cutting["ragged"], cutting["bucket_by"], cutting["tokens_by"])
-    report_schema = pa.schema([("partition", pa.int64()), ("batches", pa.int64()), ("rows", pa.int64()),
-                               ("bytes", pa.int64()), ("seconds", pa.float64()), ("broker", pa.int64()),
-                               ("attempt", pa.int64()), ("messages", pa.int64()), ("blocked", pa.float64()),
-                               ("host", pa.string())])
+    report_schema = pa.schema([(name, getattr(pa, REPORT_TYPES[kind][1])()) for name, kind in REPORT_FIELDS])
     accumulated = channel if isinstance(channel, AccumulatorReports) else None
     epoch = settings["epoch"]
 

@@ -51,6 +51,7 @@ class PartitionReport(NamedTuple):
     blocked: float = 0.0    # seconds held back by a full broker (backpressure: the ranks were slower): its blocked
                             # sends and the wait for PARTITION_END's answer, which comes once the broker holds all
     host: str = ""          # the executor's host
+    started: float = 0.0    # when the task began (time.time() on the executor's clock); it ended ``seconds`` later
 
 
 def stream_partition(batches: Iterable[dict], feed_address: str | Sequence[str],
@@ -98,7 +99,7 @@ def stream_messages(messages: Iterable[Message] | Iterable[tuple[dict[str, Any],
         BrokerError: a broker is unreachable, speaks another protocol version, or refused the commit.
         FeedTimeout: the broker stayed full (no batch taken) for longer than ``timeout``.
     """
-    started = time.monotonic()
+    started, began = time.monotonic(), time.time()
     feeds, controls = feed_and_control_addresses(feed_address, control_address)
     context: zmq.Context = zmq.Context.instance()
     with ExitStack() as clients:
@@ -144,7 +145,7 @@ def stream_messages(messages: Iterable[Message] | Iterable[tuple[dict[str, Any],
         finally:
             push.close(linger=0)    # after the commit nothing is left in it; on failure Spark retries
     return PartitionReport(partition, count, rows, nbytes, time.monotonic() - started, index, attempt,
-                           messages_sent, blocked, socket.gethostname())
+                           messages_sent, blocked, socket.gethostname(), began)
 
 
 def _rows(columns: dict[str, Any]) -> int:

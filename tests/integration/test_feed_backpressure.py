@@ -57,6 +57,7 @@ def test_a_slow_loop_backpressures_the_feed_and_the_rank_is_compute_bound(spark,
 def test_a_slow_partition_leaves_the_rank_input_bound_and_the_feed_unhindered(spark, start_broker_process):
     broker = start_broker_process()
     out: dict = {}
+    began = time.time()
     rank = consume(broker.ranks, "slow-spark", 0.0, out)
     # 3 partitions of 500 rows; partition 2 takes 0.5 s per batch of 100 (2.5 s): the rank has the others'
     # batches early, then waits for Spark
@@ -68,6 +69,11 @@ def test_a_slow_partition_leaves_the_rank_input_bound_and_the_feed_unhindered(sp
     # the slow partition named: at least three of its sleeps fall in its feeding task's time (the first batch can
     # be made before the task's clock starts, in Spark's Python worker for mapInArrow)
     assert report.slowest[0][0] == 2 and report.slowest[0][2] >= 1.5, report
+    # every task: its partition, host, start on the executor's clock, seconds, and seconds held back
+    assert [t.partition for t in report.tasks] == [0, 1, 2], report.tasks
+    assert all(t.host == socket.gethostname() and began <= t.started <= time.time() and 0 <= t.blocked <= t.seconds
+               for t in report.tasks), report.tasks
+    assert max(report.tasks, key=lambda t: t.seconds).partition == 2
     ep = out["ep"]
     assert ep.verdict == "input-bound", ep
     assert ep.data_wait_seconds >= 0.5, ep
