@@ -1,18 +1,19 @@
 """What the ledger's rules share: its streams and ranks, the bytes it holds, its observers, and the feed gate.
 
-:class:`Books` is the base of the ledger's parts (``partitions``, ``rejoin``, ``dispatch``; assembled in
-``broker.ledger``). It owns the state every rule reads and the transitions every part ends with: batches consumed
-(their bytes freed, the acknowledgement observed), epochs retired, streams retired, and whether the feed may be
-read.
+:class:`Books` is the one state object of the ledger. Each rule object (``partitions``, ``dispatch``, ``grants``,
+``rejoin``, ``recovery``, ``matching``; composed in ``broker.ledger``) holds it and acts on it. It owns the state
+every rule reads and the transitions every rule ends with: batches consumed (their bytes freed, the
+acknowledgement observed), epochs retired, streams retired, and whether the feed may be read.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol
 
 from sparkbus.broker.events import BatchesAcked, EpochRetired, Event, Observer
 from sparkbus.broker.journal import RETIRED_KEEP_STATS, DeliveredEpochs, EpochRanges, Journal
@@ -41,14 +42,22 @@ class Outcome(Enum):
 Transmit = Callable[[bytes, list[Any]], Outcome]
 
 
+class RankGone(Protocol):
+    """The ledger's "a rank is gone" (:meth:`broker.ledger.Ledger.rank_gone`), handed to the rules that find one
+    gone while they send: every rule that follows from it runs, in the ledger's order."""
+
+    def __call__(self, identity: bytes, why: str, keep: bool = True) -> None: ...
+
+
 class Books:
-    """The state of the ledger and the transitions its parts share.
+    """The state of the ledger and the transitions its rules share.
 
     Args:
         max_buffer: bytes of batches held before the feed is paused (None: never).
+        rejoin_grace: seconds a lost rank's batches wait for it.
     """
 
-    def __init__(self, max_buffer: int | None = None):
+    def __init__(self, max_buffer: int | None = None, rejoin_grace: float = 10.0):
         self.streams: dict[str, StreamState] = {}
         self.ranks: dict[bytes, RankState] = {}      # by connection identity on the ranks socket
         self.buffered = 0          # bytes of batches held: queued, in flight, or awaiting an atomic commit
@@ -56,12 +65,14 @@ class Books:
         self.max_buffer = max_buffer
         self.feed_paused = False   # as last decided by update_feed_gate
         self._observers: list[Observer] = []
-        self._muted = False        # replaying: what is applied is already in the journal
+        self.muted = False        # replaying: what is applied is already in the journal
         self._stall_warned = float("-inf")
         self.keep_epochs = KEEP_EPOCHS     # delivered epochs per stream whose figures are kept (StreamState.finished)
         self.retired: OrderedDict[str, EpochRanges] = OrderedDict()   # streams retired: the epochs they delivered
         self.retired_count = 0             # streams retired since the start
         self.journal: Journal | None = None    # the ledger's, if it keeps one
+        self.rejoin_grace = rejoin_grace
+        self.started = time.monotonic()      # independent consumers of a broker just (re)started may be coming back
 
     # ---- observers --------------------------------------------------------------------------------------
 
@@ -70,12 +81,12 @@ class Books:
         self._observers.append(observer)
 
     @property
-    def _observed(self) -> bool:
+    def observed(self) -> bool:
         """Whether an event would reach anyone: rules on the hot path make none otherwise."""
-        return bool(self._observers) and not self._muted
+        return bool(self._observers) and not self.muted
 
-    def _emit(self, event: Event) -> None:
-        if not self._muted:
+    def emit(self, event: Event) -> None:
+        if not self.muted:
             for observer in self._observers:
                 observer(event)
 
@@ -156,7 +167,7 @@ class Books:
 
     # ---- transitions every part ends with ---------------------------------------------------------------
 
-    def _consumed(self, stream: StreamState, rank: RankState, batches: list[HeldBatch], held: bool = True) -> None:
+    def consumed(self, stream: StreamState, rank: RankState, batches: list[HeldBatch], held: bool = True) -> None:
         """Batches that ``rank`` has consumed, out of its inflight already (``held``) or found elsewhere when it
         rejoined: their bytes are free, and observers hear of it."""
         if not batches:
@@ -170,15 +181,15 @@ class Books:
                 ep.count_acked(batch)
             if batch.settle():
                 settled.append(batch)
-        if self._observed:
+        if self.observed:
             by_epoch: dict[int, list[list[int]]] = {}
             for batch in settled:
                 by_epoch.setdefault(batch.id[0], []).append(list(batch.id))
             for number, acked in by_epoch.items():
-                self._emit(BatchesAcked(stream.name, number, acked))
+                self.emit(BatchesAcked(stream.name, number, acked))
         self.retire(stream)
 
-    def _drop(self, batches: Iterable[HeldBatch], held: bool = False) -> None:
+    def drop(self, batches: Iterable[HeldBatch], held: bool = False) -> None:
         """Batches the broker lets go of without sending (``held``: copies held for an atomic commit)."""
         for batch in batches:
             self.buffered -= batch.nbytes
@@ -198,7 +209,7 @@ class Books:
                 for rank in [*stream.ranks.values(), *(o.rank for o in stream.orphans.values())]:
                     for counts in (rank.given, rank.told, rank.adopted, rank.told_adopted):
                         counts.pop(number, None)
-                self._emit(EpochRetired(stream.name, number, stats))
+                self.emit(EpochRetired(stream.name, number, stats))
 
     # ---- the feed gate ----------------------------------------------------------------------------------
 
