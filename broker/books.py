@@ -60,8 +60,10 @@ class Books:
     def __init__(self, max_buffer: int | None = None, rejoin_grace: float = 10.0):
         self.streams: dict[str, StreamState] = {}
         self.ranks: dict[bytes, RankState] = {}      # by connection identity on the ranks socket
-        self.buffered = 0          # bytes of batches held: queued, in flight, or awaiting an atomic commit
-        self.held_bytes = 0        # of which: batches of uncommitted partitions in atomic delivery
+        # Running sums, kept here only (keep, free, drop, consumed), for the feed gate on every read of the feed:
+        # the hypothesis machine (test_ledger_machine) checks them against the containers that hold the batches.
+        self._buffered = 0         # bytes of batches held: queued, in flight, or awaiting an atomic commit
+        self._held_bytes = 0       # of which: batches of uncommitted partitions in atomic delivery
         self.max_buffer = max_buffer
         self.feed_paused = False   # as last decided by update_feed_gate
         self._observers: list[Observer] = []
@@ -73,6 +75,32 @@ class Books:
         self.journal: Journal | None = None    # the ledger's, if it keeps one
         self.rejoin_grace = rejoin_grace
         self.started = time.monotonic()      # independent consumers of a broker just (re)started may be coming back
+
+    # ---- the bytes held ---------------------------------------------------------------------------------
+
+    @property
+    def buffered(self) -> int:
+        """Bytes of batches held: queued, in flight (or at a lost rank awaited), or awaiting an atomic commit."""
+        return self._buffered
+
+    @property
+    def held_bytes(self) -> int:
+        """Of :attr:`buffered`: batches of uncommitted partitions in atomic delivery."""
+        return self._held_bytes
+
+    def keep(self, nbytes: int, held: bool = False) -> None:
+        """A batch of ``nbytes`` is kept from the feed (``held``: for an atomic commit)."""
+        self._buffered += nbytes
+        if held:
+            self._held_bytes += nbytes
+
+    def unhold(self, nbytes: int) -> None:
+        """A batch held for an atomic commit is committed: still kept, no longer held."""
+        self._held_bytes -= nbytes
+
+    def free(self, nbytes: int) -> None:
+        """Batches of ``nbytes`` are let go of (consumed, adopted, forgotten), not held for a commit."""
+        self._buffered -= nbytes
 
     # ---- observers --------------------------------------------------------------------------------------
 
@@ -172,7 +200,7 @@ class Books:
         rejoined: their bytes are free, and observers hear of it."""
         if not batches:
             return
-        self.buffered -= rank.consumed(batches, held)
+        self._buffered -= rank.consumed(batches, held)
         epochs = stream.epochs
         settled = []               # whole messages consumed (a pack cut in pieces: once its last piece is)
         for batch in batches:
@@ -192,9 +220,9 @@ class Books:
     def drop(self, batches: Iterable[HeldBatch], held: bool = False) -> None:
         """Batches the broker lets go of without sending (``held``: copies held for an atomic commit)."""
         for batch in batches:
-            self.buffered -= batch.nbytes
+            self._buffered -= batch.nbytes
             if held:
-                self.held_bytes -= batch.nbytes
+                self._held_bytes -= batch.nbytes
 
     def retire(self, stream: StreamState) -> None:
         """Drop epochs that ended and were fully acknowledged, keeping their figures (the last
@@ -206,9 +234,8 @@ class Books:
                 stream.finished[number] = stats
                 del stream.epochs[number]
                 stream.reclaims.pop(number, None)
-                for rank in [*stream.ranks.values(), *(o.rank for o in stream.orphans.values())]:
-                    for counts in (rank.given, rank.told, rank.adopted, rank.told_adopted):
-                        counts.pop(number, None)
+                for rank in stream.members():
+                    rank.forget_counts(number)
                 self.emit(EpochRetired(stream.name, number, stats))
 
     # ---- the feed gate ----------------------------------------------------------------------------------

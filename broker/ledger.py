@@ -312,7 +312,7 @@ class Ledger:
         kept: deque[HeldBatch] = deque()
         for batch in ep.queue:
             if batch.id in acked:                # sent and acknowledged before the restart
-                self.books.buffered -= batch.nbytes
+                self.books.free(batch.nbytes)
                 ep.count_out(batch)
                 ep.count_acked(batch)
                 ep.acked_before[batch.id] = batch.count    # a rank that rejoins may name it as consumed

@@ -45,16 +45,13 @@ class Matching:
     def __init__(self, books: Books):
         self.books = books
 
-    def members(self, stream: StreamState) -> list[RankState]:
-        return [*stream.ranks.values(), *(o.rank for o in stream.orphans.values())]
-
     def may_release(self, stream: StreamState, ep: EpochState) -> bool:
         """Whether every member of the stream, and at least ``expected_ranks`` (one at least), said what it used of
         each loss ``ep`` waits for."""
         rec = ep.recovery
         if rec is None:
             return True
-        members = self.members(stream)
+        members = stream.members()
         if len(members) < max(stream.expected_ranks, 1):
             return False
         if stream.expected_ranks <= 1 and time.monotonic() < self.books.started + self.books.rejoin_grace:
@@ -226,7 +223,7 @@ class Matching:
         """``piece`` was used by the rank ``member`` (rank ``number``) before the loss: consumed by it; or
         (``member`` :data:`CHECKPOINT`) by the model a resume's checkpoint saved: consumed, counted for no rank."""
         ep.adopt(piece)
-        self.books.buffered -= piece.nbytes
+        self.books.free(piece.nbytes)
         if member == CHECKPOINT:
             if piece.settle() and self.books.observed:
                 self.books.emit(BatchesAcked(stream.name, ep.epoch, [list(piece.id)]))

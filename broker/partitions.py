@@ -137,18 +137,19 @@ class Partitions:
                 with, or batches, commits or claims of partitions past ``partitions``.
         """
         _, ep = self.books.epoch(name, number)
+        committed = ep.committed
         beyond = sorted(n for n in {*ep.parts, *ep.claims} if n >= partitions)
         if partitions > ep.partitions or beyond:
             past = f": partitions {beyond[:10]}{'...' if len(beyond) > 10 else ''} are past that" if beyond else ""
-            raise ProtocolError(f"stream {name!r} epoch {number}: {len(ep.committed)} of {ep.partitions} "
+            raise ProtocolError(f"stream {name!r} epoch {number}: {len(committed)} of {ep.partitions} "
                                 f"partitions committed, and the driver closes it with {partitions}{past}")
         expected = partitions if expected is None else expected
-        if len(ep.committed) != expected:
-            missing = list(itertools.islice((p for p in range(partitions) if p not in ep.committed), 10))
+        if len(committed) != expected:
+            missing = list(itertools.islice((p for p in range(partitions) if p not in committed), 10))
             if expected == partitions:
-                raise ProtocolError(f"stream {name!r} epoch {number}: {len(ep.committed)} of {partitions} "
+                raise ProtocolError(f"stream {name!r} epoch {number}: {len(committed)} of {partitions} "
                                     f"partitions committed (missing {missing}{'...' if len(missing) == 10 else ''})")
-            raise ProtocolError(f"stream {name!r} epoch {number}: {len(ep.committed)} of the {expected} partitions "
+            raise ProtocolError(f"stream {name!r} epoch {number}: {len(committed)} of the {expected} partitions "
                                 f"streamed through this broker are committed")
         if partitions < ep.partitions:
             # Not journalled (the close record has no count): after a restart the status shows the bound again
@@ -209,10 +210,10 @@ class Partitions:
             batch = HeldBatch(protocol.batch_id(header), frames, sum(len(f) for f in frames), header["rows"],
                               count=1 if splits is None else len(splits))
             part.checksums.setdefault(seq, checksum)
-            self.books.buffered += batch.nbytes
-            if ep.delivery == "atomic":
+            atomic = ep.delivery == "atomic"
+            self.books.keep(batch.nbytes, held=atomic)
+            if atomic:
                 part.held.setdefault(attempt, []).append(batch)
-                self.books.held_bytes += batch.nbytes
             elif rec is not None and number in rec.recovered:
                 self.matching.take(stream, ep, batch)
             else:
@@ -351,14 +352,13 @@ class Partitions:
             if ep.delivery == "atomic":
                 recovered = ep.recovery is not None and number in ep.recovery.recovered
                 for batch in sorted(part.held.pop(attempt, []), key=lambda b: b.id):
-                    self.books.held_bytes -= batch.nbytes
+                    self.books.unhold(batch.nbytes)
                     if recovered:
                         self.matching.take(stream, ep, batch)
                     else:
                         ep.take(batch)
             elif set(part.checksums) != set(range(got)):
                 part.diverged = True
-            ep.committed.add(number)
         for loser in list(part.held):          # atomic: other attempts' copies are not needed any more
             self.books.drop(part.held.pop(loser), held=True)
         if pending is None:

@@ -166,14 +166,9 @@ class Recovery:
                     self.books.drop(batches, held=True)
             if ep.recovery is not None:
                 self.books.drop(ep.recovery.held)
-        for rank in self.matching.members(stream):
-            for batch_id, batch in list(rank.inflight.items()):
-                if batch_id[0] == number:
-                    del rank.inflight[batch_id]
-                    rank.inflight_bytes -= batch.nbytes
-                    self.books.buffered -= batch.nbytes
-            for counts in (rank.given, rank.told, rank.adopted, rank.told_adopted):
-                counts.pop(number, None)
+        for rank in stream.members():
+            self.books.free(rank.forget_inflight(number))
+            rank.forget_counts(number)
         for session, orphan in list(stream.orphans.items()):
             if not orphan.rank.inflight:       # it waited for batches of this epoch only: nothing to wait for
                 del stream.orphans[session]

@@ -257,7 +257,7 @@ class Rejoin:
             if batch.used > batch.first:
                 used, batch = cut(batch, batch.used)     # its used batches were counted acknowledged already
                 used.settle()                    # the pack's last piece is the one going back: nothing to journal
-                self.books.buffered -= used.nbytes
+                self.books.free(used.nbytes)
             ep.requeue(batch)
 
     def _reopen_if_abandoned(self, stream: StreamState) -> None:
