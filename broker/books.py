@@ -66,8 +66,7 @@ class Books:
         self._held_bytes = 0       # of which: batches of uncommitted partitions in atomic delivery
         self.max_buffer = max_buffer
         self.feed_paused = False   # as last decided by update_feed_gate
-        self._observers: list[Observer] = []
-        self.muted = False        # replaying: what is applied is already in the journal
+        self.observers: list[Observer] = []     # who hears of each event applied (the journal's recorder)
         self._stall_warned = float("-inf")
         self.keep_epochs = KEEP_EPOCHS     # delivered epochs per stream whose figures are kept (StreamState.finished)
         self.retired: OrderedDict[str, EpochRanges] = OrderedDict()   # streams retired: the epochs they delivered
@@ -106,17 +105,16 @@ class Books:
 
     def observe(self, observer: Observer) -> None:
         """Hand every event the ledger applies from now on to ``observer`` (the journal's recorder)."""
-        self._observers.append(observer)
+        self.observers.append(observer)
 
     @property
     def observed(self) -> bool:
         """Whether an event would reach anyone: rules on the hot path make none otherwise."""
-        return bool(self._observers) and not self.muted
+        return bool(self.observers)
 
     def emit(self, event: Event) -> None:
-        if not self.muted:
-            for observer in self._observers:
-                observer(event)
+        for observer in self.observers:
+            observer(event)
 
     # ---- streams and epochs -----------------------------------------------------------------------------
 

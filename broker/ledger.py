@@ -14,8 +14,9 @@ in an explicit order, here and nowhere else:
 ``broker.matching``           a recovering epoch's batches: held, then matched against what the ranks used
 ============================  ===========================================================================
 
-What the journal must keep, the ledger hands to its observers as events (``broker.events``); replay applies the
-journal's records as the same events, through the same code, with the observers muted.
+What the journal must keep, the ledger hands to its observers as events (``broker.events``), each once applied;
+replay applies the journal's records as the same events, through the same code, before the journal's recorder
+observes the ledger again.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ class Ledger:
             PartitionCommitted: parts.committed,
             PartitionClaimed: parts.claimed, EpochClosed: parts.closed, BatchesAcked: self._acked_while_away}
         self._away: dict[tuple[str, int], set[tuple[int, ...]]] = {}     # replay: acked ids per epoch
+        self.replay_refused: dict[str, int] = {}     # replay: batch records the rules refused, by reason
 
     # ---- the state, as the daemon and the tests read it ---------------------------------------------------
 
@@ -183,7 +185,9 @@ class Ledger:
         return self.partitions.close_epoch(name, number, partitions, expected)
 
     def accept_batch(self, header: dict, frames: list[Any], header_bytes: bytes | None = None) -> list[Reply]:
-        """Keep, forward or drop one validated BATCH (:meth:`Partitions.arrived`). Returns the commits it completes.
+        """Keep, forward or drop one validated BATCH: ``apply(BatchArrived(header, frames, header_bytes))``, without
+        the event object (the feed's hot path: :meth:`Partitions.arrived` is that event's applier). ``header_bytes``:
+        the header as it came (default ``frames[0]``'s bytes), for the journal. Returns the commits it completes.
 
         Raises:
             Rejected: no such open epoch, out-of-range numbers, or the same attempt sent this seq before.
@@ -331,7 +335,8 @@ class Ledger:
                 stream.finished = DeliveredEpochs(record["delivered"], stream.finished, self.journal.keep_stats)
             else:
                 stream.finished[record["epoch"]] = record["stats"]
-        self.books.muted = True                   # what is applied now is in the journal already
+        # What is applied now is in the journal already: nobody observes the ledger until it is rebuilt
+        observers, self.books.observers = self.books.observers, []
         try:
             for replayed in self.journal.replay():
                 if replayed.epoch in self.stream(replayed.stream).finished:
@@ -344,12 +349,17 @@ class Ledger:
                 for event in events:
                     try:
                         self.apply(event)
-                    except Rejected:
-                        pass
+                    except Rejected as exc:  # as live: dropped by the rules, and counted
+                        self.replay_refused[exc.reason] = self.replay_refused.get(exc.reason, 0) + 1
+                        log.debug("journal replay: stream %r epoch %d: a batch refused (%s): %s", replayed.stream,
+                                  replayed.epoch, exc.reason, exc)
                 self._settle_acked(replayed.stream, replayed.epoch)
         finally:
-            self.books.muted = False
+            self.books.observers = observers
             self._away.clear()
+        if self.replay_refused:
+            log.warning("journal replay: the rules refused %d batch records (%s)", sum(self.replay_refused.values()),
+                        ", ".join(f"{n} {reason}" for reason, n in sorted(self.replay_refused.items())))
         restored = sum(len(e.queue) for s in self.streams.values() for e in s.epochs.values())
         log.info("journal replayed: %d epochs, %d unacknowledged batches to deliver",
                  sum(len(s.epochs) for s in self.streams.values()), restored)

@@ -11,7 +11,7 @@ import logging
 from typing import Any, NamedTuple
 
 from sparkbus.broker.books import Books
-from sparkbus.broker.events import BatchTaken, EpochClosed, EpochOpened, PartitionClaimed, PartitionCommitted
+from sparkbus.broker.events import BatchArrived, EpochClosed, EpochOpened, PartitionClaimed, PartitionCommitted
 from sparkbus.broker.journal import DeliveredEpochs
 from sparkbus.broker.matching import Matching
 from sparkbus.broker.state import EpochState, HeldBatch, PendingCommit, StreamState
@@ -151,25 +151,28 @@ class Partitions:
                                     f"partitions committed (missing {missing}{'...' if len(missing) == 10 else ''})")
             raise ProtocolError(f"stream {name!r} epoch {number}: {len(committed)} of the {expected} partitions "
                                 f"streamed through this broker are committed")
-        if partitions < ep.partitions:
-            # Not journalled (the close record has no count): after a restart the status shows the bound again
+        lowered = partitions < ep.partitions
+        if lowered:
             log.info("stream %r epoch %d: %d partitions (opened with at most %d)", name, number, partitions,
                      ep.partitions)
-            ep.partitions = partitions
-        self.closed(EpochClosed(name, number))
+        self.closed(EpochClosed(name, number, partitions if lowered else None))
         log.info("stream %r epoch %d closed: %d batches, %d rows", name, number, ep.batches_in, ep.rows_in)
         return ep.diverged
 
     def closed(self, event: EpochClosed) -> None:
-        self.books.streams[event.stream].epochs[event.epoch].closed = True
+        ep = self.books.streams[event.stream].epochs[event.epoch]
+        if event.partitions is not None:
+            ep.partitions = event.partitions       # EPOCH_OPEN's was an upper bound (journalled with the close)
+        ep.closed = True
         self.books.emit(event)
 
     # ---- batches and partitions -------------------------------------------------------------------------
 
     def arrived(self, header: dict, frames: list[Any], header_bytes: bytes | None = None) -> list[Reply]:
         """Keep, forward or drop one validated BATCH: the applier of :class:`~broker.events.BatchArrived`, taking
-        its fields (the feed's hot path makes no event object unless someone observes it). ``header_bytes`` given
-        means: observers hear of it (live traffic, journalled). Returns the commits it completes.
+        its fields (the feed's hot path makes no event object unless someone observes it). Observers hear of it
+        once taken (the journal: its header, ``header_bytes`` or ``frames[0]``'s, and its payload if kept).
+        Returns the commits it completes.
 
         Raises:
             Rejected: no such open epoch, out-of-range numbers, or the same attempt sent this seq before.
@@ -203,8 +206,6 @@ class Partitions:
             part.diverged = True
             self._warn_diverged(stream.name, ep, number)
         keep = part.committed_attempt is None and (known is None or ep.delivery == "atomic")
-        if header_bytes is not None and self.books.observed:
-            self.books.emit(BatchTaken(stream.name, ep.epoch, header_bytes, frames[1:] if keep else []))
         if keep:
             splits = header.get("splits")
             batch = HeldBatch(protocol.batch_id(header), frames, sum(len(f) for f in frames), header["rows"],
@@ -222,6 +223,8 @@ class Partitions:
             ep.count_duplicate()        # a retried or speculative attempt: the first copy is the one kept
             if known is None:
                 part.diverged = True    # a seq the committed attempt never sent
+        if self.books.observed:         # live traffic, every batch taken (its payload if kept): the journal's
+            self.books.emit(BatchArrived(header, frames, header_bytes, kept=keep))
         pending = part.pending.get(attempt)
         if pending is not None and len(seen) >= pending.batches:
             return self._attempt_complete(stream, ep, number, attempt)
