@@ -25,7 +25,7 @@ import logging
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from sparkbus.broker.books import Books, Transmit
 from sparkbus.broker.dispatch import MAX_WINDOW_BYTES, Dispatch
@@ -51,6 +51,21 @@ from sparkbus.broker.state import BatchId, EpochState, HeldBatch, RankState, Str
 from sparkbus.wire import protocol
 
 log = logging.getLogger("sparkbus.broker")
+T = TypeVar("T")
+
+
+class OfBooks(Generic[T]):
+    """An attribute of the ledger that is its books' (:class:`Books`), read and set there."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, ledger: Ledger, owner: type | None = None) -> T:
+        value: T = getattr(ledger.books, self.name)
+        return value
+
+    def __set__(self, ledger: Ledger, value: T) -> None:
+        setattr(ledger.books, self.name, value)
 
 
 class Ledger:
@@ -82,67 +97,19 @@ class Ledger:
         self._away: dict[tuple[str, int], set[tuple[int, ...]]] = {}     # replay: acked ids per epoch
         self.replay_refused: dict[str, int] = {}     # replay: batch records the rules refused, by reason
 
-    # ---- the state, as the daemon and the tests read it ---------------------------------------------------
+    # ---- the state, as the daemon and the tests read it: the books' own ------------------------------------
 
-    @property
-    def streams(self) -> dict[str, StreamState]:
-        return self.books.streams
-
-    @property
-    def ranks(self) -> dict[bytes, RankState]:
-        return self.books.ranks
-
-    @property
-    def buffered(self) -> int:
-        """Bytes of batches held: queued, in flight, or awaiting an atomic commit."""
-        return self.books.buffered
-
-    @property
-    def held_bytes(self) -> int:
-        """Of :attr:`buffered`: batches of uncommitted partitions in atomic delivery."""
-        return self.books.held_bytes
-
-    @property
-    def feed_paused(self) -> bool:
-        return self.books.feed_paused
-
-    @property
-    def max_buffer(self) -> int | None:
-        return self.books.max_buffer
-
-    @property
-    def journal(self) -> Journal | None:
-        return self.books.journal
-
-    @property
-    def retired(self) -> OrderedDict[str, EpochRanges]:
-        return self.books.retired
-
-    @property
-    def retired_count(self) -> int:
-        return self.books.retired_count
-
-    @property
-    def keep_epochs(self) -> int:
-        """Delivered epochs per stream whose figures are kept."""
-        return self.books.keep_epochs
-
-    @keep_epochs.setter
-    def keep_epochs(self, value: int) -> None:
-        self.books.keep_epochs = value
-
-    @property
-    def rejoin_grace(self) -> float:
-        return self.books.rejoin_grace
-
-    @property
-    def started(self) -> float:
-        """When this broker (re)started (independent consumers are waited for the grace from then)."""
-        return self.books.started
-
-    @started.setter
-    def started(self, value: float) -> None:
-        self.books.started = value
+    streams = OfBooks[dict[str, StreamState]]()
+    ranks = OfBooks[dict[bytes, RankState]]()          # by connection identity on the ranks socket
+    buffered = OfBooks[int]()           # bytes of batches held: queued, in flight, or awaiting an atomic commit
+    held_bytes = OfBooks[int]()         # ... of which: batches of uncommitted partitions in atomic delivery
+    feed_paused = OfBooks[bool]()
+    journal = OfBooks[Journal | None]()
+    retired = OfBooks[OrderedDict[str, EpochRanges]]()
+    retired_count = OfBooks[int]()
+    keep_epochs = OfBooks[int]()        # delivered epochs per stream whose figures are kept
+    rejoin_grace = OfBooks[float]()
+    started = OfBooks[float]()          # when this broker (re)started
 
     # ---- the books ------------------------------------------------------------------------------------------
 
