@@ -66,7 +66,8 @@ class Books:
         self._held_bytes = 0       # of which: batches of uncommitted partitions in atomic delivery
         self.max_buffer = max_buffer
         self.feed_paused = False   # as last decided by update_feed_gate
-        self.observers: list[Observer] = []     # who hears of each event applied (the journal's recorder)
+        self.observers: list[Observer] = []     # who hears of each event applied (the journal's recorder);
+        # rules on the hot path make no event while there is none
         self._stall_warned = float("-inf")
         self.keep_epochs = KEEP_EPOCHS     # delivered epochs per stream whose figures are kept (StreamState.finished)
         self.retired: OrderedDict[str, EpochRanges] = OrderedDict()   # streams retired: the epochs they delivered
@@ -106,11 +107,6 @@ class Books:
     def observe(self, observer: Observer) -> None:
         """Hand every event the ledger applies from now on to ``observer`` (the journal's recorder)."""
         self.observers.append(observer)
-
-    @property
-    def observed(self) -> bool:
-        """Whether an event would reach anyone: rules on the hot path make none otherwise."""
-        return bool(self.observers)
 
     def emit(self, event: Event) -> None:
         for observer in self.observers:
@@ -207,7 +203,7 @@ class Books:
                 ep.count_acked(batch)
             if batch.settle():
                 settled.append(batch)
-        if self.observed:
+        if self.observers:
             by_epoch: dict[int, list[list[int]]] = {}
             for batch in settled:
                 by_epoch.setdefault(batch.id[0], []).append(list(batch.id))

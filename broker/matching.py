@@ -225,7 +225,7 @@ class Matching:
         ep.adopt(piece)
         self.books.free(piece.nbytes)
         if member == CHECKPOINT:
-            if piece.settle() and self.books.observed:
+            if piece.settle() and self.books.observers:
                 self.books.emit(BatchesAcked(stream.name, ep.epoch, [list(piece.id)]))
             return
         assert ep.recovery is not None
@@ -236,7 +236,7 @@ class Matching:
             rank.acked += piece.count
             rank.given[epoch] = rank.given.get(epoch, 0) + piece.count
             rank.adopted[epoch] = rank.adopted.get(epoch, 0) + piece.count
-        if piece.settle() and self.books.observed:
+        if piece.settle() and self.books.observers:
             self.books.emit(BatchesAcked(stream.name, ep.epoch, [list(piece.id)]))
 
     def rank_of(self, stream: StreamState, member: str, number: int) -> RankState | None:

@@ -177,7 +177,8 @@ class Partitions:
         Raises:
             Rejected: no such open epoch, out-of-range numbers, or the same attempt sent this seq before.
         """
-        stream = self.books.streams.get(header["stream"])
+        books = self.books
+        stream = books.streams.get(header["stream"])
         ep = stream.epochs.get(header["epoch"]) if stream else None
         if stream is None or ep is None:
             late = stream is not None and header["epoch"] in stream.finished
@@ -212,7 +213,7 @@ class Partitions:
                               count=1 if splits is None else len(splits))
             part.checksums.setdefault(seq, checksum)
             atomic = ep.delivery == "atomic"
-            self.books.keep(batch.nbytes, held=atomic)
+            books.keep(batch.nbytes, atomic)
             if atomic:
                 part.held.setdefault(attempt, []).append(batch)
             elif rec is not None and number in rec.recovered:
@@ -223,8 +224,8 @@ class Partitions:
             ep.count_duplicate()        # a retried or speculative attempt: the first copy is the one kept
             if known is None:
                 part.diverged = True    # a seq the committed attempt never sent
-        if self.books.observed:         # live traffic, every batch taken (its payload if kept): the journal's
-            self.books.emit(BatchArrived(header, frames, header_bytes, kept=keep))
+        if books.observers:              # every batch taken (its payload if kept): the journal's
+            books.emit(BatchArrived(header, frames, header_bytes, kept=keep))
         pending = part.pending.get(attempt)
         if pending is not None and len(seen) >= pending.batches:
             return self._attempt_complete(stream, ep, number, attempt)
