@@ -1,18 +1,19 @@
 """What the ledger's rules share: its streams and ranks, the bytes it holds, its observers, and the feed gate.
 
-:class:`Books` is the base of the ledger's parts (``partitions``, ``rejoin``, ``dispatch``; assembled in
-``broker.ledger``). It owns the state every rule reads and the transitions every part ends with: batches consumed
-(their bytes freed, the acknowledgement observed), epochs retired, streams retired, and whether the feed may be
-read.
+:class:`Books` is the one state object of the ledger. Each rule object (``partitions``, ``dispatch``, ``grants``,
+``rejoin``, ``recovery``, ``matching``; composed in ``broker.ledger``) holds it and acts on it. It owns the state
+every rule reads and the transitions every rule ends with: batches consumed (their bytes freed, the
+acknowledgement observed), epochs retired, streams retired, and whether the feed may be read.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from enum import Enum
-from typing import Any
+from typing import Any, Protocol
 
 from sparkbus.broker.events import BatchesAcked, EpochRetired, Event, Observer
 from sparkbus.broker.journal import RETIRED_KEEP_STATS, DeliveredEpochs, EpochRanges, Journal
@@ -41,43 +42,75 @@ class Outcome(Enum):
 Transmit = Callable[[bytes, list[Any]], Outcome]
 
 
+class RankGone(Protocol):
+    """The ledger's "a rank is gone" (:meth:`broker.ledger.Ledger.rank_gone`), handed to the rules that find one
+    gone while they send: every rule that follows from it runs, in the ledger's order."""
+
+    def __call__(self, identity: bytes, why: str, keep: bool = True) -> None: ...
+
+
 class Books:
-    """The state of the ledger and the transitions its parts share.
+    """The state of the ledger and the transitions its rules share.
 
     Args:
         max_buffer: bytes of batches held before the feed is paused (None: never).
+        rejoin_grace: seconds a lost rank's batches wait for it.
     """
 
-    def __init__(self, max_buffer: int | None = None):
+    def __init__(self, max_buffer: int | None = None, rejoin_grace: float = 10.0):
         self.streams: dict[str, StreamState] = {}
         self.ranks: dict[bytes, RankState] = {}      # by connection identity on the ranks socket
-        self.buffered = 0          # bytes of batches held: queued, in flight, or awaiting an atomic commit
-        self.held_bytes = 0        # of which: batches of uncommitted partitions in atomic delivery
+        # Running sums, kept here only (keep, free, drop, consumed), for the feed gate on every read of the feed:
+        # the hypothesis machine (test_ledger_machine) checks them against the containers that hold the batches.
+        self._buffered = 0         # bytes of batches held: queued, in flight, or awaiting an atomic commit
+        self._held_bytes = 0       # of which: batches of uncommitted partitions in atomic delivery
         self.max_buffer = max_buffer
         self.feed_paused = False   # as last decided by update_feed_gate
-        self._observers: list[Observer] = []
-        self._muted = False        # replaying: what is applied is already in the journal
+        self.observers: list[Observer] = []     # who hears of each event applied (the journal's recorder);
+        # rules on the hot path make no event while there is none
         self._stall_warned = float("-inf")
         self.keep_epochs = KEEP_EPOCHS     # delivered epochs per stream whose figures are kept (StreamState.finished)
         self.retired: OrderedDict[str, EpochRanges] = OrderedDict()   # streams retired: the epochs they delivered
         self.retired_count = 0             # streams retired since the start
         self.journal: Journal | None = None    # the ledger's, if it keeps one
+        self.rejoin_grace = rejoin_grace
+        self.started = time.monotonic()      # independent consumers of a broker just (re)started may be coming back
+
+    # ---- the bytes held ---------------------------------------------------------------------------------
+
+    @property
+    def buffered(self) -> int:
+        """Bytes of batches held: queued, in flight (or at a lost rank awaited), or awaiting an atomic commit."""
+        return self._buffered
+
+    @property
+    def held_bytes(self) -> int:
+        """Of :attr:`buffered`: batches of uncommitted partitions in atomic delivery."""
+        return self._held_bytes
+
+    def keep(self, nbytes: int, held: bool = False) -> None:
+        """A batch of ``nbytes`` is kept from the feed (``held``: for an atomic commit)."""
+        self._buffered += nbytes
+        if held:
+            self._held_bytes += nbytes
+
+    def unhold(self, nbytes: int) -> None:
+        """A batch held for an atomic commit is committed: still kept, no longer held."""
+        self._held_bytes -= nbytes
+
+    def free(self, nbytes: int) -> None:
+        """Batches of ``nbytes`` are let go of (consumed, adopted, forgotten), not held for a commit."""
+        self._buffered -= nbytes
 
     # ---- observers --------------------------------------------------------------------------------------
 
     def observe(self, observer: Observer) -> None:
         """Hand every event the ledger applies from now on to ``observer`` (the journal's recorder)."""
-        self._observers.append(observer)
+        self.observers.append(observer)
 
-    @property
-    def _observed(self) -> bool:
-        """Whether an event would reach anyone: rules on the hot path make none otherwise."""
-        return bool(self._observers) and not self._muted
-
-    def _emit(self, event: Event) -> None:
-        if not self._muted:
-            for observer in self._observers:
-                observer(event)
+    def emit(self, event: Event) -> None:
+        for observer in self.observers:
+            observer(event)
 
     # ---- streams and epochs -----------------------------------------------------------------------------
 
@@ -156,12 +189,12 @@ class Books:
 
     # ---- transitions every part ends with ---------------------------------------------------------------
 
-    def _consumed(self, stream: StreamState, rank: RankState, batches: list[HeldBatch], held: bool = True) -> None:
+    def consumed(self, stream: StreamState, rank: RankState, batches: list[HeldBatch], held: bool = True) -> None:
         """Batches that ``rank`` has consumed, out of its inflight already (``held``) or found elsewhere when it
         rejoined: their bytes are free, and observers hear of it."""
         if not batches:
             return
-        self.buffered -= rank.consumed(batches, held)
+        self._buffered -= rank.consumed(batches, held)
         epochs = stream.epochs
         settled = []               # whole messages consumed (a pack cut in pieces: once its last piece is)
         for batch in batches:
@@ -170,20 +203,20 @@ class Books:
                 ep.count_acked(batch)
             if batch.settle():
                 settled.append(batch)
-        if self._observed:
+        if self.observers:
             by_epoch: dict[int, list[list[int]]] = {}
             for batch in settled:
                 by_epoch.setdefault(batch.id[0], []).append(list(batch.id))
             for number, acked in by_epoch.items():
-                self._emit(BatchesAcked(stream.name, number, acked))
+                self.emit(BatchesAcked(stream.name, number, acked))
         self.retire(stream)
 
-    def _drop(self, batches: Iterable[HeldBatch], held: bool = False) -> None:
+    def drop(self, batches: Iterable[HeldBatch], held: bool = False) -> None:
         """Batches the broker lets go of without sending (``held``: copies held for an atomic commit)."""
         for batch in batches:
-            self.buffered -= batch.nbytes
+            self._buffered -= batch.nbytes
             if held:
-                self.held_bytes -= batch.nbytes
+                self._held_bytes -= batch.nbytes
 
     def retire(self, stream: StreamState) -> None:
         """Drop epochs that ended and were fully acknowledged, keeping their figures (the last
@@ -195,10 +228,9 @@ class Books:
                 stream.finished[number] = stats
                 del stream.epochs[number]
                 stream.reclaims.pop(number, None)
-                for rank in [*stream.ranks.values(), *(o.rank for o in stream.orphans.values())]:
-                    for counts in (rank.given, rank.told, rank.adopted, rank.told_adopted):
-                        counts.pop(number, None)
-                self._emit(EpochRetired(stream.name, number, stats))
+                for rank in stream.members():
+                    rank.forget_counts(number)
+                self.emit(EpochRetired(stream.name, number, stats))
 
     # ---- the feed gate ----------------------------------------------------------------------------------
 

@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from sparkbus.broker.books import Outcome, Transmit
+from sparkbus.broker.books import Books, Outcome, RankGone, Transmit
 from sparkbus.broker.grants import Grants
 from sparkbus.broker.pieces import cut
 from sparkbus.broker.state import MAX_WINDOW, EpochState, HeldBatch, RankState, StreamState
@@ -25,19 +25,30 @@ log = logging.getLogger("sparkbus.broker")
 MAX_WINDOW_BYTES = 1 << 40
 
 
-class Dispatch(Grants):
-    """Windows stated by ranks, batches sent within them, acknowledgements, and the end of each epoch."""
+class Dispatch:
+    """Windows stated by ranks, batches sent within them, acknowledgements, and the end of each epoch.
+
+    Args:
+        books: the ledger's state.
+        grants: the rules of granted steps (STEPS as batches go out, the epoch's end evened out).
+        gone: the ledger's "a rank is gone".
+    """
+
+    def __init__(self, books: Books, grants: Grants, gone: RankGone):
+        self.books = books
+        self.grants = grants
+        self.gone = gone
 
     def rank(self, identity: bytes) -> RankState:
         """The rank on this connection. Raises :class:`ProtocolError` (``UNKNOWN_RANK``) if it has not joined."""
-        rank = self.ranks.get(identity)
+        rank = self.books.ranks.get(identity)
         if rank is None:
             raise ProtocolError("unknown rank: send HELLO with role 'rank' first", ErrorCode.UNKNOWN_RANK)
         return rank
 
     def heard_from(self, identity: bytes, now: float | None = None) -> None:
         """A message came from this connection (its rank's ``idle_s`` starts again)."""
-        rank = self.ranks.get(identity)
+        rank = self.books.ranks.get(identity)
         if rank is not None:
             rank.last_seen = time.monotonic() if now is None else now
 
@@ -90,14 +101,14 @@ class Dispatch(Grants):
         for batch in consumed:
             if batch.used > batch.first:        # its used batches were counted already
                 self._count_used(rank, batch, batch.first - batch.used)
-        self._consumed(self.streams[rank.stream], rank, consumed)
+        self.books.consumed(self.books.streams[rank.stream], rank, consumed)
         return unknown + len(ids) // 3 - (len(consumed) - cut_off)
 
     def _count_used(self, rank: RankState, batch: HeldBatch, n: int) -> None:
         """Count ``n`` (or take back ``-n``) batches of a pack in flight to ``rank`` as acknowledged, in the rank's
         and the epoch's figures."""
         rank.acked += n
-        ep = self.streams[rank.stream].epochs.get(batch.id[0])
+        ep = self.books.streams[rank.stream].epochs.get(batch.id[0])
         if ep is not None:
             ep.acked += n
 
@@ -105,8 +116,8 @@ class Dispatch(Grants):
         """Hand queued batches of the delivering epoch to ranks with room; end the epoch once delivered.
 
         ``transmit(identity, frames)`` sends one message and says what became of it. A batch it could not send
-        stays first in the queue; a rank it found gone is forgotten (:meth:`rank_gone`) once the pass over the
-        ranks is over, and the pass runs again for what that put back in the queue.
+        stays first in the queue; a rank it found gone is forgotten (the ledger's ``rank_gone``) once the pass over
+        the ranks is over, and the pass runs again for what that put back in the queue.
         """
         while stream.ready():
             ep = stream.delivering()
@@ -115,17 +126,17 @@ class Dispatch(Grants):
             gone = self._send_queued(stream, ep, transmit)
             if gone:
                 for identity in gone:
-                    self.rank_gone(identity, "disconnected")
+                    self.gone(identity, "disconnected")
                 continue
             granted = stream.granted()
-            if granted and self.share_remainder(stream, ep):
+            if granted and self.grants.share_remainder(stream, ep):
                 continue                  # the remainder's pieces go out on the next pass
             if granted:
-                self.grant(stream, ep, transmit)
+                self.grants.grant(stream, ep, transmit)
             if not ep.delivered(stream.even()):
                 return
             if granted:
-                if not self.evened(stream, ep, transmit):
+                if not self.grants.evened(stream, ep, transmit):
                     return                # RELEASE sent, or waiting for a RETURN or for a rank to come back
                 end = protocol.pack_header(Kind.EPOCH_END, stream=stream.name, epoch=ep.epoch,
                                            batches=ep.batches_out, steps=ep.share)
@@ -136,8 +147,8 @@ class Dispatch(Grants):
             ep.end_sent = True
             log.info("stream %r epoch %d delivered to %d ranks", stream.name, ep.epoch, len(stream.ranks) - len(gone))
             for identity in gone:
-                self.rank_gone(identity, "disconnected")
-            self.retire(stream)
+                self.gone(identity, "disconnected")
+            self.books.retire(stream)
 
     def _send_queued(self, stream: StreamState, ep: EpochState, transmit: Transmit) -> list[bytes]:
         """One pass: the queue's batches, in order, to the ranks in rotation while they have room. Returns the
@@ -157,7 +168,7 @@ class Dispatch(Grants):
                 if not rank.has_room(batch.nbytes, by_bytes) or (gone and rank.identity in gone):
                     continue
                 if ep.share is not None:          # being evened out: only to ranks short of the share
-                    wanted = self.may_take(ep, rank, batch)
+                    wanted = self.grants.may_take(ep, rank, batch)
                     if not wanted:
                         continue
                     if wanted < batch.count:

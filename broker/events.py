@@ -1,9 +1,10 @@
 """The ledger's transitions as values: what it applies, what its observers see, and how the journal keeps them.
 
-The ledger applies an event the same way live and on replay (:meth:`broker.ledger.Ledger.apply`). When a rule
-changes something the journal must keep, the ledger hands the event to its observers; :class:`JournalRecorder` is
-the one observer, writing each as a record (``broker.journal.Record``). :func:`replayed_events` reads the records
-back as the same events, which the ledger applies with its observers muted.
+The ledger applies an event the same way live and on replay (:meth:`broker.ledger.Ledger.apply`): its applier
+checks it, changes the state, then hands the event to the ledger's observers. :class:`JournalRecorder` is the one
+observer, writing each as a record (``broker.journal.Record``). :func:`replayed_events` reads the records back as
+the same events, which the ledger applies through the same appliers before its recorder observes it again.
+One union (:data:`Event`): what is applied, and the epochs retired that only observers see.
 """
 
 from __future__ import annotations
@@ -28,21 +29,30 @@ class EpochOpened:
 
 @dataclass(frozen=True, slots=True)
 class BatchArrived:
-    """A validated BATCH (applied: kept, queued or dropped by the rules). ``frames``: header frame first."""
+    """A validated BATCH (applied: kept, queued or dropped by the rules). ``frames``: header frame first.
+
+    Observers see it once the rules took it, with ``kept``: whether they kept its payload (the journal writes the
+    payload then, else the header alone)."""
 
     header: dict[str, Any]
     frames: list[Any]
-    header_bytes: bytes | None = None      # live traffic: the header as it came, for the journal
+    header_bytes: bytes | None = None      # the header as it came (None: ``frames[0]``'s bytes)
+    kept: bool = False
 
+    @property
+    def stream(self) -> str:
+        return str(self.header["stream"])
 
-@dataclass(frozen=True, slots=True)
-class BatchTaken:
-    """Observed: a batch the ledger took from the feed; ``payload`` its column frames if it kept them, else []."""
+    @property
+    def epoch(self) -> int:
+        return int(self.header["epoch"])
 
-    stream: str
-    epoch: int
-    header: bytes
-    payload: list[Any]
+    def header_frame(self) -> bytes:
+        """The header as it came on the feed socket."""
+        if self.header_bytes is not None:
+            return self.header_bytes
+        first = self.frames[0]
+        return first if isinstance(first, bytes) else bytes(first.bytes if hasattr(first, "bytes") else first)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +75,7 @@ class PartitionClaimed:
 class EpochClosed:
     stream: str
     epoch: int
+    partitions: int | None = None    # the epoch's count, when the close lowered EPOCH_OPEN's upper bound
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,8 +98,8 @@ class EpochRetired:
 
 # What the ledger applies (live, and on replay from the journal's records) ...
 Applied = EpochOpened | BatchArrived | PartitionCommitted | PartitionClaimed | EpochClosed | BatchesAcked
-# ... and what its observers see: those (a batch as BatchTaken), and epochs retired.
-Event = EpochOpened | BatchTaken | PartitionCommitted | PartitionClaimed | EpochClosed | BatchesAcked | EpochRetired
+# ... and what its observers see: those, once applied, and epochs retired.
+Event = Applied | EpochRetired
 Observer = Callable[[Event], None]
 
 
@@ -99,10 +110,11 @@ class JournalRecorder:
         self.journal = journal
         self._write: dict[type, Callable[[Any], None]] = {
             EpochOpened: lambda e: journal.record_open(e.stream, e.epoch, e.partitions, e.delivery, e.commit),
-            BatchTaken: lambda e: journal.record_batch(e.stream, e.epoch, e.header, e.payload),
+            BatchArrived: lambda e: journal.record_batch(e.stream, e.epoch, e.header_frame(),
+                                                         e.frames[1:] if e.kept else []),
             PartitionCommitted: lambda e: journal.record_commit(e.stream, e.epoch, e.part, e.attempt),
             PartitionClaimed: lambda e: journal.record_claim(e.stream, e.epoch, e.part, e.broker),
-            EpochClosed: lambda e: journal.record_close(e.stream, e.epoch),
+            EpochClosed: lambda e: journal.record_close(e.stream, e.epoch, e.partitions),
             BatchesAcked: lambda e: journal.record_acks(e.stream, e.epoch, e.ids),
             EpochRetired: lambda e: journal.record_retired(e.stream, e.epoch, e.stats),
         }
@@ -122,11 +134,11 @@ def replayed_events(replayed: ReplayedEpoch) -> Iterator[Applied]:
             yield EpochOpened(stream, epoch, record["partitions"], record["delivery"], record.get("commit", "end"))
         elif kind is Record.BATCH:
             header = protocol.unpack_header(record["header"])
-            yield BatchArrived(header, [record["header"], *record.get("payload", [])])
+            yield BatchArrived(header, [record["header"], *record.get("payload", [])], record["header"])
         elif kind is Record.COMMIT:
             yield PartitionCommitted(stream, epoch, record["part"], record["attempt"])
         elif kind is Record.CLOSE:
-            yield EpochClosed(stream, epoch)
+            yield EpochClosed(stream, epoch, record.get("partitions"))
         elif kind is Record.CLAIM:
             yield PartitionClaimed(stream, epoch, record["part"], record["broker"])
         elif kind is Record.ACK:

@@ -27,12 +27,12 @@ they are then. See docs/PROTOCOL.md, "Granted steps", and docs/GUARANTEES.md.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
 
-from sparkbus.broker.books import Outcome, Transmit
+from sparkbus.broker.books import Books, Outcome, RankGone, Transmit
+from sparkbus.broker.matching import Matching
 from sparkbus.broker.pieces import batch_rows, cut, cut_rows, singles
-from sparkbus.broker.rejoin import MissedEnd, Rejoin, check_rank_hello
-from sparkbus.broker.state import BatchId, EpochState, HeldBatch, RankState, StreamState
+from sparkbus.broker.rejoin import Rejoin
+from sparkbus.broker.state import EpochState, HeldBatch, RankState, StreamState
 from sparkbus.wire import protocol, remainder
 from sparkbus.wire.errors import ProtocolError
 from sparkbus.wire.protocol import Kind
@@ -40,26 +40,37 @@ from sparkbus.wire.protocol import Kind
 log = logging.getLogger("sparkbus.broker")
 
 
-class Grants(Rejoin):
-    """STEPS, RELEASE and RETURN: equal steps for a stream's ranks, granted by the broker."""
+class Grants:
+    """STEPS, RELEASE and RETURN: equal steps for a stream's ranks, granted by the broker.
+
+    Args:
+        books: the ledger's state.
+        rejoin: the rules of ranks that leave (a group of another size lets the old one's lost ranks go).
+        matching: what ranks used of a lost broker, counted as theirs before it is matched (:meth:`counts`).
+        gone: the ledger's "a rank is gone".
+    """
+
+    def __init__(self, books: Books, rejoin: Rejoin, matching: Matching, gone: RankGone):
+        self.books = books
+        self.rejoin = rejoin
+        self.matching = matching
+        self.gone = gone
 
     # ---- joining and leaving: a group that changes starts an evening over ----------------------------------
 
-    def join_rank(self, identity: bytes, h: dict, held: Iterable[BatchId] = (),
-                  consumed: Iterable[BatchId] = ()) -> list[MissedEnd]:
-        """As :meth:`Rejoin.join_rank`; a rank with ``grants`` may also start a group of another size, at an epoch
-        boundary only (nothing of the delivering epoch consumed yet): the ranks of the old group are let go.
+    def admit(self, identity: bytes, h: dict) -> None:
+        """Before a rank joins (:meth:`Rejoin.join`): a rank with ``grants`` may also start a group of another size,
+        at an epoch boundary only (nothing of the delivering epoch consumed yet): the ranks of the old group are
+        let go.
 
         Raises:
-            ProtocolError: as :meth:`Rejoin.join_rank`; a group that mixes granted and agreed steps; another size
-                mid-epoch.
+            ProtocolError: a group that mixes granted and agreed steps, or remainders; another size mid-epoch.
         """
-        check_rank_hello(h)
         grants = bool(h.get("grants", False))
         rest = h.get("remainder", "drop")
         if rest not in protocol.REMAINDERS:
             raise ProtocolError(f"remainder must be one of {', '.join(protocol.REMAINDERS)}, got {rest!r:.40}")
-        stream = self.stream(h["stream"])
+        stream = self.books.stream(h["stream"])
         others = [r for r in stream.ranks.values() if r.identity != identity]
         if any(r.grants != grants for r in others):
             raise ProtocolError(f"the ranks of stream {stream.name!r} take "
@@ -82,11 +93,17 @@ class Grants(Rejoin):
             for old in others:
                 log.info("rank %d/%d of stream %r gives way to a group of %d ranks", old.rank, old.size,
                          stream.name, h["size"])
-                self.rank_gone(old.identity, "was replaced by a group of another size", keep=False)
+                self.gone(old.identity, "was replaced by a group of another size", keep=False)
             for session in list(stream.orphans):
-                self._requeue(stream, stream.orphans.pop(session).rank)
-        missed = super().join_rank(identity, h, held, consumed)
-        rank = self.ranks[identity]
+                self.rejoin.requeue(stream, stream.orphans.pop(session).rank)
+
+    def joined(self, identity: bytes, h: dict) -> None:
+        """After a rank joined (:meth:`Rejoin.join`): its grants and remainder, its own count of a resumed epoch;
+        every evening out of the stream starts over."""
+        stream = self.books.streams[h["stream"]]
+        rank = self.books.ranks[identity]
+        grants = bool(h.get("grants", False))
+        rest = h.get("remainder", "drop")
         rank.grants = grants
         rank.remainder = rest
         got = h.get("got")
@@ -94,7 +111,7 @@ class Grants(Rejoin):
         if h["resume"] and got is not None and current is not None and not current.end_sent:
             rank.given[current.epoch] = got           # its own count: what it had of the epoch, wherever it went
         stream.group_size = rank.size
-        self._start_evening_over(stream)
+        self.start_over(stream)
         if not h["resume"]:
             # A new process (a restarted rank, or a new job): what was granted and dropped was the old group's.
             # Steps start again from the counts of the ranks there are now.
@@ -102,15 +119,9 @@ class Grants(Rejoin):
                 if not ep.end_sent:
                     ep.steps = 0
                     ep.dropped.clear()
-        return missed
 
-    def rank_gone(self, identity: bytes, why: str, keep: bool = True) -> None:
-        rank = self.ranks.get(identity)
-        super().rank_gone(identity, why, keep)
-        if rank is not None and rank.grants:
-            self._start_evening_over(self.streams[rank.stream])
-
-    def _start_evening_over(self, stream: StreamState) -> None:
+    def start_over(self, stream: StreamState) -> None:
+        """The group changed (a rank joined, left or came back): every evening out of ``stream`` starts over."""
         for ep in stream.epochs.values():
             if ep.share is not None and not ep.end_sent:
                 ep.share = None
@@ -125,24 +136,19 @@ class Grants(Rejoin):
     def counts(self, stream: StreamState, ep: EpochState,
                pending: list[tuple[RankState, int]] | None = None) -> list[int]:
         """Per rank number, the batches of ``ep`` it has in hand for steps (those it drops to even out left out,
-        those it used of a lost broker in: ``pending``, :meth:`pending` unless given)."""
+        those it used of a lost broker in: ``pending``, :meth:`Matching.pending` unless given)."""
         counts = stream.counts(ep.epoch)
         for number, dropped in ep.dropped.items():
             if number < len(counts):
                 counts[number] -= dropped
-        for rank, left in self.pending(stream, ep) if pending is None else pending:
+        for rank, left in self.matching.pending(stream, ep) if pending is None else pending:
             if rank.rank < len(counts):
                 counts[rank.rank] += left
         return counts
 
-    def pending(self, stream: StreamState, ep: EpochState) -> list[tuple[RankState, int]]:
-        """Batches of ``ep`` that ranks used of a lost broker and this broker will adopt once Spark recomputed them:
-        counted as theirs already (:mod:`broker.recovery`; none here)."""
-        return []
-
     def grant(self, stream: StreamState, ep: EpochState, transmit: Transmit) -> None:
         """Tell every rank the steps it may take in ``ep`` when that grew: the smallest count (the share, at most)."""
-        pending = self.pending(stream, ep)
+        pending = self.matching.pending(stream, ep)
         counts = self.counts(stream, ep, pending)
         if counts:
             steps = min(counts) if ep.share is None else min(min(counts), ep.share)
@@ -171,7 +177,7 @@ class Grants(Rejoin):
             elif outcome is Outcome.GONE:
                 gone.append(rank.identity)
         for identity in gone:
-            self.rank_gone(identity, "disconnected")
+            self.gone(identity, "disconnected")
 
     def may_take(self, ep: EpochState, rank: RankState, batch: HeldBatch) -> int:
         """How many of ``batch``'s batches may go to ``rank`` now: all of them, unless ``ep`` is being evened out;
@@ -215,7 +221,7 @@ class Grants(Rejoin):
             header = protocol.pack_header(Kind.RELEASE, stream=stream.name, epoch=ep.epoch, keep=ep.share, drop=drop)
             outcome = transmit(rank.identity, [header])
             if outcome is Outcome.GONE:
-                self.rank_gone(rank.identity, "disconnected")       # the evening starts over
+                self.gone(rank.identity, "disconnected")       # the evening starts over
                 return False
             if outcome is not Outcome.SENT:
                 return False              # its queue is full: the rest of the RELEASEs go on a later pass
@@ -271,7 +277,7 @@ class Grants(Rejoin):
         if len(ids) % 4 or not all(type(i) is int for i in ids):
             raise ProtocolError(f"RETURN ids must be (epoch, part, seq, first) quadruples of integers, got "
                                 f"{len(ids)} values")
-        stream = self.streams[rank.stream]
+        stream = self.books.streams[rank.stream]
         unknown = 0
         back: list[HeldBatch] = []
         values = iter(ids)

@@ -59,7 +59,7 @@ class Record(str, Enum):
     OPEN = "open"        # an epoch was opened: partitions, delivery, commit (absent: "end")
     BATCH = "batch"      # a batch arrived: its header frame; its payload in the data file, if it was kept
     COMMIT = "commit"    # a partition was committed: part, attempt
-    CLOSE = "close"      # the epoch was closed
+    CLOSE = "close"      # the epoch was closed (partitions: its count, if below the open's upper bound)
     ACK = "ack"          # batches were acknowledged by a rank: ids
     CLAIM = "claim"      # the broker (an index in the feed's list) that streams a partition: part, broker
 
@@ -213,9 +213,10 @@ class Journal:
         self._append(files, Record.CLAIM, part=part, broker=broker)
         self._sync(files)
 
-    def record_close(self, stream: str, epoch: int) -> None:
+    def record_close(self, stream: str, epoch: int, partitions: int | None = None) -> None:
+        """The epoch closed; with ``partitions``, the count it closed with, below EPOCH_OPEN's upper bound."""
         files = self._files_for(stream, epoch)
-        self._append(files, Record.CLOSE)
+        self._append(files, Record.CLOSE, **({} if partitions is None else {"partitions": partitions}))
         self._sync(files)
 
     def record_acks(self, stream: str, epoch: int, ids: list[list[int]]) -> None:

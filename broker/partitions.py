@@ -11,8 +11,9 @@ import logging
 from typing import Any, NamedTuple
 
 from sparkbus.broker.books import Books
-from sparkbus.broker.events import BatchTaken, EpochClosed, EpochOpened, PartitionClaimed, PartitionCommitted
+from sparkbus.broker.events import BatchArrived, EpochClosed, EpochOpened, PartitionClaimed, PartitionCommitted
 from sparkbus.broker.journal import DeliveredEpochs
+from sparkbus.broker.matching import Matching
 from sparkbus.broker.state import EpochState, HeldBatch, PendingCommit, StreamState
 from sparkbus.wire import protocol
 from sparkbus.wire.errors import ProtocolError
@@ -50,8 +51,20 @@ class Reply(NamedTuple):
     fields: dict[str, Any]
 
 
-class Partitions(Books):
-    """Epochs opened and closed by the driver, batches and commits from the tasks, claims of several brokers."""
+class Partitions:
+    """Epochs opened and closed by the driver, batches and commits from the tasks, claims of several brokers.
+
+    Each request is checked here, then applied by its applier (``opened``, ``arrived``, ``committed``, ``claimed``,
+    ``closed``): what :meth:`broker.ledger.Ledger.apply` runs for an event, live and on replay.
+
+    Args:
+        books: the ledger's state.
+        matching: where a batch of a recovered partition goes (held, or matched against the ranks' RECLAIMs).
+    """
+
+    def __init__(self, books: Books, matching: Matching):
+        self.books = books
+        self.matching = matching
 
     # ---- epochs -----------------------------------------------------------------------------------------
 
@@ -68,14 +81,14 @@ class Partitions(Books):
         if not 0 <= partitions <= MAX_PARTITIONS or number < 0:
             raise ProtocolError(f"epoch {number} with {partitions} partitions is out of range")
         check_modes(delivery, commit)
-        stream = self.stream(name)
+        stream = self.books.stream(name)
         if number in stream.finished or (number in stream.epochs and stream.epochs[number].end_sent):
             raise ProtocolError(f"stream {name!r} has already delivered epoch {number}; "
                                 f"feed a new epoch number or a new stream name")
         ep = stream.epochs.get(number)
         if ep is None:
             self.check_room_for_epoch(stream, number)
-            self._open(EpochOpened(name, number, partitions, delivery, commit))
+            self.opened(EpochOpened(name, number, partitions, delivery, commit))
             log.info("stream %r epoch %d opened: %d partitions, %s delivery, committed by %s", name, number,
                      partitions, delivery, "the driver" if commit == "driver" else "each task's end")
         elif ep.partitions != partitions or ep.delivery != delivery or ep.closed:
@@ -99,16 +112,16 @@ class Partitions(Books):
                                     f"{runs} runs of consecutive numbers, the most a stream keeps "
                                     f"({MAX_DELIVERED_RUNS}); number the epochs one after the other, or feed "
                                     f"another stream")
-        total = sum(len(s.epochs) for s in self.streams.values())
+        total = sum(len(s.epochs) for s in self.books.streams.values())
         if total >= MAX_BROKER_EPOCHS:
             raise ProtocolError(f"stream {stream.name!r} cannot open epoch {number}: the broker has {total} epochs "
                                 f"open over its streams, the most it keeps ({MAX_BROKER_EPOCHS}). Let the ranks "
                                 f"finish earlier epochs first, or spread the streams over more brokers")
 
-    def _open(self, event: EpochOpened) -> None:
-        self.stream(event.stream).epochs[event.epoch] = EpochState(event.epoch, event.partitions, event.delivery,
-                                                                   commit=event.commit)
-        self._emit(event)
+    def opened(self, event: EpochOpened) -> None:
+        self.books.stream(event.stream).epochs[event.epoch] = EpochState(event.epoch, event.partitions,
+                                                                         event.delivery, commit=event.commit)
+        self.books.emit(event)
 
     def close_epoch(self, name: str, number: int, partitions: int, expected: int | None = None) -> list[int]:
         """EPOCH_CLOSE, once the ``expected`` partitions streamed through this broker are committed (all of them
@@ -123,48 +136,49 @@ class Partitions(Books):
             ProtocolError: the epoch is not open, partitions are missing, more partitions than it was opened
                 with, or batches, commits or claims of partitions past ``partitions``.
         """
-        _, ep = self.epoch(name, number)
+        _, ep = self.books.epoch(name, number)
+        committed = ep.committed
         beyond = sorted(n for n in {*ep.parts, *ep.claims} if n >= partitions)
         if partitions > ep.partitions or beyond:
             past = f": partitions {beyond[:10]}{'...' if len(beyond) > 10 else ''} are past that" if beyond else ""
-            raise ProtocolError(f"stream {name!r} epoch {number}: {len(ep.committed)} of {ep.partitions} "
+            raise ProtocolError(f"stream {name!r} epoch {number}: {len(committed)} of {ep.partitions} "
                                 f"partitions committed, and the driver closes it with {partitions}{past}")
         expected = partitions if expected is None else expected
-        if len(ep.committed) != expected:
-            missing = list(itertools.islice((p for p in range(partitions) if p not in ep.committed), 10))
+        if len(committed) != expected:
+            missing = list(itertools.islice((p for p in range(partitions) if p not in committed), 10))
             if expected == partitions:
-                raise ProtocolError(f"stream {name!r} epoch {number}: {len(ep.committed)} of {partitions} "
+                raise ProtocolError(f"stream {name!r} epoch {number}: {len(committed)} of {partitions} "
                                     f"partitions committed (missing {missing}{'...' if len(missing) == 10 else ''})")
-            raise ProtocolError(f"stream {name!r} epoch {number}: {len(ep.committed)} of the {expected} partitions "
+            raise ProtocolError(f"stream {name!r} epoch {number}: {len(committed)} of the {expected} partitions "
                                 f"streamed through this broker are committed")
-        if partitions < ep.partitions:
-            # Not journalled (the close record has no count): after a restart the status shows the bound again
+        lowered = partitions < ep.partitions
+        if lowered:
             log.info("stream %r epoch %d: %d partitions (opened with at most %d)", name, number, partitions,
                      ep.partitions)
-            ep.partitions = partitions
-        self._close(EpochClosed(name, number))
+        self.closed(EpochClosed(name, number, partitions if lowered else None))
         log.info("stream %r epoch %d closed: %d batches, %d rows", name, number, ep.batches_in, ep.rows_in)
         return ep.diverged
 
-    def _close(self, event: EpochClosed) -> None:
-        self.streams[event.stream].epochs[event.epoch].closed = True
-        self._emit(event)
+    def closed(self, event: EpochClosed) -> None:
+        ep = self.books.streams[event.stream].epochs[event.epoch]
+        if event.partitions is not None:
+            ep.partitions = event.partitions       # EPOCH_OPEN's was an upper bound (journalled with the close)
+        ep.closed = True
+        self.books.emit(event)
 
     # ---- batches and partitions -------------------------------------------------------------------------
 
-    def accept_batch(self, header: dict, frames: list[Any], header_bytes: bytes | None = None) -> list[Reply]:
-        """Keep, forward or drop one validated BATCH. ``header_bytes`` given means: observers hear of it (live
-        traffic, journalled). Returns the commits it completes.
+    def arrived(self, header: dict, frames: list[Any], header_bytes: bytes | None = None) -> list[Reply]:
+        """Keep, forward or drop one validated BATCH: the applier of :class:`~broker.events.BatchArrived`, taking
+        its fields (the feed's hot path makes no event object unless someone observes it). Observers hear of it
+        once taken (the journal: its header, ``header_bytes`` or ``frames[0]``'s, and its payload if kept).
+        Returns the commits it completes.
 
         Raises:
             Rejected: no such open epoch, out-of-range numbers, or the same attempt sent this seq before.
         """
-        return self._arrived(header, frames, header_bytes)
-
-    def _arrived(self, header: dict, frames: list[Any], header_bytes: bytes | None = None) -> list[Reply]:
-        """The applier of :class:`~broker.events.BatchArrived`, taking its fields (the feed's hot path makes no
-        event object unless someone observes it)."""
-        stream = self.streams.get(header["stream"])
+        books = self.books
+        stream = books.streams.get(header["stream"])
         ep = stream.epochs.get(header["epoch"]) if stream else None
         if stream is None or ep is None:
             late = stream is not None and header["epoch"] in stream.finished
@@ -193,25 +207,25 @@ class Partitions(Books):
             part.diverged = True
             self._warn_diverged(stream.name, ep, number)
         keep = part.committed_attempt is None and (known is None or ep.delivery == "atomic")
-        if header_bytes is not None and self._observed:
-            self._emit(BatchTaken(stream.name, ep.epoch, header_bytes, frames[1:] if keep else []))
         if keep:
             splits = header.get("splits")
             batch = HeldBatch(protocol.batch_id(header), frames, sum(len(f) for f in frames), header["rows"],
                               count=1 if splits is None else len(splits))
             part.checksums.setdefault(seq, checksum)
-            self.buffered += batch.nbytes
-            if ep.delivery == "atomic":
+            atomic = ep.delivery == "atomic"
+            books.keep(batch.nbytes, atomic)
+            if atomic:
                 part.held.setdefault(attempt, []).append(batch)
-                self.held_bytes += batch.nbytes
             elif rec is not None and number in rec.recovered:
-                self._take_recovered(stream, ep, batch)
+                self.matching.take(stream, ep, batch)
             else:
                 ep.take(batch)
         else:
             ep.count_duplicate()        # a retried or speculative attempt: the first copy is the one kept
             if known is None:
                 part.diverged = True    # a seq the committed attempt never sent
+        if books.observers:              # every batch taken (its payload if kept): the journal's
+            books.emit(BatchArrived(header, frames, header_bytes, kept=keep))
         pending = part.pending.get(attempt)
         if pending is not None and len(seen) >= pending.batches:
             return self._attempt_complete(stream, ep, number, attempt)
@@ -221,21 +235,21 @@ class Partitions(Books):
         """PARTITION_CLAIM: which broker streams a partition, decided once by its home broker. The first attempt's
         choice holds for every later attempt (a retry or speculative copy must go where the first copy's batches
         went). Raises :class:`ProtocolError` for an epoch not open or numbers out of range."""
-        stream, ep = self.epoch(h["stream"], h["epoch"])
+        stream, ep = self.books.epoch(h["stream"], h["epoch"])
         number, choice = h["part"], h["broker"]
         if not 0 <= number < ep.partitions or choice < 0:
             raise ProtocolError(f"partition {number} or broker {choice} out of range for epoch {ep.epoch}")
         if ep.recovery is not None:
             raise ProtocolError(f"stream {stream.name!r} epoch {ep.epoch} is recovering: the driver fixed the routes "
                                 f"of its partitions, claims are refused")
-        self._claim(PartitionClaimed(stream.name, ep.epoch, number, choice))
+        self.claimed(PartitionClaimed(stream.name, ep.epoch, number, choice))
         return ep.claims[number]
 
-    def _claim(self, event: PartitionClaimed) -> None:
-        claims = self.streams[event.stream].epochs[event.epoch].claims
+    def claimed(self, event: PartitionClaimed) -> None:
+        claims = self.books.streams[event.stream].epochs[event.epoch].claims
         if event.part not in claims:
             claims[event.part] = event.broker
-            self._emit(event)
+            self.books.emit(event)
 
     def end_partition(self, identity: bytes, h: dict) -> list[Reply]:
         """A task's PARTITION_END: commit now if all its batches are here, else when the last one comes.
@@ -243,7 +257,7 @@ class Partitions(Books):
         Returns the replies owed: PARTITION_COMMITTED, or ERROR if the attempt's count differs. Raises
         :class:`ProtocolError` for an epoch not open or a partition out of range.
         """
-        stream, ep = self.epoch(h["stream"], h["epoch"])
+        stream, ep = self.books.epoch(h["stream"], h["epoch"])
         number, attempt = h["part"], h["attempt"]
         if not 0 <= number < ep.partitions:
             raise ProtocolError(f"partition {number} is outside epoch {ep.epoch}'s {ep.partitions} partitions")
@@ -265,7 +279,7 @@ class Partitions(Books):
         input may have been cut short (an executor lost mid-partition ends the Python worker's input as if it were
         whole), so only Spark's word commits it (:meth:`commit_partitions`), and the task is told it was received."""
         if ep.commit == "end":
-            return self._commit(PartitionCommitted(stream.name, ep.epoch, number, attempt))
+            return self.committed(PartitionCommitted(stream.name, ep.epoch, number, attempt))
         part = ep.part(number)
         pending = part.pending.pop(attempt)
         got = len(part.attempts.get(attempt, ()))
@@ -292,7 +306,7 @@ class Partitions(Books):
         Raises:
             ProtocolError: the epoch is not open, or ``parts`` is not a list of such triplets in range.
         """
-        stream, ep = self.epoch(name, number)
+        stream, ep = self.books.epoch(name, number)
         if len(parts) % 3 or len(parts) > 3 * protocol.MAX_COMMITS or any(type(v) is not int for v in parts):
             raise ProtocolError(f"PARTITION_COMMIT's parts must be at most {protocol.MAX_COMMITS} triplets of ints "
                                 f"[part, attempt, batches]")
@@ -314,16 +328,16 @@ class Partitions(Books):
             if len(part.attempts.get(attempt, ())) < batches:
                 missing.append(part_number)
                 continue
-            self._commit(PartitionCommitted(name, number, part_number, attempt))
+            self.committed(PartitionCommitted(name, number, part_number, attempt))
         if missing:
             log.warning("stream %r epoch %d: the driver committed partitions %s whose batches this broker does not "
                         "hold (all of them): they are fed again", name, number, missing[:10])
         return missing
 
-    def _commit(self, event: PartitionCommitted) -> list[Reply]:
+    def committed(self, event: PartitionCommitted) -> list[Reply]:
         """Commit ``event.attempt`` of a partition unless one is committed already; answer its PARTITION_END if one
         waits (live; replayed commits have none). The first attempt to commit wins."""
-        stream = self.streams[event.stream]
+        stream = self.books.streams[event.stream]
         ep, number, attempt = stream.epochs[event.epoch], event.part, event.attempt
         part = ep.part(number)
         pending = part.pending.pop(attempt, None)
@@ -338,28 +352,23 @@ class Partitions(Books):
             part.complete.discard(attempt)
             ep.superseded += len(part.complete)      # complete too, but Spark chose this one
             part.complete.clear()
-            self._emit(event)
+            self.books.emit(event)
             if ep.delivery == "atomic":
                 recovered = ep.recovery is not None and number in ep.recovery.recovered
                 for batch in sorted(part.held.pop(attempt, []), key=lambda b: b.id):
-                    self.held_bytes -= batch.nbytes
+                    self.books.unhold(batch.nbytes)
                     if recovered:
-                        self._take_recovered(stream, ep, batch)
+                        self.matching.take(stream, ep, batch)
                     else:
                         ep.take(batch)
             elif set(part.checksums) != set(range(got)):
                 part.diverged = True
-            ep.committed.add(number)
         for loser in list(part.held):          # atomic: other attempts' copies are not needed any more
-            self._drop(part.held.pop(loser), held=True)
+            self.books.drop(part.held.pop(loser), held=True)
         if pending is None:
             return []
         return [Reply(pending.identity, Kind.PARTITION_COMMITTED,
                       {"req": pending.req, "stream": stream.name, "epoch": ep.epoch, "part": number})]
-
-    def _take_recovered(self, stream: StreamState, ep: EpochState, batch: HeldBatch) -> None:
-        """A batch of a partition recovered from a lost broker: held or matched (``broker.recovery`` overrides)."""
-        ep.take(batch)
 
     def _warn_diverged(self, stream: str, ep: EpochState, number: int) -> None:
         if ep.delivery == "atomic":

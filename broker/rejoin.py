@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from sparkbus.broker.books import Books, Outcome, Transmit
+from sparkbus.broker.books import Books, Outcome, RankGone, Transmit
 from sparkbus.broker.pieces import cut
 from sparkbus.broker.state import BatchId, HeldBatch, Orphan, RankState, StreamState
 from sparkbus.wire import protocol
@@ -45,16 +45,20 @@ class MissedEnd(NamedTuple):
     resend: list[HeldBatch]      # batches of the epoch sent into its lost connection, now in flight to it again
 
 
-class Rejoin(Books):
-    """Ranks joining, rejoining and leaving; the batches of those that leave."""
+class Rejoin:
+    """Ranks joining, rejoining and leaving; the batches of those that leave.
 
-    def __init__(self, max_buffer: int | None = None, rejoin_grace: float = 10.0):
-        super().__init__(max_buffer)
-        self.rejoin_grace = rejoin_grace
-        self.started = time.monotonic()      # independent consumers of a broker just (re)started may be coming back
+    Args:
+        books: the ledger's state.
+        gone: the ledger's "a rank is gone", for a rank found gone here (every rule that follows from it runs).
+    """
 
-    def join_rank(self, identity: bytes, h: dict, held: Iterable[BatchId] = (),
-                  consumed: Iterable[BatchId] = ()) -> list[MissedEnd]:
+    def __init__(self, books: Books, gone: RankGone):
+        self.books = books
+        self.gone = gone
+
+    def join(self, identity: bytes, h: dict, held: Iterable[BatchId] = (),
+             consumed: Iterable[BatchId] = ()) -> list[MissedEnd]:
         """Admit a rank that said HELLO on the ranks socket, or take back one that rejoins.
 
         A rank that comes back names the batches of its current epoch that it ``held`` unacknowledged and those it
@@ -72,29 +76,29 @@ class Rejoin(Books):
         """
         size, number, name, session = h["size"], h["rank"], h["stream"], h["session"]
         check_rank_hello(h)
-        stream = self.stream(name)
-        current = self.ranks.get(identity)
+        stream = self.books.stream(name)
+        current = self.books.ranks.get(identity)
         if current is not None and session and current.session == session and current.stream == name:
             return []                    # the same HELLO again on the same connection: nothing changes
         if current is not None:
-            self.rank_gone(identity, "said hello again", keep=False)
+            self.gone(identity, "said hello again", keep=False)
         if stream.ranks and size != stream.expected_ranks:
             raise ProtocolError(f"stream {name!r} is consumed by {stream.expected_ranks} ranks; "
                                 f"a rank of a communicator of size {size} cannot join it")
-        previous = self._same_session(stream, session, number)
+        previous = self.same_session(stream, session, number)
         if size > 1 and any(r.rank == number and r is not previous for r in stream.ranks.values()):
             raise ProtocolError(f"rank {number} of stream {name!r} is already connected",
                                 ErrorCode.ALREADY_CONNECTED)
         for other, orphan in list(stream.orphans.items()):
             if size > 1 and orphan.rank.rank == number and other != session:
                 del stream.orphans[other]          # another process took this rank number: the old one is gone
-                self._requeue(stream, orphan.rank)
+                self.requeue(stream, orphan.rank)
         if previous is not None:
             stream.orphans.pop(previous.session, None)
-            if self.ranks.get(previous.identity) is previous:
-                del self.ranks[previous.identity], stream.ranks[previous.identity]
+            if self.books.ranks.get(previous.identity) is previous:
+                del self.books.ranks[previous.identity], stream.ranks[previous.identity]
         stream.expected_ranks = size
-        rank = stream.ranks[identity] = self.ranks[identity] = RankState(identity, name, number, size,
+        rank = stream.ranks[identity] = self.books.ranks[identity] = RankState(identity, name, number, size,
                                                                          even=h["even"], session=session)
         if len(stream.ranks) >= stream.expected_ranks:
             stream.complete = True
@@ -104,7 +108,7 @@ class Rejoin(Books):
         lost = self._reconcile(stream, rank, previous, set(held), set(consumed))
         stream.rejoins += 1
         missed = self._missed_ends(stream, h["ended"], lost)
-        self._requeue_batches(stream, lost)      # what is left of them belongs to epochs still being delivered
+        self.requeue_batches(stream, lost)      # what is left of them belongs to epochs still being delivered
         for batch in (b for m in missed for b in m.resend):
             rank.hold(batch)                     # sent again by send_missed, beyond its window: acknowledged first
             stream.epochs[batch.id[0]].resent(batch)
@@ -113,25 +117,25 @@ class Rejoin(Books):
         return missed
 
     def send_missed(self, identity: bytes, missed: list[MissedEnd], transmit: Transmit) -> None:
-        """Send a rank that rejoined what it missed (:meth:`join_rank`'s answer), after its WELCOME: per epoch, the
+        """Send a rank that rejoined what it missed (:meth:`join`'s answer), after its WELCOME: per epoch, the
         batches its old connection lost, then the epoch's EPOCH_END. Stops if the rank is gone again: what it holds
         waits for it as before."""
-        rank = self.ranks.get(identity)
+        rank = self.books.ranks.get(identity)
         for end in missed:
-            if rank is None or self.ranks.get(identity) is not rank:
+            if rank is None or self.books.ranks.get(identity) is not rank:
                 return
             for batch in end.resend:
                 outcome = transmit(identity, batch.frames)
                 if outcome is not Outcome.SENT:
                     if outcome is Outcome.GONE:
-                        self.rank_gone(identity, "disconnected")
+                        self.gone(identity, "disconnected")
                     return
             header = protocol.pack_header(Kind.EPOCH_END, stream=rank.stream, epoch=end.epoch, batches=end.batches)
             if transmit(identity, [header]) is Outcome.GONE:
-                self.rank_gone(identity, "disconnected")
+                self.gone(identity, "disconnected")
                 return
 
-    def _same_session(self, stream: StreamState, session: str, number: int) -> RankState | None:
+    def same_session(self, stream: StreamState, session: str, number: int) -> RankState | None:
         """The earlier connection (live or orphaned) of the rank that says HELLO, if there is one."""
         if not session:
             return None
@@ -188,7 +192,7 @@ class Rejoin(Books):
                 rank.hold(batch)
             else:
                 acked.append(batch)
-        self._consumed(stream, rank, acked, held=False)
+        self.books.consumed(stream, rank, acked, held=False)
         return [b for i, b in inflight.items() if i not in wanted]
 
     def _missed_ends(self, stream: StreamState, ended: int, lost: list[HeldBatch]) -> list[MissedEnd]:
@@ -206,7 +210,7 @@ class Rejoin(Books):
 
     # ---- leaving ----------------------------------------------------------------------------------------
 
-    def rank_gone(self, identity: bytes, why: str, keep: bool = True) -> None:
+    def leave(self, identity: bytes, why: str, keep: bool = True) -> None:
         """Forget a rank's connection.
 
         With ``keep`` (the connection was lost, not closed with BYE) and batches in flight to it, the rank is an
@@ -214,38 +218,38 @@ class Rejoin(Books):
         alive behind a cut link) and go back to the front of their queues only when the grace runs out, so that a
         rank that lives never sees them trained by another. Otherwise they go back at once.
         """
-        rank = self.ranks.pop(identity, None)
+        rank = self.books.ranks.pop(identity, None)
         if rank is None:
             return
-        stream = self.streams[rank.stream]
+        stream = self.books.streams[rank.stream]
         del stream.ranks[identity]
         if not stream.ranks:
             stream.complete = False
             stream.expected_ranks = 0            # the next job may have another size
-        if keep and rank.session and rank.inflight and self.rejoin_grace > 0:
-            stream.orphans[rank.session] = Orphan(rank, time.monotonic() + self.rejoin_grace)
+        if keep and rank.session and rank.inflight and self.books.rejoin_grace > 0:
+            stream.orphans[rank.session] = Orphan(rank, time.monotonic() + self.books.rejoin_grace)
             log.info("rank %d of stream %r %s; its %d unacknowledged batches wait %g s for it to rejoin",
-                     rank.rank, stream.name, why, len(rank.inflight), self.rejoin_grace)
+                     rank.rank, stream.name, why, len(rank.inflight), self.books.rejoin_grace)
             return
-        self._requeue(stream, rank)
+        self.requeue(stream, rank)
         log.info("rank %d of stream %r %s (%d unacknowledged batches requeued)", rank.rank, stream.name, why,
                  len(rank.inflight))
 
     def expire_orphans(self, now: float) -> None:
         """Requeue the batches of ranks that did not come back within the grace: they are dead."""
-        for stream in self.streams.values():
+        for stream in self.books.streams.values():
             for session, orphan in list(stream.orphans.items()):
                 if orphan.deadline <= now:
                     del stream.orphans[session]
-                    self._requeue(stream, orphan.rank)
+                    self.requeue(stream, orphan.rank)
                     log.info("rank %d of stream %r did not rejoin within %g s: %d batches requeued",
-                             orphan.rank.rank, stream.name, self.rejoin_grace, len(orphan.rank.inflight))
+                             orphan.rank.rank, stream.name, self.books.rejoin_grace, len(orphan.rank.inflight))
 
-    def _requeue(self, stream: StreamState, rank: RankState) -> None:
-        self._requeue_batches(stream, rank.inflight.values())
+    def requeue(self, stream: StreamState, rank: RankState) -> None:
+        self.requeue_batches(stream, rank.inflight.values())
         self._reopen_if_abandoned(stream)
 
-    def _requeue_batches(self, stream: StreamState, batches: Iterable[HeldBatch]) -> None:
+    def requeue_batches(self, stream: StreamState, batches: Iterable[HeldBatch]) -> None:
         """Batches in flight that will not be acknowledged go back to the front of their queues, in order. Of a pack
         the rank had used in part (ACK ``upto``), only the rest goes back: the used batches count as consumed."""
         for batch in sorted(batches, key=lambda b: b.id, reverse=True):
@@ -253,7 +257,7 @@ class Rejoin(Books):
             if batch.used > batch.first:
                 used, batch = cut(batch, batch.used)     # its used batches were counted acknowledged already
                 used.settle()                    # the pack's last piece is the one going back: nothing to journal
-                self.buffered -= used.nbytes
+                self.books.free(used.nbytes)
             ep.requeue(batch)
 
     def _reopen_if_abandoned(self, stream: StreamState) -> None:

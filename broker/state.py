@@ -106,7 +106,6 @@ class EpochState:
     delivery: str = "stream"   # "stream": forward on arrival; "atomic": forward a partition once committed
     commit: str = "end"        # who commits an attempt: its PARTITION_END ("end") or the driver ("driver")
     parts: dict[int, PartitionState] = field(default_factory=dict)
-    committed: set[int] = field(default_factory=set)
     claims: dict[int, int] = field(default_factory=dict)   # partition -> broker index (several brokers, home here)
     queue: deque[HeldBatch] = field(default_factory=deque)
     closed: bool = False       # EPOCH_CLOSE accepted: every partition is committed
@@ -147,6 +146,11 @@ class EpochState:
         ``even``) also fully acknowledged, so that batches of a rank that dies still go to the others."""
         return (self.closed and not self.queue and (even or self.all_acked)
                 and (self.recovery is None or not self.recovery.held))
+
+    @property
+    def committed(self) -> set[int]:
+        """The partitions committed: those whose committed attempt is known (derived, never kept twice)."""
+        return {n for n, p in self.parts.items() if p.committed_attempt is not None}
 
     @property
     def diverged(self) -> list[int]:
@@ -300,6 +304,21 @@ class RankState:
         self.inflight_bytes -= batch.nbytes
         self.given[batch.id[0]] -= batch.count
 
+    def forget_counts(self, epoch: int) -> None:
+        """Forget what this rank counted of ``epoch`` (retired, or reset for a resume): the one place it is."""
+        for counts in (self.given, self.told, self.adopted, self.told_adopted):
+            counts.pop(epoch, None)
+
+    def forget_inflight(self, epoch: int) -> int:
+        """Forget the batches of ``epoch`` in flight to this rank (a resume resets the epoch). Returns their bytes."""
+        freed = 0
+        for batch_id, batch in list(self.inflight.items()):
+            if batch_id[0] == epoch:
+                del self.inflight[batch_id]
+                freed += batch.nbytes
+        self.inflight_bytes -= freed
+        return freed
+
     def consumed(self, batches: Iterable[HeldBatch], held: bool = True) -> int:
         """Batches this rank consumed, taken out of :attr:`inflight` already (``held``), or never in it (found
         elsewhere when it rejoined). Returns their bytes."""
@@ -352,6 +371,10 @@ class StreamState:
     last_used: float = field(default_factory=time.monotonic)   # when last in use or named by a message
     _turn: int = 0
 
+    def members(self) -> list[RankState]:
+        """The ranks connected and those whose lost connection waits for them (orphans)."""
+        return [*self.ranks.values(), *(o.rank for o in self.orphans.values())]
+
     def in_use(self) -> bool:
         """Whether anything of the stream is live: ranks, lost ranks waiting, epochs not yet delivered."""
         return bool(self.ranks or self.epochs or self.orphans)
@@ -384,7 +407,7 @@ class StreamState:
         """Per rank number, the batches of ``epoch`` in its hands (held, consumed, dropped to even out), over the
         ranks connected and those whose lost connection waits for them. A number nobody holds counts 0."""
         counts = [0] * self.expected_ranks
-        for rank in [*self.ranks.values(), *(o.rank for o in self.orphans.values())]:
+        for rank in self.members():
             if rank.rank < len(counts):
                 counts[rank.rank] = rank.given.get(epoch, 0)
         return counts

@@ -598,7 +598,7 @@ def test_a_broker_just_restarted_holds_independent_consumers_for_the_grace(monke
     """Independent consumers cannot say how many they are: after a restart, the recomputed batches wait for
     --rejoin-grace, however many consumers have reclaimed, so that one still reconnecting is not passed over."""
     clock = [1000.0]
-    monkeypatch.setattr("sparkbus.broker.recovery.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("sparkbus.broker.matching.time.monotonic", lambda: clock[0])
     ledger = Ledger(rejoin_grace=10.0)
     ledger.started = 1000.0
     wire = Wire(ledger)
