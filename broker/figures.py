@@ -28,9 +28,12 @@ class EpochFigures(TypedDict):
     batches_in: int          # taken from the feed, first copies (a pack counts its batches)
     bytes_in: int
     rows_in: int
-    batches_out: int         # handed to ranks; a batch requeued after its rank died counts once
+    batches_out: int         # in the ranks' hands now: sent, less those requeued after their rank died
     bytes_out: int
     rows_out: int
+    batches_handed: int      # handed to ranks, a requeued batch counting once: only ever grows (the metrics')
+    bytes_handed: int
+    rows_handed: int
     acked: int               # acknowledged by ranks
     duplicates: int          # copies from task retries or speculation, dropped (messages)
     redelivered: int         # sends of a batch that had gone out before
@@ -96,6 +99,9 @@ class EarlierFigures(TypedDict):
     batches_out: int
     bytes_out: int
     rows_out: int
+    batches_handed: int
+    bytes_handed: int
+    rows_handed: int
     acked: int
     duplicates: int
     redelivered: int
@@ -118,14 +124,21 @@ def no_earlier() -> EarlierFigures:
     return {"epochs": 0, **dict.fromkeys(SUMMED, 0)}    # type: ignore[typeddict-item]
 
 
+# figures added since an older broker, and the figure they equal in its records: what they are read from there
+OLDER = {"batches_handed": "batches_out", "bytes_handed": "bytes_out", "rows_handed": "rows_out"}
+
+
 def fold(into: EarlierFigures, epoch: Mapping[str, Any]) -> None:
-    """Add one epoch's figures to ``into`` (figures retired by an older broker may lack some: they count 0)."""
+    """Add one epoch's figures to ``into`` (figures retired by an older broker may lack some: they count 0, or
+    as the figure they equal there, :data:`OLDER`)."""
     totals: dict[str, Any] = into        # type: ignore[assignment]
     totals["epochs"] += 1
+    sums = dict(totals)
     for name in SUMMED:
-        value = epoch.get(name, 0)
+        value = epoch.get(name, epoch.get(OLDER.get(name, name), 0))
         # an ``earlier`` record of an older broker (retired.log) may lack a figure added since: it starts at 0
-        totals[name] = totals.get(name, 0) + (len(value) if isinstance(value, list) else int(value))
+        before = sums.get(name, sums.get(OLDER.get(name, name), 0))
+        totals[name] = before + (len(value) if isinstance(value, list) else int(value))
 
 
 class StreamFigures(TypedDict):
@@ -242,10 +255,10 @@ EPOCH_METRICS: list[Metric] = [
     Metric("sparkbus_rows_in", "counter", _STREAM, "Rows in the batches taken from the feed socket.", "rows_in"),
     Metric("sparkbus_bytes_in", "counter", _STREAM, "Payload bytes taken from the feed socket.", "bytes_in"),
     Metric("sparkbus_batches_out", "counter", _STREAM, "Batches handed to ranks (a requeued batch counts once).",
-           "batches_out"),
-    Metric("sparkbus_rows_out", "counter", _STREAM, "Rows in the batches handed to ranks.", "rows_out"),
+           "batches_handed"),
+    Metric("sparkbus_rows_out", "counter", _STREAM, "Rows in the batches handed to ranks.", "rows_handed"),
     Metric("sparkbus_bytes_out", "counter", _STREAM,
-           "Payload bytes handed to ranks (a requeued batch counts once).", "bytes_out"),
+           "Payload bytes handed to ranks (a requeued batch counts once).", "bytes_handed"),
     Metric("sparkbus_batches_acked", "counter", _STREAM, "Batches the ranks acknowledged.", "acked"),
     Metric("sparkbus_duplicate_batches", "counter", _STREAM,
            "Copies of batches already held, dropped (Spark task retries and speculative copies).", "duplicates"),
@@ -303,6 +316,3 @@ RANK_METRICS: list[Metric] = [
 METRICS: list[Metric] = BROKER_METRICS + STREAM_METRICS + EPOCH_METRICS + RANK_METRICS
 METRIC = {m.name: m for m in METRICS}
 
-# Counters the ledger lowers when it requeues a batch (it undoes the send): the exporter renders them as their
-# high-water mark per stream within one broker process, so that Prometheus does not mistake the undo for a reset.
-HIGH_WATER = frozenset({"batches_out", "bytes_out", "rows_out"})

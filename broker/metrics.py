@@ -37,8 +37,8 @@ except ImportError as exc:     # the daemon imports this module only for --metri
 from sparkbus.broker.figures import (
     BROKER_METRICS,
     EPOCH_METRICS,
-    HIGH_WATER,
     METRIC,
+    OLDER,
     OVER_EPOCHS,
     RANK_METRICS,
     STREAM_METRICS,
@@ -67,8 +67,6 @@ class StatsCollector(Collector):
     def __init__(self) -> None:
         self._stats: Figures | None = None
         self._published = 0.0
-        self._lock = threading.Lock()              # scrapes may run side by side; they share the high-water marks
-        self._high: dict[tuple[str, str], float] = {}       # (field, stream) -> the most it rendered
 
     def publish(self, stats: Figures) -> None:
         """Make ``stats`` the snapshot scrapes render. The dict must not be changed afterwards (Broker.stats()
@@ -79,12 +77,11 @@ class StatsCollector(Collector):
         stats, published = self._stats, self._published
         if stats is None:
             return
-        with self._lock:
-            yield from self._broker(stats.get("broker", {}), published, len(stats.get("streams", {})))
-            streams = stats.get("streams", {})
-            yield from self._streams(streams)
-            yield from self._epochs(streams)
-            yield from self._ranks(streams)
+        yield from self._broker(stats.get("broker", {}), published, len(stats.get("streams", {})))
+        streams = stats.get("streams", {})
+        yield from self._streams(streams)
+        yield from self._epochs(streams)
+        yield from self._ranks(streams)
 
     def _broker(self, broker: BrokerFigures, published: float, streams: int) -> Iterator[Family]:
         info = _family(METRIC["sparkbus_info"])
@@ -134,7 +131,9 @@ class StatsCollector(Collector):
                 value: float | None
                 if metric.kind == "counter" or field in OVER_EPOCHS:
                     figures = [*epochs.values(), stream.get("earlier", {})]
-                    values = [v for f in figures if (v := _number(f.get(field))) is not None]
+                    # figures of an older broker may lack it, or have it as another figure (OLDER)
+                    values = [v for f in figures if (v := _number(f.get(field, f.get(OLDER.get(field, field)))))
+                              is not None]
                     if not values:
                         continue               # figures retired by an older broker may lack it
                     value = float(sum(values))
@@ -143,13 +142,8 @@ class StatsCollector(Collector):
                     value = _number(current.get(field)) if current is not None else None
                     if value is None:
                         continue
-                if field in HIGH_WATER:
-                    key = (field, stream_name)
-                    value = self._high[key] = max(value, self._high.get(key, value))
                 family.add_metric([stream_name], value)
             yield family
-        for key in [k for k in self._high if k[1] not in streams]:
-            del self._high[key]                  # streams no longer in the figures (retired): forget their marks
 
     def _ranks(self, streams: dict[str, StreamFigures]) -> Iterator[Family]:
         for metric in RANK_METRICS:

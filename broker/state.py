@@ -116,6 +116,9 @@ class EpochState:
     batches_out: int = 0
     bytes_out: int = 0
     rows_out: int = 0
+    # the most ever out at once: handed to ranks, a requeued batch counting once (stats; only :meth:`requeue`,
+    # the one place the out counters fall, and :meth:`stats` raise them)
+    handed: tuple[int, int, int] = (0, 0, 0)
     acked: int = 0
     duplicates: int = 0
     redelivered: int = 0       # sends of a batch that had gone out before (its rank died or left)
@@ -208,10 +211,15 @@ class EpochState:
 
     def requeue(self, batch: HeldBatch) -> None:
         """A batch in flight that will not be acknowledged goes back to the front of the queue: its send is undone."""
+        self.handed = self._handed()
         self.queue.appendleft(batch)
         self.batches_out -= batch.count
         self.bytes_out -= batch.nbytes
         self.rows_out -= batch.rows
+
+    def _handed(self) -> tuple[int, int, int]:
+        return (max(self.handed[0], self.batches_out), max(self.handed[1], self.bytes_out),
+                max(self.handed[2], self.rows_out))
 
     def count_acked(self, batch: HeldBatch) -> None:
         self.acked += batch.count
@@ -220,10 +228,12 @@ class EpochState:
         self.given_twice += 1
 
     def stats(self) -> EpochFigures:
+        batches_handed, bytes_handed, rows_handed = self._handed()
         return {"partitions": self.partitions, "delivery": self.delivery, "committed": len(self.committed),
                 "closed": self.closed, "ended": self.end_sent, "queued": len(self.queue),
                 "batches_in": self.batches_in, "bytes_in": self.bytes_in, "rows_in": self.rows_in,
                 "batches_out": self.batches_out, "bytes_out": self.bytes_out, "rows_out": self.rows_out,
+                "batches_handed": batches_handed, "bytes_handed": bytes_handed, "rows_handed": rows_handed,
                 "acked": self.acked, "duplicates": self.duplicates, "redelivered": self.redelivered,
                 "given_twice": self.given_twice, "diverged": self.diverged, "steps": self.steps,
                 "dropped": sum(self.dropped.values()), "moved": self.moved,

@@ -509,6 +509,22 @@ class LedgerMachine(RuleBasedStateMachine):
             assert (rank.batches, rank.acked) == (model.batches, model.acked)
 
     @invariant()
+    def the_handed_figures_only_grow_and_cover_what_is_out(self):
+        """Stats apart from control: ``batches_handed`` (what the metrics draw) never falls, whatever requeues
+        do to ``batches_out`` (control: the epoch's end waits for it to be acknowledged)."""
+        stream = self.ledger.streams.get(STREAM)
+        if self.__dict__.get("_handed_ledger") is not self.ledger:     # a restarted broker counts from 0 again
+            self._handed_ledger, self._handed_seen = self.ledger, {}
+        seen = self._handed_seen
+        for number, ep in (stream.epochs if stream else {}).items():
+            figures = ep.stats()
+            handed = (figures["batches_handed"], figures["bytes_handed"], figures["rows_handed"])
+            assert all(h >= o for h, o in zip(handed, (ep.batches_out, ep.bytes_out, ep.rows_out))), (handed, ep)
+            before = seen.get(number, (0, 0, 0))
+            assert all(h >= b for h, b in zip(handed, before)), (number, before, handed)
+            seen[number] = handed
+
+    @invariant()
     def the_ranks_hold_what_the_ledger_thinks(self):
         assert {i: set(r.inflight) for i, r in self.ledger.ranks.items()} == \
             {i: set(r.held) for i, r in self.ranks.items()}

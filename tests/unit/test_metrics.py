@@ -164,18 +164,20 @@ def test_each_scrape_renders_the_last_published_snapshot(exporter):
 
 
 def test_a_requeued_batch_does_not_make_the_out_counters_go_back(exporter):
-    """The ledger lowers batches_out when it requeues a batch; Prometheus would read a drop as a reset."""
+    """The ledger lowers batches_out when it requeues a batch; Prometheus would read a drop as a reset. Its figures
+    keep the most that was out (``batches_handed``, which only grows): the counters are drawn from it."""
     figures = copy.deepcopy(STATS)
     exporter.publish(figures)
     assert value(scrape(exporter), "sparkbus_batches_out_total", stream="train") == 344
     figures = copy.deepcopy(figures)
-    figures["streams"]["train"]["epochs"]["1"].update(batches_out=3, bytes_out=3072)
+    figures["streams"]["train"]["epochs"]["1"].update(batches_out=3, bytes_out=3072, batches_handed=4,
+                                                      bytes_handed=4096)
     exporter.publish(figures)
     got = scrape(exporter)
     assert value(got, "sparkbus_batches_out_total", stream="train") == 344
     assert value(got, "sparkbus_bytes_out_total", stream="train") == 307200 + 40960 + 4096
     figures = copy.deepcopy(figures)
-    figures["streams"]["train"]["epochs"]["1"].update(batches_out=6)
+    figures["streams"]["train"]["epochs"]["1"].update(batches_out=6, batches_handed=6)
     exporter.publish(figures)
     assert value(scrape(exporter), "sparkbus_batches_out_total", stream="train") == 346
 
