@@ -85,6 +85,10 @@ class ModeResult:
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds
 
+    @property
+    def straggler_mean(self) -> float:
+        return float(np.mean(self.straggler)) if self.straggler else float("nan")
+
     def straggler_at(self, q: float) -> float:
         return float(np.percentile(self.straggler, q)) if self.straggler else float("nan")
 
@@ -96,9 +100,9 @@ class Lm:
     rows: int = 0
     tokens: int = 0
     build_seconds: float = 0.0
-    modes: dict[str, ModeResult] = field(default_factory=dict)
+    modes: dict[str, list[ModeResult]] = field(default_factory=dict)          # mode -> its repetitions
     mixture: dict[str, Any] | None = None       # windows, the plan's counts, the largest error (rows and %)
-    hf: dict[str, Any] | None = None             # from_spark's first and last batch, the warm-up, what was read
+    hf: list[dict[str, Any]] = field(default_factory=list)    # per rep: from_spark's first and last batch, ...
     hf_missing: str | None = None                # why the anchor was not measured
 
 
@@ -133,9 +137,10 @@ def docs_frame(spark: Any, rows: int, mu: float = LENGTH_MU, seed: int = 26, par
 
 # ---- the run ----------------------------------------------------------------------------------------------------
 
-def run(children: Children, spark: Any, quick: bool, work: Path, timeout: float, log=print,
+def run(children: Children, spark: Any, quick: bool, reps: int, work: Path, timeout: float, log=print,
         out: Lm | None = None) -> Lm:
-    """Every mode's epoch, the mixture's, then the anchor, into one set of 2 ranks; filled into ``out``."""
+    """``reps`` epochs of every mode (interleaved), the mixture's, then ``reps`` of the anchor, into one set of 2
+    ranks; filled into ``out``."""
     from sparkbus.feeder import feed
     from sparkbus.feeder.mixture import feed_mixture, window_counts
 
@@ -159,8 +164,6 @@ def run(children: Children, spark: Any, quick: bool, work: Path, timeout: float,
     feed(warm_up, broker.feed, stream=f"{stream}-warm-up", batch_size=BATCH_SIZE, columns=["tokens"],
          ragged=["tokens"], timeout=timeout)
     ranks_out = work / f"ranks-{stream}"
-    hf_go = ranks_out / "hf-go"
-    mix_epoch = len(MODES)
     hf_cache = work / f"hf-{stream}"
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")        # nothing downloaded; the ranks inherit it
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -173,13 +176,18 @@ def run(children: Children, spark: Any, quick: bool, work: Path, timeout: float,
         wait_for(lambda: all((ranks_out / f"done-{r}-{epoch}").exists() for r in range(RANKS)), timeout,
                  f"the ranks to finish epoch {epoch}", interval=0.002)
 
+    plan: list[tuple[int, int, Mode]] = [(rep, rep * len(MODES) + i, mode)      # each rep starts one mode later
+                                         for rep in range(reps)
+                                         for i, mode in enumerate(MODES[rep % len(MODES):] + MODES[:rep % len(MODES)])]
+    mix_epoch = len(plan)
+
     def start() -> None:
-        for epoch, mode in enumerate(MODES):
-            clocks[mode.name] = time.time()
+        for _, epoch, mode in plan:
+            clocks[f"epoch {epoch}"] = time.time()
             feed(df, broker.feed, stream=stream, epoch=epoch, columns=["tokens"], ragged=["tokens"], timeout=timeout,
                  **mode.options)
             wait_done(epoch)
-        log(f"  {len(MODES)} modes fed and received ({time.time() - clocks[MODES[0].name]:.1f} s)")
+        log(f"  {len(MODES)} modes x {reps} fed and received ({time.time() - clocks['epoch 0']:.1f} s)")
         clocks["mixture"] = time.time()
         feed_mixture(sources, broker.feed, weights=MIX_WEIGHTS, stream=stream, first_epoch=mix_epoch,
                      rows_per_epoch=docs_rows(quick) // 2, window=MIX_WINDOW, slot_column="slot", seed=26,
@@ -191,20 +199,21 @@ def run(children: Children, spark: Any, quick: bool, work: Path, timeout: float,
 
             warm = time.time()
             Dataset.from_spark(warm_up, cache_dir=str(hf_cache / "warm-up"))     # as sparkbus's warm-up feed
-            clocks["hf"] = time.time()
-            log(f"  from_spark warmed up ({clocks['hf'] - warm:.1f} s)")
-            ds = Dataset.from_spark(df, cache_dir=str(hf_cache / "timed"))
-            clocks["hf_written"] = time.time()
-            tmp = hf_go.with_suffix(".tmp")
-            tmp.write_text(json.dumps([f["filename"] for f in ds.cache_files]))
-            os.replace(tmp, hf_go)
+            log(f"  from_spark warmed up ({time.time() - warm:.1f} s)")
+            for rep in range(reps):
+                clocks[f"hf {rep}"] = time.time()
+                ds = Dataset.from_spark(df, cache_dir=str(hf_cache / f"timed-{rep}"))
+                clocks[f"hf written {rep}"] = time.time()
+                go = ranks_out / f"hf-go-{rep}"
+                go.with_suffix(".tmp").write_text(json.dumps([f["filename"] for f in ds.cache_files]))
+                os.replace(go.with_suffix(".tmp"), go)
 
     args = ["--ranks", broker.ranks, "--stream", stream, "--epochs", str(mix_epoch + 1), "--mixture-epoch",
-            str(mix_epoch), "--hf-batch-size", str(BATCH_SIZE), "--timeout", str(timeout),
-            *(["--hf-go", str(hf_go)] if out.hf_missing is None else [])]
+            str(mix_epoch), "--hf-batch-size", str(BATCH_SIZE), "--hf-reps", str(reps), "--timeout", str(timeout),
+            *(["--hf-go", str(ranks_out / "hf-go")] if out.hf_missing is None else [])]
     try:
         result, _ = run_ranks(children, f"ranks-{stream}", RANKS, "lm_rank.py", ranks_out, args, start,
-                              timeout * (len(MODES) + 3))
+                              timeout * (len(plan) + 2 + reps))
     finally:
         children.discard(broker)
         shutil.rmtree(hf_cache, ignore_errors=True)
@@ -212,29 +221,28 @@ def run(children: Children, spark: Any, quick: bool, work: Path, timeout: float,
         df.unpersist()
     ranks = result.ranks
     out.tokens = sum(b[1] for r in ranks for b in r["epochs"][0]["batches"])
-    for epoch, mode in enumerate(MODES):
-        out.modes[mode.name] = mode_result(mode.name, [r["epochs"][epoch] for r in ranks], clocks[mode.name],
-                                           out.rows)
-        m = out.modes[mode.name]
+    for rep, epoch, mode in plan:
+        m = mode_result(mode.name, [r["epochs"][epoch] for r in ranks], clocks[f"epoch {epoch}"], out.rows)
         if m.tokens != out.tokens:
             raise BenchError(f"mode {mode.name}: the ranks got {m.tokens:,} tokens of {out.tokens:,}")
-        log(f"  {mode.name}: {m.tokens_per_s:,.0f} real tokens/s, padding {m.padding:.1%}, {m.batches} batches, "
-            f"straggler ratio mean {np.mean(m.straggler):.2f} p90 {m.straggler_at(90):.2f}")
+        out.modes.setdefault(mode.name, []).append(m)
+        log(f"  {mode.name}, rep {rep + 1}/{reps}: {m.tokens_per_s:,.0f} real tokens/s, padding {m.padding:.1%}, "
+            f"{m.batches} batches, straggler ratio mean {m.straggler_mean:.2f} p90 {m.straggler_at(90):.2f}")
     names = sorted(MIX_WEIGHTS)
-    plan = window_counts([MIX_WEIGHTS[n] for n in names], MIX_WINDOW)
-    out.mixture = mixture_errors([r["epochs"][mix_epoch] for r in ranks], dict(zip(names, plan)))
+    counts = window_counts([MIX_WEIGHTS[n] for n in names], MIX_WINDOW)
+    out.mixture = mixture_errors([r["epochs"][mix_epoch] for r in ranks], dict(zip(names, counts)))
     log(f"  mixture {MIX_WEIGHTS} per window of {MIX_WINDOW}: {out.mixture['windows']} windows, largest error "
         f"{out.mixture['max_error_rows']} rows")
-    if out.hf_missing is None:
-        hf = [r["hf"] for r in ranks]
+    for rep in range(reps if out.hf_missing is None else 0):
+        hf = [r["hf"][rep] for r in ranks]
         if sum(h["rows"] for h in hf) != out.rows or sum(h["tokens"] for h in hf) != out.tokens:
             raise BenchError(f"from_spark's ranks read {sum(h['rows'] for h in hf)} rows of {out.rows}")
-        out.hf = {"first": min(h["t_first"] for h in hf) - clocks["hf"],
-                  "last": max(h["t_last"] for h in hf) - clocks["hf"],
-                  "written": clocks["hf_written"] - clocks["hf"], "ranks": hf}
-        log(f"  from_spark: first batch {out.hf['first']:.2f} s, last {out.hf['last']:.2f} s (written after "
-            f"{out.hf['written']:.2f} s); sparkbus batch_size: {out.modes['batch_size'].first:.2f} s, "
-            f"{out.modes['batch_size'].seconds:.2f} s")
+        t0 = clocks[f"hf {rep}"]
+        out.hf.append({"first": min(h["t_first"] for h in hf) - t0, "last": max(h["t_last"] for h in hf) - t0,
+                       "written": clocks[f"hf written {rep}"] - t0, "ranks": hf})
+        log(f"  from_spark, rep {rep + 1}/{reps}: first batch {out.hf[-1]['first']:.2f} s, last "
+            f"{out.hf[-1]['last']:.2f} s (written after {out.hf[-1]['written']:.2f} s); sparkbus batch_size: "
+            f"{out.modes['batch_size'][rep].first:.2f} s, {out.modes['batch_size'][rep].seconds:.2f} s")
     return out
 
 
@@ -279,47 +287,55 @@ class LmSection(Section[Lm]):
 
     def measure(self, ctx: Context) -> Lm:
         out = ctx.results[self.name] = Lm()
-        return run(ctx.children, ctx.spark, ctx.sizes.name.startswith("quick"), ctx.work,
+        return run(ctx.children, ctx.spark, ctx.sizes.name.startswith("quick"), ctx.sizes.reps, ctx.work,
                    min(ctx.sizes.timeout, 120.0), log=ctx.log, out=out)
 
     def figures(self, run: Run, result: Lm) -> list[Figure]:
+        """Per mode, real tokens/s, the padding share and the mean straggler ratio against ``batch_size`` rows
+        (and the p90); the mixture's largest error per window (% of the window); sparkbus's first and last batch
+        (mode ``batch_size``) against from_spark's."""
         out: list[Figure] = []
         plain = result.modes.get("batch_size")
-        if plain is None:
+        if not plain:
             return out
-        rate = figure("lm", "real tokens/s, batch_size", [plain.tokens_per_s], "tokens/s")
-        pad = figure("lm", "padding share, batch_size", [plain.padding * 100], "%")
-        straggler = figure("lm", "straggler ratio, batch_size", [float(np.mean(plain.straggler))], "x")
-        out += [rate, pad, straggler,
-                figure("lm", "straggler ratio p90, batch_size", [plain.straggler_at(90)], "x")]
-        for name, m in result.modes.items():
-            if name == "batch_size":
-                continue
-            out += [figure("lm", f"real tokens/s, {name}", [m.tokens_per_s], "tokens/s", rate),
-                    figure("lm", f"padding share, {name}", [m.padding * 100], "%", pad),
-                    figure("lm", f"straggler ratio, {name}", [float(np.mean(m.straggler))], "x", straggler),
-                    figure("lm", f"straggler ratio p90, {name}", [m.straggler_at(90)], "x")]
+        anchors: dict[str, Figure] = {}
+        for name, reps in result.modes.items():
+            for what, unit, of in (("real tokens/s", "tokens/s", lambda m: m.tokens_per_s),
+                                   ("padding share", "%", lambda m: m.padding * 100),
+                                   ("straggler ratio", "x", lambda m: m.straggler_mean)):
+                f = figure("lm", f"{what}, {name}", [of(m) for m in reps], unit, anchors.get(what))
+                anchors.setdefault(what, f)
+                out.append(f)
+            out.append(figure("lm", f"straggler ratio p90, {name}", [m.straggler_at(90) for m in reps], "x"))
         if result.mixture:
             out.append(figure("lm", "mixture ratio error per window",
                               [result.mixture["max_error_rows"] / result.mixture["window"] * 100], "%"))
         if result.hf:
-            first = figure("lm", "from_spark first batch", [result.hf["first"]], "s")
-            last = figure("lm", "from_spark last batch", [result.hf["last"]], "s")
-            out += [first, last, figure("lm", "sparkbus first batch", [plain.first], "s", first),
-                    figure("lm", "sparkbus last batch", [plain.seconds], "s", last)]
+            first = figure("lm", "from_spark first batch", [h["first"] for h in result.hf], "s")
+            last = figure("lm", "from_spark last batch", [h["last"] for h in result.hf], "s")
+            out += [first, last, figure("lm", "sparkbus first batch", [m.first for m in plain], "s", first),
+                    figure("lm", "sparkbus last batch", [m.seconds for m in plain], "s", last)]
         return out
 
     def tables(self, run: Run, result: Lm) -> list[Table]:
         if not result.modes:
             return []
+
+        def med(reps: list[Any], of: Any) -> float:
+            return float(np.median([of(r) for r in reps]))
+
         plain = result.modes.get("batch_size")
-        rows = [[name, m.tokens_per_s, m.tokens_per_s / plain.tokens_per_s if plain else None, m.padding * 100,
-                 m.batches, float(np.mean(m.straggler)), m.straggler_at(90), m.first, m.seconds]
-                for name, m in result.modes.items()]
+        base = med(plain, lambda m: m.tokens_per_s) if plain else None
+        rows = [[name, med(reps, lambda m: m.tokens_per_s),
+                 med(reps, lambda m: m.tokens_per_s) / base if base else None, med(reps, lambda m: m.padding * 100),
+                 reps[0].batches, med(reps, lambda m: m.straggler_mean), med(reps, lambda m: m.straggler_at(90)),
+                 med(reps, lambda m: m.first), med(reps, lambda m: m.seconds)]
+                for name, reps in result.modes.items()]
         notes = [f"batch_size {BATCH_SIZE} rows; batch_tokens {BATCH_TOKENS} (batch_size {4 * BATCH_SIZE} as a cap); "
                  f"bucket_by window {BUCKET_WINDOW}. Padding share: if every batch were padded to its longest row. "
                  "Straggler ratio: per global step (batch i of each rank), the largest rank's tokens over the "
-                 "smallest's. Coordinated buckets across ranks (issue 26 §3) are not built yet."]
+                 "smallest's. Coordinated buckets across ranks (issue 26 §3) are not built yet. Medians of "
+                 f"{len(next(iter(result.modes.values())))} interleaved repetition(s)."]
         tables = [Table(f"{result.rows:,} documents ({result.tokens:,} tokens, lognormal lengths 1..{LENGTH_MAX}) "
                         f"in {PARTITIONS} partitions through one broker to {RANKS} ranks",
                         ["mode", "real tokens/s", "vs batch_size", "padding share (%)", "batches",
@@ -336,13 +352,15 @@ class LmSection(Section[Lm]):
             tables.append(Table("The anchor: Hugging Face datasets Dataset.from_spark of the same DataFrame, each rank "
                                 f"its shard (split_dataset_by_node) in batches of {BATCH_SIZE} rows",
                                 ["way", "first batch (s)", "last batch (s)", "written (s)"],
-                                [["from_spark", result.hf["first"], result.hf["last"], result.hf["written"]],
-                                 ["sparkbus, batch_size", plain.first, plain.seconds, None]]))
+                                [["from_spark", med(result.hf, lambda h: h["first"]),
+                                  med(result.hf, lambda h: h["last"]), med(result.hf, lambda h: h["written"])],
+                                 ["sparkbus, batch_size", med(plain, lambda m: m.first),
+                                  med(plain, lambda m: m.seconds), None]]))
         elif result.hf_missing:
             tables[0].notes.append(f"The from_spark anchor was not measured: {result.hf_missing}")
         return tables
 
     def json(self, run: Run, result: Lm) -> dict:
         return {"lm": {"rows": result.rows, "tokens": result.tokens, "build_seconds": result.build_seconds,
-                       "modes": {n: {**m.__dict__} for n, m in result.modes.items()},
+                       "modes": {n: [m.__dict__ for m in reps] for n, reps in result.modes.items()},
                        "mixture": result.mixture, "hf": result.hf, "hf_missing": result.hf_missing}}

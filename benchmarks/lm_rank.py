@@ -2,16 +2,17 @@
 its shard of the Arrow files Hugging Face ``datasets.Dataset.from_spark`` wrote.
 
     mpiexec -n 2 python benchmarks/lm_rank.py --out DIR --ranks tcp://127.0.0.1:P --stream S --epochs N
-            [--column tokens] [--mixture-epoch K] [--hf-go FILE --hf-batch-size 32] [--timeout 60]
+            [--column tokens] [--mixture-epoch K] [--hf-go FILE --hf-reps 1 --hf-batch-size 32] [--timeout 60]
 
 Writes ``ready-<rank>`` once it joined the broker (and imported ``datasets``). For each epoch of the stream it
 records, per batch in the order its loop got them, the rows, the real tokens (the sum of the row lengths of
 ``--column``) and the longest row, and wall-clock times of the first and the last batch; then writes
 ``done-<rank>-<epoch>`` (the benchmark feeds the next epoch only once every rank wrote it). In the epoch
-``--mixture-epoch`` it also keeps each row's ``source`` and ``slot``. With ``--hf-go`` it then waits for that file
-(a JSON list of the Arrow files ``from_spark`` wrote), opens them with ``Dataset.from_file``, takes its shard with
-``datasets.distributed.split_dataset_by_node`` and iterates it in batches of ``--hf-batch-size`` rows, Arrow
-formatted (no per-row Python: the anchor's fastest way). Writes ``rank<rank>.json``.
+``--mixture-epoch`` it also keeps each row's ``source`` and ``slot``. With ``--hf-go FILE`` it then, ``--hf-reps``
+times, waits for the file ``FILE-<rep>`` (a JSON list of the Arrow files ``from_spark`` wrote), opens them with
+``Dataset.from_file``, takes its shard with ``datasets.distributed.split_dataset_by_node`` and iterates it in
+batches of ``--hf-batch-size`` rows, Arrow formatted (no per-row Python: the anchor's fastest way). Writes
+``rank<rank>.json``.
 """
 
 import argparse
@@ -33,6 +34,7 @@ parser.add_argument("--column", default="tokens")
 parser.add_argument("--mixture-epoch", type=int, default=-1)
 parser.add_argument("--hf-go")
 parser.add_argument("--hf-batch-size", type=int, default=32)
+parser.add_argument("--hf-reps", type=int, default=1, help="read that many datasets, one a go file FILE-<rep>")
 parser.add_argument("--out", required=True)
 parser.add_argument("--timeout", type=float, default=120.0)
 args = parser.parse_args()
@@ -98,8 +100,11 @@ def main() -> None:
         epochs = [bus_epoch(stream, epoch) for epoch in range(args.epochs)]
     result: dict = {"rank": rank, "size": comm.Get_size(), "epochs": epochs}
     if args.hf_go:
-        wait_for_go(args.hf_go, args.timeout)
-        result["hf"] = hf_shard(json.loads(Path(args.hf_go).read_text()))
+        result["hf"] = []
+        for rep in range(args.hf_reps):
+            go = f"{args.hf_go}-{rep}"
+            wait_for_go(go, args.timeout)
+            result["hf"].append(hf_shard(json.loads(Path(go).read_text())))
     write_figures(out, rank, result)
 
 
