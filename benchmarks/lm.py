@@ -1,9 +1,11 @@
 """Figure 13, language-model data (issue 26 §6): ragged token rows with a long-tailed length, made in Spark, fed
-through one broker to 2 ranks (``lm_rank.py`` under mpiexec) in several batching modes, one epoch each:
+through one broker to 2 ranks (``lm_rank.py`` under mpiexec) in several batching modes, ``--reps`` epochs each
+(interleaved), measured by the ranks:
 
 - **real tokens/s and the padding share** per mode (:data:`MODES`): ``batch_size`` rows or ``batch_tokens``, each
   without and with ``bucket_by``; real (non-padding) tokens over the time from the feed's start to the last batch at
-  any rank, and the share of padding if every batch were padded to its longest row (``padding.padding_share``);
+  any rank, and the share of padding if every batch were padded to its longest row (as ``padding.padding_share``
+  defines it);
 - **the straggler ratio per step**: for each global step (batch ``i`` of every rank: the ranks' steps are granted by
   the broker), the largest rank's tokens over the smallest's; mean and p90 per mode. Coordinated buckets across
   ranks (issue 26 §3) are not built: they will be one more entry of :data:`MODES`;
