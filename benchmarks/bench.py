@@ -29,6 +29,7 @@ def all_sections() -> list[Any]:
     from benchmarks.end_to_end import EndToEndSection
     from benchmarks.hop import HopSection
     from benchmarks.images import ImagesSection
+    from benchmarks.lm import LmSection
     from benchmarks.remainder import RemainderSection
     from benchmarks.scaling import RssSection, ScalingSection
     from benchmarks.spark_configs import SparkSection
@@ -37,8 +38,8 @@ def all_sections() -> list[Any]:
 
     # hop and rss first: in a quick run Spark starts in the background meanwhile
     return [HopSection(), RssSection(), EndToEndSection(), ClusterSection(), ScalingSection(), DataWaitSection(),
-            BrokersSection(), VarlenSection(), SparkSection(), ImagesSection(), TorchrunSection(), RemainderSection(),
-            soak.SoakSection(), faults.FaultsSection()]
+            BrokersSection(), VarlenSection(), LmSection(), SparkSection(), ImagesSection(), TorchrunSection(),
+            RemainderSection(), soak.SoakSection(), faults.FaultsSection()]
 
 
 def parse_args(argv: list[str] | None = None, sections: list[Any] | None = None) -> argparse.Namespace:

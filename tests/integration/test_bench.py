@@ -97,7 +97,7 @@ def test_the_quick_peer_comparisons_produce_every_figure_against_its_anchor(tmp_
                              "--out", str(tmp_path)], capture_output=True, text=True, timeout=540)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     figures = valid_figures(tmp_path / "figures.jsonl", zero_allowed=("%",))
-    assert set(figures) == {"hop", "rss", "e2e", "cluster", "scaling", "wait", "brokers", "varlen", "spark",
+    assert set(figures) == {"hop", "rss", "e2e", "cluster", "scaling", "wait", "brokers", "varlen", "lm", "spark",
                             "torchrun"}
     # the hop: every size three ways, and the CURVE rows against the plain hop of their size
     for size in ("1 KiB", "16 KiB", "64 KiB", "256 KiB", "1 MiB", "4 MiB"):
@@ -116,6 +116,17 @@ def test_the_quick_peer_comparisons_produce_every_figure_against_its_anchor(tmp_
     assert {"binary", "varints", "padding share, bucket_by"} <= set(figures["varlen"])
     assert {f"sparkbus {kind}, {size} batches" for kind in ("fixed", "tokens") for size in ("1 MiB", "64 KiB")} \
         <= set(figures["cluster"])
+    # language-model data (13): every batching mode against batch_size rows, the mixture, from_spark as the anchor
+    modes = ("batch_size + bucket_by", "batch_tokens", "batch_tokens + bucket_by")
+    assert set(figures["lm"]) == {f"{what}, {mode}" for what in ("real tokens/s", "padding share", "straggler ratio",
+                                                                 "straggler ratio p90")
+                                  for mode in ("batch_size", *modes)} | {
+        "mixture ratio error per window", *(f"{way} {end} batch" for way in ("from_spark", "sparkbus")
+                                            for end in ("first", "last"))}
+    for what in ("real tokens/s", "padding share", "straggler ratio"):
+        assert all(figures["lm"][f"{what}, {mode}"].anchor == f"{what}, batch_size" for mode in modes)
+    for end in ("first", "last"):
+        assert figures["lm"][f"sparkbus {end} batch"].anchor == f"from_spark {end} batch"
     report = json.loads((tmp_path / "results.json").read_text())
     assert {(t["section"], t["name"]) for t in report["targets"]} == {
         (t.section, t.name) for t in TARGETS if t.section not in ("images",)}
@@ -126,6 +137,9 @@ def test_the_quick_peer_comparisons_produce_every_figure_against_its_anchor(tmp_
     # variable-length columns (7): every byte seen
     for pair in report["varlen"]["pairs"].values():
         assert all(run["touched_bytes"] >= run["payload_bytes"] for run in pair["compared"] if not run["dropped_rows"])
+    # the mixture: every window of slots whole at the ranks, every slot once
+    mixture = report["lm"]["mixture"]
+    assert mixture["windows"] and mixture["slots_once"]
     assert (tmp_path / "throughput.png").stat().st_size > 10_000
 
 
