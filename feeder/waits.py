@@ -70,6 +70,7 @@ class WaitsWatch:
         self._before: dict[int, RankWaits] | None = None
         self._latest: dict[int, RankWaits] = {}
         self._waited = self._waited_queued = 0.0     # the ranks' data wait between readings; ... with batches queued
+        self._window: dict[int, float] = {}         # ... of it, each rank's
         self._first = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"sparkbus-waits-{stream}", daemon=True)
@@ -91,7 +92,8 @@ class WaitsWatch:
 
     def spans(self) -> tuple[RankWaits, ...]:
         """Each rank's seconds between the first reading and the last."""
-        return waits_between(self._before or {}, dict(self._latest))
+        return tuple(w._replace(window_wait=min(self._window.get(w.rank, 0.0), w.data_wait))
+                     for w in waits_between(self._before or {}, dict(self._latest)))
 
     def queued_share(self) -> float | None:
         """The share of the ranks' data wait that passed while the brokers held batches queued for them (as seen
@@ -107,16 +109,16 @@ class WaitsWatch:
             self._first.set()
             while True:
                 stop = self._stop.wait(self._every)
-                waited = sum(w.data_wait for w in self._latest.values())
                 reading, held = read_waits(clients, self._stream)
                 for rank, now in reading.items():
                     then = self._latest.get(rank)
                     if then is None or now.step >= then.step:
+                        grew = max(now.data_wait - then.data_wait, 0.0) if then is not None else 0.0
+                        self._waited += grew
+                        if held:           # the rank waited while the broker held batches for it: the window
+                            self._waited_queued += grew
+                            self._window[rank] = self._window.get(rank, 0.0) + grew
                         self._latest[rank] = now
-                grew = max(sum(w.data_wait for w in self._latest.values()) - waited, 0.0)
-                self._waited += grew
-                if held:                   # the ranks waited while the broker held batches for them
-                    self._waited_queued += grew
                 if stop:
                     return
         except Exception as exc:            # noqa: BLE001 - the verdict is best effort; the feed goes on

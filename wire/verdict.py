@@ -36,12 +36,14 @@ def of_rank(data_wait: float, peer_wait: float, step: float) -> str:
 
 class RankWaits(NamedTuple):
     """One rank's seconds over some interval: waiting for data (after its first batch), waiting for peers, and its
-    loop's own time with its batches."""
+    loop's own time with its batches; and, of the data wait, the part that passed while the broker held batches
+    queued for its stream (the window round trip: the batches were there), when the feed watched for it."""
 
     rank: int
     data_wait: float
     peer_wait: float
     step: float
+    window_wait: float = 0.0
 
 
 class SlowTask(NamedTuple):

@@ -77,6 +77,8 @@ def test_a_slow_partition_leaves_the_rank_input_bound_and_the_feed_unhindered(sp
     ep = out["ep"]
     assert ep.verdict == "input-bound", ep
     assert ep.data_wait_seconds >= 0.5, ep
+    (waits,) = report.ranks           # waited for Spark: the broker held nothing for it meanwhile
+    assert waits.data_wait > 0 and waits.window_wait < 0.5 * waits.data_wait, waits
     verdict = report.verdict            # the feed's: the ranks waited for Spark; the slow task and its host named
     assert verdict.kind == "input-bound" and verdict.slowest_tasks[0][:2] == (2, socket.gethostname()), verdict
     assert f"slowest Spark tasks: partition 2 on {socket.gethostname()}" in str(verdict), str(verdict)
@@ -122,11 +124,15 @@ def test_a_window_too_small_for_the_round_trip_is_named(spark, start_broker_proc
     broker = start_broker_process("--max-buffer", "64KiB")
     out: dict = {}
     rank = consume(broker.ranks, "window", 0.0, out, prefetch=1, prefetch_bytes=0)
-    df = spark.range(6_000, numPartitions=2).selectExpr("id", "array_repeat(cast(id as float), 16) as x")
-    report = feed(df, broker.feed, stream="window", batch_size=10, pack_bytes=0, timeout=60)
+    # 3,000 batches of 4 rows, a round trip each: seconds of feeding (the feed reads the ranks' figures each
+    # second), with the broker full all along
+    df = spark.range(12_000, numPartitions=2).selectExpr("id", "array_repeat(cast(id as float), 16) as x")
+    report = feed(df, broker.feed, stream="window", batch_size=4, pack_bytes=0, timeout=60)
     rank.join(60)
-    np.testing.assert_array_equal(np.sort(out["ids"]), np.arange(6_000))
+    np.testing.assert_array_equal(np.sort(out["ids"]), np.arange(12_000))
     verdict = report.verdict
     assert (verdict.kind, verdict.window) == ("input-bound", True), (report, verdict)
     assert report.queued_share is not None and report.queued_share > 0.5, report
+    (waits,) = report.ranks           # the rank's own split: most of its data wait was the window round trip
+    assert 0.5 * waits.data_wait < waits.window_wait <= waits.data_wait, waits
     assert str(verdict).startswith("input-bound on the window round trip: ") and "prefetch" in str(verdict)
