@@ -245,7 +245,12 @@ STREAM_METRICS: list[Metric] = [
     Metric("sparkbus_epochs_delivered", "counter", _STREAM, "Epochs delivered and acknowledged.", "delivered"),
     Metric("sparkbus_stream_idle_seconds", "gauge", _STREAM, "Seconds since the stream was last in use.",
            "idle_s"),
+    Metric("sparkbus_stream_verdict", "gauge", ("stream", "verdict"),
+           "Why the stream's training waits, as sparkbus status says it: 1 for input-bound, window-round-trip or "
+           "compute-bound, 0 for the other two (docs/OPERATIONS.md); none before its ranks report."),
 ]
+
+VERDICTS = ("input-bound", "window-round-trip", "compute-bound")     # sparkbus_stream_verdict's label values
 
 # Drawn from the epochs' figures (EpochFigures), one series per stream: a counter is the sum over the stream's epochs
 # (the earlier ones' sums included), a gauge the current epoch's figure (see sparkbus_epoch), but for OVER_EPOCHS.

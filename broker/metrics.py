@@ -42,11 +42,13 @@ from sparkbus.broker.figures import (
     OVER_EPOCHS,
     RANK_METRICS,
     STREAM_METRICS,
+    VERDICTS,
     BrokerFigures,
     Figures,
     Metric,
     StreamFigures,
 )
+from sparkbus.wire.verdict import of_stream
 
 log = logging.getLogger("sparkbus.metrics")
 
@@ -117,6 +119,16 @@ class StatsCollector(Collector):
         }
         for metric in STREAM_METRICS:
             family = _family(metric)
+            if metric.name == "sparkbus_stream_verdict":        # bounded: three series a stream
+                for name, stream in sorted(streams.items()):
+                    verdict = of_stream([stream])
+                    if verdict.kind == "unknown":
+                        continue
+                    said = "window-round-trip" if verdict.window else verdict.kind
+                    for label in VERDICTS:
+                        family.add_metric([name, label], 1 if label == said else 0)
+                yield family
+                continue
             for name, stream in sorted(streams.items()):
                 value = _number(stream.get(metric.field, 0)) if metric.field else derived[metric.name](stream)
                 if value is not None:

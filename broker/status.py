@@ -11,7 +11,7 @@ import msgpack
 
 from sparkbus.broker.figures import Figures
 from sparkbus.wire.protocol import MAX_HEADER_BYTES
-from sparkbus.wire.verdict import RankWaits, Verdict, of_pipeline, of_rank, queued, rank_waits
+from sparkbus.wire.verdict import Verdict, of_pipeline, of_rank, of_stream, rank_waits
 
 PAGE_BYTES = MAX_HEADER_BYTES - 1024     # of figures per STATS_REPLY: room for the rest of the header
 
@@ -88,18 +88,9 @@ def render_stats(stats: Figures) -> str:
 
 def stream_verdict(figures: Mapping[str, Mapping[str, Any]], stream: str) -> Verdict:
     """Why ``stream``'s training waits, over one or more brokers' figures (by address): every rank's own figures
-    (each rank reports the same to every broker: the latest is kept), through
-    :func:`sparkbus.wire.verdict.of_pipeline`. The broker does not know Spark's backpressure: the feed's
+    through :func:`sparkbus.wire.verdict.of_stream`. The broker does not know Spark's backpressure: the feed's
     ``FeedReport.verdict`` does, and tells ``balanced`` from ``compute-bound``."""
-    latest: dict[int, RankWaits] = {}
-    held = 0
-    for one in figures.values():
-        held += queued(one["streams"].get(stream, {}))
-        for w in rank_waits(one["streams"].get(stream, {})):
-            if w.rank not in latest or w.step > latest[w.rank].step:
-                latest[w.rank] = w
-    # one reading: batches queued now stand for the window round trip (the feed's verdict weighs its readings)
-    return of_pipeline([latest[r] for r in sorted(latest)], queued_share=1.0 if held else 0.0)
+    return of_stream([one["streams"].get(stream, {}) for one in figures.values()])
 
 
 def with_verdicts(stats: Figures) -> dict[str, Any]:

@@ -126,6 +126,20 @@ def rank_waits(stream: Mapping[str, Any]) -> list[RankWaits]:
 
 
 
+def of_stream(figures: Sequence[Mapping[str, Any]]) -> Verdict:
+    """Why a stream's training waits from its figures in one or more brokers' ``STATS_REPLY`` (each rank reports
+    the same to every broker: the one with the most step time is kept). One reading: batches queued now stand for
+    the window round trip; backpressure is unknown to a broker (``sparkbus status``, the Prometheus gauge)."""
+    latest: dict[int, RankWaits] = {}
+    held = 0
+    for stream in figures:
+        held += queued(stream)
+        for w in rank_waits(stream):
+            if w.rank not in latest or w.step > latest[w.rank].step:
+                latest[w.rank] = w
+    return of_pipeline([latest[r] for r in sorted(latest)], queued_share=1.0 if held else 0.0)
+
+
 def queued(stream: Mapping[str, Any]) -> int:
     """From one stream's figures in a ``STATS_REPLY``, the messages the broker holds queued for its ranks (every
     epoch's)."""
@@ -133,4 +147,4 @@ def queued(stream: Mapping[str, Any]) -> int:
 
 
 __all__ = ["BALANCED", "COMPUTE_BOUND", "INPUT_BOUND", "PEER_BOUND", "UNKNOWN", "RankWaits", "SlowTask", "Verdict",
-           "of_pipeline", "of_rank", "queued", "rank_waits"]
+           "of_pipeline", "of_rank", "of_stream", "queued", "rank_waits"]

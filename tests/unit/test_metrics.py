@@ -244,3 +244,26 @@ def test_the_grafana_dashboard_parses_and_plots_only_metrics_the_exporter_serves
             "sparkbus_refused_messages_total", "sparkbus_rank_data_wait_seconds_total", "sparkbus_epoch",
             "sparkbus_adopted_batches_total", "sparkbus_batches_held_for_recovery"} <= plotted
     assert not [e for e in expressions if re.search(r"\bepoch\b[^_]", e.replace("sparkbus_epoch", ""))]  # no label
+
+
+def test_the_stream_verdict_is_one_gauge_per_answer(exporter):
+    """Why a stream's training waits, from its ranks' figures (as sparkbus status says it): three series a stream,
+    1 for the verdict; a stream whose ranks reported nothing has none."""
+    figures = copy.deepcopy(STATS)
+    ranks = figures["streams"]["train"]["ranks"]
+    ranks[0].update(wait_s=2.25, first_batch_s=0.75, peer_wait_s=0.0, step_s=2.0)   # 1.5 s for data over 2 + 8
+    ranks[1].update(wait_s=0.0, first_batch_s=0.0, peer_wait_s=0.0, step_s=8.0)
+    exporter.publish(figures)
+    got = scrape(exporter)
+    verdict = {label: value(got, "sparkbus_stream_verdict", stream="train", verdict=label)
+               for label in ("input-bound", "window-round-trip", "compute-bound")}
+    assert verdict == {"input-bound": 0, "window-round-trip": 1, "compute-bound": 0}    # epoch 1 has 6 queued
+    figures["streams"]["train"]["epochs"]["1"]["queued"] = 0
+    exporter.publish(figures)
+    got = scrape(exporter)
+    assert value(got, "sparkbus_stream_verdict", stream="train", verdict="input-bound") == 1
+    ranks[0].update(wait_s=0.8)                                                     # 0.05 s over 10 s: no longer
+    exporter.publish(figures)
+    got = scrape(exporter)
+    assert value(got, "sparkbus_stream_verdict", stream="train", verdict="compute-bound") == 1
+    assert not [k for k in got if k[0] == "sparkbus_stream_verdict" and ("stream", "val") in k[1]]
