@@ -113,7 +113,8 @@ class WaitsWatch:
                 for rank, now in reading.items():
                     then = self._latest.get(rank)
                     if then is None or now.step >= then.step:
-                        grew = max(now.data_wait - then.data_wait, 0.0) if then is not None else 0.0
+                        # a rank first seen now counts from its start, as spans() counts it
+                        grew = max(now.data_wait - then.data_wait, 0.0) if then is not None else now.data_wait
                         self._waited += grew
                         if held:           # the rank waited while the broker held batches for it: the window
                             self._waited_queued += grew
