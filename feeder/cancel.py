@@ -24,10 +24,11 @@ class JobCancel:
     Args:
         session: a classic session's ``SparkContext``, or the Spark Connect ``SparkSession``.
         connect: which of the two it is.
+        tag: the tag (default: a new one).
     """
 
-    def __init__(self, session: Any, connect: bool) -> None:
-        self.tag = f"sparkbus-feed-{secrets.token_hex(6)}"
+    def __init__(self, session: Any, connect: bool, tag: str | None = None) -> None:
+        self.tag = tag or f"sparkbus-feed-{secrets.token_hex(6)}"
         self._session = session
         self._connect = connect
         self._interrupt: Any = None
@@ -42,8 +43,10 @@ class JobCancel:
             sc.setInterruptOnCancel(True)
         return self
 
-    def cancel(self) -> None:
-        log.info("cancelling the feed's Spark job (tag %s): a broker was lost", self.tag)
+    def cancel(self, why: str | None = "a broker was lost") -> None:
+        """Cancel the tagged jobs, interrupting their tasks; logged with ``why`` unless it is None."""
+        if why is not None:
+            log.info("cancelling the feed's Spark job (tag %s): %s", self.tag, why)
         if self._connect:
             self._session.interruptTag(self.tag)
         else:

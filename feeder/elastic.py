@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from sparkbus.feeder.cancel import JobCancel
 from sparkbus.feeder.driver import FeedReport
 from sparkbus.feeder.epochs import feed_epochs
 from sparkbus.feeder.jobs import is_connect_dataframe
@@ -50,6 +51,8 @@ class FeedRun:
         self.first_epoch, self.resume, self.options, self.user_on_epoch = first_epoch, resume, options, on_epoch
         self.tag = f"sparkbus-elastic-{secrets.token_hex(6)}"
         self.connect = is_connect_dataframe(df)
+        session = df.sparkSession
+        self.job = JobCancel(session if self.connect else session.sparkContext, self.connect, self.tag)
         self.reports: list[FeedReport] = []
         self.error: BaseException | None = None
         self.cancelled = threading.Event()
@@ -71,25 +74,19 @@ class FeedRun:
             self.user_on_epoch(epoch, report)
 
     def _run(self) -> None:
-        session = self.df.sparkSession
-        if self.connect:
-            session.addTag(self.tag)
-        else:
-            sc = session.sparkContext
-            sc.addJobTag(self.tag)
-            # a job group too, of this run's jobs alone: the status tracker finds them by it (not by a tag)
-            sc.setJobGroup(self.tag, f"sparkbus feed_elastic of stream {self.stream!r}", interruptOnCancel=True)
-        try:
-            feed_epochs(self.df, self.address, self.epochs, stream=self.stream, first_epoch=self.first_epoch,
-                        resume=self.resume, on_epoch=self._on_epoch, **self.options)
-        except BaseException as exc:        # read by the loop: a cancelled feed's failure is expected
-            self.error = exc
-        finally:
-            if self.connect:
-                session.removeTag(self.tag)
-            else:
-                session.sparkContext.removeJobTag(self.tag)
-                session.sparkContext.setLocalProperty("spark.jobGroup.id", None)
+        sc = None if self.connect else self.df.sparkSession.sparkContext
+        with self.job:
+            if sc is not None:
+                # a job group too, of this run's jobs alone: the status tracker finds them by it (not by a tag)
+                sc.setJobGroup(self.tag, f"sparkbus feed_elastic of stream {self.stream!r}", interruptOnCancel=True)
+            try:
+                feed_epochs(self.df, self.address, self.epochs, stream=self.stream, first_epoch=self.first_epoch,
+                            resume=self.resume, on_epoch=self._on_epoch, **self.options)
+            except BaseException as exc:        # read by the loop: a cancelled feed's failure is expected
+                self.error = exc
+            finally:
+                if sc is not None:
+                    sc.setLocalProperty("spark.jobGroup.id", None)
 
     def cancel(self, timeout: float = CANCEL_WAIT) -> None:
         """Stop this feed: its running Spark job is cancelled (again every half second, for a job started just
@@ -100,15 +97,13 @@ class FeedRun:
         """
         self.cancelled.set()
         deadline = time.monotonic() + timeout
-        session = self.df.sparkSession
+        why: str | None = "a resumed group replaced it"
         while self.thread.is_alive():
             if time.monotonic() > deadline:
                 raise FeedTimeout(f"the feed of stream {self.stream!r} did not stop within {timeout:g} s of its "
                                   f"cancellation")
-            if self.connect:
-                session.interruptTag(self.tag)
-            else:
-                session.sparkContext.cancelJobsWithTag(self.tag)
+            self.job.cancel(why)
+            why = None                      # logged once
             self.thread.join(0.5)
         if not self.connect:           # the cancelled job's tasks: ended (killed) before the resumed feed starts
             while self.running_tasks() and time.monotonic() < deadline:
