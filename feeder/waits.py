@@ -15,7 +15,7 @@ from types import TracebackType
 from sparkbus.broker.client import ControlClient
 from sparkbus.wire.errors import BrokerError
 from sparkbus.wire.protocol import Kind
-from sparkbus.wire.verdict import RankWaits, queued, rank_waits
+from sparkbus.wire.verdict import RankWaits, latest
 
 log = logging.getLogger(__name__)
 
@@ -24,23 +24,21 @@ READ_EVERY = 1.0       # seconds between two readings while the feed runs
 
 
 def read_waits(clients: Sequence[ControlClient], stream: str) -> tuple[dict[int, RankWaits], int]:
-    """Each rank's seconds so far on ``stream``, as the brokers have them (each rank reports the same to every
-    broker: the one with the most step time is kept), and the messages the brokers hold queued for its ranks. A
-    broker that does not answer is skipped."""
-    latest: dict[int, RankWaits] = {}
-    held = 0
+    """Each rank's seconds so far on ``stream`` and the messages queued for its ranks, as the brokers have them
+    (:func:`sparkbus.wire.verdict.latest`). A broker that does not answer is skipped; figures that do not parse
+    cost this reading."""
+    figures = []
     for client in clients:
         try:
-            figures = client.request(Kind.STATS_REQUEST, timeout=min(client.timeout, READ_TIMEOUT))["stats"]
-            waits = rank_waits(figures["streams"].get(stream, {}))
-            held += queued(figures["streams"].get(stream, {}))
-        except (BrokerError, KeyError, TypeError, ValueError) as exc:
+            figures.append(client.request(Kind.STATS_REQUEST, timeout=min(client.timeout, READ_TIMEOUT))
+                           ["stats"]["streams"].get(stream, {}))
+        except (BrokerError, KeyError, TypeError, AttributeError) as exc:
             log.debug("stream %r: no ranks' figures from %s for the verdict: %s", stream, client.address, exc)
-            continue
-        for w in waits:
-            if w.rank not in latest or w.step > latest[w.rank].step:
-                latest[w.rank] = w
-    return latest, held
+    try:
+        return latest(figures)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        log.debug("stream %r: the ranks' figures do not parse: %s", stream, exc)
+        return {}, 0
 
 
 def waits_between(before: dict[int, RankWaits], after: dict[int, RankWaits]) -> tuple[RankWaits, ...]:

@@ -127,17 +127,25 @@ def rank_waits(stream: Mapping[str, Any]) -> list[RankWaits]:
 
 
 def of_stream(figures: Sequence[Mapping[str, Any]]) -> Verdict:
-    """Why a stream's training waits from its figures in one or more brokers' ``STATS_REPLY`` (each rank reports
-    the same to every broker: the one with the most step time is kept). One reading: batches queued now stand for
-    the window round trip; backpressure is unknown to a broker (``sparkbus status``, the Prometheus gauge)."""
-    latest: dict[int, RankWaits] = {}
+    """Why a stream's training waits from its figures in one or more brokers' ``STATS_REPLY`` (:func:`latest`).
+    One reading: batches queued now stand for the window round trip; backpressure is unknown to a broker
+    (``sparkbus status``, the Prometheus gauge)."""
+    ranks, held = latest(figures)
+    return of_pipeline([ranks[r] for r in sorted(ranks)], queued_share=1.0 if held else 0.0)
+
+
+def latest(figures: Sequence[Mapping[str, Any]]) -> tuple[dict[int, RankWaits], int]:
+    """From one stream's figures in one or more brokers' ``STATS_REPLY``: each rank's seconds (each rank reports
+    the same to every broker: the one with the most step time is kept), and the messages the brokers hold queued
+    for its ranks."""
+    ranks: dict[int, RankWaits] = {}
     held = 0
     for stream in figures:
         held += queued(stream)
         for w in rank_waits(stream):
-            if w.rank not in latest or w.step > latest[w.rank].step:
-                latest[w.rank] = w
-    return of_pipeline([latest[r] for r in sorted(latest)], queued_share=1.0 if held else 0.0)
+            if w.rank not in ranks or w.step > ranks[w.rank].step:
+                ranks[w.rank] = w
+    return ranks, held
 
 
 def queued(stream: Mapping[str, Any]) -> int:
@@ -147,4 +155,4 @@ def queued(stream: Mapping[str, Any]) -> int:
 
 
 __all__ = ["BALANCED", "COMPUTE_BOUND", "INPUT_BOUND", "PEER_BOUND", "UNKNOWN", "RankWaits", "SlowTask", "Verdict",
-           "of_pipeline", "of_rank", "of_stream", "queued", "rank_waits"]
+           "latest", "of_pipeline", "of_rank", "of_stream", "queued", "rank_waits"]
