@@ -100,10 +100,11 @@ def of_pipeline(ranks: Sequence[RankWaits], backpressure: float | None = None,
     tasks = tuple(SlowTask(*t) for t in slowest_tasks)
     if not ranks:
         return Verdict(UNKNOWN, 0.0, backpressure, None, tasks)
-    step = sum(r.step for r in ranks)
-    share = sum(r.data_wait for r in ranks) / step if step > 0 else 0.0
+    step, waited = sum(r.step for r in ranks), sum(r.data_wait for r in ranks)
+    # ranks that waited for data and told no step time yet waited all the time they took (a share of 1)
+    share = waited / step if step > 0 else float(waited > 0)
     slowest = max(ranks, key=lambda r: r.step).rank
-    if step > 0 and share > WAIT_SHARE:
+    if share > WAIT_SHARE:
         window = queued_share is not None and queued_share > WINDOW_SHARE
         return Verdict(INPUT_BOUND, share, backpressure, None, tasks, window)
     if backpressure is None or backpressure > BACKPRESSURE:
@@ -136,14 +137,15 @@ def of_stream(figures: Sequence[Mapping[str, Any]]) -> Verdict:
 
 def latest(figures: Sequence[Mapping[str, Any]]) -> tuple[dict[int, RankWaits], int]:
     """From one stream's figures in one or more brokers' ``STATS_REPLY``: each rank's seconds (each rank reports
-    the same to every broker: the one with the most step time is kept), and the messages the brokers hold queued
-    for its ranks."""
+    the same to every broker, each as it last heard: the one with the most step time, then the most wait, is kept),
+    and the messages the brokers hold queued for its ranks."""
     ranks: dict[int, RankWaits] = {}
     held = 0
     for stream in figures:
         held += queued(stream)
         for w in rank_waits(stream):
-            if w.rank not in ranks or w.step > ranks[w.rank].step:
+            kept = ranks.get(w.rank)
+            if kept is None or (w.step, w.data_wait + w.peer_wait) > (kept.step, kept.data_wait + kept.peer_wait):
                 ranks[w.rank] = w
     return ranks, held
 

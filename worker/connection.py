@@ -25,7 +25,7 @@ import logging
 import secrets
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import zmq
@@ -87,6 +87,8 @@ class BrokerConnection:
         self.grants, self.remainder = grants, remainder
         self.prefetch, self.prefetch_bytes, self.timeout, self.heartbeat = prefetch, prefetch_bytes, timeout, heartbeat
         self._figures: dict[str, float | int] = {}   # the rank's own figures, sent with ACKs and heartbeats
+        # ... and, if set, asked for afresh at each heartbeat: a rank waiting long for data says so while it waits
+        self.figures_now: Callable[[], dict[str, float | int]] | None = None
         self._unsent: list[int] = []                 # acknowledged ids not yet sent: epoch, part, seq, ...
         self._upto: list[int] = []                   # progress in packs not yet sent: epoch, part, seq, stop, ...
         self._inbox: deque[tuple[ToIntake, list[zmq.Frame]]] = deque()   # kept by service() while the rank waited
@@ -377,6 +379,8 @@ class BrokerConnection:
             if self._rejoin_since is not None:
                 self._rejoin(self._refusal)
             elif now - self._last_said >= self.heartbeat:
+                if self.figures_now is not None:
+                    self._figures.update(self.figures_now())
                 self._say(Kind.HEARTBEAT, **self._figures)
             try:
                 frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)    # no poll when one is waiting

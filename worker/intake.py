@@ -110,6 +110,10 @@ class Intake:
         self._handled: set[str] = set()       # incarnations whose loss this rank handled
         # The step plan's part in a loss: drop what it holds of a connection (the second argument: gone for good).
         self.forget: Callable[[BrokerConnection, bool], None] | None = None
+        # when the loop began the wait it is in for data (None: not waiting): the figures at each heartbeat count it
+        self.waiting_since: float | None = None
+        for connection in connections:
+            connection.figures_now = figures
 
     @property
     def unfinished(self) -> bool:
@@ -181,26 +185,29 @@ class Intake:
         """
         if self._unpacked:
             return self._unpacked.popleft()
-        started = time.monotonic()
-        while True:
-            message = self.receive(block)
-            if message is None:
-                return None
-            broker, header, frames = message
-            if header["kind"] == Kind.EPOCH_END:
-                if not self.ended(broker, header, ep):
+        started = self.waiting_since = time.monotonic()
+        try:
+            while True:
+                message = self.receive(block)
+                if message is None:
+                    return None
+                broker, header, frames = message
+                if header["kind"] == Kind.EPOCH_END:
+                    if not self.ended(broker, header, ep):
+                        continue
+                    ep.wait_seconds += time.monotonic() - started
+                    return None
+                if header["kind"] == Kind.RELEASE:     # granted steps, while this rank skips what is left of an epoch
+                    broker.give_back(header["epoch"], [], kept=broker.got + broker.adopted)
                     continue
-                ep.wait_seconds += time.monotonic() - started
-                return None
-            if header["kind"] == Kind.RELEASE:     # granted steps, while this rank skips what is left of an epoch
-                broker.give_back(header["epoch"], [], kept=broker.got + broker.adopted)
-                continue
-            if header["kind"] != Kind.BATCH:       # STEPS: nothing to wait for when every batch is taken as it comes
-                continue
-            items = self.unpack(broker, header, frames, ep)
-            if items:
-                break
-        ep.wait_seconds += time.monotonic() - started
+                if header["kind"] != Kind.BATCH:       # STEPS: nothing to wait for when each batch is taken as it comes
+                    continue
+                items = self.unpack(broker, header, frames, ep)
+                if items:
+                    break
+            ep.wait_seconds += time.monotonic() - started
+        finally:
+            self.waiting_since = None
         self._unpacked.extend(items)
         return self._unpacked.popleft()
 

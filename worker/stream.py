@@ -150,7 +150,9 @@ class BatchStream:
         # What this rank tells its brokers about itself, over every epoch so far: batches consumed, data-wait, the
         # part of it spent waiting for peers, and the loop's own time (ACK's fields, docs/PROTOCOL.md).
         stats, ep = self.stats, self._ep
-        return {"consumed": stats.batches + ep.batches, "wait_s": stats.wait_seconds + ep.wait_seconds,
+        since = self._intake.waiting_since
+        waiting = 0.0 if since is None else time.monotonic() - since      # the wait it is in: told at heartbeats
+        return {"consumed": stats.batches + ep.batches, "wait_s": stats.wait_seconds + ep.wait_seconds + waiting,
                 "peer_wait_s": stats.peer_wait_seconds + ep.peer_wait_seconds,
                 "step_s": stats.step_seconds + ep.step_seconds}
 

@@ -54,6 +54,37 @@ def test_the_wait_for_a_grant_is_the_peers_and_the_loops_time_is_its_own(context
     assert stream.stats.peer_wait_seconds == ep.peer_wait_seconds
 
 
+def test_a_rank_waiting_for_data_tells_its_wait_at_each_heartbeat_while_it_waits(context):
+    """The brokers (and so the feed's verdict) hear of a long wait while it lasts, not at the next ACK: the wait
+    for the batch Spark has not made yet is known before that batch comes."""
+    broker = FakeBroker(context, "inproc://why-waits-heartbeat")
+    stream = joined(broker, "inproc://why-waits-heartbeat", context, rank=0, size=1, heartbeat=0.2)
+    broker.send(codec.encode_batch("s", 0, 0, 0, {"id": np.array([0], dtype=np.int64)}))
+    told: list[float] = []
+
+    def spark_late():              # the second batch comes after the rank told at least three growing waits
+        deadline = time.monotonic() + 10
+        while len(told) < 3 and time.monotonic() < deadline:
+            heartbeat = broker.next(Kind.HEARTBEAT)
+            if "wait_s" in heartbeat:
+                told.append(heartbeat["wait_s"])
+        broker.send(codec.encode_batch("s", 0, 0, 1, {"id": np.array([1], dtype=np.int64)}))
+        broker.end(0, 2)
+
+    spark = threading.Thread(target=spark_late)
+    with stream:
+        seen = []
+        for batch in stream.epoch():
+            if not seen:
+                spark.start()
+            seen.append(int(batch["id"][0]))
+        spark.join(15)
+        ep = stream.stats.epochs[-1]
+    assert seen == [0, 1] and len(told) == 3, told
+    assert told == sorted(told) and told[-1] > told[0] > 0, told      # it grew while the rank waited
+    assert ep.wait_seconds >= told[-1], (ep, told)                    # ... and the epoch counts the whole wait
+
+
 def test_sparkbus_status_watch_gives_each_rank_the_same_verdict():
     from sparkbus.broker.status import why_it_waits
 
@@ -95,6 +126,11 @@ def test_the_pipeline_verdict_names_who_to_look_at():
     # backpressure unknown (sparkbus status): ranks that hardly wait are compute-bound
     assert of_pipeline([RankWaits(0, 0.2, 0.0, 10.0)]).kind == "compute-bound"
     assert of_pipeline([], 0.5).kind == "unknown" and str(of_pipeline([], None)) == "unknown: no rank's figures"
+    # a rank that waited for data and told no step time yet (its loop did nothing between its batches) waited for
+    # data all of its time; one that neither waited nor stepped is balanced
+    idle = of_pipeline([RankWaits(0, 2.0, 0.0, 0.0)], 0.0, tasks)
+    assert (idle.kind, idle.data_wait_share) == ("input-bound", 1.0)
+    assert of_pipeline([RankWaits(0, 0.0, 0.0, 0.0)], 0.0).kind == "balanced"
 
 
 def test_the_ranks_figures_leave_the_start_up_out_and_count_from_a_restart():
