@@ -70,7 +70,7 @@ def _bytes_of(array: np.ndarray) -> Any:
 
 
 def encode_batch(stream: str, epoch: int, part: int, seq: int, columns: Mapping[str, Column], attempt: int = 0,
-                 splits: list[int] | None = None) -> list[Any]:
+                 splits: list[int] | None = None, bucket: int | None = None) -> list[Any]:
     """Frames of one data batch: the header, then each column's buffers.
 
     Args:
@@ -79,6 +79,8 @@ def encode_batch(stream: str, epoch: int, part: int, seq: int, columns: Mapping[
             :class:`~broker.ragged.WireColumn` (what the feeder makes from Arrow buffers).
         attempt: the Spark task attempt that produced the batch (retries and speculative copies differ).
         splits: for a pack of small batches, the rows of each, in order (they add up to the columns' length).
+        bucket: the length bucket of a coordinated feed's batch (``feed(bucket_bounds=)``); by default the
+            ``bucket`` attribute of ``columns`` when it has one (:class:`BucketColumns`, what the feeder cuts).
     Returns:
         ``[header_bytes, buffer, ...]`` ready for ``send_multipart(..., copy=False)``.
     Raises:
@@ -100,7 +102,21 @@ def encode_batch(stream: str, epoch: int, part: int, seq: int, columns: Mapping[
                   checksum=batch_checksum(buffers))
     if splits is not None:
         fields["splits"] = list(splits)
+    if bucket is None:
+        bucket = getattr(columns, "bucket", None)
+    if bucket is not None:
+        fields["bucket"] = bucket
     return [pack_header(Kind.BATCH, **fields), *buffers]
+
+
+class BucketColumns(dict):
+    """A batch's columns (name to column) and the length bucket its rows belong to (``feed(bucket_bounds=)``):
+    what the feeder hands the task for a coordinated feed, so that :func:`encode_batch` puts ``bucket`` in the
+    header while a message stays ``(columns, splits)``."""
+
+    def __init__(self, columns: Mapping[str, Any], bucket: int):
+        super().__init__(columns)
+        self.bucket = bucket
 
 
 def _size(buf: Any) -> int:

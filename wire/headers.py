@@ -42,6 +42,7 @@ class BatchHeader(_BatchFields, total=False):
     take: list[int]         # [first, stop]: the pack's batches meant for this rank
     cut: list[int]          # [lo, hi]: the rows of the one batch meant for this rank (an epoch's remainder)
     repeat: bool            # ... rows another rank has too (remainder "pad")
+    bucket: int             # coordinated buckets: the length bucket of its rows (feed(bucket_bounds=))
     index: int              # set by the rank: which batch of its pack this is
     nbytes: int             # set by the rank: the bytes of its frames (a pack's batch: its share)
     arrived: int            # a batch carried between ranks (worker.rebalance): its message's checksum as it arrived

@@ -31,6 +31,9 @@ RECOVERY_VERSION = 6      # the version that brought recovery from lineage and e
 MAX_HEADER_BYTES = 64 * 1024
 MAX_SPLITS = 4096         # small batches in one pack at most
 MAX_FRAME_ITEMS = 1 << 48     # values (or offsets) in one column frame at most: far beyond any message size
+# Length buckets a coordinated feed may have (``feed(bucket_bounds=)``: one more than its bounds): a BATCH's
+# ``bucket`` is below this, so a broker's pools of them are bounded whatever a peer sends.
+MAX_BUCKETS = 64
 
 
 class Kind(IntEnum):
@@ -117,7 +120,8 @@ OPTIONAL: dict[Kind, dict[str, type]] = {
     Kind.BATCH: {"splits": list,           # a pack of small batches: the rows of each, in order
                  "take": list,             # [first, stop]: only these of the pack's batches are for this rank
                  "cut": list,              # [lo, hi]: only rows lo..hi-1 of the one batch it names (an epoch's end)
-                 "repeat": bool},          # ... a copy of rows another rank has too (remainder "pad")
+                 "repeat": bool,           # ... a copy of rows another rank has too (remainder "pad")
+                 "bucket": int},           # coordinated buckets: the length bucket of the batch's rows
     Kind.HELLO: {"grants": bool,           # even steps granted by the broker (STEPS), not agreed among the ranks
                  "got": int,               # ... a rank that rejoins: the batches of its current epoch it has had
                  "incarnation": str,       # a rank that rejoins: the incarnation of the broker it knew
@@ -151,7 +155,7 @@ ADDED: dict[int, tuple[frozenset[Kind], dict[Kind, tuple[str, ...]]]] = {
         {Kind.HELLO: ("incarnation",), Kind.STEPS: ("adopted",)}),
     7: (frozenset({Kind.PARTITION_RECEIVED, Kind.PARTITION_COMMIT}),
         {Kind.EPOCH_OPEN: ("commit",), Kind.EPOCH_RECOVER: ("commit",), Kind.WELCOME: ("ranks", "unread"),
-            Kind.HEARTBEAT: ("unread", "peer_wait_s", "step_s"), Kind.BATCH: ("cut", "repeat"),
+            Kind.HEARTBEAT: ("unread", "peer_wait_s", "step_s"), Kind.BATCH: ("cut", "repeat", "bucket"),
             Kind.HELLO: ("remainder", "resumes"), Kind.RECLAIM: ("cuts",), Kind.ACK: ("peer_wait_s", "step_s")}),
 }
 
@@ -303,6 +307,10 @@ def check_batch_frames(header: Mapping[str, Any], frame_sizes: Sequence[int]) ->
         raise ProtocolError(f"a pack's splits must be 1 to {MAX_SPLITS} row counts that add up to its {rows} rows")
     if "take" in header:
         taken_range(header)
+    bucket = header.get("bucket")
+    if bucket is not None and (not 0 <= bucket < MAX_BUCKETS or splits is not None):
+        raise ProtocolError(f"a BATCH's bucket must be 0..{MAX_BUCKETS - 1}, on a batch alone (not a pack), got "
+                            f"{bucket}{' on a pack' if splits is not None else ''}")
 
 
 def taken_range(header: Mapping[str, Any]) -> tuple[int, int]:
