@@ -6,7 +6,8 @@ The path of a DataFrame partition, without per-row Python:
 2. :func:`cut`: batches of ``batch_size`` rows, fewer where ``max_bytes`` would be exceeded (bytes counted per row,
    so the cap holds for variable-length rows; a single row larger than the cap travels alone). A batch is a slice
    of a record batch; only a batch that spans two record batches is concatenated (one copy).
-   :func:`bucketed` instead sorts windows of rows by the length of one column first (length bucketing).
+   :func:`bucketed` instead sorts windows of rows by the length of one column first (length bucketing);
+   :func:`bucketed_by_bounds` also keeps each batch within one length bucket of fixed bounds (coordinated buckets).
 3. :func:`messages`: consecutive small batches as packs (one message, several batches: see ``pack_bytes``). The
    batches of a pack that are slices of one record batch are one slice of it: no copy.
 4. :meth:`RecordBatchPlan.wire`: each column's Arrow buffers, sliced, become the frames. A record batch's
@@ -26,6 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from sparkbus.feeder.arrow import ColumnPlan, UnsupportedColumn, check_type, flatten_structs
+from sparkbus.wire.codec import BucketColumns
 from sparkbus.wire.ragged import WireColumn
 
 Columns = dict[str, np.ndarray]
@@ -212,6 +214,74 @@ def _sorted_window(pieces: list[pa.RecordBatch], batch_size: int, max_bytes: int
         yield batches[i]
 
 
+def bucketed_by_bounds(record_batches: Iterable[pa.RecordBatch], batch_size: int, max_bytes: int, column: str,
+                       bounds: Sequence[int], window: int, seed: Sequence[int], ragged: frozenset = frozenset(),
+                       tokens_by: str | None = None, batch_tokens: int = 0) -> Iterator[tuple[int, Batch]]:
+    """Coordinated buckets: batches that each hold rows of one length bucket, with the bucket's index.
+
+    Bucket ``i`` holds the rows whose length of ``column`` is at most ``bounds[i]`` (and above ``bounds[i - 1]``);
+    the last bucket (``len(bounds)``) the rows longer than every bound. The bounds are the feed's, the same in every
+    partition, so that the broker can give the ranks one step's batches from one bucket. As :func:`bucketed`: windows
+    of ``window * batch_size`` rows, sorted by length (stable), cut into batches, yielded in an order shuffled by
+    ``(seed, window number)``. A bucket's last batch of a window is carried into the next window (it is likely
+    short), so a partition has at most one short batch per bucket: the ones of its last window. Everything depends
+    on the partition's rows alone, so a retried task sends the very same batches.
+
+    Yields:
+        ``(bucket, batch)``.
+    """
+    window_rows = window * batch_size
+    held: list[pa.RecordBatch] = []
+    carried: list[pa.RecordBatch] = []
+    rows = number = 0
+
+    def window_batches(last: bool) -> Iterator[tuple[int, Batch]]:
+        nonlocal held, carried, rows, number
+        pieces = carried + held
+        if pieces:
+            out, carried = _bucketed_window(pieces, batch_size, max_bytes, column, bounds, ragged, tokens_by,
+                                            batch_tokens, last)
+            rng = np.random.default_rng([abs(int(s)) for s in (*seed, number)])
+            for i in rng.permutation(len(out)):
+                yield out[i]
+        held, rows, number = [], 0, number + 1
+
+    for record_batch in record_batches:
+        while record_batch.num_rows:
+            take = min(window_rows - rows, record_batch.num_rows)
+            held.append(record_batch.slice(0, take))
+            rows += take
+            record_batch = record_batch.slice(take)
+            if rows == window_rows:
+                yield from window_batches(last=False)
+    yield from window_batches(last=True)
+
+
+def _bucketed_window(pieces: list[pa.RecordBatch], batch_size: int, max_bytes: int, column: str,
+                     bounds: Sequence[int], ragged: frozenset, tokens_by: str | None, batch_tokens: int,
+                     last: bool) -> tuple[list[tuple[int, Batch]], list[pa.RecordBatch]]:
+    """One window of :func:`bucketed_by_bounds`: its batches, and (unless ``last``) each bucket's last batch's
+    rows, carried into the next window."""
+    data = pieces[0] if len(pieces) == 1 else pa.concat_batches(pieces)
+    if column not in data.schema.names:
+        raise KeyError(f"bucket_by names {column!r}, which is not a column (columns: {', '.join(data.schema.names)})")
+    lengths = row_lengths(data.column(column))
+    order = np.argsort(lengths, kind="stable")
+    ordered = data.take(pa.array(order))
+    edges = [0, *np.searchsorted(lengths[order], bounds, side="right").tolist(), ordered.num_rows]
+    out: list[tuple[int, Batch]] = []
+    carried: list[pa.RecordBatch] = []
+    for bucket, (lo, hi) in enumerate(zip(edges, edges[1:])):
+        if hi <= lo:
+            continue
+        batches = list(cut([RecordBatchPlan(ordered.slice(lo, hi - lo), ragged)], batch_size, max_bytes, tokens_by,
+                           batch_tokens))
+        if not last:
+            carried.append(batches.pop().record_batch())
+        out.extend((bucket, batch) for batch in batches)
+    return out, carried
+
+
 def row_lengths(array: pa.Array) -> np.ndarray:
     """The length of each row of a list, binary or string column (0 for a null row), as numpy int64."""
     kind = array.type
@@ -280,12 +350,21 @@ def wire_columns(batch: pa.RecordBatch, ragged: frozenset | Sequence[str] = ()) 
 def partition_messages(record_batches: Iterable[pa.RecordBatch], batch_size: int, max_bytes: int, pack_bytes: int,
                        ragged: Sequence[str] = (), bucket_by: str | None = None, bucket_window: int = 64,
                        seed: Sequence[int] = (0,), tokens_by: str | None = None,
-                       batch_tokens: int | None = None) -> Iterator[Message]:
-    """The whole path of a partition (steps 1-4 of the module notes): its record batches to wire messages."""
+                       batch_tokens: int | None = None, bucket_bounds: Sequence[int] | None = None
+                       ) -> Iterator[Message]:
+    """The whole path of a partition (steps 1-4 of the module notes): its record batches to wire messages.
+
+    With ``bucket_bounds`` (coordinated buckets, :func:`bucketed_by_bounds`), every batch is a message of its own,
+    never packed (a step of every rank is one batch of one bucket), its columns a
+    :class:`~wire.codec.BucketColumns` that carries its bucket into the header."""
     checked: dict = {}
     declared = frozenset(ragged)
     budget = batch_tokens or 0
     flat = (flatten_record_batch(b, checked) for b in record_batches)
+    if bucket_by and bucket_bounds:
+        return ((BucketColumns(batch.plan.wire(batch.start, batch.rows), bucket), None)
+                for bucket, batch in bucketed_by_bounds(flat, batch_size, max_bytes, bucket_by, bucket_bounds,
+                                                        bucket_window, seed, declared, tokens_by, budget))
     batches = bucketed(flat, batch_size, max_bytes, bucket_by, bucket_window, seed, declared, tokens_by, budget) \
         if bucket_by else cut((RecordBatchPlan(b, declared) for b in flat), batch_size, max_bytes, tokens_by, budget)
     return messages(batches, pack_bytes)

@@ -120,7 +120,8 @@ def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "t
          ragged: Sequence[str] = (), bucket_by: str | None = None, bucket_window: int = 64,
          arrow_batch_rows: int | None = None, key: str | None = None,
          broker_key: str | None = None, recover: bool = True, resume: bool = False,
-         batch_tokens: int | None = None, tokens_by: str | None = None) -> FeedReport:
+         batch_tokens: int | None = None, tokens_by: str | None = None,
+         bucket_bounds: Sequence[int] | None = None) -> FeedReport:
     """Stream every row of a DataFrame or RDD to the broker as one epoch of ``stream``.
 
     Opens the epoch with the partition count, runs one Spark job whose tasks push their partitions in batches
@@ -169,6 +170,13 @@ def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "t
             exceed ``batch_tokens``; a row longer than the budget is a batch of its own. ``batch_size`` still caps
             the rows: set it high to let the tokens decide. With ``bucket_by``, rows of similar length fill each
             budget (less padding on the rank).
+        bucket_bounds: coordinated buckets across ranks (with ``bucket_by``): rising lengths of ``bucket_by``'s
+            column, e.g. ``(64, 128, 256, 512)``, the same for every partition; bucket ``i`` holds the rows of length
+            at most ``bounds[i]``, the last one those longer than every bound (at most 63 bounds). Each batch holds
+            rows of one bucket and says which in its header, travels alone (no packs), and the broker gives the
+            batches of one global step (one per rank) from one bucket, so that the ranks' steps hold similar
+            token counts; the steps at the epoch's end that no bucket can fill, and its remainder, are not
+            (docs/TRAINING.md, "Coordinated buckets").
         arrow_batch_rows: rows of the Arrow record batches Spark hands to the feeding tasks
             (``spark.sql.execution.arrow.maxRecordsPerBatch``, set for this job and restored after it). By default
             a whole number of batches, at most 8 and at most Spark's default of 10,000 rows: no batch then spans
@@ -202,7 +210,8 @@ def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "t
         TypeError: a DataFrame column of a type sparkbus cannot carry (named, with what to do), or a
             ``ragged``/``bucket_by`` name that is not such a column: found from the schema, before any job runs.
             Or ``data`` is neither a DataFrame nor an RDD.
-        ValueError: ``bucket_window`` below 1; ``batch_tokens`` below 1 or without a column to count; ``resume``
+        ValueError: ``bucket_window`` below 1; ``batch_tokens`` below 1 or without a column to count;
+            ``bucket_bounds`` without ``bucket_by`` or not rising lengths (at most 63); ``resume``
             on Spark Connect with several brokers (the partition count is needed: feed through
             ``feed_epochs(..., partitions=...)``).
     """
@@ -212,7 +221,7 @@ def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "t
                                    bucket_by=bucket_by, bucket_window=bucket_window,
                                    arrow_batch_rows=arrow_batch_rows, key=key, broker_key=broker_key,
                                    recover=recover, resume=resume, batch_tokens=batch_tokens,
-                                   tokens_by=tokens_by))
+                                   tokens_by=tokens_by, bucket_bounds=bucket_bounds))
 
 
 def feed_watched(data: Any, address: str | Sequence[str] | None, stream: str, epoch: int,

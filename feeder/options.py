@@ -13,6 +13,7 @@ from typing import Any
 
 from sparkbus.feeder.task import DEFAULT_PACK_BYTES
 from sparkbus.wire.address import feed_and_control_addresses
+from sparkbus.wire.protocol import MAX_BUCKETS
 
 DEFAULT_MAX_BATCH_BYTES = 16 << 20
 
@@ -24,7 +25,8 @@ class FeedOptions:
     Raises (on construction):
         ValueError: an address that does not parse, not as many control addresses as feed addresses,
             ``bucket_window`` below 1, or ``batch_tokens`` below 1 or without a column to count (``tokens_by``,
-            else ``bucket_by``, else the one ``ragged`` column).
+            else ``bucket_by``, else the one ``ragged`` column); ``bucket_bounds`` without ``bucket_by``, not
+            rising whole numbers of at least 0, or more than ``MAX_BUCKETS - 1`` of them.
     """
 
     address: str | Sequence[str] | None = None
@@ -40,6 +42,7 @@ class FeedOptions:
     ragged: Sequence[str] = ()
     bucket_by: str | None = None
     bucket_window: int = 64
+    bucket_bounds: Sequence[int] | None = None
     batch_tokens: int | None = None
     tokens_by: str | None = None
     arrow_batch_rows: int | None = None
@@ -58,6 +61,8 @@ class FeedOptions:
         object.__setattr__(self, "feeds", tuple(feeds))
         object.__setattr__(self, "controls", tuple(controls))
         object.__setattr__(self, "ragged", tuple(self.ragged))
+        if self.bucket_bounds is not None:
+            object.__setattr__(self, "bucket_bounds", check_bucket_bounds(self.bucket_bounds, self.bucket_by))
         if self.batch_tokens is not None:
             if type(self.batch_tokens) is not int or self.batch_tokens < 1:
                 raise ValueError(f"batch_tokens must be a number of tokens, at least 1, not {self.batch_tokens!r}")
@@ -81,7 +86,7 @@ class FeedOptions:
         """How a task cuts its partition into messages (:func:`feeder.columns.partition_messages`' arguments)."""
         return dict(batch_size=self.batch_size, max_bytes=self.max_batch_bytes, pack_bytes=self.pack_bytes,
                     ragged=self.ragged, bucket_by=self.bucket_by, bucket_window=self.bucket_window,
-                    tokens_by=self.tokens_by, batch_tokens=self.batch_tokens)
+                    tokens_by=self.tokens_by, batch_tokens=self.batch_tokens, bucket_bounds=self.bucket_bounds)
 
     def task_settings(self) -> dict[str, Any]:
         """Where and how a task streams (:func:`feeder.task.stream_messages`' arguments besides its partition)."""
@@ -89,4 +94,25 @@ class FeedOptions:
                     epoch=self.epoch, timeout=self.timeout, key=self.key, broker_key=self.broker_key)
 
 
-__all__ = ["FeedOptions", "DEFAULT_MAX_BATCH_BYTES"]
+def check_bucket_bounds(bounds: Sequence[int], bucket_by: str | None) -> tuple[int, ...]:
+    """``bounds`` as a tuple, if they are coordinated buckets' bounds: rising lengths of ``bucket_by``'s column
+    (whole numbers, at least 0), at most ``MAX_BUCKETS - 1`` of them (the buckets are one more).
+
+    Raises:
+        ValueError: no ``bucket_by``, or bounds that are not as above.
+    """
+    if not bucket_by:
+        raise ValueError("bucket_bounds= are lengths of the column bucket_by= names: pass bucket_by too")
+    if isinstance(bounds, (str, bytes)) or not isinstance(bounds, Sequence):
+        raise ValueError(f"bucket_bounds must be a sequence of lengths, such as (64, 128, 256), not {bounds!r:.60}")
+    checked = tuple(bounds)
+    if not checked or len(checked) > MAX_BUCKETS - 1:
+        raise ValueError(f"bucket_bounds must hold 1 to {MAX_BUCKETS - 1} lengths (the buckets are one more), "
+                         f"not {len(checked)}")
+    if not all(type(b) is int and b >= 0 for b in checked) \
+            or any(a >= b for a, b in zip(checked, checked[1:])):
+        raise ValueError(f"bucket_bounds must be rising whole numbers of at least 0, not {checked!r:.80}")
+    return checked
+
+
+__all__ = ["FeedOptions", "DEFAULT_MAX_BATCH_BYTES", "check_bucket_bounds"]
