@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from sparkbus.broker.books import Books, Outcome, RankGone, Transmit
+from sparkbus.broker.buckets import BucketGroups
 from sparkbus.broker.grants import Grants
 from sparkbus.broker.pieces import cut
 from sparkbus.broker.state import MAX_WINDOW, EpochState, HeldBatch, RankState, StreamState
@@ -32,12 +33,16 @@ class Dispatch:
         books: the ledger's state.
         grants: the rules of granted steps (STEPS as batches go out, the epoch's end evened out).
         gone: the ledger's "a rank is gone".
+
+    A coordinated epoch's batches (a feed with ``bucket_bounds``) go out in groups of one bucket, one batch per
+    rank (:class:`~broker.buckets.BucketGroups`, held here); the rest of the queue, and its end, by the rotation.
     """
 
     def __init__(self, books: Books, grants: Grants, gone: RankGone):
         self.books = books
         self.grants = grants
         self.gone = gone
+        self.buckets = BucketGroups(books)
 
     def rank(self, identity: bytes) -> RankState:
         """The rank on this connection. Raises :class:`ProtocolError` (``UNKNOWN_RANK``) if it has not joined."""
@@ -123,7 +128,9 @@ class Dispatch:
             ep = stream.delivering()
             if ep is None:
                 return
-            gone = self._send_queued(stream, ep, transmit)
+            gone = self.buckets.send(stream, ep, transmit)
+            if gone is None:
+                gone = self._send_queued(stream, ep, transmit)
             if gone:
                 for identity in gone:
                     self.gone(identity, "disconnected")
