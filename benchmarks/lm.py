@@ -7,8 +7,9 @@ through one broker to 2 ranks (``lm_rank.py`` under mpiexec) in several batching
   any rank, and the share of padding if every batch were padded to its longest row (as ``padding.padding_share``
   defines it);
 - **the straggler ratio per step**: for each global step (batch ``i`` of every rank: the ranks' steps are granted by
-  the broker), the largest rank's tokens over the smallest's; mean and p90 per mode. Coordinated buckets across
-  ranks (issue 26 §3) are not built: they will be one more entry of :data:`MODES`;
+  the broker), the largest rank's tokens over the smallest's; mean and p90 per mode: no bucketing, today's
+  per-partition bucketing (``bucket_by``) and coordinated buckets across ranks (``bucket_bounds``, issue 26 §3: the
+  broker gives a step's batches from one bucket);
 - **the mixture's ratio error per window**: ``feed_mixture`` of two sources at 0.7/0.3 into the same ranks, each
   row's source and slot as received; per window of :data:`MIX_WINDOW` slots, the largest difference between a
   source's count and the plan's, as a share of the window (expected 0);
@@ -43,6 +44,8 @@ PARTITIONS = 4
 BATCH_SIZE = 32                  # rows a batch (the fixed-rows modes, the anchor's batches)
 BATCH_TOKENS = 4096              # tokens a batch (the token-budget modes): about BATCH_SIZE rows of the mean length
 BUCKET_WINDOW = 64               # bucket_by's window, in batches' worth of rows
+# coordinated buckets' bounds (lengths of "tokens"): steps of 1.5 x from 32 to 1,024, then the long tail
+BUCKET_BOUNDS = (32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
 LENGTH_MU, LENGTH_SIGMA, LENGTH_MAX = 4.6, 1.0, 4096     # lognormal document lengths: mean ~165, median ~100
 MIX_WEIGHTS = {"web": 0.7, "code": 0.3}
 MIX_WINDOW = 100                 # rows per window of exact counts (70/30)
@@ -59,10 +62,10 @@ class Mode:
 
 
 BUCKET = {"bucket_by": "tokens", "bucket_window": BUCKET_WINDOW}
-# The straggler ratio's axis: no bucketing, today's per-partition bucketing; coordinated buckets across ranks
-# (issue 26 §3), once built, are one more entry here.
+# The straggler ratio's axis: no bucketing, today's per-partition bucketing, coordinated buckets across ranks
 MODES = (Mode("batch_size", {"batch_size": BATCH_SIZE}),
          Mode("batch_size + bucket_by", {"batch_size": BATCH_SIZE, **BUCKET}),
+         Mode("batch_size + bucket_bounds", {"batch_size": BATCH_SIZE, **BUCKET, "bucket_bounds": BUCKET_BOUNDS}),
          Mode("batch_tokens", {"batch_size": 4 * BATCH_SIZE, "batch_tokens": BATCH_TOKENS}),
          Mode("batch_tokens + bucket_by", {"batch_size": 4 * BATCH_SIZE, "batch_tokens": BATCH_TOKENS, **BUCKET}))
 
@@ -336,7 +339,8 @@ class LmSection(Section[Lm]):
         notes = [f"batch_size {BATCH_SIZE} rows; batch_tokens {BATCH_TOKENS} (batch_size {4 * BATCH_SIZE} as a cap); "
                  f"bucket_by window {BUCKET_WINDOW}. Padding share: if every batch were padded to its longest row. "
                  "Straggler ratio: per global step (batch i of each rank), the largest rank's tokens over the "
-                 "smallest's. Coordinated buckets across ranks (issue 26 §3) are not built yet. Medians of "
+                 f"smallest's. bucket_bounds (coordinated buckets across ranks, issue 26 §3): {BUCKET_BOUNDS}. "
+                 "Medians of "
                  f"{len(next(iter(result.modes.values())))} interleaved repetition(s)."]
         tables = [Table(f"{result.rows:,} documents ({result.tokens:,} tokens, lognormal lengths 1..{LENGTH_MAX}) "
                         f"in {PARTITIONS} partitions through one broker to {RANKS} ranks",
