@@ -224,8 +224,11 @@ def bucketed_by_bounds(record_batches: Iterable[pa.RecordBatch], batch_size: int
     partition, so that the broker can give the ranks one step's batches from one bucket. As :func:`bucketed`: windows
     of ``window * batch_size`` rows, sorted by length (stable), cut into batches, yielded in an order shuffled by
     ``(seed, window number)``. A bucket's last batch of a window is carried into the next window (it is likely
-    short), so a partition has at most one short batch per bucket: the ones of its last window. Everything depends
-    on the partition's rows alone, so a retried task sends the very same batches.
+    short); in the partition's last window, a bucket's last batch, if short, joins the next bucket's rows instead
+    (a short batch would make its step far from its peers'), except into the last bucket, which has no bound to
+    keep the lengths together: a partition has at most two short batches. A batch of bucket ``i`` holds no row
+    longer than ``bounds[i]``; one batch per bucket of the last window may hold rows of the buckets below too.
+    Everything depends on the partition's rows alone, so a retried task sends the very same batches.
 
     Yields:
         ``(bucket, batch)``.
@@ -261,7 +264,8 @@ def _bucketed_window(pieces: list[pa.RecordBatch], batch_size: int, max_bytes: i
                      bounds: Sequence[int], ragged: frozenset, tokens_by: str | None, batch_tokens: int,
                      last: bool) -> tuple[list[tuple[int, Batch]], list[pa.RecordBatch]]:
     """One window of :func:`bucketed_by_bounds`: its batches, and (unless ``last``) each bucket's last batch's
-    rows, carried into the next window."""
+    rows, carried into the next window; in the ``last``, a bucket's short last batch goes on into the next bucket
+    (not into the last bucket)."""
     data = pieces[0] if len(pieces) == 1 else pa.concat_batches(pieces)
     if column not in data.schema.names:
         raise KeyError(f"bucket_by names {column!r}, which is not a column (columns: {', '.join(data.schema.names)})")
@@ -271,15 +275,33 @@ def _bucketed_window(pieces: list[pa.RecordBatch], batch_size: int, max_bytes: i
     edges = [0, *np.searchsorted(lengths[order], bounds, side="right").tolist(), ordered.num_rows]
     out: list[tuple[int, Batch]] = []
     carried: list[pa.RecordBatch] = []
+    end: tuple[int, Batch] | None = None      # the last window: the short end so far, into the next bucket's rows
     for bucket, (lo, hi) in enumerate(zip(edges, edges[1:])):
         if hi <= lo:
             continue
-        batches = list(cut([RecordBatchPlan(ordered.slice(lo, hi - lo), ragged)], batch_size, max_bytes, tokens_by,
-                           batch_tokens))
+        rows = ordered.slice(lo, hi - lo)
+        if end is not None:
+            rows = pa.concat_batches([end[1].record_batch(), rows])
+        batches = list(cut([RecordBatchPlan(rows, ragged)], batch_size, max_bytes, tokens_by, batch_tokens))
+        end = None
         if not last:
             carried.append(batches.pop().record_batch())
+        elif bucket < len(bounds) - 1 and _short(batches[-1], batch_size, tokens_by, batch_tokens):
+            end = (bucket, batches.pop())     # into the next bucket's rows; not the last bucket's, which has no bound
         out.extend((bucket, batch) for batch in batches)
+    if end is not None:
+        out.append(end)
     return out, carried
+
+
+def _short(batch: Batch, batch_size: int, tokens_by: str | None, batch_tokens: int) -> bool:
+    """Whether a bucket's last batch is short: fewer rows than ``batch_size`` and, with a token budget, under half
+    of it (a budget's batch seldom holds ``batch_size`` rows)."""
+    if batch.rows >= batch_size:
+        return False
+    if batch_tokens and tokens_by:
+        return 2 * int(row_lengths(_column(batch.record_batch(), tokens_by)).sum()) < batch_tokens
+    return True
 
 
 def row_lengths(array: pa.Array) -> np.ndarray:

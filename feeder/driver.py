@@ -173,7 +173,8 @@ def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "t
         bucket_bounds: coordinated buckets across ranks (with ``bucket_by``): rising lengths of ``bucket_by``'s
             column, e.g. ``(64, 128, 256, 512)``, the same for every partition; bucket ``i`` holds the rows of length
             at most ``bounds[i]``, the last one those longer than every bound (at most 63 bounds). Each batch holds
-            rows of one bucket and says which in its header, travels alone (no packs), and the broker gives the
+            rows of one bucket (a partition's short end of a bucket joins the next bucket's rows) and says which
+            in its header, travels alone (no packs), and the broker gives the
             batches of one global step (one per rank) from one bucket, so that the ranks' steps hold similar
             token counts; the steps at the epoch's end that no bucket can fill, and its remainder, are not
             (docs/TRAINING.md, "Coordinated buckets").
