@@ -17,7 +17,8 @@ order they arrive, so a rank's ``i``-th batch from this broker is its ``i``-th s
 - **The epoch's end.** Once the epoch is closed and no bucket holds a group (fewer than ``buckets * (ranks - 1) +
   1`` batches left), the rest goes out the normal way (``Dispatch``'s rotation, then the grants' evening out and the
   remainder shared out by rows), sorted by bucket first so that neighbouring buckets share those last steps. So
-  does everything while the epoch is evened out, and batches with no bucket.
+  does everything while the epoch is evened out, and batches with no bucket. Independent consumers (each rank 0
+  of 1) have no steps in common: they take batches as they come, coordinated or not.
 - **A buffer too small for the pools.** While the queue has no group and the broker's buffer is full (the feed is
   paused), the queue goes out the normal way too: steps mixed, never a deadlock. A buffer that holds
   ``buckets * ranks`` batches beside the ranks' windows never meets it.
@@ -53,14 +54,16 @@ class BucketGroups:
         """One pass over a coordinated epoch: what is owed, then as many groups as the windows take.
 
         Returns the connections found gone (as ``Dispatch._send_queued``), or None when the queue is to go out the
-        normal way now: the epoch is not coordinated (no batch with a bucket), it is being evened out, it is closed
-        and no bucket can fill a group, or no group is there while the buffer is full.
+        normal way now: the epoch is not coordinated (no batch with a bucket), its ranks are independent consumers,
+        it is being evened out, it is closed and no bucket can fill a group, or no group is there while the buffer
+        is full.
         """
         for identity in [i for i in self.owed if i not in self.books.ranks]:
             del self.owed[identity]       # a rank gone: its member is back in the queue already
         queue = ep.queue
-        if ep.share is not None or not queue or bucket_of(queue[0]) is None:
-            return None                   # evened out, empty, or not coordinated: read in O(1), the common case
+        if ep.share is not None or not queue or bucket_of(queue[0]) is None or stream.expected_ranks < 2:
+            return None     # evened out, empty, not coordinated (read in O(1): the common case), or independent
+            # consumers (each rank 0 of 1), who take batches as they come: no step of theirs is another's
         ranks = sorted(stream.ranks.values(), key=lambda r: r.rank)
         gone: list[bytes] = []
         if self._owes(stream):

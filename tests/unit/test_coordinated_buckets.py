@@ -260,6 +260,12 @@ def test_an_epoch_without_buckets_or_being_evened_out_goes_the_normal_way():
     assert ranks.send() is None and ranks.buckets(0) == []
 
 
+def test_independent_consumers_take_batches_as_they_come():
+    ranks = Ranks(buckets=[0, 1, 0, 1])
+    ranks.stream.expected_ranks = 1             # each rank 0 of 1
+    assert ranks.send() is None
+
+
 def test_a_full_buffer_with_no_group_lets_the_queue_go_the_normal_way():
     ranks = Ranks(buckets=[0, 1, 2], max_buffer=300)
     assert ranks.books.feed_full()
