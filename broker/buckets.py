@@ -118,14 +118,20 @@ class BucketGroups:
             batch = self.owed.get(rank.identity)
             if batch is None or not rank.has_room(batch.nbytes, by_bytes):
                 continue
+            try:
+                ep.queue.remove(batch)    # near the front: it went back there
+            except ValueError:            # taken since (the epoch was reset, or its end cut it into pieces)
+                del self.owed[rank.identity]
+                continue
             outcome = transmit(rank.identity, batch.frames)
             if outcome is Outcome.FULL:
+                ep.queue.appendleft(batch)
                 continue
             del self.owed[rank.identity]
             if outcome is Outcome.GONE:
+                ep.queue.appendleft(batch)
                 gone.append(rank.identity)
                 continue
-            ep.queue.remove(batch)        # near the front: it went back there
             ep.sent(batch)
             rank.sent(batch)
 

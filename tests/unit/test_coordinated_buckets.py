@@ -239,6 +239,19 @@ def test_a_member_a_rank_did_not_take_is_owed_to_it_before_anything_else():
     assert not ranks.ep.queue and not ranks.rule.owed
 
 
+def test_an_owed_member_taken_from_the_queue_meanwhile_is_forgotten():
+    ranks = Ranks(buckets=[0, 0, 1, 1])
+    ranks.full.add(b"r1")
+    ranks.send()
+    ranks.ep.queue.clear()                      # e.g. a resume reset the epoch
+    ranks.ep.queue.extend([held(7, 1), held(8, 1)])
+    ranks.by_frames.update({id(b.frames): b for b in ranks.ep.queue})
+    ranks.full.clear()
+    assert ranks.send() == [] and not ranks.rule.owed and ranks.buckets(1) == []
+    ranks.send()
+    assert ranks.buckets(0) == [0, 1] and ranks.buckets(1) == [1]
+
+
 def test_a_rank_found_gone_gives_its_member_back_to_the_queue():
     ranks = Ranks(buckets=[0, 0, 1])
     ranks.gone.add(b"r1")
@@ -272,3 +285,4 @@ def test_a_full_buffer_with_no_group_lets_the_queue_go_the_normal_way():
     assert ranks.send() is None
     roomy = Ranks(buckets=[0, 1, 2], max_buffer=10_000)
     assert roomy.send() == []
+
