@@ -14,8 +14,7 @@ from sparkbus.bench.figures import Figure
 from . import end_to_end, spark_data
 from .common import Children, Sizes
 from .end_to_end import Series
-from .sections import Context, Run, Section, Table
-from .spark_data import ROW_BYTES
+from .sections import Context, Run, Section
 
 BROKERS = (1, 2, 4)
 MAX_BUFFER = "256MiB"
@@ -67,8 +66,7 @@ class BrokersSection(Section[Brokers]):
     name, title, figure, spark = "brokers", "5. several brokers", "5", "frame"
 
     def measure(self, ctx: Context) -> Brokers:
-        assert ctx.dataset is not None
-        return run(ctx.children, ctx.df, ctx.dataset.rows, ctx.sizes, ctx.work, ctx.log)
+        return run(ctx.children, ctx.df, ctx.rows, ctx.sizes, ctx.work, ctx.log)
 
     def figures(self, run: Run, result: Brokers) -> list[Figure]:
         """Rows/s delivered to the ranks over n brokers, against 1 broker."""
@@ -76,19 +74,3 @@ class BrokersSection(Section[Brokers]):
         anchor = one.figure("brokers", "1 broker", "rows_per_s", "rows/s") if one and one.runs else None
         return ([anchor] if anchor else []) + [s.figure("brokers", f"{n} brokers", "rows_per_s", "rows/s", anchor)
                                                for n, s in sorted(result.series.items()) if s is not one and s.runs]
-
-    def tables(self, run: Run, result: Brokers) -> list[Table]:
-        one = result.series[1].med("rows_per_s") if 1 in result.series else float("nan")
-        rows = [[n, "/".join(map(str, s.runs[-1].get("brokers") or ())) if s.runs else None, s.med("rows_per_s"),
-                 s.med("rows_per_s") * ROW_BYTES / 1e6, s.med("first"), s.med("last"), s.med("wait_share") * 100,
-                 s.med("rows_per_s") / one, result.cores] for n, s in sorted(result.series.items())]
-        return [Table(f"One stream of {result.partitions} partitions over n brokers to {result.ranks} ranks that "
-                      "consume from every broker", ["brokers", "partitions per broker", "rows/s", "MB/s",
-                      "first batch (s)", "last batch (s)", "ranks idle (%)", "vs 1 broker", "cores on this machine"],
-                      rows, ["not a scaling figure where the brokers share the machine's cores with Spark and the "
-                             "ranks: it shows what spreading a stream over broker processes costs or saves"],
-                      plot=("rows/s",))]
-
-    def json(self, run: Run, result: Brokers) -> dict:
-        return {"brokers": {"cores": result.cores, "ranks": result.ranks, "partitions": result.partitions,
-                            "runs": {str(n): s.runs for n, s in sorted(result.series.items())}}}

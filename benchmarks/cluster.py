@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from sparkbus.bench.figures import Figure, figure
+from sparkbus.bench.hop import label as size_label
 
 from . import end_to_end, spark_data
 from .common import ROOT, BenchError, Children, KiB, MiB, Sizes, median, on_cpus
 from .end_to_end import RANKS, CpuMeter, Series
-from .hop import size_label
-from .sections import Context, Run, Section, Table
+from .sections import Context, Run, Section
 from .spark_configs import Config, DriverProcess
 
 BATCH_BYTES = (MiB, 64 * KiB)
@@ -212,32 +212,3 @@ class ClusterSection(Section[Cluster]):
                 out += [limit, point.sparkbus.figure("cluster", f"sparkbus {what}", "rows_per_s", "rows/s", limit),
                         figure("cluster", f"feeder CPU-s per GB above the hand-off, {what}", [per_gb], "CPU-s/GB")]
         return out
-
-    def tables(self, run: Run, result: Cluster) -> list[Table]:
-        def cpu(series: Series, group: str) -> float:
-            return median([run["cpu"].get(group, 0.0) for run in series.runs])
-
-        rows = [[f"{kind} {size_label(size)}", median([x["batch_size"] for x in p.sparkbus.runs]),
-                 p.limit.med("rows_per_s"), p.sparkbus.med("rows_per_s"), ratio(p), p.sparkbus.med("first"),
-                 f"{cpu(p.limit, 'jvm'):.2f} / {cpu(p.limit, 'workers'):.2f}",
-                 " / ".join(f"{cpu(p.sparkbus, g):.2f}" for g in ("jvm", "workers", "broker", "ranks")),
-                 feeder_cpu_per_gb(p, result.kinds[kind]["payload_bytes"]), spark_cpu_ratio(p)]
-                for (kind, size), p in result.points.items() if p.limit.runs and p.sparkbus.runs]
-        where = result.where
-        return [Table(f"Spark local[1] on CPU {result.cpus['spark'][0]} (its Python workers on CPUs "
-                      f"{where.get('affinity')}), the broker and 2 ranks on CPU {result.cpus['bus'][0]}; "
-                      f"{result.rows:,} rows a kind, medians of {result.reps}",
-                      ["kind, batch", "rows a batch", "hand-off rows/s", "sparkbus rows/s", "sparkbus / hand-off",
-                       "first batch (s)", "hand-off CPU-s: JVM / Python workers",
-                       "sparkbus CPU-s: JVM / Python workers / broker / ranks",
-                       "feeder CPU-s per GB above the hand-off", "Spark's CPU-s: hand-off / sparkbus"], rows,
-                      [f"`{k}`: {spark_data.KINDS[k]}, {info['payload_bytes'] / 1e6:,.0f} MB" for k, info in
-                       result.kinds.items()] + [f"`{k}` not measured, the feeder refused it: {why}"
-                                                for k, why in result.refused.items()],
-                      plot=("hand-off rows/s", "sparkbus rows/s"))]
-
-    def json(self, run: Run, result: Cluster) -> dict:
-        return {"cluster": {"rows": result.rows, "cpus": result.cpus, "where": result.where or None,
-                            "kinds": result.kinds, "refused": result.refused,
-                            "points": [{"kind": k[0], "batch_bytes": k[1], "limit": p.limit.runs,
-                                        "sparkbus": p.sparkbus.runs} for k, p in result.points.items()]}}

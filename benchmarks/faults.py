@@ -22,8 +22,8 @@ from sparkbus.launch.processes import LaunchError, wait_for
 
 from .common import ROOT, BenchError
 from .faults_cluster import HOSTS, ClusterRig
-from .faults_processes import TRAIN_SECONDS, Consumers, Feeder, NetworkChild
-from .sections import Context, Run, Section, Table
+from .faults_processes import Consumers, Feeder, NetworkChild
+from .sections import Context, Run, Section
 
 KINDS = ("none", "broker_journal", "broker_journal_group", "broker_no_journal", "broker_no_journal_group", "rank",
          "rank_group", "executor", "cluster_executor", "cluster_executor_atomic", "cluster_host", "cluster_host_atomic",
@@ -478,19 +478,6 @@ class FaultsSection(Section[FaultTable]):
                 out += [fed, *(figure("faults", f"{row['kind']}: rows {what}", [row[key]], "rows", fed)
                                for key, what in (("lost", "lost"), ("twice", "trained twice")))]
         return out
-
-    def tables(self, run: Run, result: FaultTable) -> list[Table]:
-        p = result.plan
-        injected = [[LABELS[r.kind], "; ".join(f"{f['at_s']:.1f} s: {f['what']}" for f in r.faults) or "none",
-                     f"{r.outcome} at {r.answered_s:.1f} s" + (f" ({r.error})" if r.error else ""), r.broker or None,
-                     "; ".join(r.twice_ids) or None, "; ".join(r.lost_ids) or None, r.held]
-                    for r in result.runs if r.faults or r.error]
-        return [Table(f"Seed {p.seed}: one epoch of {p.rows:,} rows in {p.partitions} partitions of {BATCH}-row "
-                      f"batches (~{p.feed_seconds:.0f} s a feed) to {CONSUMERS} consumers ({TRAIN_SECONDS * 1000:g} ms "
-                      f"a batch), {p.faults} fault(s) a kind at least {GAP:g} s apart; {result.seconds:.0f} s in all",
-                      HEADER, [cells(r) for r in result.rows()]),
-                Table("Faults injected (seconds after the first row a consumer yielded)", ["fault", "injected",
-                      "feed", "the broker counted", "trained twice", "lost", "held Python workers killed"], injected)]
 
     def json(self, run: Run, result: FaultTable) -> dict:
         return {"faults": {"plan": asdict(result.plan), "table": result.rows(), "skipped": result.skipped,

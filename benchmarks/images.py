@@ -19,7 +19,7 @@ from sparkbus.launch.broker import BrokerProcess
 
 from .common import BenchError, Children, EarlyExit, median, run_ranks
 from .end_to_end import CpuMeter
-from .sections import Context, Run, Section, Table
+from .sections import Context, Run, Section
 from .spark_data import storage_of
 
 IMAGES, QUICK_IMAGES = 50_000, 5_000
@@ -331,35 +331,3 @@ class ImagesSection(Section[dict]):
         return [rate, figure("images", "sparkbus images/s", [r["images_per_s"] for r in runs["sparkbus"]],
                              "images/s", rate),
                 first, figure("images", "sparkbus first image", [r["first"] for r in runs["sparkbus"]], "s", first)]
-
-    def tables(self, run: Run, result: dict) -> list[Table]:
-        s, p, frame = result["medians"]["sparkbus"], result["medians"]["staging"], result["frame"]
-        medians = [["images/s to the last image", s["images_per_s"], p["images_per_s"], result["ratios"]["faster"]],
-                   ["last image (s)", s["last"], p["last"], s["last"] / p["last"]],
-                   ["first image (s)", s["first"], p["first"], result["ratios"]["first"]],
-                   ["... of which the first batch out of BatchStream (s)", s["first_received"], None, None],
-                   ["Spark job: feed / Parquet write (s)", s["feed_seconds"], p["write_seconds"],
-                    s["feed_seconds"] / p["write_seconds"]],
-                   ["decoding, thread-s (all ranks)", s["decode_seconds"], p["decode_seconds"],
-                    s["decode_seconds"] / p["decode_seconds"]],
-                   ["a Spark job's first record batch in Python (s): the floor", result["medians"]["first_task"], None,
-                    None]]
-        cpu: list[list[Any]] = []
-        for key, label in CPU_GROUPS:
-            s_cpu, p_cpu = (median([r["cpu"].get(key, 0.0) for r in result["runs"][way]]) for way in WAYS)
-            cpu.append([label, s_cpu, p_cpu, s_cpu / p_cpu if p_cpu else None])
-        return [Table(f"{result['images']:,} PNGs of {result['size']}x{result['size']} ({frame['mean_png_bytes']:,.0f} "
-                      f"bytes on average) in {result['partitions']} partitions, batches of {result['batch_size']}, "
-                      f"into {result['ranks']} ranks x {result['decoders_per_rank']} decoders; medians of "
-                      f"{result['reps']}", ["median", "sparkbus", "staging + DataLoader", "sparkbus / staging"],
-                      medians, [f"started again after a failed launch: {', '.join(result['relaunched'])}"]
-                      if result.get("relaunched") else []),
-                Table("Each run (seconds from the start of the Spark job)", ["way", "first", "last", "images/s",
-                      "Spark job"], [[r["way"], r["first"], r["last"], r["images_per_s"],
-                                      r.get("feed_seconds", r.get("write_seconds"))]
-                                     for way in WAYS for r in result["runs"][way]]),
-                Table("CPU seconds per run by process group (medians)", ["process group", "sparkbus",
-                      "staging + DataLoader", "sparkbus / staging"], cpu)]
-
-    def json(self, run: Run, result: dict) -> dict:
-        return {"images": result}

@@ -16,7 +16,7 @@ from typing import Any
 from sparkbus.bench.figures import Figure, figure
 
 from .common import ROOT, BenchError, Children, KiB, MiB, open_epoch
-from .sections import Context, Run, Section, Table, per
+from .sections import Context, Run, Section
 
 EPOCHS, QUICK_EPOCHS = 1000, 100
 PARTITIONS, ROWS, BATCH_ROWS = 2, 2048, 256
@@ -168,23 +168,6 @@ class SoakSection(Section[Soak]):
             anchor = figure("soak", f"{name} at epoch {full['epoch']}", [full[key] * scale], unit)
             out += [anchor, figure("soak", f"{name} at epoch {last['epoch']}", [last[key] * scale], unit, anchor)]
         return out
-
-    def tables(self, run: Run, result: Soak) -> list[Table]:
-        full = next((s for s in result.samples if s["epoch"] > KEEP_EPOCHS), result.first)   # the figures' list full
-        rows = [[s["epoch"], s["rss_bytes"] / MiB, per(s["rss_bytes"], full["rss_bytes"]), s["status_bytes"],
-                 per(s["status_bytes"], full["status_bytes"]), s["series"], per(s["series"], full["series"]),
-                 s["epochs_listed"], s["delivered"]] for s in result.samples]
-        return [Table(f"{result.epochs} epochs of {PARTITIONS} x {ROWS:,} rows through one broker (--keep-epochs "
-                      f"{KEEP_EPOCHS}) to one rank, {result.rows_consumed:,} rows in {result.seconds:.0f} s; "
-                      "should be flat once the list is full", ["epochs", "broker RSS (MiB)",
-                      f"RSS / at epoch {full['epoch']}", "status (bytes)", f"status / at epoch {full['epoch']}",
-                      "series", f"series / at epoch {full['epoch']}", "epochs listed", "delivered"], rows)]
-
-    def json(self, run: Run, result: Soak) -> dict:
-        return {"soak": {"epochs": result.epochs, "rows_per_epoch": result.rows_per_epoch,
-                         "rows_consumed": result.rows_consumed, "seconds": result.seconds,
-                         "samples": result.samples}}
-
 
 if __name__ == "__main__":
     sys.exit(rank_main())

@@ -21,7 +21,7 @@ from sparkbus.launch.spark import LOCAL_CONF
 from . import end_to_end
 from .common import HERE, ROOT, BenchError, Children, Sizes
 from .end_to_end import BATCH_SIZE, RANKS, Series
-from .sections import Context, Run, Section, Table
+from .sections import Context, Run, Section
 
 HOSTS = ("127.0.0.1", "127.0.0.2")        # two Workers on two loopback "hosts"
 WORKER_CORES, WORKER_MEMORY = 2, "2g"
@@ -292,30 +292,3 @@ class SparkSection(Section[SparkSetups]):
                 alone = s.figure("spark", f"Spark alone, {what}", "limit_rows_per_s", "rows/s")
                 out += [alone, s.figure("spark", f"to the ranks, {what}", "rows_per_s", "rows/s", alone)]
         return out
-
-    def tables(self, run: Run, result: SparkSetups) -> list[Table]:
-        best = best_points(result)
-        rows = []
-        for (key, parts), s in sorted(result.points.items(),
-                                      key=lambda kv: (list(result.configs).index(kv[0][0]), kv[0][1])):
-            if not s.runs:
-                continue
-            config, top = result.configs[key], result.points[best["rows_per_s"]].med("rows_per_s")
-            executors = config.get("executors") or []
-            marks = [what for what, point in (("most rows/s", best["rows_per_s"]),
-                                              ("earliest first batch", best["first"])) if point == (key, parts)]
-            rows.append([f"{config['label']}, {parts} partitions", ", ".join(f"{e['host']} ({e['slots']})" for e in
-                         executors) or "driver JVM (2)", s.med("rows_per_s"), s.med("first"), s.med("last"),
-                         s.med("limit_rows_per_s"), s.med("rows_per_s") / s.med("limit_rows_per_s"),
-                         s.med("rows_per_s") / top, config.get("session_seconds"), ", ".join(marks)])
-        return [Table(f"{result.rows:,} rows cached in the executors, fed through one broker to 2 ranks (Spark alone: "
-                      "mapInArrow + drop in the same set-up)", ["Spark set-up, partitions", "executors on (task slots)",
-                      "rows/s to the ranks", "first batch (s)", "last batch (s)", "Spark alone rows/s",
-                      "to the ranks / Spark alone", "vs the best", "session start (s)", "best"], rows,
-                      [f"every set-up shares the machine's {run.machine['nproc']} cores with the broker and the ranks"],
-                      plot=("rows/s to the ranks",))]
-
-    def json(self, run: Run, result: SparkSetups) -> dict:
-        return {"spark": {"rows": result.rows, "configs": result.configs,
-                          "points": [{"config": k[0], "partitions": k[1], "runs": s.runs,
-                                      "storage": result.storage.get(k)} for k, s in result.points.items()]}}

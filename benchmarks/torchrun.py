@@ -18,8 +18,8 @@ from typing import Any
 
 from sparkbus.bench.figures import Figure, figure
 
-from .common import ROOT, BenchError, Children, KiB, median, open_epoch
-from .sections import Context, Run, Section, Table
+from .common import ROOT, BenchError, Children, median, open_epoch
+from .sections import Context, Run, Section
 
 RANKS = 2
 BATCH_ROWS = 1024
@@ -223,24 +223,6 @@ class TorchrunSection(Section[FirstBatch]):
             return []
         anchor = of("mpiexec")
         return [anchor, *(of(way, anchor) for way in WAYS if way != "mpiexec" and result.runs.get(way))]
-
-    def tables(self, run: Run, result: FirstBatch) -> list[Table]:
-        anchor = result.med("mpiexec", "launch_to_first")
-        rows = [[LABELS[way], *[result.med(way, key) for key, _ in PHASES],
-                 result.med(way, "launch_to_first") / anchor, result.med(way, "import_torch"), ""]
-                for way in WAYS if result.runs.get(way)]
-        rows += [[LABELS[way], *[None] * (len(PHASES) + 2), f"not measured: {why}"]
-                 for way, why in result.missing.items()]
-        return [Table(f"{result.ranks} ranks read an epoch of {result.batches} batches of "
-                      f"{result.batch_bytes // KiB} KiB the broker already holds; the slowest rank's times",
-                      ["ranks", *[label + " (s)" for _, label in PHASES], "launch -> first batch / mpiexec's",
-                       "import torch (s)", "note"], rows,
-                      ["runtime ready: torch imported and the gloo group up; MPI_Init; or nothing"])]
-
-    def json(self, run: Run, result: FirstBatch) -> dict:
-        return {"torchrun": {"ranks": result.ranks, "batches": result.batches, "batch_bytes": result.batch_bytes,
-                             "runs": result.runs, "missing": result.missing}}
-
 
 if __name__ == "__main__":
     sys.exit(rank_main())
