@@ -173,6 +173,7 @@ class SparkPrep:
     def _run(self) -> None:
         try:
             from benchmarks import spark_data
+            from sparkbus.bench.e2e import hand_off
             from sparkbus.launch.spark import local_session
 
             self.log("starting Spark (local[2])" + (" and caching the DataFrame" if self.frame else ""))
@@ -183,7 +184,7 @@ class SparkPrep:
             df, rows = None, 0
             if self.frame:
                 df, info = spark_data.cached_frame(self.spark, self.sizes.rows, self.sizes.partitions)
-                spark_data.warm_up(df)
+                hand_off(df.limit(1000))                 # Python workers started, the scan warm
                 rows = info["rows"]
                 self.log(f"  {rows:,} rows cached: {info['cached_memory_bytes'] / 2**30:.2f} GiB in memory, "
                          f"{info['cached_disk_bytes'] / 2**30:.2f} GiB on disk")

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sparkbus.bench.e2e import hand_off
 from sparkbus.bench.figures import Figure
 
 from . import end_to_end, spark_data
@@ -42,8 +43,8 @@ def run(children: Children, df: Any, rows: int, sizes: Sizes, work: Path, log=pr
     try:
         # Unrecorded: the first full scan of the cache, and the Python workers' first feed (imports), in case no
         # other section has run them yet.
-        spark_data.arrow_limit(df)
-        end_to_end.warm_up_feed(df, started[0])
+        hand_off(df)
+        spark_data.warm_up_feed(df, rows, started[0].feed, "warm-up")
         for rep in range(sizes.reps):
             for n in BROKERS[rep % len(BROKERS):] + BROKERS[:rep % len(BROKERS)]:     # each first in turn
                 series[n].runs.append(end_to_end.run_sparkbus(children, started[:n], df, rows, end_to_end.RANKS,

@@ -143,14 +143,6 @@ def run_fed_ranks(children: Children, brokers: Sequence[BrokerProcess], stream: 
             "rank_modules": sorted({r["module"] for r in result.ranks if r.get("module")})}
 
 
-def warm_up_feed(df: Any, broker: BrokerProcess) -> None:
-    """Feed a few thousand rows on every Python worker into a stream no rank reads (they stay in the broker)."""
-    from sparkbus.feeder import feed
-
-    small = df.limit(4 * BATCH_SIZE).repartition(2)
-    feed(small, broker.feed, stream="warm-up", epoch=0, batch_size=BATCH_SIZE, timeout=60.0)
-
-
 class EndToEndSection(Section[list]):
     """Figure 2: the cached DataFrame to 2 ranks by sparkbus, by Parquet staging, and Spark's own hand-off."""
 

@@ -205,9 +205,9 @@ def measure(spark: Any, images: int = IMAGES, reps: int = REPS, *, size: int = S
         log: called with a line per repetition.
     Returns:
         A JSON-serialisable dict: the set-up, ``frame`` (how the images are stored), ``runs`` (each way's list of
-        runs: ``first``, ``last`` seconds, ``images_per_s``, counts, sums, CPU per process group), ``medians``,
-        ``ratios`` (``faster``: sparkbus / staging images/s; ``first``: sparkbus / staging first image) and
-        ``checks``.
+        runs: ``first``, ``last`` seconds, ``images_per_s``, counts, sums, CPU per process group), ``first_task``
+        (:func:`first_task_seconds` per repetition), ``ratios`` (``faster``: sparkbus / staging images/s;
+        ``first``: sparkbus / staging first image) and ``checks``.
     Raises:
         ImagesBenchError: a run failed, or its ranks did not decode every image exactly once, or the pixels
             decoded differ between runs. Whatever it started is stopped first.
@@ -247,13 +247,7 @@ def measure(spark: Any, images: int = IMAGES, reps: int = REPS, *, size: int = S
             shutil.rmtree(work, ignore_errors=True)
     result["load_end"] = list(os.getloadavg())
     runs = result["runs"]
-    result["medians"] = {way: {key: median([r[key] for r in runs[way]])
-                               for key in ("first", "last", "images_per_s", "decode_seconds")} for way in WAYS}
-    result["medians"]["staging"]["write_seconds"] = median([r["write_seconds"] for r in runs["staging"]])
-    result["medians"]["sparkbus"]["feed_seconds"] = median([r["feed_seconds"] for r in runs["sparkbus"]])
-    result["medians"]["sparkbus"]["first_received"] = median([r["first_received"] for r in runs["sparkbus"]])
-    result["medians"]["first_task"] = median(result["first_task"])
-    s, p = result["medians"]["sparkbus"], result["medians"]["staging"]
+    s, p = ({key: median([r[key] for r in runs[way]]) for key in ("first", "images_per_s")} for way in WAYS)
     result["ratios"] = {"faster": s["images_per_s"] / p["images_per_s"], "first": s["first"] / p["first"]}
     pixel_sums = {r["pixel_sum"] for way in WAYS for r in runs[way]}
     result["checks"] = {"every_image_once": True, "pixel_sums": sorted(pixel_sums)}
@@ -298,11 +292,6 @@ def _named(cpu: dict[str, float]) -> dict[str, float]:
     return {names[group]: seconds for group, seconds in cpu.items()}
 
 
-CPU_GROUPS = (("spark_jvm", "Spark JVM"), ("spark_python", "Spark's Python workers (the feeder)"),
-              ("broker", "broker"), ("ranks", "ranks (main thread + decoding threads)"),
-              ("loader_workers", "DataLoader workers"))
-
-
 # ---- the section ------------------------------------------------------------------------------------------
 
 class ImagesSection(Section[dict]):
@@ -330,4 +319,5 @@ class ImagesSection(Section[dict]):
         first = figure("images", "staging + DataLoader first image", [r["first"] for r in runs["staging"]], "s")
         return [rate, figure("images", "sparkbus images/s", [r["images_per_s"] for r in runs["sparkbus"]],
                              "images/s", rate),
-                first, figure("images", "sparkbus first image", [r["first"] for r in runs["sparkbus"]], "s", first)]
+                first, figure("images", "sparkbus first image", [r["first"] for r in runs["sparkbus"]], "s", first),
+                figure("images", "a Spark job's first record batch in Python", result["first_task"], "s", first)]

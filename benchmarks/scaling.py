@@ -12,7 +12,7 @@ from sparkbus.bench.figures import Figure, figure
 from sparkbus.broker.client import ControlClient
 from sparkbus.wire.protocol import Kind
 
-from . import end_to_end
+from . import end_to_end, spark_data
 from .common import BenchError, Children, MiB, Sizes, open_epoch, rss_sampler
 from .end_to_end import Series
 from .sections import Context, Section
@@ -35,7 +35,7 @@ def run(children: Children, df: Any, rows: int, sizes: Sizes, work, log=print) -
     frames = {t: (df if t == base else df.coalesce(t)) for t in TASKS}
     broker = children.broker("256MiB")
     try:
-        end_to_end.warm_up_feed(df, broker)         # Spark's Python workers start before any point is timed
+        spark_data.warm_up_feed(df, rows, broker.feed, "warm-up")     # Python workers started before any timing
         for rep in range(sizes.reps):
             for ranks, tasks, steps in (points if rep % 2 == 0 else points[::-1]):     # no point always runs first
                 series[ranks, tasks, steps].runs.append(

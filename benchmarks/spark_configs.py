@@ -213,10 +213,6 @@ def run(children: Children, spark: Any, session_seconds: float | None, sizes: Si
         if cluster is not None:
             children.discard(cluster)
         children.discard(broker)
-    best = best_points(out)
-    if best:
-        log(f"  best rows/s: {point_name(out, best['rows_per_s'])}; best time to first batch: "
-            f"{point_name(out, best['first'])}")
     return out
 
 
@@ -246,20 +242,6 @@ def _points(children: Children, broker, config: Config, source: Any, partitions:
                 f"(mapInArrow) {run['limit_rows_per_s']:,.0f} rows/s")
 
 
-def best_points(out: SparkSetups) -> dict[str, tuple[str, int]]:
-    """The points with the most rows/s and with the earliest first batch (medians)."""
-    points = {k: s for k, s in out.points.items() if s.runs}
-    if not points:
-        return {}
-    return {"rows_per_s": max(points, key=lambda k: points[k].med("rows_per_s")),
-            "first": min(points, key=lambda k: points[k].med("first"))}
-
-
-def point_name(out: SparkSetups, point: tuple[str, int]) -> str:
-    """E.g. ``standalone, 2 executors x 1 core, 4 partitions``."""
-    return f"{out.configs[point[0]]['label']}, {point[1]} partitions"
-
-
 # ---- the section ------------------------------------------------------------------------------------------
 
 class SparkSection(Section[SparkSetups]):
@@ -284,11 +266,12 @@ class SparkSection(Section[SparkSetups]):
         return out
 
     def figures(self, run: Run, result: SparkSetups) -> list[Figure]:
-        """Per set-up and partitions: rows/s to the ranks against Spark alone in the same set-up."""
+        """Per set-up and partitions: rows/s to the ranks against Spark alone in the same set-up; the first batch."""
         out = []
         for (key, parts), s in result.points.items():
             if s.runs:
                 what = f"{key}, {parts} partitions"
                 alone = s.figure("spark", f"Spark alone, {what}", "limit_rows_per_s", "rows/s")
-                out += [alone, s.figure("spark", f"to the ranks, {what}", "rows_per_s", "rows/s", alone)]
+                out += [alone, s.figure("spark", f"to the ranks, {what}", "rows_per_s", "rows/s", alone),
+                        s.figure("spark", f"first batch, {what}", "first", "s")]
         return out

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sparkbus.bench.e2e import hand_off
 from sparkbus.bench.figures import Figure, figure
 from sparkbus.wire.errors import FeedError
 
@@ -107,7 +108,7 @@ def _prepare(spark: Any, kind: str, sizes: Sizes, broker, out: Varlen, log) -> A
     """Cache ``kind``'s frame, scan it once and feed a small sample of every partition that no rank reads."""
     df, info = spark_data.kind_frame(spark, kind, sizes.varlen_rows, PARTITIONS)
     out.kinds[kind] = info
-    spark_data.arrow_limit(df)
+    hand_off(df)
     try:
         spark_data.warm_up_feed(df, info["rows"], broker.feed, f"varlen-warm-up-{kind}", batch_size=4)
     except Exception:
@@ -129,22 +130,11 @@ def _feed(children: Children, broker, df: Any, info: dict, work: Path, sizes: Si
                                       touch=True)
     result["payload_bytes"] = info["payload_bytes"]
     result["mb_per_s"] = info["payload_bytes"] / result["last"] / 1e6
-    # Spark's own hand-off of the same frame right after (mapInArrow + drop): Spark turns array<int> rows into
-    # Arrow element by element and binary rows with one copy each, so the kinds differ before sparkbus starts
-    seconds, _ = spark_data.arrow_limit(df)
-    result["limit_mb_per_s"] = info["payload_bytes"] / seconds / 1e6
     if not result["dropped_rows"] and result["touched_bytes"] < info["payload_bytes"]:     # every row reached a loop
         raise BenchError(f"stream {stream}: the ranks saw {result['touched_bytes']:,} bytes of "
                          f"{info['payload_bytes']:,}")
     return result
 
-
-def ratio(pair: Pair) -> float:
-    """compared MB/s / baseline MB/s, medians of the repetitions."""
-    return pair.compared.med("mb_per_s") / pair.baseline.med("mb_per_s")
-
-
-# ---- the section ------------------------------------------------------------------------------------------
 
 class VarlenSection(Section[Varlen]):
     """Figure 7: binary and variable-length int columns vs the fixed-width path, and the padding share."""

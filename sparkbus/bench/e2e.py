@@ -19,12 +19,12 @@ BATCH_SIZE = 1024
 _runs = itertools.count()
 
 
-def synthetic_frame(spark: Any, rows: int, partitions: int = 4) -> Any:
+def synthetic_frame(spark: Any, rows: int, partitions: int = 4, seed: int = 7) -> Any:
     """``id`` long and ``features`` array<float>[64] of random values (Parquet cannot compress them away)."""
     from pyspark.sql import functions as F
 
     return spark.range(0, rows, numPartitions=partitions).select(
-        F.col("id"), F.array(*[F.rand(7 + i).cast("float") for i in range(64)]).alias("features"))
+        F.col("id"), F.array(*[F.rand(seed + i).cast("float") for i in range(64)]).alias("features"))
 
 
 def _dropper() -> Callable:
