@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +43,6 @@ class Sizes:
     name: str
     reps: int                      # repetitions per figure (the median is reported)
     hop_seconds: float             # each broker-hop measurement sends for at least this long
-    hop_min_batches: int           # ... and at least this many batches
     rows: int                      # rows of the cached DataFrame for the end-to-end and scaling runs
     partitions: int                # its partitions (feeding tasks); local[2] runs 2 at a time
     rss_bytes: int                 # bytes pushed through the broker for its peak RSS
@@ -57,12 +57,12 @@ class Sizes:
     timeout: float                 # bound on any single run (a feed, a set of ranks)
 
 
-FULL = Sizes("full", reps=3, hop_seconds=1.0, hop_min_batches=50, rows=1 << 22, partitions=4,
+FULL = Sizes("full", reps=3, hop_seconds=1.0, rows=1 << 22, partitions=4,
              rss_bytes=4 * GiB, rss_max_buffer=64 * MiB, wait_epoch_seconds=3.0, spark_rows=1 << 20,
              cluster_rows=1 << 21, cluster_reps=5, varlen_rows=4096,
              spark_executor_memory="1g", driver_memory="4g",
              timeout=300.0)
-QUICK = Sizes("quick", reps=1, hop_seconds=0.12, hop_min_batches=16, rows=100_000, partitions=4,
+QUICK = Sizes("quick", reps=1, hop_seconds=0.12, rows=100_000, partitions=4,
               rss_bytes=200 * MiB, rss_max_buffer=64 * MiB, wait_epoch_seconds=0.8, spark_rows=100_000,
               cluster_rows=100_000, cluster_reps=1, varlen_rows=512,
               spark_executor_memory="1g", driver_memory="2g",
@@ -179,29 +179,27 @@ def open_epoch(client: Any, stream: str, epoch: int, partitions: int) -> dict:
     return client.request(Kind.EPOCH_OPEN, stream=stream, epoch=epoch, partitions=partitions, delivery="stream")
 
 
-def rss_sampler(pid: int, interval: float = 0.05) -> Any:
-    """A started thread that samples ``pid``'s RSS every ``interval`` s; ``.stop()`` returns the peak bytes."""
-    import threading
+class RssSampler(threading.Thread):
+    """Samples a process's RSS every ``interval`` s from when it is made; :meth:`stop` returns the peak bytes."""
 
-    import psutil
+    def __init__(self, pid: int, interval: float = 0.05):
+        import psutil
 
-    proc, halt, peak = psutil.Process(pid), threading.Event(), [0]
+        super().__init__(daemon=True, name=f"rss-{pid}")
+        self.proc, self.interval, self.peak, self.halt = psutil.Process(pid), interval, 0, threading.Event()
+        self.start()
 
-    def sample() -> None:
-        while not halt.is_set():
+    def run(self) -> None:
+        import psutil
+
+        while not self.halt.is_set():
             try:
-                peak[0] = max(peak[0], proc.memory_info().rss)
+                self.peak = max(self.peak, self.proc.memory_info().rss)
             except psutil.Error:
                 return
-            halt.wait(interval)
+            self.halt.wait(self.interval)
 
-    thread = threading.Thread(target=sample, daemon=True, name=f"rss-{pid}")
-    thread.start()
-
-    class Sampler:
-        def stop(self) -> int:
-            halt.set()
-            thread.join(5)
-            return peak[0]
-
-    return Sampler()
+    def stop(self) -> int:
+        self.halt.set()
+        self.join(5)
+        return self.peak

@@ -7,7 +7,6 @@ from __future__ import annotations
 import itertools
 import shutil
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,24 +16,12 @@ from sparkbus.launch.processes import wait_for
 from . import spark_data
 from .common import BenchError, Children, MiB, Sizes, run_ranks
 from .end_to_end import BATCH_SIZE, RANKS, Series
-from .sections import Context, Run, Section
+from .sections import Context, Section
 
 GO_BUFFERED = 16 * MiB
 MAX_BUFFER = "32MiB"
 DEFAULT_COMPUTE = 0.01
 _runs = itertools.count()
-
-
-@dataclass
-class DataWait:
-    """Figure 4: the compute per batch, the rows, and the runs with ``even=True`` (the figure) and ``False``."""
-
-    compute: float
-    rows: int
-    series: Series                # steps granted by the broker: the figure
-    diagnostic: Series            # even=False
-    from_rate: float | None       # the end-to-end rows/s the compute was chosen from (None: a default)
-    agreed: Series | None = None  # steps agreed over MPI
 
 
 def compute_per_batch(rows_per_s: float | None) -> float:
@@ -45,31 +32,31 @@ def compute_per_batch(rows_per_s: float | None) -> float:
 
 
 def run(children: Children, spark: Any, main_df: Any, main_rows: int, sizes: Sizes, work: Path,
-        rows_per_s: float | None, log=print) -> DataWait:
+        rows_per_s: float | None, log=print) -> list[Figure]:
+    """The worst rank's data-wait, % of the epoch: steps granted by the broker (the figure), then steps agreed over
+    MPI and even=False (a diagnostic) against it."""
     compute = compute_per_batch(rows_per_s)
     batches = RANKS * sizes.wait_epoch_seconds / compute
     rows = int(min(main_rows, max(20 * RANKS, batches) * BATCH_SIZE))
     if rows >= main_rows:
-        df, info, own = main_df, {"rows": main_rows}, False
+        df, own = main_df, False
     else:
-        (df, info), own = spark_data.cached_frame(spark, rows, sizes.partitions, seed=1000), True
-    series, diagnostic = Series("data-wait"), Series("data-wait, even=False")
-    agreed = Series("data-wait, steps agreed over MPI")
+        (df, _), own = spark_data.cached_frame(spark, rows, sizes.partitions, seed=1000), True
+    ways = {"steps granted": ("broker", True), "steps agreed over MPI": ("mpi", True), "even=False": ("broker", False)}
+    series = {name: Series(f"data-wait, {name}") for name in ways}
     broker = children.broker(MAX_BUFFER)
-    labels = {"broker": "", "mpi": " (steps agreed over MPI)", "none": " (diagnostic: even=False)"}
     try:
         for rep in range(sizes.reps):
-            for target, steps in ((series, "broker"), (agreed, "mpi"), (diagnostic, "none")):
-                target.runs.append(_one(children, broker, df, compute, work, sizes.timeout, steps != "none",
-                                        "broker" if steps == "none" else steps))
-                r = target.runs[-1]
-                log(f"  data-wait rep {rep + 1}/{sizes.reps}{labels[steps]}: compute {compute * 1e3:.1f} ms/batch, "
-                    f"waited {r['wait_share'] * 100:.2f} % (worst rank)")
+            for name, (steps, even) in ways.items():
+                series[name].runs.append(_one(children, broker, df, compute, work, sizes.timeout, even, steps))
+                log(f"  data-wait rep {rep + 1}/{sizes.reps}, {name}: compute {compute * 1e3:.1f} ms/batch, waited "
+                    f"{series[name].runs[-1]['wait_share'] * 100:.2f} % (worst rank)")
     finally:
         children.discard(broker)
         if own:
             df.unpersist()
-    return DataWait(compute, info["rows"], series, diagnostic, rows_per_s, agreed)
+    granted = series.pop("steps granted").figure("wait", "data-wait, steps granted", "wait_share", "%", scale=100)
+    return [granted, *(s.figure("wait", s.name, "wait_share", "%", granted, 100) for s in series.values())]
 
 
 def _one(children: Children, broker, df: Any, compute: float, work: Path, timeout: float, even: bool,
@@ -115,24 +102,11 @@ def _buffered(broker) -> int:
         return 0
 
 
-# ---- the section ------------------------------------------------------------------------------------------
-
-
-
-class DataWaitSection(Section[DataWait]):
+class DataWaitSection(Section[list]):
     """Figure 4: the ranks' data-wait while the feed outpaces their compute."""
 
-    name, title, figure, spark = "wait", "4. data-wait", "4", "frame"
+    name, title, spark = "wait", "4. data-wait", "frame"
 
-    def measure(self, ctx: Context) -> DataWait:
+    def measure(self, ctx: Context) -> list:
         rate = next((f.value for f in ctx.results.get("e2e") or () if f.name == "sparkbus rows/s"), None)
         return run(ctx.children, ctx.spark, ctx.df, ctx.rows, ctx.sizes, ctx.work, rate, ctx.log)
-
-    def figures(self, run: Run, result: DataWait) -> list[Figure]:
-        """The worst rank's data-wait, % of the epoch: steps granted by the broker (the figure), then even=False and
-        steps agreed over MPI against it."""
-        granted = result.series.figure("wait", "data-wait, steps granted", "wait_share", "%", scale=100)
-        return [granted, *(series.figure("wait", name, "wait_share", "%", granted, 100)
-                           for name, series in (("data-wait, even=False", result.diagnostic),
-                                                ("data-wait, steps agreed over MPI", result.agreed))
-                           if series is not None and series.runs)]

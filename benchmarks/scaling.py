@@ -13,7 +13,7 @@ from sparkbus.broker.client import ControlClient
 from sparkbus.wire.protocol import Kind
 
 from . import end_to_end, spark_data
-from .common import BenchError, Children, MiB, Sizes, open_epoch, rss_sampler
+from .common import BenchError, Children, MiB, RssSampler, Sizes, open_epoch
 from .end_to_end import Series
 from .sections import Context, Section
 
@@ -61,7 +61,7 @@ def run_rss(sizes: Sizes, work, log=print) -> list[Figure]:
     for rep in range(sizes.reps):
         stream = f"rss-{next(_streams)}"
         broker = BrokerProcess(work / f"{stream}-broker.log", "--max-buffer", str(sizes.rss_max_buffer)).start(timeout)
-        sampler = rss_sampler(broker.pid, 0.05)
+        sampler = RssSampler(broker.pid)
         agents: list[Agent] = []
         try:
             with ControlClient(broker.control, timeout) as client:
