@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sparkbus.bench.figures import Figure
+from sparkbus.bench.figures import Figure, figure
 from sparkbus.launch.cluster import QUICK_START_JAVA_OPTS, StandaloneCluster
 from sparkbus.launch.processes import ChildProcess, LaunchError, wait_for
 from sparkbus.launch.spark import LOCAL_CONF
@@ -157,9 +157,7 @@ class DriverProcess:
 class SparkSetups:
     """Figure 6, filled as it goes (a failure keeps what was measured)."""
 
-    rows: int
-    partitions: list[int]
-    configs: dict[str, dict] = field(default_factory=dict)    # key -> label, executors, session_seconds
+    session_seconds: dict[str, float] = field(default_factory=dict)    # key -> from its start to its executors up
     points: dict[tuple[str, int], Series] = field(default_factory=dict)     # (config key, partitions)
     storage: dict[tuple[str, int], dict] = field(default_factory=dict)      # how its cached DataFrame is stored
 
@@ -170,14 +168,15 @@ def run(children: Children, spark: Any, session_seconds: float | None, sizes: Si
     failure part-way still leaves the points measured before it."""
     from . import spark_driver
 
-    out = SparkSetups(sizes.spark_rows, list(partitions)) if out is None else out
+    out = SparkSetups() if out is None else out
     broker = children.broker(MAX_BUFFER)
     cluster = None
     try:
         for config in configs:
             if config.executors:
                 continue
-            out.configs[config.key] = {"label": config.label, "executors": [], "session_seconds": session_seconds}
+            if session_seconds is not None:
+                out.session_seconds[config.key] = session_seconds
             source = spark_driver.Driver(spark)
             try:
                 _points(children, broker, config, source, partitions, sizes, work, out, log)
@@ -199,8 +198,7 @@ def run(children: Children, spark: Any, session_seconds: float | None, sizes: Si
                     cluster.wait_ready(120)
                     log(f"  standalone cluster up after {time.monotonic() - started:.1f} s")
                 info = driver.wait_ready()
-                out.configs[config.key] = {"label": config.label, "executors": info["executors"],
-                                              "session_seconds": info["session_seconds"]}
+                out.session_seconds[config.key] = info["session_seconds"]
                 log(f"  {config.label}: driver and executors up after {info['session_seconds']:.1f} s; executors "
                     + ", ".join(f"{e['executor']} on {e['host']} ({e['slots']} slot{'s' if e['slots'] > 1 else ''})"
                                 for e in info["executors"]))
@@ -255,7 +253,7 @@ class SparkSection(Section[SparkSetups]):
 
     def measure(self, ctx: Context) -> SparkSetups:
         partitions = ctx.args.spark_partitions
-        out = ctx.results[self.name] = SparkSetups(ctx.sizes.spark_rows, list(partitions))
+        out = ctx.results[self.name] = SparkSetups()
         run(ctx.children, ctx.spark, ctx.session_seconds, ctx.sizes, ctx.work,
             parse_configs(ctx.args.spark_configs), partitions, ctx.log, out=out)
         spilled = [f"{key} at {parts} partitions" for (key, parts), stored in out.storage.items()
@@ -266,8 +264,10 @@ class SparkSection(Section[SparkSetups]):
         return out
 
     def figures(self, run: Run, result: SparkSetups) -> list[Figure]:
-        """Per set-up and partitions: rows/s to the ranks against Spark alone in the same set-up; the first batch."""
-        out = []
+        """Per set-up and partitions: rows/s to the ranks against Spark alone in the same set-up; the first batch;
+        per set-up, its session's start (to its executors up)."""
+        out = [figure("spark", f"session start, {key}", [seconds], "s")
+               for key, seconds in result.session_seconds.items()]
         for (key, parts), s in result.points.items():
             if s.runs:
                 what = f"{key}, {parts} partitions"

@@ -130,14 +130,15 @@ def receiver(report: Callable, way: str, address: str, stream: str, size: int, t
     report({"received": n, "last": last})
 
 
-def proxy(report: Callable) -> None:
-    """``zmq.proxy(PULL, PUSH)``: the C broker, the limit for a hop; forwards until terminated."""
+def proxy(report: Callable, size: int) -> None:
+    """``zmq.proxy(PULL, PUSH)``: the C broker, the limit for a hop, its queues as the raw sockets' for batches of
+    ``size`` bytes; forwards until terminated."""
     import zmq
 
     ctx = zmq.Context(io_threads=IO_THREADS)
     front, back = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     for sock in (front, back):
-        sock.rcvhwm = sock.sndhwm = 1000
+        sock.rcvhwm = sock.sndhwm = hwm(size)
         sock.bind("tcp://127.0.0.1:*")
     report({"front": front.getsockopt_string(zmq.LAST_ENDPOINT), "back": back.getsockopt_string(zmq.LAST_ENDPOINT)})
     zmq.proxy(front, back)

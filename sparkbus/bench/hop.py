@@ -122,51 +122,58 @@ def recording_cost(hop: Figure, messages: int = 200_000) -> list[Figure]:
     return [per_batch, figure("hop", "recording why training waits, per 64 KiB batch", costs, "us", per_batch)]
 
 
+def _size(size: int, proxied: Ends, brokers: dict[tuple[str, ...], Ends], reps: int, seconds: float,
+          timeout: float, variants: Sequence[Variant], smallest: int) -> list[Figure]:
+    """The figures of one size: repetitions interleave the two ways, each variant after them."""
+    runs: dict[str, list[dict]] = {"zmq.proxy": [], "sparkbus": []}
+    extra: dict[str, list[dict]] = {v.name: [] for v in variants}
+    for rep in range(reps):
+        for way in (("zmq.proxy", "sparkbus") if rep % 2 == 0 else ("sparkbus", "zmq.proxy")):
+            runs[way].append(_one(way.split(".")[0], size, proxied if way == "zmq.proxy" else brokers[()], seconds,
+                                  timeout))
+        for v in variants:
+            extra[v.name].append(_one("sparkbus", size, brokers[v.broker], seconds, timeout, v.send, v.receive))
+    raw = figure("hop", f"zmq.proxy {label(size)}", [r["mb"] for r in runs["zmq.proxy"]], "MB/s")
+    ours = figure("hop", f"sparkbus {label(size)}", [r["mb"] for r in runs["sparkbus"]], "MB/s", raw)
+    figures = [raw, ours]
+    if size == 64 << 10:
+        figures += recording_cost(ours)
+    if size == 1 << 20:
+        figures += _cpu_figures(runs, size)
+    if size == smallest:
+        raw_b = figure("hop", f"zmq.proxy {label(size)} batches/s", [r["batches"] for r in runs["zmq.proxy"]],
+                       "batches/s")
+        figures += [raw_b, figure("hop", f"sparkbus {label(size)} batches/s", [r["batches"] for r in runs["sparkbus"]],
+                                  "batches/s", raw_b)]
+    return figures + [figure("hop", f"{name} {label(size)}", [r["mb"] for r in done], "MB/s", ours)
+                      for name, done in extra.items()]
+
+
 def measure(work: Path, reps: int, seconds: float, timeout: float = 60.0, sizes: Sequence[int] = SIZES,
             variants: Sequence[Variant] = ()) -> list[Figure]:
-    """Per size, the MB/s of ``zmq.proxy`` (the anchor) and of sparkbus (and its ratio); at the smallest size also
-    the batches/s delivered to the training loop; at 1 MiB the CPU-s per GB; then each of ``variants`` against the
-    plain hop of its size. Repetitions interleave the ways."""
+    """Per size, the MB/s of ``zmq.proxy`` (the anchor, a process of its own per size) and of sparkbus (and its
+    ratio); at the smallest size also the batches/s delivered to the training loop; at 1 MiB the CPU-s per GB; then
+    each of ``variants`` against the plain hop of its size. Repetitions interleave the ways."""
     from sparkbus.launch.broker import BrokerProcess
 
     started: list[BrokerProcess] = []
     brokers: dict[tuple[str, ...], Ends] = {}
-    anchor = Agent(proxy)
     figures: list[Figure] = []
     try:
-        ends = anchor.get(timeout, "zmq.proxy")
         for flags in dict.fromkeys([(), *(v.broker for v in variants)]):
             broker = BrokerProcess(work / f"hop-broker-{len(started)}.log", "--max-buffer", "256MiB", *flags)
             started.append(broker.start(timeout))
             brokers[flags] = Ends(broker.feed, broker.ranks, broker.control, broker.pid)
-        proxied = Ends(ends["front"], ends["back"], brokers[()].control, anchor.proc.pid)
         for size in sizes:
-            runs: dict[str, list[dict]] = {"zmq.proxy": [], "sparkbus": []}
-            mine = [v for v in variants if v.size == size]
-            extra: dict[str, list[dict]] = {v.name: [] for v in mine}
-            for rep in range(reps):
-                for way in (("zmq.proxy", "sparkbus") if rep % 2 == 0 else ("sparkbus", "zmq.proxy")):
-                    runs[way].append(_one(way.split(".")[0], size, proxied if way == "zmq.proxy" else brokers[()],
-                                          seconds, timeout))
-                for v in mine:
-                    extra[v.name].append(_one("sparkbus", size, brokers[v.broker], seconds, timeout, v.send,
-                                              v.receive))
-            raw = figure("hop", f"zmq.proxy {label(size)}", [r["mb"] for r in runs["zmq.proxy"]], "MB/s")
-            ours = figure("hop", f"sparkbus {label(size)}", [r["mb"] for r in runs["sparkbus"]], "MB/s", raw)
-            figures += [raw, ours]
-            if size == 64 << 10:
-                figures += recording_cost(ours)
-            if size == 1 << 20:
-                figures += _cpu_figures(runs, size)
-            if size == min(sizes):
-                raw_b = figure("hop", f"zmq.proxy {label(size)} batches/s",
-                               [r["batches"] for r in runs["zmq.proxy"]], "batches/s")
-                figures += [raw_b, figure("hop", f"sparkbus {label(size)} batches/s",
-                                          [r["batches"] for r in runs["sparkbus"]], "batches/s", raw_b)]
-            figures += [figure("hop", f"{name} {label(size)}", [r["mb"] for r in done], "MB/s", ours)
-                        for name, done in extra.items()]
+            anchor = Agent(proxy, size)
+            try:
+                ends = anchor.get(timeout, "zmq.proxy")
+                proxied = Ends(ends["front"], ends["back"], brokers[()].control, anchor.proc.pid)
+                mine = [v for v in variants if v.size == size]
+                figures += _size(size, proxied, brokers, reps, seconds, timeout, mine, min(sizes))
+            finally:
+                anchor.stop()
     finally:
         for broker in started:
             broker.stop()
-        anchor.stop()
     return figures

@@ -117,7 +117,8 @@ def test_the_quick_peer_comparisons_produce_every_figure_against_its_anchor(tmp_
                                                      "4 ranks, 4 tasks, steps over MPI"}
     assert set(figures["brokers"]) == {"1 broker", "2 brokers", "4 brokers"}
     assert set(figures["spark"]) == {f"{way}, local, {n} partitions" for way in ("Spark alone", "to the ranks",
-                                                                               "first batch") for n in (4, 16)}
+                                                                               "first batch") for n in (4, 16)} | {
+        "session start, local"}
     assert {"binary", "varints", "padding share, bucket_by"} <= set(figures["varlen"])
     assert {f"sparkbus {kind}, {size} batches" for kind in ("fixed", "tokens") for size in ("1 MiB", "64 KiB")} \
         <= set(figures["cluster"])
@@ -152,4 +153,4 @@ def test_the_standalone_spark_setups_run(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     figures = valid_figures(tmp_path / "figures.jsonl")
     assert set(figures["spark"]) == {f"{way}, 2x1, 4 partitions" for way in ("Spark alone", "to the ranks",
-                                                                              "first batch")}
+                                                                              "first batch")} | {"session start, 2x1"}
