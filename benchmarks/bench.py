@@ -92,7 +92,10 @@ def main(argv: list[str] | None = None) -> int:
                  "spark_rows": args.spark_rows, "rss_bytes": parse_size(args.rss_bytes) if args.rss_bytes else None}
     sizes = dataclasses.replace(common.QUICK if args.quick else common.FULL,
                                 **{k: v for k, v in overrides.items() if v is not None})
-    signal.signal(signal.SIGTERM, lambda signum, frame: (_ for _ in ()).throw(KeyboardInterrupt(f"signal {signum}")))
+    def on_term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_term)
     work = Path(tempfile.mkdtemp(prefix="sparkbus-bench-"))
     children = common.Children(work)
     started = time.monotonic()
@@ -107,16 +110,11 @@ def main(argv: list[str] | None = None) -> int:
     run.figures = record.figures
     chosen = [s for s in sections if s.name in args.sections]
     needs = {s.name: s.needs(args) for s in chosen}
-    frame = "frame" in needs.values()
-    # --quick: Spark's start-up overlaps the hop and RSS sections (noisier figures, a shorter run)
-    prep = SparkPrep(sizes, frame, log) if any(needs.values()) and args.quick else None
     failed = None
     try:
         for section in chosen:
             if needs[section.name] and ctx.spark is None:
-                prep = prep or SparkPrep(sizes, frame, log)
-                ctx.spark, ctx.df, ctx.rows = prep.result(sizes.timeout * 2)
-                ctx.session_seconds = prep.session_seconds
+                start_spark(ctx, "frame" in needs.values())
             log(section.title)
             run.results[section.name] = section.measure(ctx)
             record.add(*section.figures(run, run.results[section.name]))
@@ -129,10 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):     # a second signal must not cut the clean-up short
             signal.signal(sig, signal.SIG_IGN)
         children.stop_all()
-        spark = prep.session(30.0) if prep is not None else ctx.spark
-        if spark is not None:
+        if ctx.spark is not None:
             try:
-                spark.stop()
+                ctx.spark.stop()
             except Exception:
                 pass
     notes = [*ctx.notes, *([f"the run did not complete: {failed.splitlines()[0]}"] if failed else [])]
@@ -156,55 +153,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-class SparkPrep:
-    """The local[2] SparkSession and (if ``frame``) the cached DataFrame, prepared in a thread started at once."""
+def start_spark(ctx: Any, frame: bool) -> None:
+    """The run's local[2] SparkSession into ``ctx`` and, if ``frame``, the cached DataFrame of the sections that
+    share it (scanned once through Python: the workers started, the scan warm)."""
+    from benchmarks import spark_data
+    from sparkbus.bench.e2e import hand_off
+    from sparkbus.launch.spark import local_session
 
-    def __init__(self, sizes, frame: bool, log):
-        import threading
-
-        self.sizes, self.frame, self.log = sizes, frame, log
-        self.spark: Any = None
-        self.value: tuple[Any, Any, int] | None = None
-        self.error: BaseException | None = None
-        self.session_seconds: float | None = None
-        self._thread = threading.Thread(target=self._run, name="spark-prep", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            from benchmarks import spark_data
-            from sparkbus.bench.e2e import hand_off
-            from sparkbus.launch.spark import local_session
-
-            self.log("starting Spark (local[2])" + (" and caching the DataFrame" if self.frame else ""))
-            started = time.monotonic()
-            # must be the process's first session: the driver memory is a setting of the JVM
-            self.spark = local_session("local[2]", "sparkbus-bench", {"spark.driver.memory": self.sizes.driver_memory})
-            self.session_seconds = time.monotonic() - started
-            df, rows = None, 0
-            if self.frame:
-                df, info = spark_data.cached_frame(self.spark, self.sizes.rows, self.sizes.partitions)
-                hand_off(df.limit(1000))                 # Python workers started, the scan warm
-                rows = info["rows"]
-                self.log(f"  {rows:,} rows cached: {info['cached_memory_bytes'] / 2**30:.2f} GiB in memory, "
-                         f"{info['cached_disk_bytes'] / 2**30:.2f} GiB on disk")
-            self.value = (self.spark, df, rows)
-        except BaseException as exc:       # handed to the main thread by result()
-            self.error = exc
-
-    def result(self, timeout: float) -> tuple[Any, Any, int]:
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            raise TimeoutError(f"Spark did not start and cache the DataFrame within {timeout:g} s")
-        if self.error is not None:
-            raise self.error
-        assert self.value is not None
-        return self.value
-
-    def session(self, timeout: float) -> Any:
-        """The session to stop, once the thread is done with it (None if it never started)."""
-        self._thread.join(timeout)
-        return self.spark
+    ctx.log("starting Spark (local[2])" + (" and caching the DataFrame" if frame else ""))
+    started = time.monotonic()
+    # the process's first session: the driver memory is a setting of the JVM
+    ctx.spark = local_session("local[2]", "sparkbus-bench", {"spark.driver.memory": ctx.sizes.driver_memory})
+    ctx.session_seconds = time.monotonic() - started
+    if frame:
+        ctx.df, info = spark_data.cached_frame(ctx.spark, ctx.sizes.rows, ctx.sizes.partitions)
+        hand_off(ctx.df.limit(1000))
+        ctx.rows = info["rows"]
+        ctx.log(f"  {ctx.rows:,} rows cached: {info['cached_memory_bytes'] / 2**30:.2f} GiB in memory, "
+                f"{info['cached_disk_bytes'] / 2**30:.2f} GiB on disk")
 
 
 if __name__ == "__main__":
