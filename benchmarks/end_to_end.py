@@ -125,22 +125,19 @@ def run_fed_ranks(children: Children, brokers: Sequence[BrokerProcess], stream: 
     out = work / f"ranks-{stream}"
     args = ["--ranks", ",".join(b.ranks for b in brokers), "--stream", stream, "--timeout", str(timeout),
             "--steps", steps, *(["--touch"] if touch else [])]
-    result, (t0, t_fed, report) = run_ranks(children, f"ranks-{stream}", ranks, "rank_consumer.py", out, args,
-                                            start, timeout, prefix=prefix)
+    result, (t0, _, report) = run_ranks(children, f"ranks-{stream}", ranks, "rank_consumer.py", out, args,
+                                      start, timeout, prefix=prefix)
     shutil.rmtree(out, ignore_errors=True)
     report = report if isinstance(report, dict) else report._asdict()
     if result.rows + sum(r["dropped_rows"] for r in result.ranks) != rows:
         raise BenchError(f"stream {stream}: the ranks took {result.rows} rows and dropped "
                          f"{sum(r['dropped_rows'] for r in result.ranks)} of {rows}")
     last = result.last - t0
-    return {"first": result.first - t0, "last": last, "rows": rows, "rows_per_s": rows / last,
-            "received_rows": result.rows, "dropped_rows": sum(r["dropped_rows"] for r in result.ranks),
-            "feed_seconds": t_fed - t0, "batches": report["batches"], "brokers": list(report.get("brokers") or ()),
-            "wait_share": max(r["wait_seconds"] / r["seconds"] for r in result.ranks if r["seconds"] > 0),
-            "ranks_cpu": sum(r["cpu_seconds"] for r in result.ranks), "fed_bytes": report.get("bytes"),
-            "touched_bytes": sum(r.get("touched_bytes") or 0 for r in result.ranks),
-            "rank_affinity": sorted({c for r in result.ranks for c in r.get("affinity") or ()}),
-            "rank_modules": sorted({r["module"] for r in result.ranks if r.get("module")})}
+    return {"first": result.first - t0, "last": last, "rows_per_s": rows / last,
+            "dropped_rows": sum(r["dropped_rows"] for r in result.ranks), "brokers": list(report.get("brokers") or ()),
+            "ranks_cpu": sum(r["cpu_seconds"] for r in result.ranks),
+            "touched_bytes": sum(r["touched_bytes"] for r in result.ranks),
+            "rank_modules": sorted({r["module"] for r in result.ranks})}
 
 
 class EndToEndSection(Section[list]):

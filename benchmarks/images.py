@@ -312,7 +312,8 @@ class ImagesSection(Section[dict]):
                        log=ctx.log)
 
     def figures(self, run: Run, result: dict) -> list[Figure]:
-        """Images/s to the last image and the first decoded image, sparkbus against staging + DataLoader."""
+        """Images/s to the last image and the first decoded image, sparkbus against staging + DataLoader; the floor
+        of any first image (a Spark job's first record batch) and staging's write, against staging's first image."""
         runs = result["runs"]
         rate = figure("images", "staging + DataLoader images/s", [r["images_per_s"] for r in runs["staging"]],
                       "images/s")
@@ -320,4 +321,6 @@ class ImagesSection(Section[dict]):
         return [rate, figure("images", "sparkbus images/s", [r["images_per_s"] for r in runs["sparkbus"]],
                              "images/s", rate),
                 first, figure("images", "sparkbus first image", [r["first"] for r in runs["sparkbus"]], "s", first),
-                figure("images", "a Spark job's first record batch in Python", result["first_task"], "s", first)]
+                figure("images", "a Spark job's first record batch in Python", result["first_task"], "s", first),
+                figure("images", "staging: Parquet write", [r["write_seconds"] for r in runs["staging"]], "s", first),
+                figure("images", "staging: Parquet MB", [r["staged_bytes"] / 1e6 for r in runs["staging"]], "MB")]
