@@ -1,10 +1,9 @@
-"""sparkbus benchmark: every figure of benchmarks/README.md, each a section (``sections.Section``).
+"""sparkbus benchmark, the peer comparisons of a checkout: every figure of benchmarks/README.md, each a section.
 
-Runs the chosen sections in order, writing each section's figures as JSON lines to ``OUT/figures.jsonl`` (records
-of ``sparkbus.bench.figures``) as it ends, then the report (the targets of ``sparkbus/bench/targets.py`` with
-PASS/MISS, every section's figures and tables), also written as ``OUT/RESULTS.md``, ``OUT/results.json`` and
-``OUT/throughput.png``. Exit status 0 when every figure was measured, whatever the verdicts; 1 when a part failed;
-130 on Ctrl-C. Every child process is stopped on the way out.
+Runs the chosen sections in order, writing each section's figures as JSON lines to ``OUT/figures.jsonl`` as it
+ends, then the one report of ``sparkbus.bench.figures`` (``RESULTS.md``, ``results.json``, ``ratios.png``: the
+targets of ``sparkbus/bench/targets.py`` with PASS/MISS, every figure beside its anchor). Exit status 0 when every
+figure was measured, whatever the verdicts; 1 when a part failed; 130 on Ctrl-C. Every child is stopped on the way out.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def all_sections() -> list[Any]:
-    """Every section, in the order they run (the report orders them by figure)."""
+    """Every section, in the order they run."""
     from benchmarks import faults, soak
     from benchmarks.brokers import BrokersSection
     from benchmarks.cluster import ClusterSection
@@ -47,34 +46,32 @@ def parse_args(argv: list[str] | None = None, sections: list[Any] | None = None)
     names = [s.name for s in sections]
     quick = [s.name for s in sections if s.quick]
     parser = argparse.ArgumentParser(prog="benchmarks/bench.py", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true",
-                        help="small sizes and 1 repetition (a few minutes on 2 cores)")
+    parser.add_argument("--quick", action="store_true", help="small sizes and 1 repetition (minutes on 2 cores)")
     parser.add_argument("--out", type=Path, default=HERE.parent / "docs" / "bench",
-                        help="directory for RESULTS.md, throughput.png and results.json (default docs/bench)")
-    parser.add_argument("--only", help=f"comma-separated sections to run (default all: {','.join(names)}; with "
-                                       f"--quick: {','.join(quick)})")
+                        help="directory for figures.jsonl, RESULTS.md, results.json (default docs/bench)")
+    parser.add_argument("--only", help=f"comma-separated sections (default all: {','.join(names)}; with --quick: "
+                                       f"{','.join(quick)})")
     parser.add_argument("--reps", type=int, help="repetitions per figure (default 3, --quick 1)")
     parser.add_argument("--rows", type=int, help="rows of the cached DataFrame (default 4,194,304; --quick 100,000)")
     parser.add_argument("--rss-bytes", help="bytes pushed through the broker for its peak RSS (e.g. 1GiB)")
     parser.add_argument("--hop-seconds", type=float, help="minimum length of each broker-hop measurement")
     parser.add_argument("--spark-configs", default="local,1x1,2x1,1x2",
-                        help="Spark set-ups of the spark section: local (local[2]) and standalone EXECUTORSxCORES "
-                             "(default local,1x1,2x1,1x2)")
-    parser.add_argument("--spark-partitions", default="4,16",
-                        help="partitions per epoch in the spark section (default 4,16)")
-    parser.add_argument("--spark-rows", type=int, help="rows fed by each Spark set-up (default 1,048,576; "
-                                                       "--quick 100,000)")
+                        help="Spark set-ups of the spark section: local (local[2]) and standalone EXECUTORSxCORES")
+    parser.add_argument("--spark-partitions", default="4,16", help="partitions per epoch in the spark section")
+    parser.add_argument("--spark-rows", type=int, help="rows fed by each Spark set-up (default 1,048,576)")
     parser.add_argument("--keep-logs", action="store_true", help="keep the children's logs (printed path)")
     args = parser.parse_args(argv)
-    only = args.only if args.only is not None else ",".join(quick if args.quick else names)
-    args.sections = [s.strip() for s in only.split(",") if s.strip()]
-    unknown = set(args.sections) - set(names)
-    if unknown:
-        parser.error(f"unknown sections {sorted(unknown)}; choose from {', '.join(names)}")
+    args.sections = [s.strip() for s in (args.only or ",".join(quick if args.quick else names)).split(",")
+                     if s.strip()]
+    if set(args.sections) - set(names):
+        parser.error(f"unknown sections {sorted(set(args.sections) - set(names))}; choose from {', '.join(names)}")
     try:
+        from benchmarks.spark_configs import parse_configs
+
+        parse_configs(args.spark_configs)
         args.spark_partitions = tuple(int(p) for p in args.spark_partitions.split(",") if p.strip())
-    except ValueError:
-        parser.error(f"--spark-partitions takes comma-separated numbers, not {args.spark_partitions!r}")
+    except ValueError as exc:
+        parser.error(f"--spark-configs or --spark-partitions: {exc}")
     return args
 
 
@@ -82,99 +79,70 @@ def main(argv: list[str] | None = None) -> int:
     sections = all_sections()
     args = parse_args(argv, sections)
     import dataclasses
-    import os
     import shutil
     import tempfile
+    import traceback
 
-    from benchmarks import common, report, spark_configs
-    from benchmarks.sections import Context, Dataset, Run
-    from sparkbus.bench.figures import Recorder
+    from benchmarks import common
+    from benchmarks.sections import Context, Run
+    from sparkbus.bench.figures import Recorder, machine, write_report
     from sparkbus.broker.config import parse_size
 
-    sizes = common.QUICK if args.quick else common.FULL
-    try:
-        spark_configs.parse_configs(args.spark_configs)
-    except ValueError as exc:
-        print(f"benchmarks/bench.py: error: --spark-configs: {exc}", file=sys.stderr)
-        return 2
     overrides = {"reps": args.reps, "cluster_reps": args.reps, "rows": args.rows, "hop_seconds": args.hop_seconds,
-                 "spark_rows": args.spark_rows,
-                 "rss_bytes": parse_size(args.rss_bytes) if args.rss_bytes else None}
-    sizes = dataclasses.replace(sizes, **{k: v for k, v in overrides.items() if v is not None})
-    if any(v is not None for v in overrides.values()):
-        sizes = dataclasses.replace(sizes, name=f"{sizes.name}, custom")
-
-    def on_term(signum, frame):
+                 "spark_rows": args.spark_rows, "rss_bytes": parse_size(args.rss_bytes) if args.rss_bytes else None}
+    sizes = dataclasses.replace(common.QUICK if args.quick else common.FULL,
+                                **{k: v for k, v in overrides.items() if v is not None})
+    def on_term(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, on_term)
     work = Path(tempfile.mkdtemp(prefix="sparkbus-bench-"))
     children = common.Children(work)
     started = time.monotonic()
-    run = Run(sizes, report.machine())
-    failed = None
+    about = machine()
 
     def log(text: str) -> None:
         print(f"[{time.monotonic() - started:5.1f} s] {text}", flush=True)
 
-    ctx = Context(children, sizes, work, log, args, results=run.results, notes=run.notes)
+    run = Run(sizes)
+    ctx = Context(children, sizes, work, log, args, results=run.results)
     record = Recorder(args.out / "figures.jsonl")
     run.figures = record.figures
-    log(f"sparkbus benchmark, {sizes.name} size, {sizes.reps} repetition(s); work dir {work}")
     chosen = [s for s in sections if s.name in args.sections]
     needs = {s.name: s.needs(args) for s in chosen}
-    needs_frame = "frame" in needs.values()
-    # --quick: Spark's start-up (JVM, caching, warm-up) overlaps the hop and RSS sections, whose figures get
-    # noisier but the run is shorter. At full size Spark starts only when a section needs it, after them.
-    prep = SparkPrep(sizes, needs_frame, log) if any(needs.values()) and args.quick else None
+    failed = None
     try:
         for section in chosen:
             if needs[section.name] and ctx.spark is None:
-                prep = prep or SparkPrep(sizes, needs_frame, log)
-                ctx.spark, ctx.df, info = prep.result(sizes.timeout * 2)
-                ctx.session_seconds = prep.session_seconds
-                if needs_frame:
-                    ctx.dataset = run.dataset = Dataset.of(info)
-                    ds = ctx.dataset
-                    log(f"  {ds.rows:,} rows, {ds.payload_bytes / 2**30:.2f} GiB payload, cached "
-                        f"{ds.cached_memory_bytes / 2**30:.2f} GiB in memory / {ds.cached_disk_bytes / 2**30:.2f} "
-                        f"GiB on disk, built in {ds.build_seconds:.1f} s")
-                    if ds.cached_disk_bytes:
-                        run.notes.append("part of the cached DataFrame spilled to disk: raise the driver memory")
+                start_spark(ctx, "frame" in needs.values())
             log(section.title)
             run.results[section.name] = section.measure(ctx)
             record.add(*section.figures(run, run.results[section.name]))
     except KeyboardInterrupt as exc:
         failed = f"interrupted ({exc or 'Ctrl-C'})"
     except Exception as exc:
-        import traceback
-
         traceback.print_exc()
         failed = f"{type(exc).__name__}: {exc}"
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):     # a second signal must not cut the clean-up short
             signal.signal(sig, signal.SIG_IGN)
         children.stop_all()
-        spark = prep.session(30.0) if prep is not None else ctx.spark
-        if spark is not None:
+        if ctx.spark is not None:
             try:
-                spark.stop()
+                ctx.spark.stop()
             except Exception:
                 pass
-    run.seconds = time.monotonic() - started
-    run.machine["load_end"] = os.getloadavg()
-    if failed:
-        run.notes.append(f"the run did not complete: {failed.splitlines()[0]}")
+    notes = [*ctx.notes, *([f"the run did not complete: {failed.splitlines()[0]}"] if failed else [])]
+    extra: dict[str, Any] = {"sizes": dataclasses.asdict(sizes), "seconds": time.monotonic() - started}
     for section in chosen:                 # a section that failed part-way: what it measured
-        if section.name in run.results and not any(f.section == section.name for f in run.figures):
+        if section.name in run.results:
             try:
-                record.add(*section.figures(run, run.results[section.name]))
-            except Exception as exc:  # noqa: BLE001 - its tables still say what was measured
-                run.notes.append(f"{section.name}: no figures ({type(exc).__name__}: {exc})")
-    md, png = report.write(run, sections, args.out)
-    print()
-    print(report.markdown(run, sections))
-    print(f"\nwrote {md} and {png} ({run.seconds:.0f} s)")
+                if not any(f.section == section.name for f in run.figures):
+                    record.add(*section.figures(run, run.results[section.name]))
+                extra |= section.json(run, run.results[section.name])
+            except Exception as exc:  # noqa: BLE001 - the other sections' figures still stand
+                notes.append(f"{section.name}: no figures ({type(exc).__name__}: {exc})")
+    print("\n" + write_report(args.out, run.figures, {s.name: s.title for s in sections}, about, notes, extra))
     if args.keep_logs or failed:
         print(f"children's logs: {work}")
     else:
@@ -185,58 +153,29 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-class SparkPrep:
-    """The SparkSession and (if ``frame``) the cached DataFrame, prepared in a thread (started at once)."""
+def start_spark(ctx: Any, frame: bool) -> None:
+    """The run's local[2] SparkSession into ``ctx`` and, if ``frame``, the cached DataFrame of the sections that
+    share it (scanned once through Python: the workers started, the scan warm)."""
+    from benchmarks import spark_data
+    from sparkbus.bench.e2e import hand_off
+    from sparkbus.launch.spark import local_session
 
-    def __init__(self, sizes, frame: bool, log):
-        import threading
-
-        self.sizes, self.frame, self.log = sizes, frame, log
-        self.spark: Any = None
-        self.value: tuple[Any, Any, dict | None] | None = None
-        self.error: BaseException | None = None
-        self.session_seconds: float | None = None
-        self._thread = threading.Thread(target=self._run, name="spark-prep", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            from benchmarks import spark_data
-            from sparkbus.launch.spark import local_session
-
-            self.log("starting Spark (local[2])" + (" and caching the DataFrame" if self.frame else ""))
-            started = time.monotonic()
-            # must be the process's first session: the driver memory is a setting of the JVM
-            self.spark = local_session("local[2]", "sparkbus-bench",
-                                       {"spark.driver.memory": self.sizes.driver_memory})
-            self.session_seconds = time.monotonic() - started
-            if not self.frame:
-                self.value = (self.spark, None, None)
-                return
-            df, info = spark_data.cached_frame(self.spark, self.sizes.rows, self.sizes.partitions)
-            spark_data.warm_up(df)
-            self.value = (self.spark, df, info)
-        except BaseException as exc:       # handed to the main thread by result()
-            self.error = exc
-
-    def result(self, timeout: float):
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            raise TimeoutError(f"Spark did not start and cache the DataFrame within {timeout:g} s")
-        if self.error is not None:
-            raise self.error
-        return self.value
-
-    def session(self, timeout: float):
-        """The session to stop, once the thread is done with it (None if it never started)."""
-        self._thread.join(timeout)
-        return self.spark
+    ctx.log("starting Spark (local[2])" + (" and caching the DataFrame" if frame else ""))
+    started = time.monotonic()
+    # the process's first session: the driver memory is a setting of the JVM
+    ctx.spark = local_session("local[2]", "sparkbus-bench", {"spark.driver.memory": ctx.sizes.driver_memory})
+    ctx.session_seconds = time.monotonic() - started
+    if frame:
+        ctx.df, info = spark_data.cached_frame(ctx.spark, ctx.sizes.rows, ctx.sizes.partitions)
+        hand_off(ctx.df.limit(1000))
+        ctx.rows = info["rows"]
+        ctx.log(f"  {ctx.rows:,} rows cached: {info['cached_memory_bytes'] / 2**30:.2f} GiB in memory, "
+                f"{info['cached_disk_bytes'] / 2**30:.2f} GiB on disk")
 
 
 if __name__ == "__main__":
-    # Run as a script (python benchmarks/bench.py, sparkbus bench, make bench): Python put this directory first
-    # on sys.path, where its module names (common, report, ...) would shadow others. The checkout's root takes
-    # its place, as with ``python -m benchmarks.bench`` run from there, and the package runs.
+    # Run as a script (python benchmarks/bench.py, make bench): Python put this directory first on sys.path, where
+    # its module names (common, ...) would shadow others; the checkout's root takes its place.
     sys.path[0] = str(HERE.parent)
     from benchmarks.bench import main as package_main
 

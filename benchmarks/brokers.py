@@ -4,91 +4,48 @@ interleaved, each first in turn. On one machine the brokers share its cores: not
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sparkbus.bench.e2e import hand_off
 from sparkbus.bench.figures import Figure
 
 from . import end_to_end, spark_data
 from .common import Children, Sizes
 from .end_to_end import Series
-from .sections import Context, Run, Section, Table
-from .spark_data import ROW_BYTES
+from .sections import Context, Section
 
 BROKERS = (1, 2, 4)
 MAX_BUFFER = "256MiB"
 
 
-@dataclass
-class Brokers:
-    """Figure 5: the repetitions per number of brokers, and what they shared."""
-
-    series: dict[int, Series]       # brokers -> repetitions
-    cores: int
-    ranks: int
-    partitions: int
-
-
-def cores() -> int:
-    """Cores this process may run on (what the brokers, Spark and the ranks share)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-
-
-def run(children: Children, df: Any, rows: int, sizes: Sizes, work: Path, log=print) -> Brokers:
-    """The runs of 1, 2 and 4 brokers; repetitions interleaved."""
+def run(children: Children, df: Any, rows: int, sizes: Sizes, work: Path, log=print) -> list[Figure]:
+    """Rows/s delivered to the ranks over 1, 2 and 4 brokers, against 1 broker; repetitions interleaved."""
     series = {n: Series(f"{n} broker{'s' if n > 1 else ''}") for n in BROKERS}
     started = [children.broker(MAX_BUFFER) for _ in range(max(BROKERS))]
     try:
         # Unrecorded: the first full scan of the cache, and the Python workers' first feed (imports), in case no
         # other section has run them yet.
-        spark_data.arrow_limit(df)
-        end_to_end.warm_up_feed(df, started[0])
+        hand_off(df)
+        spark_data.warm_up_feed(df, rows, started[0].feed, "warm-up")
         for rep in range(sizes.reps):
             for n in BROKERS[rep % len(BROKERS):] + BROKERS[:rep % len(BROKERS)]:     # each first in turn
                 series[n].runs.append(end_to_end.run_sparkbus(children, started[:n], df, rows, end_to_end.RANKS,
                                                               work, sizes.timeout))
                 r = series[n].runs[-1]
                 log(f"  brokers rep {rep + 1}/{sizes.reps}: {n} broker(s), partitions per broker "
-                    f"{'/'.join(map(str, r['brokers']))}: {r['rows_per_s']:,.0f} rows/s, first batch "
-                    f"{r['first']:.2f} s, last {r['last']:.2f} s ({cores()} cores)")
+                    f"{'/'.join(map(str, r['brokers']))}: {r['rows_per_s']:,.0f} rows/s")
     finally:
         for broker in reversed(started):
             children.discard(broker)
-    return Brokers(series, cores(), end_to_end.RANKS, df.rdd.getNumPartitions())
+    one = series[1].figure("brokers", "1 broker", "rows_per_s", "rows/s")
+    return [one, *(series[n].figure("brokers", series[n].name, "rows_per_s", "rows/s", one) for n in BROKERS[1:])]
 
 
-# ---- the section ------------------------------------------------------------------------------------------
-
-class BrokersSection(Section[Brokers]):
+class BrokersSection(Section[list]):
     """Figure 5: 1, 2 and 4 brokers serving one stream (no target: it compares set-ups)."""
 
-    name, title, figure, spark = "brokers", "5. several brokers", "5", "frame"
+    name, title, spark = "brokers", "5. several brokers", "frame"
 
-    def measure(self, ctx: Context) -> Brokers:
-        assert ctx.dataset is not None
-        return run(ctx.children, ctx.df, ctx.dataset.rows, ctx.sizes, ctx.work, ctx.log)
-
-    def figures(self, run: Run, result: Brokers) -> list[Figure]:
-        """Rows/s delivered to the ranks over n brokers, against 1 broker."""
-        one = result.series.get(1)
-        anchor = one.figure("brokers", "1 broker", "rows_per_s", "rows/s") if one and one.runs else None
-        return ([anchor] if anchor else []) + [s.figure("brokers", f"{n} brokers", "rows_per_s", "rows/s", anchor)
-                                               for n, s in sorted(result.series.items()) if s is not one and s.runs]
-
-    def tables(self, run: Run, result: Brokers) -> list[Table]:
-        one = result.series[1].med("rows_per_s") if 1 in result.series else float("nan")
-        rows = [[n, "/".join(map(str, s.runs[-1].get("brokers") or ())) if s.runs else None, s.med("rows_per_s"),
-                 s.med("rows_per_s") * ROW_BYTES / 1e6, s.med("first"), s.med("last"), s.med("wait_share") * 100,
-                 s.med("rows_per_s") / one, result.cores] for n, s in sorted(result.series.items())]
-        return [Table(f"One stream of {result.partitions} partitions over n brokers to {result.ranks} ranks that "
-                      "consume from every broker", ["brokers", "partitions per broker", "rows/s", "MB/s",
-                      "first batch (s)", "last batch (s)", "ranks idle (%)", "vs 1 broker", "cores on this machine"],
-                      rows, ["not a scaling figure where the brokers share the machine's cores with Spark and the "
-                             "ranks: it shows what spreading a stream over broker processes costs or saves"],
-                      plot=("rows/s",))]
-
-    def json(self, run: Run, result: Brokers) -> dict:
-        return {"brokers": {"cores": result.cores, "ranks": result.ranks, "partitions": result.partitions,
-                            "runs": {str(n): s.runs for n, s in sorted(result.series.items())}}}
+    def measure(self, ctx: Context) -> list:
+        return run(ctx.children, ctx.df, ctx.rows, ctx.sizes, ctx.work, ctx.log)

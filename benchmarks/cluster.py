@@ -10,15 +10,14 @@ import itertools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from sparkbus.bench.figures import Figure, figure
+from sparkbus.bench.hop import label as size_label
 
 from . import end_to_end, spark_data
 from .common import ROOT, BenchError, Children, KiB, MiB, Sizes, median, on_cpus
 from .end_to_end import RANKS, CpuMeter, Series
-from .hop import size_label
-from .sections import Context, Run, Section, Table
+from .sections import Context, Run, Section
 from .spark_configs import Config, DriverProcess
 
 BATCH_BYTES = (MiB, 64 * KiB)
@@ -58,10 +57,6 @@ class ClusterPoint:
 class Cluster:
     """Figure 2b, filled as it goes (a failure keeps what was measured)."""
 
-    rows: int
-    reps: int
-    cpus: dict[str, list[int]]                          # "spark", "bus": the CPUs of each side
-    where: dict[str, Any] = field(default_factory=dict)  # where Spark's Python workers run and import sparkbus from
     kinds: dict[str, dict] = field(default_factory=dict)  # kind -> how the driver stored it
     refused: dict[str, str] = field(default_factory=dict)  # kind -> why the feeder refused it
     points: dict[tuple[str, int], ClusterPoint] = field(default_factory=dict)   # (kind, batch bytes)
@@ -71,15 +66,14 @@ def run(children: Children, sizes: Sizes, work: Path, kinds: tuple[str, ...] = K
         out: Cluster | None = None) -> Cluster:
     """Every (kind, batch size) point, filled into ``out`` as it goes (a new record if None)."""
     spark_cpus, bus_cpus = cpus()
-    if out is None:
-        out = Cluster(sizes.cluster_rows, sizes.cluster_reps, {"spark": list(spark_cpus), "bus": list(bus_cpus)})
+    out = Cluster() if out is None else out
     bus = on_cpus(bus_cpus)
     broker = children.broker(MAX_BUFFER, prefix=bus)
     driver = DriverProcess(children, CONFIG, "local[1]", sizes, work, cpus=spark_cpus,
                            conf={"spark.driver.memory": sizes.driver_memory})
     try:
         info = driver.wait_ready()
-        where = out.where = {**driver.where(), "session_seconds": info["session_seconds"]}
+        where = driver.where()
         log(f"  Spark local[1] pinned to CPU {spark_cpus[0]} up after {info['session_seconds']:.1f} s; its Python "
             f"workers import sparkbus from {Path(where['feeder']).parent} and run on CPUs {where['affinity']}; "
             f"broker and ranks on CPU {bus_cpus[0]}")
@@ -161,31 +155,12 @@ def _cause(text: str) -> str:
     return (lines[-1] if lines else text.strip().splitlines()[-1])[:300]
 
 
-def ratio(point: ClusterPoint) -> float:
-    """sparkbus rows/s / limit rows/s, medians of the repetitions."""
-    return point.sparkbus.med("rows_per_s") / point.limit.med("rows_per_s")
-
-
 def feeder_cpu_per_gb(point: ClusterPoint, payload_bytes: int) -> float:
     """CPU seconds per GB of payload in Spark's Python workers above the hand-off's (medians)."""
     def workers(series: Series) -> float:
         return median([r["cpu"]["workers"] for r in series.runs])
 
     return (workers(point.sparkbus) - workers(point.limit)) / (payload_bytes / 1e9)
-
-
-def spark_cpu_ratio(point: ClusterPoint) -> float:
-    """Spark's CPU-s (JVM + Python workers) in the hand-off / in the sparkbus run (medians): the wall-clock ratio
-    one core would allow if nothing else ran on it."""
-    def spark(series: Series) -> float:
-        return median([r["cpu"]["jvm"] + r["cpu"]["workers"] for r in series.runs])
-
-    return spark(point.limit) / spark(point.sparkbus)
-
-
-
-# ---- the section ------------------------------------------------------------------------------------------
-
 
 
 class ClusterSection(Section[Cluster]):
@@ -195,9 +170,7 @@ class ClusterSection(Section[Cluster]):
     title = "2b. end to end, cluster-shaped (Spark on one core, the broker and the ranks on the other)"
 
     def measure(self, ctx: Context) -> Cluster:
-        spark_cpus, bus_cpus = cpus()
-        out = ctx.results[self.name] = Cluster(ctx.sizes.cluster_rows, ctx.sizes.cluster_reps,
-                                               {"spark": list(spark_cpus), "bus": list(bus_cpus)})
+        out = ctx.results[self.name] = Cluster()
         return run(ctx.children, ctx.sizes, ctx.work, log=ctx.log, out=out)
 
     def figures(self, run: Run, result: Cluster) -> list[Figure]:
@@ -212,32 +185,3 @@ class ClusterSection(Section[Cluster]):
                 out += [limit, point.sparkbus.figure("cluster", f"sparkbus {what}", "rows_per_s", "rows/s", limit),
                         figure("cluster", f"feeder CPU-s per GB above the hand-off, {what}", [per_gb], "CPU-s/GB")]
         return out
-
-    def tables(self, run: Run, result: Cluster) -> list[Table]:
-        def cpu(series: Series, group: str) -> float:
-            return median([run["cpu"].get(group, 0.0) for run in series.runs])
-
-        rows = [[f"{kind} {size_label(size)}", median([x["batch_size"] for x in p.sparkbus.runs]),
-                 p.limit.med("rows_per_s"), p.sparkbus.med("rows_per_s"), ratio(p), p.sparkbus.med("first"),
-                 f"{cpu(p.limit, 'jvm'):.2f} / {cpu(p.limit, 'workers'):.2f}",
-                 " / ".join(f"{cpu(p.sparkbus, g):.2f}" for g in ("jvm", "workers", "broker", "ranks")),
-                 feeder_cpu_per_gb(p, result.kinds[kind]["payload_bytes"]), spark_cpu_ratio(p)]
-                for (kind, size), p in result.points.items() if p.limit.runs and p.sparkbus.runs]
-        where = result.where
-        return [Table(f"Spark local[1] on CPU {result.cpus['spark'][0]} (its Python workers on CPUs "
-                      f"{where.get('affinity')}), the broker and 2 ranks on CPU {result.cpus['bus'][0]}; "
-                      f"{result.rows:,} rows a kind, medians of {result.reps}",
-                      ["kind, batch", "rows a batch", "hand-off rows/s", "sparkbus rows/s", "sparkbus / hand-off",
-                       "first batch (s)", "hand-off CPU-s: JVM / Python workers",
-                       "sparkbus CPU-s: JVM / Python workers / broker / ranks",
-                       "feeder CPU-s per GB above the hand-off", "Spark's CPU-s: hand-off / sparkbus"], rows,
-                      [f"`{k}`: {spark_data.KINDS[k]}, {info['payload_bytes'] / 1e6:,.0f} MB" for k, info in
-                       result.kinds.items()] + [f"`{k}` not measured, the feeder refused it: {why}"
-                                                for k, why in result.refused.items()],
-                      plot=("hand-off rows/s", "sparkbus rows/s"))]
-
-    def json(self, run: Run, result: Cluster) -> dict:
-        return {"cluster": {"rows": result.rows, "cpus": result.cpus, "where": result.where or None,
-                            "kinds": result.kinds, "refused": result.refused,
-                            "points": [{"kind": k[0], "batch_bytes": k[1], "limit": p.limit.runs,
-                                        "sparkbus": p.sparkbus.runs} for k, p in result.points.items()]}}

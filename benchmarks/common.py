@@ -1,18 +1,16 @@
 """Shared pieces of the benchmark: sizes, the children it starts and their clean-up, mpiexec ranks, RSS sampling.
 
 Every child is registered in a :class:`Children` and stopped by :meth:`Children.stop_all` on success, error and
-signal; brokers and mpiexec are ``launch`` children (a session of their own, ``PR_SET_PDEATHSIG``), agents are
-terminated. Every wait is bounded.
+signal; brokers and mpiexec are ``launch`` children (a session of their own, ``PR_SET_PDEATHSIG``). Every wait is
+bounded.
 """
 
 from __future__ import annotations
 
 import json
-import multiprocessing
-import signal
 import statistics
 import sys
-import time
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +18,7 @@ from typing import Any
 
 from sparkbus.launch.broker import BrokerProcess
 from sparkbus.launch.mpi import loopback_env, mpiexec_python
-from sparkbus.launch.processes import ChildProcess, die_with_parent, wait_for
+from sparkbus.launch.processes import ChildProcess, wait_for
 
 from .rank_files import figures_path, ready_path
 
@@ -45,7 +43,6 @@ class Sizes:
     name: str
     reps: int                      # repetitions per figure (the median is reported)
     hop_seconds: float             # each broker-hop measurement sends for at least this long
-    hop_min_batches: int           # ... and at least this many batches
     rows: int                      # rows of the cached DataFrame for the end-to-end and scaling runs
     partitions: int                # its partitions (feeding tasks); local[2] runs 2 at a time
     rss_bytes: int                 # bytes pushed through the broker for its peak RSS
@@ -60,12 +57,12 @@ class Sizes:
     timeout: float                 # bound on any single run (a feed, a set of ranks)
 
 
-FULL = Sizes("full", reps=3, hop_seconds=1.0, hop_min_batches=50, rows=1 << 22, partitions=4,
+FULL = Sizes("full", reps=3, hop_seconds=1.0, rows=1 << 22, partitions=4,
              rss_bytes=4 * GiB, rss_max_buffer=64 * MiB, wait_epoch_seconds=3.0, spark_rows=1 << 20,
              cluster_rows=1 << 21, cluster_reps=5, varlen_rows=4096,
              spark_executor_memory="1g", driver_memory="4g",
              timeout=300.0)
-QUICK = Sizes("quick", reps=1, hop_seconds=0.12, hop_min_batches=16, rows=100_000, partitions=4,
+QUICK = Sizes("quick", reps=1, hop_seconds=0.12, rows=100_000, partitions=4,
               rss_bytes=200 * MiB, rss_max_buffer=64 * MiB, wait_epoch_seconds=0.8, spark_rows=100_000,
               cluster_rows=100_000, cluster_reps=1, varlen_rows=512,
               spark_executor_memory="1g", driver_memory="2g",
@@ -75,78 +72,6 @@ QUICK = Sizes("quick", reps=1, hop_seconds=0.12, hop_min_batches=16, rows=100_00
 def median(values: Sequence[float]) -> float:
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else float("nan")
-
-
-# ---- children ---------------------------------------------------------------------------------------------
-
-class Agent:
-    """A ``multiprocessing`` (spawn) child running ``target(conn, *args)``, driven by messages on a pipe.
-
-    The target answers each job with ``("ok", value)`` or ``("error", traceback_text)``.
-    """
-
-    _ctx = multiprocessing.get_context("spawn")
-
-    def __init__(self, name: str, target: Callable, *args: Any):
-        self.name = name
-        self.conn, child = self._ctx.Pipe()
-        self.proc = self._ctx.Process(target=target, args=(child, *args), name=name, daemon=True)
-        self.proc.start()
-        child.close()
-        self.pid = self.proc.pid
-
-    def send(self, job: Any) -> None:
-        self.conn.send(job)
-
-    def recv(self, timeout: float, what: str = "an answer") -> Any:
-        deadline = time.monotonic() + timeout
-        while not self.conn.poll(0.05):
-            if not self.proc.is_alive():
-                raise BenchError(f"agent {self.name} died (exit code {self.proc.exitcode}) before {what}")
-            if time.monotonic() > deadline:
-                raise BenchError(f"agent {self.name} gave no {what} within {timeout:g} s")
-        try:
-            status, value = self.conn.recv()
-        except (EOFError, OSError):
-            self.proc.join(1)
-            raise BenchError(f"agent {self.name} died (exit code {self.proc.exitcode}) before {what}") from None
-        if status != "ok":
-            raise BenchError(f"agent {self.name} failed:\n{value}")
-        return value
-
-    def stop(self, grace: float = 5.0) -> None:
-        if self.proc.is_alive():
-            try:
-                self.conn.send(None)          # polite: the agent's loop ends on None
-            except (OSError, BrokenPipeError):
-                pass
-            self.proc.join(0.5)
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(grace)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(grace)
-        self.conn.close()
-
-
-def agent_loop(conn: Any, handle: Callable[[Any, Any], Any]) -> None:
-    """Body of an agent process: answer jobs with ``handle(conn, job)`` until a ``None`` job or a closed pipe."""
-    import traceback
-
-    die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)     # Ctrl-C is the parent's to handle; it stops us
-    while True:
-        try:
-            job = conn.recv()
-        except (EOFError, OSError):
-            return
-        if job is None:
-            return
-        try:
-            conn.send(("ok", handle(conn, job)))
-        except Exception:
-            conn.send(("error", traceback.format_exc()))
 
 
 class Children:
@@ -179,9 +104,6 @@ class Children:
                 print(f"warning: could not stop {getattr(child, 'name', child)}: {exc}", file=sys.stderr)
 
     # ---- the pieces -------------------------------------------------------------------------------------
-
-    def agent(self, name: str, target: Callable, *args: Any) -> Agent:
-        return self.add(Agent(name, target, *args))
 
     def broker(self, max_buffer: int | str = "256MiB", timeout: float = 20.0, *flags: str,
                prefix: Sequence[str] = ()) -> BrokerProcess:
@@ -257,45 +179,27 @@ def open_epoch(client: Any, stream: str, epoch: int, partitions: int) -> dict:
     return client.request(Kind.EPOCH_OPEN, stream=stream, epoch=epoch, partitions=partitions, delivery="stream")
 
 
-def rss_sampler(pid: int, interval: float = 0.05):
-    """A started thread that samples ``pid``'s RSS every ``interval`` s; ``.stop()`` returns the peak bytes."""
-    import threading
+class RssSampler(threading.Thread):
+    """Samples a process's RSS every ``interval`` s from when it is made; :meth:`stop` returns the peak bytes."""
 
-    import psutil
+    def __init__(self, pid: int, interval: float = 0.05):
+        import psutil
 
-    class Sampler(threading.Thread):
-        def __init__(self):
-            super().__init__(daemon=True, name=f"rss-{pid}")
-            self.peak = 0
-            self.samples = 0
-            self._halt = threading.Event()
-            self._proc = psutil.Process(pid)
+        super().__init__(daemon=True, name=f"rss-{pid}")
+        self.proc, self.interval, self.peak, self.halt = psutil.Process(pid), interval, 0, threading.Event()
+        self.start()
 
-        def run(self):
-            while not self._halt.is_set():
-                try:
-                    self.peak = max(self.peak, self._proc.memory_info().rss)
-                    self.samples += 1
-                except psutil.Error:
-                    return
-                self._halt.wait(interval)
+    def run(self) -> None:
+        import psutil
 
-        def stop(self) -> int:
-            self._halt.set()
-            self.join(5)
-            return self.peak
+        while not self.halt.is_set():
+            try:
+                self.peak = max(self.peak, self.proc.memory_info().rss)
+            except psutil.Error:
+                return
+            self.halt.wait(self.interval)
 
-    sampler = Sampler()
-    sampler.start()
-    return sampler
-
-
-def vm_hwm(pid: int) -> int | None:
-    """The kernel's own peak RSS of ``pid`` (``VmHWM``), in bytes, while it is alive."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    def stop(self) -> int:
+        self.halt.set()
+        self.join(5)
+        return self.peak

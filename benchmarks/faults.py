@@ -22,34 +22,14 @@ from sparkbus.launch.processes import LaunchError, wait_for
 
 from .common import ROOT, BenchError
 from .faults_cluster import HOSTS, ClusterRig
-from .faults_processes import TRAIN_SECONDS, Consumers, Feeder, NetworkChild
-from .sections import Context, Run, Section, Table
+from .faults_processes import Consumers, Feeder, NetworkChild
+from .sections import Context, Run, Section
 
 KINDS = ("none", "broker_journal", "broker_journal_group", "broker_no_journal", "broker_no_journal_group", "rank",
          "rank_group", "executor", "cluster_executor", "cluster_executor_atomic", "cluster_host", "cluster_host_atomic",
          "link")
 # The rows fed from a standalone cluster (faults_cluster.py): not in --quick unless SPARKBUS_BENCH_FAULTS_KINDS asks
 CLUSTER_KINDS = ("cluster_executor", "cluster_executor_atomic", "cluster_host", "cluster_host_atomic")
-LABELS = {"none": "no fault (baseline)", "broker_journal": "broker SIGKILL, `--journal`, restart",
-          "broker_journal_group": "the same, the consumers a group of 2 (granted steps)",
-          "broker_no_journal": "broker SIGKILL, no journal, restart (recomputed from lineage)",
-          "broker_no_journal_group": "no journal, the consumers a group of 2 (granted steps)",
-          "rank": "consumer SIGKILL, a new one started",
-          "rank_group": "a rank of a group of 2 SIGKILLed, a new process takes its number",
-          "executor": "Spark Python worker SIGKILL mid-partition",
-          "cluster_executor": "executor JVM SIGKILL mid-partition (standalone cluster; the Worker starts a new one)",
-          "cluster_executor_atomic": "the same, `delivery=\"atomic\"`",
-          "cluster_host": "a Worker host lost mid-partition (Worker and executor JVMs SIGKILLed; one a feed)",
-          "cluster_host_atomic": "the same, `delivery=\"atomic\"`",
-          "link": "consumers' link cut 1-4 s (namespaces)"}
-# What docs/GUARANTEES.md says of each (its failure table), for the reading of the table.
-PROMISES = {"none": "every row once", "broker_journal": "0 lost, 0 twice", "broker_journal_group": "0 lost, 0 twice",
-            "broker_no_journal": "0 lost, 0 twice (recomputed)",
-            "broker_no_journal_group": "0 lost, 0 twice (recomputed)",
-            "rank": "0 lost; twice at most the batch in hand per kill",
-            "rank_group": "0 lost; twice at most the batch in hand per kill",
-            "executor": "0 lost, 0 twice (task retried)", "link": "0 lost, 0 twice",
-            **{kind: "0 lost, 0 twice (task retried)" for kind in CLUSTER_KINDS}}
 CONSUMERS = 2
 WIDTH = 256                    # the cluster rows' x: float32s a row (a 100-row batch is 100 KiB, see faults_feeder)
 GAP = 2.5                      # seconds between two faults of a run, at least
@@ -445,20 +425,6 @@ def cluster_runs(ctx: Context, plan: Plan, kind: str, rng: random.Random, rig: C
             ctx.log(f"  faults: {run.held} Python worker(s) of lost executors still ran after the feed: killed")
 
 
-def cells(row: dict) -> list:
-    kind = row["kind"]
-    if "skipped" in row:
-        return [LABELS[kind], "skipped", *[None] * 7, row["skipped"], PROMISES[kind]]
-    outcomes = ", ".join(f"{o} {n}/{row['runs']}" for o, n in row["outcomes"].items())
-    faults = f"{row['faults']}" + (f" of {row['planned']}" if row["planned"] != row["faults"] else "")
-    return [LABELS[kind], faults, row["rows_fed"], row["yielded"], row["lost"], row["twice"], row["dropped"],
-            row["lost"] / row["rows_fed"], row["twice"] / row["rows_fed"], outcomes, PROMISES[kind]]
-
-
-HEADER = ["fault", "faults", "rows fed", "rows yielded", "rows lost", "rows trained twice", "dropped (equal steps)",
-          "lost / fed", "twice / fed", "feeds", "GUARANTEES.md"]
-
-
 class FaultsSection(Section[FaultTable]):
     """Figure 11: rows lost and rows trained twice per fault kind (no target: a report)."""
 
@@ -470,27 +436,17 @@ class FaultsSection(Section[FaultTable]):
         return run(ctx, plan, self.name)
 
     def figures(self, run: Run, result: FaultTable) -> list[Figure]:
-        """Per kind of fault measured: rows lost and rows trained twice, against the rows fed."""
+        """Per kind of fault measured: the faults injected; the rows yielded, lost, trained twice and dropped to keep
+        a group's steps equal, against the rows fed."""
         out = []
         for row in result.rows():
             if "skipped" not in row:
                 fed = figure("faults", f"{row['kind']}: rows fed", [row["rows_fed"]], "rows")
-                out += [fed, *(figure("faults", f"{row['kind']}: rows {what}", [row[key]], "rows", fed)
-                               for key, what in (("lost", "lost"), ("twice", "trained twice")))]
+                out += [figure("faults", f"{row['kind']}: faults injected", [row["faults"]], "faults"), fed,
+                        *(figure("faults", f"{row['kind']}: rows {what}", [row[key]], "rows", fed)
+                          for key, what in (("yielded", "yielded"), ("lost", "lost"), ("twice", "trained twice"),
+                                            ("dropped", "dropped")))]
         return out
-
-    def tables(self, run: Run, result: FaultTable) -> list[Table]:
-        p = result.plan
-        injected = [[LABELS[r.kind], "; ".join(f"{f['at_s']:.1f} s: {f['what']}" for f in r.faults) or "none",
-                     f"{r.outcome} at {r.answered_s:.1f} s" + (f" ({r.error})" if r.error else ""), r.broker or None,
-                     "; ".join(r.twice_ids) or None, "; ".join(r.lost_ids) or None, r.held]
-                    for r in result.runs if r.faults or r.error]
-        return [Table(f"Seed {p.seed}: one epoch of {p.rows:,} rows in {p.partitions} partitions of {BATCH}-row "
-                      f"batches (~{p.feed_seconds:.0f} s a feed) to {CONSUMERS} consumers ({TRAIN_SECONDS * 1000:g} ms "
-                      f"a batch), {p.faults} fault(s) a kind at least {GAP:g} s apart; {result.seconds:.0f} s in all",
-                      HEADER, [cells(r) for r in result.rows()]),
-                Table("Faults injected (seconds after the first row a consumer yielded)", ["fault", "injected",
-                      "feed", "the broker counted", "trained twice", "lost", "held Python workers killed"], injected)]
 
     def json(self, run: Run, result: FaultTable) -> dict:
         return {"faults": {"plan": asdict(result.plan), "table": result.rows(), "skipped": result.skipped,

@@ -19,7 +19,7 @@ from sparkbus.launch.broker import BrokerProcess
 
 from .common import BenchError, Children, EarlyExit, median, run_ranks
 from .end_to_end import CpuMeter
-from .sections import Context, Run, Section, Table
+from .sections import Context, Run, Section
 from .spark_data import storage_of
 
 IMAGES, QUICK_IMAGES = 50_000, 5_000
@@ -205,9 +205,9 @@ def measure(spark: Any, images: int = IMAGES, reps: int = REPS, *, size: int = S
         log: called with a line per repetition.
     Returns:
         A JSON-serialisable dict: the set-up, ``frame`` (how the images are stored), ``runs`` (each way's list of
-        runs: ``first``, ``last`` seconds, ``images_per_s``, counts, sums, CPU per process group), ``medians``,
-        ``ratios`` (``faster``: sparkbus / staging images/s; ``first``: sparkbus / staging first image) and
-        ``checks``.
+        runs: ``first``, ``last`` seconds, ``images_per_s``, counts, sums, CPU per process group), ``first_task``
+        (:func:`first_task_seconds` per repetition), ``ratios`` (``faster``: sparkbus / staging images/s;
+        ``first``: sparkbus / staging first image) and ``checks``.
     Raises:
         ImagesBenchError: a run failed, or its ranks did not decode every image exactly once, or the pixels
             decoded differ between runs. Whatever it started is stopped first.
@@ -247,13 +247,7 @@ def measure(spark: Any, images: int = IMAGES, reps: int = REPS, *, size: int = S
             shutil.rmtree(work, ignore_errors=True)
     result["load_end"] = list(os.getloadavg())
     runs = result["runs"]
-    result["medians"] = {way: {key: median([r[key] for r in runs[way]])
-                               for key in ("first", "last", "images_per_s", "decode_seconds")} for way in WAYS}
-    result["medians"]["staging"]["write_seconds"] = median([r["write_seconds"] for r in runs["staging"]])
-    result["medians"]["sparkbus"]["feed_seconds"] = median([r["feed_seconds"] for r in runs["sparkbus"]])
-    result["medians"]["sparkbus"]["first_received"] = median([r["first_received"] for r in runs["sparkbus"]])
-    result["medians"]["first_task"] = median(result["first_task"])
-    s, p = result["medians"]["sparkbus"], result["medians"]["staging"]
+    s, p = ({key: median([r[key] for r in runs[way]]) for key in ("first", "images_per_s")} for way in WAYS)
     result["ratios"] = {"faster": s["images_per_s"] / p["images_per_s"], "first": s["first"] / p["first"]}
     pixel_sums = {r["pixel_sum"] for way in WAYS for r in runs[way]}
     result["checks"] = {"every_image_once": True, "pixel_sums": sorted(pixel_sums)}
@@ -298,11 +292,6 @@ def _named(cpu: dict[str, float]) -> dict[str, float]:
     return {names[group]: seconds for group, seconds in cpu.items()}
 
 
-CPU_GROUPS = (("spark_jvm", "Spark JVM"), ("spark_python", "Spark's Python workers (the feeder)"),
-              ("broker", "broker"), ("ranks", "ranks (main thread + decoding threads)"),
-              ("loader_workers", "DataLoader workers"))
-
-
 # ---- the section ------------------------------------------------------------------------------------------
 
 class ImagesSection(Section[dict]):
@@ -323,43 +312,15 @@ class ImagesSection(Section[dict]):
                        log=ctx.log)
 
     def figures(self, run: Run, result: dict) -> list[Figure]:
-        """Images/s to the last image and the first decoded image, sparkbus against staging + DataLoader."""
+        """Images/s to the last image and the first decoded image, sparkbus against staging + DataLoader; the floor
+        of any first image (a Spark job's first record batch) and staging's write, against staging's first image."""
         runs = result["runs"]
         rate = figure("images", "staging + DataLoader images/s", [r["images_per_s"] for r in runs["staging"]],
                       "images/s")
         first = figure("images", "staging + DataLoader first image", [r["first"] for r in runs["staging"]], "s")
         return [rate, figure("images", "sparkbus images/s", [r["images_per_s"] for r in runs["sparkbus"]],
                              "images/s", rate),
-                first, figure("images", "sparkbus first image", [r["first"] for r in runs["sparkbus"]], "s", first)]
-
-    def tables(self, run: Run, result: dict) -> list[Table]:
-        s, p, frame = result["medians"]["sparkbus"], result["medians"]["staging"], result["frame"]
-        medians = [["images/s to the last image", s["images_per_s"], p["images_per_s"], result["ratios"]["faster"]],
-                   ["last image (s)", s["last"], p["last"], s["last"] / p["last"]],
-                   ["first image (s)", s["first"], p["first"], result["ratios"]["first"]],
-                   ["... of which the first batch out of BatchStream (s)", s["first_received"], None, None],
-                   ["Spark job: feed / Parquet write (s)", s["feed_seconds"], p["write_seconds"],
-                    s["feed_seconds"] / p["write_seconds"]],
-                   ["decoding, thread-s (all ranks)", s["decode_seconds"], p["decode_seconds"],
-                    s["decode_seconds"] / p["decode_seconds"]],
-                   ["a Spark job's first record batch in Python (s): the floor", result["medians"]["first_task"], None,
-                    None]]
-        cpu: list[list[Any]] = []
-        for key, label in CPU_GROUPS:
-            s_cpu, p_cpu = (median([r["cpu"].get(key, 0.0) for r in result["runs"][way]]) for way in WAYS)
-            cpu.append([label, s_cpu, p_cpu, s_cpu / p_cpu if p_cpu else None])
-        return [Table(f"{result['images']:,} PNGs of {result['size']}x{result['size']} ({frame['mean_png_bytes']:,.0f} "
-                      f"bytes on average) in {result['partitions']} partitions, batches of {result['batch_size']}, "
-                      f"into {result['ranks']} ranks x {result['decoders_per_rank']} decoders; medians of "
-                      f"{result['reps']}", ["median", "sparkbus", "staging + DataLoader", "sparkbus / staging"],
-                      medians, [f"started again after a failed launch: {', '.join(result['relaunched'])}"]
-                      if result.get("relaunched") else []),
-                Table("Each run (seconds from the start of the Spark job)", ["way", "first", "last", "images/s",
-                      "Spark job"], [[r["way"], r["first"], r["last"], r["images_per_s"],
-                                      r.get("feed_seconds", r.get("write_seconds"))]
-                                     for way in WAYS for r in result["runs"][way]]),
-                Table("CPU seconds per run by process group (medians)", ["process group", "sparkbus",
-                      "staging + DataLoader", "sparkbus / staging"], cpu)]
-
-    def json(self, run: Run, result: dict) -> dict:
-        return {"images": result}
+                first, figure("images", "sparkbus first image", [r["first"] for r in runs["sparkbus"]], "s", first),
+                figure("images", "a Spark job's first record batch in Python", result["first_task"], "s", first),
+                figure("images", "staging: Parquet write", [r["write_seconds"] for r in runs["staging"]], "s", first),
+                figure("images", "staging: Parquet MB", [r["staged_bytes"] / 1e6 for r in runs["staging"]], "MB")]

@@ -5,16 +5,11 @@ A batch of variable-length rows padded to its longest row holds ``n * max(length
 that are padding / all padded slots). :func:`padding_share` computes it from the row lengths of each batch;
 :func:`measure` feeds one DataFrame twice, once as is and once with ``bucket_by``, reads both epochs back with one
 :class:`worker.BatchStream` (no MPI) and returns the two shares and their ratio (target: bucketed / plain <= 0.3).
-
-    .venv/bin/python benchmarks/padding.py [--rows 20000] [--batch-size 64] [--bucket-window 64]
-
-runs :func:`measure` on the synthetic sentences of ``examples/train_text.py`` and prints the figures.
+Section 7 of the benchmark (``varlen``) runs :func:`measure`; a script may load this file by path and call it.
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 import tempfile
 import threading
 import time
@@ -24,8 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-HERE = Path(__file__).resolve().parent
 
 
 def padding_share(lengths_per_batch: Iterable[Sequence[int] | np.ndarray]) -> float:
@@ -141,33 +134,3 @@ def measure(df: Any, column: str = "tokens", *, batch_size: int = 64, bucket_win
     ratio = bucketed / plain if plain else (float("inf") if bucketed else 1.0)
     return PaddingShares(plain, bucketed, ratio, reports[0].rows, (len(lengths[0]), len(lengths[1])), batch_size,
                          bucket_window, time.monotonic() - started)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="benchmarks/padding.py", description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=20_000)
-    parser.add_argument("--partitions", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--bucket-window", type=int, default=64)
-    parser.add_argument("--seed", type=int, default=7)
-    args = parser.parse_args(argv)
-    sys.path.insert(0, str(HERE.parent / "examples"))
-    from train_text import text_frame
-
-    from sparkbus.launch.spark import local_session
-
-    spark = local_session("local[2]", "sparkbus-padding")
-    try:
-        df = text_frame(spark, args.rows, args.seed, args.partitions).cache()
-        df.count()
-        shares = measure(df, batch_size=args.batch_size, bucket_window=args.bucket_window)
-    finally:
-        spark.stop()
-    print(f"padding share over {shares.rows:,} rows, batches of {shares.batch_size}: plain {shares.plain:.1%} "
-          f"({shares.batches[0]} batches), bucket_by window {shares.bucket_window} {shares.bucketed:.1%} "
-          f"({shares.batches[1]} batches); bucketed / plain {shares.ratio:.2f} (target <= 0.3)")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

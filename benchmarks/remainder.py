@@ -5,22 +5,16 @@ One broker (its CLI), ranks as threads of one process (``BatchStream(rank=, size
 without Spark (``stream_partition``) of ``size * 4 + size - 1`` batches: the worst case, ``size - 1`` left over.
 Per rank: the time from the end of its last full step (step ``share``) to the end of its epoch, the last step
 included; the rows it trained; the pieces the broker sent at the end and the bytes they carried (each piece is its
-whole batch's frames, cut by the rank). Printed per group size as ratios split / drop.
-
-    sparkbus bench --only remainder          (a section of the benchmark; --quick: 2 and 16 ranks)
-    python -m benchmarks.remainder [--ranks 2 16 128] [--rows 64] [--row-bytes 1024]
+whole batch's frames, cut by the rank). ``make bench ARGS="--only remainder"`` (``--quick``: 2 and 16 ranks).
 """
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import statistics
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import zmq
@@ -32,7 +26,7 @@ from sparkbus.launch.broker import BrokerProcess
 from sparkbus.wire.protocol import Kind
 from sparkbus.worker import BatchStream
 
-from .sections import Context, Run, Section, Table
+from .sections import Context, Run, Section
 
 PARTITIONS = 4
 FULL_STEPS = 4            # steps every rank takes before the remainder
@@ -114,10 +108,6 @@ def measure(broker: BrokerProcess, ranks: list[int], repeat: int, rows: int = 64
                 for mode in ("drop", "split")} for n in ranks}
 
 
-def _median_end(runs: list[EndOfEpoch]) -> float:
-    return statistics.median(statistics.median(r.end_seconds) for r in runs)
-
-
 class RemainderSection(Section[dict]):
     """The epoch's remainder shared out by rows, against dropping it: the epoch's end at 2, 16 and 128 ranks."""
 
@@ -133,61 +123,18 @@ class RemainderSection(Section[dict]):
             broker.stop()
 
     def figures(self, run: Run, result: dict) -> list[Figure]:
-        """Per number of ranks: the time from a rank's last full step to its epoch's end, split against drop."""
+        """Per number of ranks: the time from a rank's last full step to its epoch's end, split against drop; the
+        rows trained of those fed, and the pieces and their MB at the end (none with drop)."""
         out = []
         for n, runs in result.items():
             drop = figure("remainder", f"{n} ranks, drop", [statistics.median(r.end_seconds) * 1e3
                                                              for r in runs["drop"]], "ms")
             out += [drop, figure("remainder", f"{n} ranks, split", [statistics.median(r.end_seconds) * 1e3
                                                                     for r in runs["split"]], "ms", drop)]
+            split = runs["split"]
+            fed = figure("remainder", f"{n} ranks, rows fed", [r.rows_fed for r in split], "rows")
+            out += [fed, *(figure("remainder", f"{n} ranks, {mode}, rows trained", [r.rows_trained for r in rs], "rows",
+                                  fed) for mode, rs in runs.items()),
+                    figure("remainder", f"{n} ranks, split, pieces", [r.pieces for r in split], "pieces"),
+                    figure("remainder", f"{n} ranks, split, MB in pieces", [r.wire_bytes / 1e6 for r in split], "MB")]
         return out
-
-    def tables(self, run: Run, result: dict) -> list[Table]:
-        rows = []
-        for n, runs in result.items():
-            anchor = _median_end(runs["drop"])
-            for mode in ("drop", "split"):
-                last = runs[mode][-1]
-                rows.append([n, mode, last.steps, f"{last.rows_trained:,} / {last.rows_fed:,}",
-                             _median_end(runs[mode]) * 1e3, last.pieces, last.wire_bytes / 1e6,
-                             _median_end(runs[mode]) / anchor])
-        return [Table(f"The epoch's end, {FULL_STEPS} full steps a rank and size - 1 batches of 64 rows left over: "
-                      "from a rank's last full step to its epoch's end", ["ranks", "remainder", "steps",
-                      "rows trained / fed", "end ms (median)", "pieces", "MB in pieces", "end / drop's"], rows,
-                      ["drop: sparkbus 0.2's rule, the anchor measured in the same run"])]
-
-    def json(self, run: Run, result: dict) -> dict:
-        return {"remainder": {str(n): {mode: [{"end_seconds": r.end_seconds, "rows_trained": r.rows_trained,
-                                                "rows_fed": r.rows_fed, "steps": r.steps, "pieces": r.pieces}
-                                               for r in rs] for mode, rs in runs.items()}
-                              for n, runs in result.items()}}
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.remainder", description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 16, 128])
-    parser.add_argument("--rows", type=int, default=64, help="rows per batch (default 64)")
-    parser.add_argument("--row-bytes", type=int, default=1024, help="bytes per row (default 1024)")
-    parser.add_argument("--repeat", type=int, default=3, help="runs of each (default 3; the median is shown)")
-    args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        broker = BrokerProcess(Path(tmp) / "broker.log", "--log-level", "WARNING").start()
-        try:
-            print(f"{'ranks':>5} {'remainder':>9} {'steps':>5} {'rows trained/fed':>17} {'end ms (median)':>15} "
-                  f"{'end ms (max)':>12} {'pieces':>6} {'MB in pieces':>12} {'end split/drop':>14}")
-            for ranks, runs in measure(broker, args.ranks, args.repeat, args.rows, args.row_bytes).items():
-                medians = {mode: _median_end(rs) for mode, rs in runs.items()}
-                for mode, rs in runs.items():
-                    last = rs[-1]
-                    ratio = f"{medians['split'] / medians['drop']:.2f}x" if mode == "split" else "anchor"
-                    print(f"{ranks:>5} {mode:>9} {last.steps:>5} {last.rows_trained:>8}/{last.rows_fed:<8} "
-                          f"{medians[mode] * 1e3:>15.1f} "
-                          f"{statistics.median(max(r.end_seconds) for r in rs) * 1e3:>12.1f} "
-                          f"{last.pieces:>6} {last.wire_bytes / 1e6:>12.2f} {ratio:>14}")
-        finally:
-            broker.stop()
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,22 +1,20 @@
 """Figure 10, soak: hundreds of epochs through one broker (its CLI), a Spark-free feeder (this process) and one rank
-(``python -m benchmarks.soak --rank-side``), the broker's RSS, the size of its status reply and its Prometheus
+(an agent process), the broker's RSS, the size of its status reply and its Prometheus
 series recorded at checkpoints (issue 18 §2). A report, not an assertion: they should be flat."""
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sparkbus.bench.agents import Agent
 from sparkbus.bench.figures import Figure, figure
 
-from .common import ROOT, BenchError, Children, KiB, MiB, open_epoch
-from .sections import Context, Run, Section, Table, per
+from .common import BenchError, Children, KiB, MiB, open_epoch
+from .sections import Context, Run, Section
 
 EPOCHS, QUICK_EPOCHS = 1000, 100
 PARTITIONS, ROWS, BATCH_ROWS = 2, 2048, 256
@@ -81,18 +79,14 @@ def _feed_epoch(broker: Any, client: Any, epoch: int, timeout: float) -> None:
 
 def run(children: Children, epochs: int, work: Path, timeout: float, log=print) -> Soak:
     from sparkbus.broker.client import ControlClient
-    from sparkbus.launch.processes import ChildProcess
 
     result = Soak(epochs, PARTITIONS * ROWS)
     # the start (10 epochs), the figures' list just full (--keep-epochs), then every quarter to the end
     checkpoints = sorted({9, KEEP_EPOCHS, *range(epochs // 4 - 1, epochs, max(epochs // 4, 1)), epochs - 1})
     checkpoints = [c for c in checkpoints if c < epochs]
     broker = children.broker("64MiB", 20.0, "--metrics-port", "0", "--heartbeat", "0.2")
-    out, release = work / "soak-rank.json", work / "soak-rank.release"
-    rank = children.add(ChildProcess("soak-rank", [sys.executable, "-m", "benchmarks.soak", "--rank-side",
-                                                   "--ranks", broker.ranks, "--epochs", str(epochs), "--out",
-                                                   str(out), "--release", str(release), "--timeout", str(timeout)],
-                                     children.log("soak-rank"), cwd=ROOT))
+    release = work / "soak-rank.release"
+    rank = Agent(soak_rank, broker.ranks, epochs, str(release), timeout)
     started = time.monotonic()
     try:
         with ControlClient(broker.control, timeout) as client:
@@ -106,12 +100,9 @@ def run(children: Children, epochs: int, work: Path, timeout: float, log=print) 
                     log(f"  soak: {s['epoch']} epochs, broker RSS {s['rss_bytes'] / MiB:.1f} MiB, status "
                         f"{s['status_bytes']:,} bytes, {s['series']} series")
         release.write_text("")                  # sampled with the rank still connected: it may leave
-        code = rank.wait(timeout)
-        if code != 0:
-            raise BenchError(f"the soak rank failed with exit status {code}:\n{rank.tail()}")
-        result.rows_consumed = json.loads(out.read_text())["rows"]
+        result.rows_consumed = rank.get(timeout, "the soak rank")
     finally:
-        children.discard(rank)
+        rank.stop()
         children.discard(broker)
     result.seconds = time.monotonic() - started
     return result
@@ -127,26 +118,19 @@ def _wait_delivered(broker: Any, epochs: int, timeout: float) -> None:
         time.sleep(0.05)
 
 
-def rank_main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rank-side", action="store_true")
-    parser.add_argument("--ranks", required=True)
-    parser.add_argument("--epochs", type=int, required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--release", type=Path, required=True, help="leave once this file exists")
-    parser.add_argument("--timeout", type=float, default=60.0)
-    args = parser.parse_args(argv)
+def soak_rank(report: Any, ranks: str, epochs: int, release: str, timeout: float) -> None:
+    """The rank (an agent process): every epoch of the stream; reports the rows it took once ``release`` exists
+    (the broker is sampled with the rank still connected)."""
     from sparkbus.worker import BatchStream
 
     rows = 0
-    with BatchStream(args.ranks, stream=STREAM, timeout=args.timeout) as stream:
-        for _ in range(args.epochs):
+    with BatchStream(ranks, stream=STREAM, timeout=timeout) as stream:
+        for _ in range(epochs):
             rows += sum(len(batch["id"]) for batch in stream.epoch())
-        args.out.write_text(json.dumps({"rows": rows}))
-        deadline = time.monotonic() + args.timeout
-        while not args.release.exists() and time.monotonic() < deadline:
+        deadline = time.monotonic() + timeout
+        while not Path(release).exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-    return 0
+    report(rows)
 
 
 class SoakSection(Section[Soak]):
@@ -169,22 +153,3 @@ class SoakSection(Section[Soak]):
             out += [anchor, figure("soak", f"{name} at epoch {last['epoch']}", [last[key] * scale], unit, anchor)]
         return out
 
-    def tables(self, run: Run, result: Soak) -> list[Table]:
-        full = next((s for s in result.samples if s["epoch"] > KEEP_EPOCHS), result.first)   # the figures' list full
-        rows = [[s["epoch"], s["rss_bytes"] / MiB, per(s["rss_bytes"], full["rss_bytes"]), s["status_bytes"],
-                 per(s["status_bytes"], full["status_bytes"]), s["series"], per(s["series"], full["series"]),
-                 s["epochs_listed"], s["delivered"]] for s in result.samples]
-        return [Table(f"{result.epochs} epochs of {PARTITIONS} x {ROWS:,} rows through one broker (--keep-epochs "
-                      f"{KEEP_EPOCHS}) to one rank, {result.rows_consumed:,} rows in {result.seconds:.0f} s; "
-                      "should be flat once the list is full", ["epochs", "broker RSS (MiB)",
-                      f"RSS / at epoch {full['epoch']}", "status (bytes)", f"status / at epoch {full['epoch']}",
-                      "series", f"series / at epoch {full['epoch']}", "epochs listed", "delivered"], rows)]
-
-    def json(self, run: Run, result: Soak) -> dict:
-        return {"soak": {"epochs": result.epochs, "rows_per_epoch": result.rows_per_epoch,
-                         "rows_consumed": result.rows_consumed, "seconds": result.seconds,
-                         "samples": result.samples}}
-
-
-if __name__ == "__main__":
-    sys.exit(rank_main())

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sparkbus.bench.figures import Figure
+from sparkbus.bench.figures import Figure, figure
 from sparkbus.launch.cluster import QUICK_START_JAVA_OPTS, StandaloneCluster
 from sparkbus.launch.processes import ChildProcess, LaunchError, wait_for
 from sparkbus.launch.spark import LOCAL_CONF
@@ -21,7 +21,7 @@ from sparkbus.launch.spark import LOCAL_CONF
 from . import end_to_end
 from .common import HERE, ROOT, BenchError, Children, Sizes
 from .end_to_end import BATCH_SIZE, RANKS, Series
-from .sections import Context, Run, Section, Table
+from .sections import Context, Run, Section
 
 HOSTS = ("127.0.0.1", "127.0.0.2")        # two Workers on two loopback "hosts"
 WORKER_CORES, WORKER_MEMORY = 2, "2g"
@@ -157,9 +157,7 @@ class DriverProcess:
 class SparkSetups:
     """Figure 6, filled as it goes (a failure keeps what was measured)."""
 
-    rows: int
-    partitions: list[int]
-    configs: dict[str, dict] = field(default_factory=dict)    # key -> label, executors, session_seconds
+    session_seconds: dict[str, float] = field(default_factory=dict)    # key -> from its start to its executors up
     points: dict[tuple[str, int], Series] = field(default_factory=dict)     # (config key, partitions)
     storage: dict[tuple[str, int], dict] = field(default_factory=dict)      # how its cached DataFrame is stored
 
@@ -170,14 +168,15 @@ def run(children: Children, spark: Any, session_seconds: float | None, sizes: Si
     failure part-way still leaves the points measured before it."""
     from . import spark_driver
 
-    out = SparkSetups(sizes.spark_rows, list(partitions)) if out is None else out
+    out = SparkSetups() if out is None else out
     broker = children.broker(MAX_BUFFER)
     cluster = None
     try:
         for config in configs:
             if config.executors:
                 continue
-            out.configs[config.key] = {"label": config.label, "executors": [], "session_seconds": session_seconds}
+            if session_seconds is not None:
+                out.session_seconds[config.key] = session_seconds
             source = spark_driver.Driver(spark)
             try:
                 _points(children, broker, config, source, partitions, sizes, work, out, log)
@@ -199,8 +198,7 @@ def run(children: Children, spark: Any, session_seconds: float | None, sizes: Si
                     cluster.wait_ready(120)
                     log(f"  standalone cluster up after {time.monotonic() - started:.1f} s")
                 info = driver.wait_ready()
-                out.configs[config.key] = {"label": config.label, "executors": info["executors"],
-                                              "session_seconds": info["session_seconds"]}
+                out.session_seconds[config.key] = info["session_seconds"]
                 log(f"  {config.label}: driver and executors up after {info['session_seconds']:.1f} s; executors "
                     + ", ".join(f"{e['executor']} on {e['host']} ({e['slots']} slot{'s' if e['slots'] > 1 else ''})"
                                 for e in info["executors"]))
@@ -213,10 +211,6 @@ def run(children: Children, spark: Any, session_seconds: float | None, sizes: Si
         if cluster is not None:
             children.discard(cluster)
         children.discard(broker)
-    best = best_points(out)
-    if best:
-        log(f"  best rows/s: {point_name(out, best['rows_per_s'])}; best time to first batch: "
-            f"{point_name(out, best['first'])}")
     return out
 
 
@@ -246,20 +240,6 @@ def _points(children: Children, broker, config: Config, source: Any, partitions:
                 f"(mapInArrow) {run['limit_rows_per_s']:,.0f} rows/s")
 
 
-def best_points(out: SparkSetups) -> dict[str, tuple[str, int]]:
-    """The points with the most rows/s and with the earliest first batch (medians)."""
-    points = {k: s for k, s in out.points.items() if s.runs}
-    if not points:
-        return {}
-    return {"rows_per_s": max(points, key=lambda k: points[k].med("rows_per_s")),
-            "first": min(points, key=lambda k: points[k].med("first"))}
-
-
-def point_name(out: SparkSetups, point: tuple[str, int]) -> str:
-    """E.g. ``standalone, 2 executors x 1 core, 4 partitions``."""
-    return f"{out.configs[point[0]]['label']}, {point[1]} partitions"
-
-
 # ---- the section ------------------------------------------------------------------------------------------
 
 class SparkSection(Section[SparkSetups]):
@@ -273,7 +253,7 @@ class SparkSection(Section[SparkSetups]):
 
     def measure(self, ctx: Context) -> SparkSetups:
         partitions = ctx.args.spark_partitions
-        out = ctx.results[self.name] = SparkSetups(ctx.sizes.spark_rows, list(partitions))
+        out = ctx.results[self.name] = SparkSetups()
         run(ctx.children, ctx.spark, ctx.session_seconds, ctx.sizes, ctx.work,
             parse_configs(ctx.args.spark_configs), partitions, ctx.log, out=out)
         spilled = [f"{key} at {parts} partitions" for (key, parts), stored in out.storage.items()
@@ -284,38 +264,14 @@ class SparkSection(Section[SparkSetups]):
         return out
 
     def figures(self, run: Run, result: SparkSetups) -> list[Figure]:
-        """Per set-up and partitions: rows/s to the ranks against Spark alone in the same set-up."""
-        out = []
+        """Per set-up and partitions: rows/s to the ranks against Spark alone in the same set-up; the first batch;
+        per set-up, its session's start (to its executors up)."""
+        out = [figure("spark", f"session start, {key}", [seconds], "s")
+               for key, seconds in result.session_seconds.items()]
         for (key, parts), s in result.points.items():
             if s.runs:
                 what = f"{key}, {parts} partitions"
                 alone = s.figure("spark", f"Spark alone, {what}", "limit_rows_per_s", "rows/s")
-                out += [alone, s.figure("spark", f"to the ranks, {what}", "rows_per_s", "rows/s", alone)]
+                out += [alone, s.figure("spark", f"to the ranks, {what}", "rows_per_s", "rows/s", alone),
+                        s.figure("spark", f"first batch, {what}", "first", "s")]
         return out
-
-    def tables(self, run: Run, result: SparkSetups) -> list[Table]:
-        best = best_points(result)
-        rows = []
-        for (key, parts), s in sorted(result.points.items(),
-                                      key=lambda kv: (list(result.configs).index(kv[0][0]), kv[0][1])):
-            if not s.runs:
-                continue
-            config, top = result.configs[key], result.points[best["rows_per_s"]].med("rows_per_s")
-            executors = config.get("executors") or []
-            marks = [what for what, point in (("most rows/s", best["rows_per_s"]),
-                                              ("earliest first batch", best["first"])) if point == (key, parts)]
-            rows.append([f"{config['label']}, {parts} partitions", ", ".join(f"{e['host']} ({e['slots']})" for e in
-                         executors) or "driver JVM (2)", s.med("rows_per_s"), s.med("first"), s.med("last"),
-                         s.med("limit_rows_per_s"), s.med("rows_per_s") / s.med("limit_rows_per_s"),
-                         s.med("rows_per_s") / top, config.get("session_seconds"), ", ".join(marks)])
-        return [Table(f"{result.rows:,} rows cached in the executors, fed through one broker to 2 ranks (Spark alone: "
-                      "mapInArrow + drop in the same set-up)", ["Spark set-up, partitions", "executors on (task slots)",
-                      "rows/s to the ranks", "first batch (s)", "last batch (s)", "Spark alone rows/s",
-                      "to the ranks / Spark alone", "vs the best", "session start (s)", "best"], rows,
-                      [f"every set-up shares the machine's {run.machine['nproc']} cores with the broker and the ranks"],
-                      plot=("rows/s to the ranks",))]
-
-    def json(self, run: Run, result: SparkSetups) -> dict:
-        return {"spark": {"rows": result.rows, "configs": result.configs,
-                          "points": [{"config": k[0], "partitions": k[1], "runs": s.runs,
-                                      "storage": result.storage.get(k)} for k, s in result.points.items()]}}

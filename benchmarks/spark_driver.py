@@ -24,6 +24,7 @@ import traceback
 
 import zmq
 
+from sparkbus.bench.e2e import hand_off
 from sparkbus.launch.processes import announce_ready
 
 try:                                  # a module of the benchmarks package (the local[2] set-up of figure 6)
@@ -50,7 +51,7 @@ class Driver:
         self.df, info = spark_data.kind_frame(self.spark, kind, rows, partitions)
         self.rows = info["rows"]
         started = time.monotonic()
-        spark_data.arrow_limit(self.df)             # the first full scan of a cache is slower than later ones
+        hand_off(self.df)             # the first full scan of a cache is slower than later ones
         scanned = time.monotonic()
         self.prepared += 1
         spark_data.warm_up_feed(self.df, self.rows, feed, f"warm-up-{os.getpid()}-{self.prepared}")
@@ -65,7 +66,7 @@ class Driver:
             self.df = None
 
     def limit(self) -> dict:
-        seconds, rows = spark_data.arrow_limit(self.df)
+        seconds, rows = hand_off(self.df)
         return {"seconds": seconds, "rows": rows}
 
     def feed(self, feed: str, stream: str, batch_size: int, timeout: float, options: dict | None = None) -> dict:

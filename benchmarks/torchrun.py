@@ -1,7 +1,6 @@
 """Figure 9: time to the first batch for torchrun ranks (gloo, ``rank="auto"``) beside mpiexec ranks (mpi4py, the
-anchor) and mpiexec ranks without mpi4py (a diagnostic), reading an epoch the broker holds before they start; per
-phase (launch, runtime ready, ``import worker``, first batch), for the rank whose first batch came last. The ranks'
-side is ``python -m benchmarks.torchrun --rank-side ...``."""
+anchor) and mpiexec ranks without mpi4py (a diagnostic), reading an epoch the broker holds before they start, for
+the rank whose first batch came last. The ranks' side is ``python -m benchmarks.torchrun --rank-side ...``."""
 
 from __future__ import annotations
 
@@ -12,69 +11,47 @@ import os
 import socket
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from sparkbus.bench.figures import Figure, figure
 
-from .common import ROOT, BenchError, Children, KiB, median, open_epoch
-from .sections import Context, Run, Section, Table
+from .common import ROOT, BenchError, Children, open_epoch
+from .sections import Context, Section
 
 RANKS = 2
 BATCH_ROWS = 1024
 FEATURES = 16                       # 1024 rows x (8 + 64) bytes: 72 KiB a batch, one batch per message
 BATCHES = 32                        # the epoch: 16 batches per rank
-WAYS = ("torchrun", "mpiexec", "mpiexec-auto")
-LABELS = {"torchrun": 'torchrun, gloo, `rank="auto"`', "mpiexec": "mpiexec, mpi4py, `comm=COMM_WORLD` (anchor)",
-          "mpiexec-auto": 'mpiexec, no mpi4py, `rank="auto"` (diagnostic)'}
-PHASES = (("launch_to_process", "launch -> process start"), ("process_to_ready", "process start -> runtime ready"),
-          ("ready_to_stream", "import worker"), ("stream_to_first", "BatchStream() -> first batch"),
-          ("launch_to_first", "launch -> first batch"))
+WAYS = ("torchrun", "mpiexec", "mpiexec-auto")     # the anchor: mpiexec with mpi4py; -auto: without it (diagnostic)
 _runs = itertools.count()
 
 
-@dataclass
-class FirstBatch:
-    """Figure 9: per way, the runs (each the slowest rank's phases, plus every rank's own)."""
-
-    ranks: int
-    batches: int
-    batch_bytes: int
-    runs: dict[str, list[dict]] = field(default_factory=dict)
-    missing: dict[str, str] = field(default_factory=dict)        # a way that could not run here, and why
-
-    def med(self, way: str, key: str) -> float:
-        return median([r[key] for r in self.runs.get(way, []) if r.get(key) is not None])
-
-
-# ---- the benchmark's side ------------------------------------------------------------------------------------
-
-def run(children: Children, reps: int, work: Path, timeout: float, log=print) -> FirstBatch:
-    result = FirstBatch(RANKS, BATCHES, BATCH_ROWS * (8 + 4 * FEATURES))
-    torchrun = Path(sys.executable).parent / "torchrun"
-    mpiexec = Path(sys.executable).parent / "mpiexec"
-    ways = list(WAYS)
-    for way, program, extra in (("torchrun", torchrun, "torch"), ("mpiexec", mpiexec, "mpi4py"),
-                                ("mpiexec-auto", mpiexec, None)):
-        if not program.exists():
-            result.missing[way] = f"no {program.name} beside {sys.executable}"
-        elif extra and not _importable(extra):
-            result.missing[way] = f"{extra} is not installed"
-        if way in result.missing:
-            ways.remove(way)
+def run(children: Children, reps: int, work: Path, timeout: float, log=print) -> list[Figure]:
+    """The slowest rank's launch to first batch per way of launching (a way that cannot run here is left out),
+    against mpiexec with mpi4py; and torchrun's ``import torch``."""
+    bin_dir = Path(sys.executable).parent
+    ways = [way for way, program, extra in (("torchrun", "torchrun", "torch"), ("mpiexec", "mpiexec", "mpi4py"),
+                                            ("mpiexec-auto", "mpiexec", None))
+            if (bin_dir / program).exists() and (extra is None or _importable(extra))]
+    runs: dict[str, list[dict]] = {way: [] for way in ways}
     broker = children.broker("256MiB")
     try:
         for rep in range(reps):
             for way in (ways if rep % 2 == 0 else ways[::-1]):
-                one = _one(children, broker, way, work, timeout)
-                result.runs.setdefault(way, []).append(one)
-                log(f"  first batch, {way} rep {rep + 1}/{reps}: launch -> process {one['launch_to_process']:.2f} s, "
-                    f"-> ready {one['process_to_ready']:.2f} s, BatchStream() -> first batch "
-                    f"{one['stream_to_first']:.3f} s; launch -> first batch {one['launch_to_first']:.2f} s")
+                runs[way].append(_one(children, broker, way, work, timeout))
+                log(f"  first batch, {way} rep {rep + 1}/{reps}: launch -> first batch "
+                    f"{runs[way][-1]['launch_to_first']:.2f} s")
     finally:
         children.discard(broker)
-    return result
+    if "mpiexec" not in runs:
+        return []
+    anchor = figure("torchrun", "mpiexec: launch to first batch", [r["launch_to_first"] for r in runs["mpiexec"]], "s")
+    out = [anchor, *(figure("torchrun", f"{way}: launch to first batch", [r["launch_to_first"] for r in rs], "s",
+                            anchor) for way, rs in runs.items() if way != "mpiexec")]
+    if "torchrun" in runs:
+        out.append(figure("torchrun", "torchrun: import torch", [r["import_torch"] for r in runs["torchrun"]], "s"))
+    return out
 
 
 def _importable(module: str) -> bool:
@@ -133,13 +110,9 @@ def _one(children: Children, broker: Any, way: str, work: Path, timeout: float) 
         ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(RANKS)]
     finally:
         children.discard(child)
-    for r in ranks:
-        r.update(launch_to_process=r["t_process"] - launched, process_to_ready=r["t_ready"] - r["t_process"],
-                 ready_to_stream=r["t_stream"] - r["t_ready"], stream_to_first=r["t_first"] - r["t_stream"],
-                 launch_to_first=r["t_first"] - launched)
-        r["import_torch"] = r["t_imported"] - r["t_process"] if r.get("t_imported") else None
     last = max(ranks, key=lambda r: r["t_first"])
-    return {**{key: last[key] for key, _ in PHASES}, "import_torch": last["import_torch"], "ranks": ranks}
+    return {"launch_to_first": last["t_first"] - launched,
+            "import_torch": last["t_imported"] - last["t_process"] if last.get("t_imported") else None}
 
 
 # ---- a rank's side (run under a launcher: python -m benchmarks.torchrun --rank-side ...) ----------------------
@@ -205,41 +178,13 @@ def rank_main(argv: list[str] | None = None) -> int:
 
 # ---- the section ------------------------------------------------------------------------------------------
 
-class TorchrunSection(Section[FirstBatch]):
+class TorchrunSection(Section[list]):
     """Figure 9: time to the first batch for torchrun ranks, beside mpiexec ranks (no target)."""
 
-    name, title, figure = "torchrun", "9. first batch, torchrun ranks", "9"
+    name, title = "torchrun", "9. first batch, torchrun ranks"
 
-    def measure(self, ctx: Context) -> FirstBatch:
+    def measure(self, ctx: Context) -> list:
         return run(ctx.children, ctx.sizes.reps, ctx.work, min(ctx.sizes.timeout, 120.0), ctx.log)
-
-    def figures(self, run: Run, result: FirstBatch) -> list[Figure]:
-        """The slowest rank's launch to first batch per way of launching, against mpiexec with mpi4py."""
-        def of(way: str, anchor: Figure | None = None) -> Figure:
-            return figure("torchrun", f"{way}: launch to first batch",
-                          [r["launch_to_first"] for r in result.runs[way]], "s", anchor)
-
-        if not result.runs.get("mpiexec"):
-            return []
-        anchor = of("mpiexec")
-        return [anchor, *(of(way, anchor) for way in WAYS if way != "mpiexec" and result.runs.get(way))]
-
-    def tables(self, run: Run, result: FirstBatch) -> list[Table]:
-        anchor = result.med("mpiexec", "launch_to_first")
-        rows = [[LABELS[way], *[result.med(way, key) for key, _ in PHASES],
-                 result.med(way, "launch_to_first") / anchor, result.med(way, "import_torch"), ""]
-                for way in WAYS if result.runs.get(way)]
-        rows += [[LABELS[way], *[None] * (len(PHASES) + 2), f"not measured: {why}"]
-                 for way, why in result.missing.items()]
-        return [Table(f"{result.ranks} ranks read an epoch of {result.batches} batches of "
-                      f"{result.batch_bytes // KiB} KiB the broker already holds; the slowest rank's times",
-                      ["ranks", *[label + " (s)" for _, label in PHASES], "launch -> first batch / mpiexec's",
-                       "import torch (s)", "note"], rows,
-                      ["runtime ready: torch imported and the gloo group up; MPI_Init; or nothing"])]
-
-    def json(self, run: Run, result: FirstBatch) -> dict:
-        return {"torchrun": {"ranks": result.ranks, "batches": result.batches, "batch_bytes": result.batch_bytes,
-                             "runs": result.runs, "missing": result.missing}}
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sparkbus.bench.e2e import hand_off
 from sparkbus.bench.figures import Figure, figure
 from sparkbus.wire.errors import FeedError
 
@@ -17,7 +18,7 @@ from . import end_to_end, spark_data
 from .common import BenchError, Children, MiB, Sizes
 from .end_to_end import RANKS, Series
 from .padding import PaddingShares
-from .sections import Context, Run, Section, Table
+from .sections import Context, Run, Section
 
 BASELINE = "ints"
 COMPARED = ("binary", "varints")
@@ -107,7 +108,7 @@ def _prepare(spark: Any, kind: str, sizes: Sizes, broker, out: Varlen, log) -> A
     """Cache ``kind``'s frame, scan it once and feed a small sample of every partition that no rank reads."""
     df, info = spark_data.kind_frame(spark, kind, sizes.varlen_rows, PARTITIONS)
     out.kinds[kind] = info
-    spark_data.arrow_limit(df)
+    hand_off(df)
     try:
         spark_data.warm_up_feed(df, info["rows"], broker.feed, f"varlen-warm-up-{kind}", batch_size=4)
     except Exception:
@@ -129,22 +130,11 @@ def _feed(children: Children, broker, df: Any, info: dict, work: Path, sizes: Si
                                       touch=True)
     result["payload_bytes"] = info["payload_bytes"]
     result["mb_per_s"] = info["payload_bytes"] / result["last"] / 1e6
-    # Spark's own hand-off of the same frame right after (mapInArrow + drop): Spark turns array<int> rows into
-    # Arrow element by element and binary rows with one copy each, so the kinds differ before sparkbus starts
-    seconds, _ = spark_data.arrow_limit(df)
-    result["limit_mb_per_s"] = info["payload_bytes"] / seconds / 1e6
     if not result["dropped_rows"] and result["touched_bytes"] < info["payload_bytes"]:     # every row reached a loop
         raise BenchError(f"stream {stream}: the ranks saw {result['touched_bytes']:,} bytes of "
                          f"{info['payload_bytes']:,}")
     return result
 
-
-def ratio(pair: Pair) -> float:
-    """compared MB/s / baseline MB/s, medians of the repetitions."""
-    return pair.compared.med("mb_per_s") / pair.baseline.med("mb_per_s")
-
-
-# ---- the section ------------------------------------------------------------------------------------------
 
 class VarlenSection(Section[Varlen]):
     """Figure 7: binary and variable-length int columns vs the fixed-width path, and the padding share."""
@@ -168,31 +158,3 @@ class VarlenSection(Section[Varlen]):
             plain = figure("varlen", "padding share, Spark's order", [pad.plain * 100], "%")
             out += [plain, figure("varlen", "padding share, bucket_by", [pad.bucketed * 100], "%", plain)]
         return out
-
-    def tables(self, run: Run, result: Varlen) -> list[Table]:
-        rows = [[kind, c.med("mb_per_s"), c.med("rows_per_s"), c.med("first"), b.med("mb_per_s"), ratio(pair),
-                 c.med("limit_mb_per_s"), b.med("limit_mb_per_s"), c.med("mb_per_s") / c.med("limit_mb_per_s"),
-                 b.med("mb_per_s") / b.med("limit_mb_per_s")]
-                for kind, pair in result.pairs.items() for b, c in [(pair.baseline, pair.compared)]
-                if c.runs and b.runs]
-        pad = result.padding
-        kinds = Table(f"{result.rows:,} rows of 64 KiB through one broker to 2 ranks, each kind interleaved with "
-                      f"`{BASELINE}` (the fixed-width path)", ["kind", "MB/s", "rows/s", "first batch (s)",
-                      f"`{BASELINE}` MB/s, same runs", f"kind / `{BASELINE}`", "Spark's hand-off MB/s",
-                      f"`{BASELINE}` hand-off MB/s", "sparkbus / hand-off", f"`{BASELINE}`: sparkbus / hand-off"],
-                      rows, [f"`{k}`: {spark_data.KINDS[k]}" for k in (BASELINE, *COMPARED)]
-                      + [f"`{k}` not measured, the feeder refused it: {why}" for k, why in result.refused.items()],
-                      plot=("MB/s", f"`{BASELINE}` MB/s, same runs"))
-        if not pad:
-            return [kinds]
-        return [kinds, Table(f"Padding share: {pad.rows:,} `tokens` rows in batches of {pad.batch_size}, each padded "
-                             "to its longest row", ["order", "batches", "padding share (%)", "vs Spark's order"],
-                             [["Spark's order", pad.batches[0], pad.plain * 100, 1.0],
-                              [f"bucket_by, window {pad.bucket_window}", pad.batches[1], pad.bucketed * 100,
-                               pad.ratio]])]
-
-    def json(self, run: Run, result: Varlen) -> dict:
-        return {"varlen": {"rows": result.rows, "kinds": result.kinds, "refused": result.refused,
-                           "padding": {**result.padding.as_dict(), "kind": "tokens"} if result.padding else None,
-                           "pairs": {k: {"baseline": p.baseline.runs, "compared": p.compared.runs}
-                                     for k, p in result.pairs.items()}}}

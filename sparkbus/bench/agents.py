@@ -61,22 +61,25 @@ def batches(size: int, seconds: float, min_batches: int, clock: dict) -> Iterato
     import numpy as np
 
     columns = {"x": np.random.default_rng(size).random(size // 4, dtype=np.float32)}
+    cpu = time.process_time()
     clock["first"] = started = time.time()
     n = 0
     while n < min_batches or time.time() - started < seconds:
         yield columns
         n += 1
-    clock["sent"] = n
+    clock["sent"], clock["cpu"] = n, time.process_time() - cpu        # the sender's CPU-s, its start-up left out
 
 
 def sender(report: Callable, way: str, address: str, control: str, stream: str, size: int, seconds: float,
-           min_batches: int, timeout: float) -> None:
-    """Send for ``seconds``: through sparkbus's feeder path, or the same encoded message over a raw PUSH."""
+           min_batches: int, timeout: float, partition: int = 0, options: dict | None = None) -> None:
+    """Send for ``seconds`` (and ``min_batches``): through sparkbus's feeder path (``options``: more arguments of
+    ``stream_partition``, e.g. ``pack_bytes``, ``key``), or the same encoded message over a raw PUSH."""
     clock: dict = {}
     if way == "sparkbus":
         from sparkbus.feeder.task import stream_partition
 
-        stream_partition(batches(size, seconds, min_batches, clock), address, control, stream, 0, 0, 0, timeout)
+        stream_partition(batches(size, seconds, min_batches, clock), address, control, stream, 0, partition, 0,
+                         timeout, **(options or {}))
     else:
         import zmq
 
@@ -96,13 +99,15 @@ def sender(report: Callable, way: str, address: str, control: str, stream: str, 
     report(clock)
 
 
-def receiver(report: Callable, way: str, address: str, stream: str, size: int, timeout: float) -> None:
-    """Receive one run: a ``BatchStream`` epoch, or a raw PULL until the sentinel; report count and last time."""
+def receiver(report: Callable, way: str, address: str, stream: str, size: int, timeout: float,
+             options: dict | None = None) -> None:
+    """Receive one run: a ``BatchStream`` epoch (``options``: more of its arguments, e.g. ``key``), or a raw PULL
+    until the sentinel; report count and last time."""
     n, last = 0, None
     if way == "sparkbus":
         from sparkbus.worker import BatchStream
 
-        with BatchStream(address, stream=stream, comm=None, timeout=timeout) as s:
+        with BatchStream(address, stream=stream, comm=None, timeout=timeout, **(options or {})) as s:
             report("ready")
             for _ in s.epoch():
                 n, last = n + 1, time.time()
@@ -125,14 +130,15 @@ def receiver(report: Callable, way: str, address: str, stream: str, size: int, t
     report({"received": n, "last": last})
 
 
-def proxy(report: Callable) -> None:
-    """``zmq.proxy(PULL, PUSH)``: the C broker, the limit for a hop; forwards until terminated."""
+def proxy(report: Callable, size: int) -> None:
+    """``zmq.proxy(PULL, PUSH)``: the C broker, the limit for a hop, its queues as the raw sockets' for batches of
+    ``size`` bytes; forwards until terminated."""
     import zmq
 
     ctx = zmq.Context(io_threads=IO_THREADS)
     front, back = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     for sock in (front, back):
-        sock.rcvhwm = sock.sndhwm = 1000
+        sock.rcvhwm = sock.sndhwm = hwm(size)
         sock.bind("tcp://127.0.0.1:*")
     report({"front": front.getsockopt_string(zmq.LAST_ENDPOINT), "back": back.getsockopt_string(zmq.LAST_ENDPOINT)})
     zmq.proxy(front, back)
@@ -141,13 +147,15 @@ def proxy(report: Callable) -> None:
 def rank(report: Callable, address: str, stream: str, rank: int, size: int, timeout: float,
          files: list[str] | None, go: str | None) -> None:
     """One of ``size`` ranks: its share of one epoch from the broker, or (``files``) of staged Parquet files read
-    with pyarrow in batches of 1024 rows once the ``go`` file exists. Reports rows, first and last batch times."""
+    with pyarrow in batches of 1024 rows once the ``go`` file exists. Reports rows, first and last batch times and
+    its CPU seconds from then."""
     rows, first, last = 0, None, None
     if files is None:
         from sparkbus.worker import BatchStream
 
         with BatchStream(address, stream=stream, rank=rank, size=size, timeout=timeout) as s:
             report("ready")
+            cpu = time.process_time()
             for batch in s.epoch():
                 rows += len(next(iter(batch.values())))
                 last = time.time()
@@ -159,6 +167,7 @@ def rank(report: Callable, address: str, stream: str, rank: int, size: int, time
         import pyarrow.parquet as pq
 
         report("ready")
+        cpu = time.process_time()
         deadline = time.time() + timeout
         while not os.path.exists(go or ""):
             if time.time() > deadline:
@@ -171,4 +180,4 @@ def rank(report: Callable, address: str, stream: str, rank: int, size: int, time
                 rows += len(next(iter(columns.values())))
                 last = time.time()
                 first = first or last
-    report({"rows": rows, "first": first, "last": last})
+    report({"rows": rows, "first": first, "last": last, "cpu": time.process_time() - cpu})

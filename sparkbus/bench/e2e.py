@@ -19,12 +19,12 @@ BATCH_SIZE = 1024
 _runs = itertools.count()
 
 
-def synthetic_frame(spark: Any, rows: int, partitions: int = 4) -> Any:
+def synthetic_frame(spark: Any, rows: int, partitions: int = 4, seed: int = 7) -> Any:
     """``id`` long and ``features`` array<float>[64] of random values (Parquet cannot compress them away)."""
     from pyspark.sql import functions as F
 
     return spark.range(0, rows, numPartitions=partitions).select(
-        F.col("id"), F.array(*[F.rand(7 + i).cast("float") for i in range(64)]).alias("features"))
+        F.col("id"), F.array(*[F.rand(seed + i).cast("float") for i in range(64)]).alias("features"))
 
 
 def _dropper() -> Callable:
@@ -64,14 +64,16 @@ def _finish(agents: list[Agent], started: float, rows: int, timeout: float, what
         raise RuntimeError(f"{what}: {got} rows reached the ranks of {rows}")
     first = min(d["first"] for d in done if d["first"])
     last = max(d["last"] for d in done if d["last"])
-    return {"first": first - started, "last": last - started, "rows_per_s": rows / (last - started)}
+    return {"first": first - started, "last": last - started, "rows_per_s": rows / (last - started),
+            "ranks_cpu": sum(d["cpu"] for d in done)}
 
 
-def via_sparkbus(df: Any, rows: int, broker: Any, work: Path, timeout: float) -> dict:
+def via_sparkbus(df: Any, rows: int, broker: Any, work: Path, timeout: float, meter: Callable | None = None) -> dict:
     from sparkbus.feeder import feed
 
     stream = f"e2e-{next(_runs)}"
     agents = _ranks(work, broker.ranks, stream, timeout)
+    cpu = meter(broker) if meter else None
     started = time.time()
     try:
         feed(df, broker.feed, stream=stream, epoch=0, batch_size=BATCH_SIZE, timeout=timeout)
@@ -79,7 +81,8 @@ def via_sparkbus(df: Any, rows: int, broker: Any, work: Path, timeout: float) ->
         for agent in agents:
             agent.stop()
         raise
-    return _finish(agents, started, rows, timeout, "sparkbus")
+    done = _finish(agents, started, rows, timeout, "sparkbus")
+    return {**done, "cpu": {**cpu.stop(), "ranks": done["ranks_cpu"]}} if cpu else done
 
 
 def via_parquet(df: Any, rows: int, work: Path, timeout: float) -> dict:
@@ -98,14 +101,19 @@ def via_parquet(df: Any, rows: int, work: Path, timeout: float) -> dict:
 
 
 def measure(section: str, df: Any, work: Path, reps: int, timeout: float, parquet: bool = True,
-            row_bytes: int | None = None, log: Callable[[str], None] = print) -> list[Figure]:
-    """Cache ``df``, warm Spark up, then interleave the hand-off, sparkbus and (``parquet``) staging ``reps`` times.
+            row_bytes: int | None = None, log: Callable[[str], None] = print,
+            meter: Callable | None = None) -> list[Figure]:
+    """Cache ``df`` (unless it is), warm Spark up, then interleave the hand-off, sparkbus and (``parquet``) staging
+    ``reps`` times.
 
     Figures: rows/s of each way (sparkbus's against the hand-off), sparkbus's time to its first and last batch
-    against staging's, and, with ``row_bytes``, MB/s."""
+    against staging's, and, with ``row_bytes``, MB/s. With ``meter`` (called with the broker, or None for the
+    hand-off, before a run: its ``stop()`` gives the CPU seconds of each process group) and ``row_bytes``, the CPU-s
+    per GB of the hand-off and of sparkbus, and of each group of sparkbus's."""
     from sparkbus.launch.broker import BrokerProcess
 
-    df = df.cache()
+    cached = df.is_cached
+    df = df if cached else df.cache()
     rows = df.count()
     if not rows:
         raise ValueError("the DataFrame has no rows")
@@ -121,15 +129,18 @@ def measure(section: str, df: Any, work: Path, reps: int, timeout: float, parque
         if parquet:
             df.limit(1000).write.mode("overwrite").parquet(str(work / "warm-up.parquet"))
         for _ in range(reps):
+            cpu = meter(None) if meter else None
             seconds, handed = hand_off(df)
-            runs["hand-off"].append({"rows_per_s": handed / seconds, "last": seconds})
-            runs["sparkbus"].append(via_sparkbus(df, rows, broker, work, timeout))
+            runs["hand-off"].append({"rows_per_s": handed / seconds, "last": seconds,
+                                     **({"cpu": cpu.stop()} if cpu else {})})
+            runs["sparkbus"].append(via_sparkbus(df, rows, broker, work, timeout, meter))
             if parquet:
                 runs["parquet"].append(via_parquet(df, rows, work, timeout))
             log(f"{section}: " + ", ".join(f"{k} {v[-1]['rows_per_s']:,.0f} rows/s" for k, v in runs.items() if v))
     finally:
         broker.stop()
-        df.unpersist()
+        if not cached:
+            df.unpersist()
 
     def reps_of(way: str, key: str) -> list[float]:
         return [r[key] for r in runs[way]]
@@ -151,4 +162,17 @@ def measure(section: str, df: Any, work: Path, reps: int, timeout: float, parque
                     figure(section, "sparkbus first batch", reps_of("sparkbus", "first"), "s", p_first)]
     else:
         figures.append(figure(section, "sparkbus first batch", reps_of("sparkbus", "first"), "s", last))
+    if meter and row_bytes:
+        figures += _cpu_figures(section, runs, rows * row_bytes / 1e9)
     return figures
+
+
+def _cpu_figures(section: str, runs: dict[str, list[dict]], gb: float) -> list[Figure]:
+    """CPU-s per GB of payload, all processes: sparkbus's against the hand-off's; sparkbus's per process group."""
+    def per_gb(way: str, groups: Any = None) -> list[float]:
+        return [sum(v for k, v in r["cpu"].items() if groups is None or k in groups) / gb for r in runs[way]]
+
+    limit = figure(section, "Arrow hand-off CPU-s per GB", per_gb("hand-off"), "CPU-s/GB")
+    return [limit, figure(section, "sparkbus CPU-s per GB", per_gb("sparkbus"), "CPU-s/GB", limit),
+            *(figure(section, f"sparkbus CPU-s per GB, {group}", per_gb("sparkbus", (group,)), "CPU-s/GB")
+              for group in runs["sparkbus"][0]["cpu"])]

@@ -17,7 +17,7 @@ Measure how fast sparkbus moves data on this machine, each figure beside an anch
 
   hop    one hop through the broker: batches of 2^10, 2^16 and 2^20 bytes from a sender process to a
          receiver process over loopback TCP; MB/s (and batches/s for the smallest) against zmq.proxy,
-         the C broker of libzmq, the most a hop can do
+         the C broker of libzmq, the most a hop can do; at 2^20, the CPU-s per GB of each process
   e2e    end to end: a cached Spark dataframe (id + 64 float32 features) in local mode, fed through a
          broker to 2 ranks; rows/s against Spark's own hand-off to Python (mapInArrow, nothing done: no
          sink is faster), and the time to the first and the last batch against staging it as Parquet

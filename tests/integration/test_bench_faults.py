@@ -1,9 +1,9 @@
 """The fault table of the benchmark (figure 11, ``--only faults``) at its quick size: every kind has its row.
 
 Its figures are a report, not asserted: only that every kind has its row, each with counts that add up (or, for
-the link cut where this machine does not allow network namespaces, the reason it was skipped), and that the table
-in RESULTS.md has a row per kind with its ratios to the rows fed. The rows of a standalone cluster (an executor's
-JVM killed, a Worker host lost) are not in ``--quick``: listed as skipped, with the reason.
+the link cut where this machine does not allow network namespaces, the reason it was skipped), and that its figures
+have, per kind, the rows lost and trained twice against the rows fed. The rows of a standalone cluster (an
+executor's JVM killed, a Worker host lost) are not in ``--quick``: listed as skipped, with the reason.
 """
 
 import json
@@ -41,10 +41,10 @@ def test_the_fault_table_runs_at_its_quick_size(tmp_path):
     assert rows["none"]["faults"] == 0
     for kind in CLUSTER_KINDS:
         assert "--quick" in rows[kind]["skipped"], rows[kind]
-    report = (tmp_path / "RESULTS.md").read_text()
-    table = report.split("\n## 11. a fault table\n")[1].split("\n### ")[1].splitlines()
-    header = [c.strip() for c in table[2].strip("|").split(" | ")]
-    cells = [[c.strip() for c in line.strip("|").split(" | ")] for line in table[4:] if line.startswith("| ")]
-    assert len(cells) == len(rows) and all(len(line) == len(header) for line in cells)
-    measured = [dict(zip(header, line)) for line in cells if line[1] != "skipped"]
-    assert measured and all(float(line["lost / fed"]) >= 0 and float(line["twice / fed"]) >= 0 for line in measured)
+    # its figures: per kind measured, the rows fed, and the rows lost and trained twice against them
+    figures = {f["name"]: f for f in map(json.loads, (tmp_path / "figures.jsonl").read_text().splitlines())}
+    for kind, row in rows.items():
+        if "skipped" not in row:
+            assert figures[f"{kind}: rows fed"]["value"] == row["rows_fed"]
+            for what in ("lost", "trained twice"):
+                assert figures[f"{kind}: rows {what}"]["anchor"] == f"{kind}: rows fed"
