@@ -27,7 +27,7 @@ class EpochOpened:
     commit: str = "end"        # protocol.COMMIT_MODES
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)     # not frozen: the feed's hot path makes one per batch, and a frozen one costs twice that
 class BatchArrived:
     """A validated BATCH (applied: kept, queued or dropped by the rules). ``frames``: header frame first.
 

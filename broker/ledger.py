@@ -91,7 +91,7 @@ class Ledger:
             self.observe(JournalRecorder(journal))
         parts = self.partitions
         self._appliers: dict[type, Callable[[Any], list[Reply] | None]] = {
-            EpochOpened: parts.opened, BatchArrived: lambda e: parts.arrived(e.header, e.frames, e.header_bytes),
+            EpochOpened: parts.opened, BatchArrived: parts.arrived,
             PartitionCommitted: parts.committed,
             PartitionClaimed: parts.claimed, EpochClosed: parts.closed, BatchesAcked: self._acked_while_away}
         self._away: dict[tuple[str, int], set[tuple[int, ...]]] = {}     # replay: acked ids per epoch
@@ -152,14 +152,14 @@ class Ledger:
         return self.partitions.close_epoch(name, number, partitions, expected)
 
     def accept_batch(self, header: dict, frames: list[Any], header_bytes: bytes | None = None) -> list[Reply]:
-        """Keep, forward or drop one validated BATCH: ``apply(BatchArrived(header, frames, header_bytes))``, without
-        the event object (the feed's hot path: :meth:`Partitions.arrived` is that event's applier). ``header_bytes``:
-        the header as it came (default ``frames[0]``'s bytes), for the journal. Returns the commits it completes.
+        """Keep, forward or drop one validated BATCH: ``apply(BatchArrived(header, frames, header_bytes))``, the
+        feed's hot path. ``header_bytes``: the header as it came (default ``frames[0]``'s bytes), for the journal.
+        Returns the commits it completes.
 
         Raises:
             Rejected: no such open epoch, out-of-range numbers, or the same attempt sent this seq before.
         """
-        return self.partitions.arrived(header, frames, header_bytes)
+        return self.apply(BatchArrived(header, frames, header_bytes))
 
     def claim_partition(self, h: dict) -> int:
         return self.partitions.claim_partition(h)

@@ -168,15 +168,15 @@ class Partitions:
 
     # ---- batches and partitions -------------------------------------------------------------------------
 
-    def arrived(self, header: dict, frames: list[Any], header_bytes: bytes | None = None) -> list[Reply]:
-        """Keep, forward or drop one validated BATCH: the applier of :class:`~broker.events.BatchArrived`, taking
-        its fields (the feed's hot path makes no event object unless someone observes it). Observers hear of it
-        once taken (the journal: its header, ``header_bytes`` or ``frames[0]``'s, and its payload if kept).
-        Returns the commits it completes.
+    def arrived(self, event: BatchArrived) -> list[Reply]:
+        """Keep, forward or drop one validated BATCH: the applier of :class:`~broker.events.BatchArrived`. Observers
+        hear of it once taken, with ``kept`` (the journal: its header, ``header_bytes`` or ``frames[0]``'s, and its
+        payload if kept). Returns the commits it completes.
 
         Raises:
             Rejected: no such open epoch, out-of-range numbers, or the same attempt sent this seq before.
         """
+        header, frames = event.header, event.frames
         books = self.books
         stream = books.streams.get(header["stream"])
         ep = stream.epochs.get(header["epoch"]) if stream else None
@@ -225,7 +225,7 @@ class Partitions:
             if known is None:
                 part.diverged = True    # a seq the committed attempt never sent
         if books.observers:              # every batch taken (its payload if kept): the journal's
-            books.emit(BatchArrived(header, frames, header_bytes, kept=keep))
+            books.emit(BatchArrived(header, frames, event.header_bytes, kept=keep))
         pending = part.pending.get(attempt)
         if pending is not None and len(seen) >= pending.batches:
             return self._attempt_complete(stream, ep, number, attempt)
