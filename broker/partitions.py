@@ -119,9 +119,14 @@ class Partitions:
                                 f"finish earlier epochs first, or spread the streams over more brokers")
 
     def opened(self, event: EpochOpened) -> None:
-        self.books.stream(event.stream).epochs[event.epoch] = EpochState(event.epoch, event.partitions,
-                                                                         event.delivery, commit=event.commit)
+        self.open_state(event)
         self.books.emit(event)
+
+    def open_state(self, event: EpochOpened) -> EpochState:
+        """The epoch's state, new: :meth:`opened` without the event observed (an EPOCH_RECOVER's own is)."""
+        ep = self.books.stream(event.stream).epochs[event.epoch] = EpochState(event.epoch, event.partitions,
+                                                                              event.delivery, commit=event.commit)
+        return ep
 
     def close_epoch(self, name: str, number: int, partitions: int, expected: int | None = None) -> list[int]:
         """EPOCH_CLOSE, once the ``expected`` partitions streamed through this broker are committed (all of them
