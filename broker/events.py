@@ -31,8 +31,8 @@ class EpochOpened:
 class BatchArrived:
     """A validated BATCH (applied: kept, queued or dropped by the rules). ``frames``: header frame first.
 
-    Observers see it once the rules took it, with ``kept``: whether they kept its payload (the journal writes the
-    payload then, else the header alone)."""
+    Observers see it once the rules took it, with ``kept`` set by its applier: whether they kept its payload (the
+    journal writes the payload then, else the header alone)."""
 
     header: dict[str, Any]
     frames: list[Any]

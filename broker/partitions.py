@@ -214,7 +214,7 @@ class Partitions:
         keep = part.committed_attempt is None and (known is None or ep.delivery == "atomic")
         if keep:
             splits = header.get("splits")
-            batch = HeldBatch(protocol.batch_id(header), frames, sum(len(f) for f in frames), header["rows"],
+            batch = HeldBatch(protocol.batch_id(header), frames, sum(map(len, frames)), header["rows"],
                               count=1 if splits is None else len(splits))
             part.checksums.setdefault(seq, checksum)
             atomic = ep.delivery == "atomic"
@@ -230,7 +230,8 @@ class Partitions:
             if known is None:
                 part.diverged = True    # a seq the committed attempt never sent
         if books.observers:              # every batch taken (its payload if kept): the journal's
-            books.emit(BatchArrived(header, frames, event.header_bytes, kept=keep))
+            event.kept = keep
+            books.emit(event)
         pending = part.pending.get(attempt)
         if pending is not None and len(seen) >= pending.batches:
             return self._attempt_complete(stream, ep, number, attempt)
