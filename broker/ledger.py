@@ -99,7 +99,7 @@ class Ledger:
             PartitionClaimed: parts.claimed, EpochClosed: parts.closed, BatchesAcked: self._acked_while_away,
             EpochRecovering: self.recovery.recover, BatchesReclaimed: self.recovery.reclaimed}
         self._away: dict[tuple[str, int], set[tuple[int, ...]]] = {}     # replay: acked ids per epoch
-        self.replay_refused: dict[str, int] = {}     # replay: batch records the rules refused, by reason
+        self.replay_refused: dict[str, int] = {}     # replay: records the rules refused, by reason (or event)
 
     # ---- the state, as the daemon and the tests read it: the books' own ------------------------------------
 
@@ -156,8 +156,8 @@ class Ledger:
         return self.partitions.close_epoch(name, number, partitions, expected)
 
     def accept_batch(self, header: dict, frames: list[Any], header_bytes: bytes | None = None) -> list[Reply]:
-        """Keep, forward or drop one validated BATCH: ``apply(BatchArrived(header, frames, header_bytes))``, the
-        feed's hot path. ``header_bytes``: the header as it came (default ``frames[0]``'s bytes), for the journal.
+        """Keep, forward or drop one validated BATCH: ``apply(BatchArrived(header, frames, header_bytes))``, as the
+        daemon's feed does. ``header_bytes``: the header as it came (default ``frames[0]``'s bytes), for the journal.
         Returns the commits it completes.
 
         Raises:
