@@ -30,6 +30,7 @@ import zmq
 
 from sparkbus.broker.books import Outcome
 from sparkbus.broker.config import BrokerConfig
+from sparkbus.broker.events import BatchArrived
 from sparkbus.broker.figures import Figures
 from sparkbus.broker.guard import Guard
 from sparkbus.broker.journal import Journal
@@ -246,7 +247,7 @@ class Broker:
             if header["kind"] != Kind.BATCH:
                 raise ProtocolError(f"{header['kind'].name} is not accepted on the feed socket")
             protocol.check_batch_frames(header, [len(f) for f in frames[1:]])
-            replies = self.ledger.accept_batch(header, frames, header_bytes if self.ledger.journal else None)
+            replies = self.ledger.apply(BatchArrived(header, frames, header_bytes if self.ledger.journal else None))
         except VersionMismatch as exc:
             return self._reject("feed", "version", exc.reason)
         except ProtocolError as exc:

@@ -27,12 +27,12 @@ class EpochOpened:
     commit: str = "end"        # protocol.COMMIT_MODES
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)     # not frozen: the feed's hot path makes one per batch, and a frozen one costs twice that
 class BatchArrived:
     """A validated BATCH (applied: kept, queued or dropped by the rules). ``frames``: header frame first.
 
-    Observers see it once the rules took it, with ``kept``: whether they kept its payload (the journal writes the
-    payload then, else the header alone)."""
+    Observers see it once the rules took it, with ``kept`` set by its applier: whether they kept its payload (the
+    journal writes the payload then, else the header alone)."""
 
     header: dict[str, Any]
     frames: list[Any]
@@ -88,6 +88,42 @@ class BatchesAcked:
 
 
 @dataclass(frozen=True, slots=True)
+class EpochRecovering:
+    """An EPOCH_RECOVER applied: the epoch streamed again from Spark (``broker.recovery``). ``carries`` and
+    ``recovered``: flat ranges, as on the wire; ``reset``: a resume, what the broker had of it forgotten first."""
+
+    stream: str
+    epoch: int
+    partitions: int
+    delivery: str
+    commit: str
+    carries: list[int]
+    recovered: list[int]
+    lost: list[str]
+    reset: bool
+
+    @classmethod
+    def of(cls, h: dict[str, Any]) -> EpochRecovering:
+        """The event of an EPOCH_RECOVER's (validated) header."""
+        return cls(h["stream"], h["epoch"], h["partitions"], h["delivery"], h.get("commit", "end"), h["carries"],
+                   h["recovered"], h["lost"], h["reset"])
+
+
+@dataclass(frozen=True, slots=True)
+class BatchesReclaimed:
+    """A RECLAIM applied: what the rank ``member`` (rank number ``rank``) used of an epoch of the broker ``lost``
+    lost (``""``: a resume), ``protocol.UsedEntry`` each, and the rows it used of batches (``cuts``)."""
+
+    stream: str
+    epoch: int
+    lost: str
+    member: str
+    rank: int
+    entries: list[tuple[int, int, int, int, int]]
+    cuts: tuple[tuple[int, int, int, int, int, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class EpochRetired:
     """Observed: an epoch delivered and acknowledged, dropped from the ledger with its figures."""
 
@@ -97,7 +133,8 @@ class EpochRetired:
 
 
 # What the ledger applies (live, and on replay from the journal's records) ...
-Applied = EpochOpened | BatchArrived | PartitionCommitted | PartitionClaimed | EpochClosed | BatchesAcked
+Applied = (EpochOpened | BatchArrived | PartitionCommitted | PartitionClaimed | EpochClosed | BatchesAcked
+           | EpochRecovering | BatchesReclaimed)
 # ... and what its observers see: those, once applied, and epochs retired.
 Event = Applied | EpochRetired
 Observer = Callable[[Event], None]
@@ -116,8 +153,18 @@ class JournalRecorder:
             PartitionClaimed: lambda e: journal.record_claim(e.stream, e.epoch, e.part, e.broker),
             EpochClosed: lambda e: journal.record_close(e.stream, e.epoch, e.partitions),
             BatchesAcked: lambda e: journal.record_acks(e.stream, e.epoch, e.ids),
+            EpochRecovering: self._recovering,
+            BatchesReclaimed: lambda e: journal.record_reclaim(e.stream, e.epoch, e.lost, e.member, e.rank,
+                                                               e.entries, e.cuts),
             EpochRetired: lambda e: journal.record_retired(e.stream, e.epoch, e.stats),
         }
+
+    def _recovering(self, e: EpochRecovering) -> None:
+        if e.reset:             # the epochs after it are forgotten, and would come back from their files
+            self.journal.forget_after(e.stream, e.epoch)
+        self.journal.record_recover(e.stream, e.epoch, partitions=e.partitions, delivery=e.delivery,
+                                    commit=e.commit, carries=e.carries, recovered=e.recovered, lost=e.lost,
+                                    reset=e.reset)
 
     def __call__(self, event: Event) -> None:
         write = self._write.get(type(event))
@@ -126,7 +173,7 @@ class JournalRecorder:
 
 
 def replayed_events(replayed: ReplayedEpoch) -> Iterator[Applied]:
-    """The events one epoch's journal records stand for, in order. Nothing before the epoch's ``open``."""
+    """The events one epoch's journal records stand for, in order."""
     stream, epoch = replayed.stream, replayed.epoch
     for record in replayed.records:
         kind = record["t"]
@@ -143,3 +190,10 @@ def replayed_events(replayed: ReplayedEpoch) -> Iterator[Applied]:
             yield PartitionClaimed(stream, epoch, record["part"], record["broker"])
         elif kind is Record.ACK:
             yield BatchesAcked(stream, epoch, record["ids"])
+        elif kind is Record.RECOVER:
+            yield EpochRecovering(stream, epoch, record["partitions"], record["delivery"], record["commit"],
+                                  record["carries"], record["recovered"], record["lost"], record["reset"])
+        elif kind is Record.RECLAIM:
+            yield BatchesReclaimed(stream, epoch, record["lost"], record["member"], record["rank"],
+                                   [tuple(e) for e in record["entries"]],
+                                   tuple(tuple(c) for c in record["cuts"]))

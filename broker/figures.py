@@ -28,7 +28,7 @@ class EpochFigures(TypedDict):
     batches_in: int          # taken from the feed, first copies (a pack counts its batches)
     bytes_in: int
     rows_in: int
-    batches_out: int         # in the ranks' hands now: sent, less those requeued after their rank died
+    batches_out: int         # given out, less those requeued after their rank died: consumed or in the ranks' hands
     bytes_out: int
     rows_out: int
     batches_handed: int      # handed to ranks, a requeued batch counting once: only ever grows (the metrics')

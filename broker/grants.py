@@ -40,6 +40,15 @@ from sparkbus.wire.protocol import Kind
 log = logging.getLogger("sparkbus.broker")
 
 
+def midway(stream: StreamState, ep: EpochState) -> bool:
+    """Whether ``ep`` is in the middle of being consumed: some of it in the ranks' hands, and some consumed (given out
+    and no longer in flight, or the used batches of a pack still in flight)."""
+    if not ep.in_flight:
+        return False
+    return ep.batches_out > ep.in_flight or any(
+        b.used > b.first for r in stream.members() for i, b in r.inflight.items() if i[0] == ep.epoch)
+
+
 class Grants:
     """STEPS, RELEASE and RETURN: equal steps for a stream's ranks, granted by the broker.
 
@@ -84,7 +93,7 @@ class Grants:
         if grants and h["size"] != stream.group_size and stream.group_size:
             ep = stream.delivering()
             resumes = h.get("resumes")       # a rank resuming this epoch from its group's checkpoint: its feed
-            if ep is not None and ep.acked and not ep.all_acked and resumes != ep.epoch:     # resets the epoch
+            if ep is not None and midway(stream, ep) and resumes != ep.epoch:     # a resume resets the epoch
                 raise ProtocolError(
                     f"stream {stream.name!r} is in the middle of epoch {ep.epoch} ({ep.acked} batches consumed by "
                     f"a group of {stream.group_size} ranks): a group of {h['size']} ranks can join it only at an "

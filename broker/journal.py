@@ -5,7 +5,9 @@ Per stream and epoch there are two append-only files:
 - ``epoch-<n>.log``: records, each a 4-byte little-endian length, the CRC-32 of the body (4 bytes) and the
   body, a msgpack map whose ``t`` is a :class:`Record` kind: ``open`` (partitions, delivery, commit), ``batch`` (the
   header frame, where its payload lies in the data file), ``commit`` (partition, attempt), ``claim`` (partition,
-  broker), ``close``, ``ack`` (batch ids).
+  broker), ``close``, ``ack`` (batch ids), ``recover`` (an EPOCH_RECOVER's fields), ``reclaim`` (a rank's RECLAIM:
+  the loss, the rank's session and number, what it used). A ``recover`` with ``reset`` deletes the files of the
+  stream's later epochs (the reset forgets them).
 - ``epoch-<n>.data``: the batches' column frames, back to back.
 
 The ledger does not call this module: its observer ``broker.events.JournalRecorder`` writes the events it applies,
@@ -62,6 +64,8 @@ class Record(str, Enum):
     CLOSE = "close"      # the epoch was closed (partitions: its count, if below the open's upper bound)
     ACK = "ack"          # batches were acknowledged by a rank: ids
     CLAIM = "claim"      # the broker (an index in the feed's list) that streams a partition: part, broker
+    RECOVER = "recover"  # EPOCH_RECOVER: partitions, delivery, commit, carries, recovered, lost, reset
+    RECLAIM = "reclaim"  # a rank's RECLAIM: lost, member, rank, entries, cuts
 
 
 class EpochRanges(PartitionRanges):
@@ -218,6 +222,31 @@ class Journal:
         files = self._files_for(stream, epoch)
         self._append(files, Record.CLOSE, **({} if partitions is None else {"partitions": partitions}))
         self._sync(files)
+
+    def record_recover(self, stream: str, epoch: int, **fields: Any) -> None:
+        files = self._files_for(stream, epoch)
+        self._append(files, Record.RECOVER, **fields)
+        self._sync(files)
+
+    def record_reclaim(self, stream: str, epoch: int, lost: str, member: str, rank: int,
+                       entries: list[tuple[int, int, int, int, int]],
+                       cuts: tuple[tuple[int, int, int, int, int, int], ...]) -> None:
+        files = self._files_for(stream, epoch)
+        # not synced here: a RECLAIM is not answered, and a restarted broker's LOST asks for one it lacks
+        self._append(files, Record.RECLAIM, lost=lost, member=member, rank=rank, entries=entries, cuts=cuts)
+
+    def forget_after(self, stream: str, epoch: int) -> None:
+        """Delete the files of ``stream``'s epochs after ``epoch`` (a resume at ``epoch`` forgot them)."""
+        for (name, number), files in list(self._files.items()):
+            if name == stream and number > epoch:
+                del self._files[(name, number)]
+                os.close(files.log_fd)
+                os.close(files.data_fd)
+        folder = self._epoch_dir(stream)
+        if folder.is_dir():
+            for path in folder.glob("epoch-*.*"):
+                if int(path.stem.split("-")[1]) > epoch:
+                    path.unlink(missing_ok=True)
 
     def record_acks(self, stream: str, epoch: int, ids: list[list[int]]) -> None:
         self._append(self._files_for(stream, epoch), Record.ACK, ids=ids)

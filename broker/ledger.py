@@ -33,8 +33,10 @@ from sparkbus.broker.events import (
     Applied,
     BatchArrived,
     BatchesAcked,
+    BatchesReclaimed,
     EpochClosed,
     EpochOpened,
+    EpochRecovering,
     JournalRecorder,
     Observer,
     PartitionClaimed,
@@ -49,6 +51,7 @@ from sparkbus.broker.recovery import Recovery
 from sparkbus.broker.rejoin import MissedEnd, Rejoin, check_rank_hello
 from sparkbus.broker.state import BatchId, EpochState, HeldBatch, RankState, StreamState
 from sparkbus.wire import protocol
+from sparkbus.wire.errors import ProtocolError
 
 log = logging.getLogger("sparkbus.broker")
 T = TypeVar("T")
@@ -91,11 +94,12 @@ class Ledger:
             self.observe(JournalRecorder(journal))
         parts = self.partitions
         self._appliers: dict[type, Callable[[Any], list[Reply] | None]] = {
-            EpochOpened: parts.opened, BatchArrived: lambda e: parts.arrived(e.header, e.frames, e.header_bytes),
+            EpochOpened: parts.opened, BatchArrived: parts.arrived,
             PartitionCommitted: parts.committed,
-            PartitionClaimed: parts.claimed, EpochClosed: parts.closed, BatchesAcked: self._acked_while_away}
+            PartitionClaimed: parts.claimed, EpochClosed: parts.closed, BatchesAcked: self._acked_while_away,
+            EpochRecovering: self.recovery.recover, BatchesReclaimed: self.recovery.reclaimed}
         self._away: dict[tuple[str, int], set[tuple[int, ...]]] = {}     # replay: acked ids per epoch
-        self.replay_refused: dict[str, int] = {}     # replay: batch records the rules refused, by reason
+        self.replay_refused: dict[str, int] = {}     # replay: records the rules refused, by reason (or event)
 
     # ---- the state, as the daemon and the tests read it: the books' own ------------------------------------
 
@@ -152,14 +156,14 @@ class Ledger:
         return self.partitions.close_epoch(name, number, partitions, expected)
 
     def accept_batch(self, header: dict, frames: list[Any], header_bytes: bytes | None = None) -> list[Reply]:
-        """Keep, forward or drop one validated BATCH: ``apply(BatchArrived(header, frames, header_bytes))``, without
-        the event object (the feed's hot path: :meth:`Partitions.arrived` is that event's applier). ``header_bytes``:
-        the header as it came (default ``frames[0]``'s bytes), for the journal. Returns the commits it completes.
+        """Keep, forward or drop one validated BATCH: ``apply(BatchArrived(header, frames, header_bytes))``, as the
+        daemon's feed does. ``header_bytes``: the header as it came (default ``frames[0]``'s bytes), for the journal.
+        Returns the commits it completes.
 
         Raises:
             Rejected: no such open epoch, out-of-range numbers, or the same attempt sent this seq before.
         """
-        return self.partitions.arrived(header, frames, header_bytes)
+        return self.apply(BatchArrived(header, frames, header_bytes))
 
     def claim_partition(self, h: dict) -> int:
         return self.partitions.claim_partition(h)
@@ -173,11 +177,13 @@ class Ledger:
     # ---- recovery -------------------------------------------------------------------------------------------
 
     def recover_epoch(self, h: dict) -> None:
-        self.recovery.recover_epoch(h)
+        """EPOCH_RECOVER (:meth:`Recovery.recover`), applied as an :class:`EpochRecovering`."""
+        self.apply(EpochRecovering.of(h))
 
     def reclaim(self, rank: RankState, h: dict, entries: list[protocol.UsedEntry],
                 cuts: Iterable[tuple[int, int, int, int, int, int]] = ()) -> None:
-        self.recovery.reclaim(rank, h, entries, cuts)
+        """RECLAIM from ``rank`` (:meth:`Recovery.reclaimed`), applied as a :class:`BatchesReclaimed`."""
+        self.apply(self.recovery.reclaim(rank, h, entries, cuts))
 
     def send_lost(self, stream: StreamState, transmit: Transmit, only: bytes | None = None) -> None:
         self.recovery.send_lost(stream, transmit, only)
@@ -262,10 +268,12 @@ class Ledger:
     # ---- events: live and replayed --------------------------------------------------------------------------
 
     def apply(self, event: Applied) -> list[Reply]:
-        """Apply one event as the rules do live (the replies are those owed to tasks, if any).
+        """Apply one event as the rules do live: its applier checks it, changes the state, then hands it to the
+        observers (the replies are those owed to tasks, if any).
 
         Raises:
             Rejected: a batch the rules drop.
+            ProtocolError: an event the rules refuse (an EPOCH_RECOVER, a RECLAIM), nothing changed.
         """
         return self._appliers[type(event)](event) or []
 
@@ -306,26 +314,28 @@ class Ledger:
         observers, self.books.observers = self.books.observers, []
         try:
             for replayed in self.journal.replay():
-                if replayed.epoch in self.stream(replayed.stream).finished:
-                    continue
-                events = replayed_events(replayed)
-                first = next(events, None)
-                if not isinstance(first, EpochOpened):
-                    continue                 # nothing before the epoch's open is worth anything
-                self.apply(first)
+                events = list(replayed_events(replayed))
+                reset = any(isinstance(e, EpochRecovering) and e.reset for e in events)
+                if replayed.epoch in self.stream(replayed.stream).finished and not reset:
+                    continue                 # delivered (a resume's reset forgets that: its records follow)
+                started = False              # before the epoch's open (or recover), only reclaims are worth anything
                 for event in events:
+                    started = started or isinstance(event, EpochOpened | EpochRecovering)
+                    if not started and not isinstance(event, BatchesReclaimed):
+                        continue
                     try:
                         self.apply(event)
-                    except Rejected as exc:  # as live: dropped by the rules, and counted
-                        self.replay_refused[exc.reason] = self.replay_refused.get(exc.reason, 0) + 1
-                        log.debug("journal replay: stream %r epoch %d: a batch refused (%s): %s", replayed.stream,
-                                  replayed.epoch, exc.reason, exc)
+                    except (Rejected, ProtocolError) as exc:  # as live: refused by the rules, and counted
+                        reason = exc.reason if isinstance(exc, Rejected) else type(event).__name__
+                        self.replay_refused[reason] = self.replay_refused.get(reason, 0) + 1
+                        log.debug("journal replay: stream %r epoch %d: a record refused (%s): %s", replayed.stream,
+                                  replayed.epoch, reason, exc)
                 self._settle_acked(replayed.stream, replayed.epoch)
         finally:
             self.books.observers = observers
             self._away.clear()
         if self.replay_refused:
-            log.warning("journal replay: the rules refused %d batch records (%s)", sum(self.replay_refused.values()),
+            log.warning("journal replay: the rules refused %d records (%s)", sum(self.replay_refused.values()),
                         ", ".join(f"{n} {reason}" for reason, n in sorted(self.replay_refused.items())))
         restored = sum(len(e.queue) for s in self.streams.values() for e in s.epochs.values())
         log.info("journal replayed: %d epochs, %d unacknowledged batches to deliver",

@@ -119,9 +119,14 @@ class Partitions:
                                 f"finish earlier epochs first, or spread the streams over more brokers")
 
     def opened(self, event: EpochOpened) -> None:
-        self.books.stream(event.stream).epochs[event.epoch] = EpochState(event.epoch, event.partitions,
-                                                                         event.delivery, commit=event.commit)
+        self.open_state(event)
         self.books.emit(event)
+
+    def open_state(self, event: EpochOpened) -> EpochState:
+        """The epoch's state, new: :meth:`opened` without the event observed (an EPOCH_RECOVER's own is)."""
+        ep = self.books.stream(event.stream).epochs[event.epoch] = EpochState(event.epoch, event.partitions,
+                                                                              event.delivery, commit=event.commit)
+        return ep
 
     def close_epoch(self, name: str, number: int, partitions: int, expected: int | None = None) -> list[int]:
         """EPOCH_CLOSE, once the ``expected`` partitions streamed through this broker are committed (all of them
@@ -168,15 +173,15 @@ class Partitions:
 
     # ---- batches and partitions -------------------------------------------------------------------------
 
-    def arrived(self, header: dict, frames: list[Any], header_bytes: bytes | None = None) -> list[Reply]:
-        """Keep, forward or drop one validated BATCH: the applier of :class:`~broker.events.BatchArrived`, taking
-        its fields (the feed's hot path makes no event object unless someone observes it). Observers hear of it
-        once taken (the journal: its header, ``header_bytes`` or ``frames[0]``'s, and its payload if kept).
-        Returns the commits it completes.
+    def arrived(self, event: BatchArrived) -> list[Reply]:
+        """Keep, forward or drop one validated BATCH: the applier of :class:`~broker.events.BatchArrived`. Observers
+        hear of it once taken, with ``kept`` (the journal: its header, ``header_bytes`` or ``frames[0]``'s, and its
+        payload if kept). Returns the commits it completes.
 
         Raises:
             Rejected: no such open epoch, out-of-range numbers, or the same attempt sent this seq before.
         """
+        header, frames = event.header, event.frames
         books = self.books
         stream = books.streams.get(header["stream"])
         ep = stream.epochs.get(header["epoch"]) if stream else None
@@ -209,7 +214,7 @@ class Partitions:
         keep = part.committed_attempt is None and (known is None or ep.delivery == "atomic")
         if keep:
             splits = header.get("splits")
-            batch = HeldBatch(protocol.batch_id(header), frames, sum(len(f) for f in frames), header["rows"],
+            batch = HeldBatch(protocol.batch_id(header), frames, sum(map(len, frames)), header["rows"],
                               count=1 if splits is None else len(splits))
             part.checksums.setdefault(seq, checksum)
             atomic = ep.delivery == "atomic"
@@ -225,7 +230,8 @@ class Partitions:
             if known is None:
                 part.diverged = True    # a seq the committed attempt never sent
         if books.observers:              # every batch taken (its payload if kept): the journal's
-            books.emit(BatchArrived(header, frames, header_bytes, kept=keep))
+            event.kept = keep
+            books.emit(event)
         pending = part.pending.get(attempt)
         if pending is not None and len(seen) >= pending.batches:
             return self._attempt_complete(stream, ep, number, attempt)

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from sparkbus.broker.books import MAX_STREAM_NAME, Books, Outcome, RankGone, Transmit
-from sparkbus.broker.events import EpochOpened
+from sparkbus.broker.events import BatchesReclaimed, EpochOpened, EpochRecovering
 from sparkbus.broker.journal import DeliveredEpochs, EpochRanges
 from sparkbus.broker.matching import RESUME, Matching
 from sparkbus.broker.partitions import MAX_PARTITIONS, Partitions, check_modes
@@ -64,33 +64,34 @@ class Recovery:
 
     # ---- EPOCH_RECOVER ------------------------------------------------------------------------------------
 
-    def recover_epoch(self, h: dict) -> None:
-        """EPOCH_RECOVER: stream ``carries`` of the epoch from now on; hold and match the batches of ``recovered``
-        against the ranks' RECLAIMs for every loss in ``lost``. Opens the epoch if this broker does not know it;
-        ``reset`` drops what it had of it first, delivered or not (a resume). Several add up.
+    def recover(self, event: EpochRecovering) -> None:
+        """EPOCH_RECOVER (the applier of :class:`~broker.events.EpochRecovering`): stream ``carries`` of the epoch
+        from now on; hold and match the batches of ``recovered`` against the ranks' RECLAIMs for every loss in
+        ``lost``. Opens the epoch if this broker does not know it; ``reset`` drops what it had of it first, delivered
+        or not (a resume). Several add up.
 
         Raises:
             ProtocolError: numbers out of range, bad ranges, ``recovered`` not within ``carries``, another delivery,
                 or partitions to recover of an epoch whose end already went out here (without ``reset``).
         """
-        name, number, partitions, delivery = h["stream"], h["epoch"], h["partitions"], h["delivery"]
-        commit = h.get("commit", "end")
+        name, number, partitions, delivery = event.stream, event.epoch, event.partitions, event.delivery
+        commit, reset = event.commit, event.reset
         if not 0 <= partitions <= MAX_PARTITIONS or number < 0:
             raise ProtocolError(f"epoch {number} with {partitions} partitions is out of range")
         check_modes(delivery, commit)
-        lost = h["lost"]
+        lost = event.lost
         if len(lost) > MAX_LOSSES or not all(type(loss) is str and len(loss) <= MAX_INCARNATION for loss in lost):
             raise ProtocolError(f"EPOCH_RECOVER's lost must be a list of at most {MAX_LOSSES} incarnations, strings "
                                 f"of at most {MAX_INCARNATION} characters")
         stream = self.books.stream(name)
         ep = stream.epochs.get(number)
-        limit = ep.partitions if ep is not None and not h["reset"] else partitions
-        carries = PartitionRanges(protocol.range_pairs(h["carries"], limit))
-        recovered = carries if h["reset"] else PartitionRanges(protocol.range_pairs(h["recovered"], limit))
+        limit = ep.partitions if ep is not None and not reset else partitions
+        carries = PartitionRanges(protocol.range_pairs(event.carries, limit))
+        recovered = carries if reset else PartitionRanges(protocol.range_pairs(event.recovered, limit))
         if not recovered <= carries:
             raise ProtocolError("EPOCH_RECOVER's recovered partitions must be among those it carries")
-        self._check_recovery_bounds(stream, number, h["reset"], lost, carries, recovered)
-        if h["reset"]:
+        self._check_recovery_bounds(stream, number, reset, lost, carries, recovered)
+        if reset:
             self._rewind(stream, number)
             lost = [RESUME, *(loss for loss in lost if loss != RESUME)]
             ep = None
@@ -103,12 +104,11 @@ class Recovery:
                 raise ProtocolError(f"stream {name!r} has already delivered epoch {number} here: its partitions "
                                     f"can be recovered only with reset (a resume), or at another broker")
             return                        # nothing new for this broker: it carries what it had
-        if ep is None:
-            self.partitions.opened(EpochOpened(name, number, partitions, delivery, commit))
-            ep = stream.epochs[number]
+        if ep is None:           # opened by this event: its record is the journal's (no ``open`` before it)
+            ep = self.partitions.open_state(EpochOpened(name, number, partitions, delivery, commit))
         rec = ep.recovery
         if rec is None:
-            rec = ep.recovery = EpochRecovery(carries, recovered, [], reset=h["reset"])
+            rec = ep.recovery = EpochRecovery(carries, recovered, [], reset=reset)
         else:
             rec.carries |= carries
             rec.recovered |= recovered
@@ -118,7 +118,8 @@ class Recovery:
             ep.closed = False             # more partitions come: the driver closes it again
         log.info("stream %r epoch %d recovering: %d partitions carried, %d recovered, losses %s%s", name, number,
                  len(rec.carries), len(rec.recovered), ", ".join(repr(loss) for loss in rec.lost),
-                 " (reset)" if h["reset"] else "")
+                 " (reset)" if reset else "")
+        self.books.emit(event)
 
     def _check_recovery_bounds(self, stream: StreamState, number: int, reset: bool, lost: list[str],
                                carries: PartitionRanges, recovered: PartitionRanges) -> None:
@@ -185,14 +186,27 @@ class Recovery:
     # ---- RECLAIM and LOST -----------------------------------------------------------------------------------
 
     def reclaim(self, rank: RankState, h: dict, entries: list[protocol.UsedEntry],
-                cuts: Iterable[tuple[int, int, int, int, int, int]] = ()) -> None:
-        """RECLAIM: what ``rank`` used of ``h["epoch"]`` of the broker ``h["lost"]`` lost (all its lost entries of
-        the epoch: it sends them whole each time), and the rows it used of batches it used part of (``cuts``).
-        Kept until the epoch retires, bounded per stream."""
-        stream = self.books.streams[rank.stream]
-        if h["stream"] != stream.name:
-            raise ProtocolError(f"rank {rank.rank} reads stream {stream.name!r}, not {h['stream']!r}")
-        number, loss = h["epoch"], h["lost"]
+                cuts: Iterable[tuple[int, int, int, int, int, int]] = ()) -> BatchesReclaimed:
+        """RECLAIM from ``rank``: the event to apply (:meth:`reclaimed`).
+
+        Raises:
+            ProtocolError: a stream other than the rank's.
+        """
+        if h["stream"] != rank.stream:
+            raise ProtocolError(f"rank {rank.rank} reads stream {rank.stream!r}, not {h['stream']!r}")
+        return BatchesReclaimed(rank.stream, h["epoch"], h["lost"], rank.member, rank.rank, entries, tuple(cuts))
+
+    def reclaimed(self, event: BatchesReclaimed) -> None:
+        """RECLAIM (the applier of :class:`~broker.events.BatchesReclaimed`): what the rank ``event.member`` used of
+        the epoch of the broker ``event.lost`` lost (all its lost entries of the epoch: it sends them whole each
+        time), and the rows it used of batches it used part of (``cuts``). Kept until the epoch retires, bounded
+        per stream.
+
+        Raises:
+            ProtocolError: a bad epoch number or loss name, or one loss too many for the epoch.
+        """
+        stream = self.books.stream(event.stream)
+        number, loss = event.epoch, event.lost
         if number < 0:
             raise ProtocolError(f"epoch {number} is out of range")
         if len(loss) > MAX_INCARNATION:
@@ -203,18 +217,19 @@ class Recovery:
             raise ProtocolError(f"stream {stream.name!r} epoch {number} has the ranks' RECLAIMs of {len(losses)} "
                                 f"losses already, the most the broker keeps ({MAX_LOSSES}): this one is refused")
         members = stream.reclaims.setdefault(number, {}).setdefault(loss, {})
-        members[rank.member] = Reclaimed(rank.rank, entries, tuple(cuts))
+        members[event.member] = Reclaimed(event.rank, event.entries, event.cuts)
         ep = stream.epochs.get(number)
         if ep is not None and ep.recovery is not None:
             ep.recovery.index = ep.recovery.expected = None
-        if h["lost"] == RESUME and (ep is None or ep.recovery is None or not ep.recovery.reset):
+        if loss == RESUME and (ep is None or ep.recovery is None or not ep.recovery.reset):
             # A rank resumes from a checkpoint: the old job's rest of this epoch (or its later epochs) must not
             # reach it. Nothing from this epoch on goes out until the driver's EPOCH_RECOVER(reset) comes.
             if stream.awaiting_reset is None or number < stream.awaiting_reset:
                 stream.awaiting_reset = number
                 log.info("stream %r: rank %d resumes epoch %d; its delivery waits for the epoch's reset",
-                         stream.name, rank.rank, number)
+                         stream.name, event.rank, number)
         self._bound_reclaims(stream)
+        self.books.emit(event)
 
     def _bound_reclaims(self, stream: StreamState) -> None:
         """At most :data:`MAX_RECLAIM_EPOCHS` epochs, :data:`MAX_RECLAIM_RECORDS` RECLAIMs and

@@ -197,6 +197,7 @@ class Rejoin:
 
     def _missed_ends(self, stream: StreamState, ended: int, lost: list[HeldBatch]) -> list[MissedEnd]:
         """Epochs after ``ended`` that ended meanwhile; lost batches of them move from ``lost`` to a resend."""
+        # EPOCH_END's count: what batches_out was when the epoch ended (a retired epoch's, in its figures)
         ends = {n: s["batches_out"] for n, s in stream.finished.items() if n > ended}
         ends.update((n, e.batches_out) for n, e in stream.epochs.items() if n > ended and e.end_sent)
         missed = []
@@ -258,6 +259,7 @@ class Rejoin:
                 used, batch = cut(batch, batch.used)     # its used batches were counted acknowledged already
                 used.settle()                    # the pack's last piece is the one going back: nothing to journal
                 self.books.free(used.nbytes)
+                ep.used_off(used)
             ep.requeue(batch)
 
     def _reopen_if_abandoned(self, stream: StreamState) -> None:

@@ -110,14 +110,19 @@ class EpochState:
     queue: deque[HeldBatch] = field(default_factory=deque)
     closed: bool = False       # EPOCH_CLOSE accepted: every partition is committed
     end_sent: bool = False     # EPOCH_END went to the ranks
+    # Control, read by the rules (each changes in the methods below only):
+    batches_out: int = 0       # given out, net of requeues: consumed, or in the ranks' hands (EPOCH_END's count)
+    in_flight: int = 0         # in the inflight sets of the stream's ranks and lost ranks: the one count of them
+    # Stats, never read to decide: they only grow (``acked`` falls only where broker.dispatch takes back a pack's
+    # batches it had counted used, to count the whole pack at its acknowledgement)
     batches_in: int = 0
     bytes_in: int = 0
     rows_in: int = 0
-    batches_out: int = 0
-    bytes_out: int = 0
-    rows_out: int = 0
-    # the most ever out at once: handed to ranks, a requeued batch counting once (stats; only :meth:`requeue`,
-    # the one place the out counters fall, and :meth:`stats` raise them)
+    bytes_given: int = 0       # counted out (sent, adopted, found at a rank that rejoined), requeues not taken off
+    rows_given: int = 0
+    bytes_back: int = 0        # requeued: :attr:`bytes_out` is what was given less what came back
+    rows_back: int = 0
+    # the most ever out at once: handed to ranks, a requeued batch counting once (only :meth:`requeue` raises it)
     handed: tuple[int, int, int] = (0, 0, 0)
     acked: int = 0
     duplicates: int = 0
@@ -141,14 +146,23 @@ class EpochState:
 
     @property
     def all_acked(self) -> bool:
-        """No batch of this epoch is in flight: every one sent was acknowledged (a requeue undoes its send)."""
-        return self.acked >= self.batches_out
+        """No batch of this epoch is in flight: every one given out was acknowledged (or requeued)."""
+        return not self.in_flight
 
     def delivered(self, even: bool) -> bool:
         """Whether the epoch may end on the ranks: closed and fully sent, and with independent ranks (not
         ``even``) also fully acknowledged, so that batches of a rank that dies still go to the others."""
-        return (self.closed and not self.queue and (even or self.all_acked)
+        return (self.closed and not self.queue and (even or not self.in_flight)
                 and (self.recovery is None or not self.recovery.held))
+
+    @property
+    def bytes_out(self) -> int:
+        """Bytes of the batches :attr:`batches_out` counts (a figure)."""
+        return self.bytes_given - self.bytes_back
+
+    @property
+    def rows_out(self) -> int:
+        return self.rows_given - self.rows_back
 
     @property
     def committed(self) -> set[int]:
@@ -181,7 +195,7 @@ class EpochState:
         """A batch (or piece, counted in already) a rank used before a loss: out and acknowledged at once, never
         sent."""
         self.count_out(batch)
-        self.acked += batch.count
+        self.count_acked(batch)
         self.adopted += batch.count
 
     def count_duplicate(self) -> None:
@@ -190,8 +204,9 @@ class EpochState:
     def count_out(self, batch: HeldBatch) -> None:
         """The batch is in a rank's hands: sent, or found at a rank that rejoined with it."""
         self.batches_out += batch.count
-        self.bytes_out += batch.nbytes
-        self.rows_out += batch.rows
+        self.in_flight += batch.count
+        self.bytes_given += batch.nbytes
+        self.rows_given += batch.rows
 
     def sent(self, batch: HeldBatch) -> None:
         """The batch went out to a rank (again, if it had gone out before): :meth:`resent` and :meth:`count_out`,
@@ -200,8 +215,9 @@ class EpochState:
         if batch.sends > 1:
             self.redelivered += batch.count
         self.batches_out += batch.count
-        self.bytes_out += batch.nbytes
-        self.rows_out += batch.rows
+        self.in_flight += batch.count
+        self.bytes_given += batch.nbytes
+        self.rows_given += batch.rows
 
     def resent(self, batch: HeldBatch) -> None:
         """The batch went out once more, still counted out (to a rank that lost it with its old connection)."""
@@ -214,15 +230,23 @@ class EpochState:
         self.handed = self._handed()
         self.queue.appendleft(batch)
         self.batches_out -= batch.count
-        self.bytes_out -= batch.nbytes
-        self.rows_out -= batch.rows
+        self.in_flight -= batch.count
+        self.bytes_back += batch.nbytes
+        self.rows_back += batch.rows
+
+    def used_off(self, used: HeldBatch) -> None:
+        """The used batches of a pack in flight, cut off as the rest is requeued: out of flight, and consumed
+        (counted acknowledged as the rank said it used them)."""
+        self.in_flight -= used.count
 
     def _handed(self) -> tuple[int, int, int]:
         return (max(self.handed[0], self.batches_out), max(self.handed[1], self.bytes_out),
                 max(self.handed[2], self.rows_out))
 
     def count_acked(self, batch: HeldBatch) -> None:
+        """The batch was consumed: out of flight."""
         self.acked += batch.count
+        self.in_flight -= batch.count
 
     def count_given_twice(self) -> None:
         self.given_twice += 1

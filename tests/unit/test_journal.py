@@ -93,7 +93,12 @@ def snapshot(ledger):
                           for p, part in ep.parts.items()
                           if part.attempts or part.committed_attempt is not None},   # not just a pending end
             }
-        streams[name] = {"epochs": epochs, "finished": stream.finished}
+        for number, ep in stream.epochs.items():
+            rec = ep.recovery
+            epochs[number]["recovery"] = rec and (rec.carries.pairs(), rec.recovered.pairs(), rec.lost, rec.reset,
+                                                  sorted(b.id for b in rec.held), rec.matched)
+        streams[name] = {"epochs": epochs, "finished": stream.finished, "reclaims": stream.reclaims,
+                         "awaiting_reset": stream.awaiting_reset}
     return {"streams": streams, "buffered": ledger.buffered, "held_bytes": ledger.held_bytes}
 
 
@@ -162,6 +167,12 @@ class Script:
             ("rank joins", lambda: join(ledger, b"r", hello())),
             ("window of two: two sent", lambda: deliver(2)),
             ("ack", lambda: ack(ledger, b"r", wire.to(b"r")[:1])),
+            ("a rank's reclaim of a loss", lambda: ledger.reclaim(
+                ledger.rank(b"r"), {"stream": STREAM, "epoch": 0, "lost": "gone", "entries": 1}, [(1, 5, 0, 1, 7)])),
+            ("recovered", lambda: ledger.recover_epoch(
+                {"req": 1, "stream": STREAM, "epoch": 0, "partitions": 2, "delivery": delivery,
+                 "carries": protocol.pack_ranges([0, 1]), "recovered": protocol.pack_ranges([]),
+                 "lost": ["gone"], "reset": False})),
             ("close", lambda: ledger.close_epoch(STREAM, 0, 2)),
             ("window of ten: the rest sent", lambda: deliver(10)),
             ("second epoch opened", lambda: ledger.open_epoch(STREAM, 1, 1, "stream")),

@@ -545,7 +545,7 @@ def test_batches_of_the_next_epoch_go_out_only_after_the_end_of_the_previous_one
 ])
 def test_epoch_state_delivered_is_closed_and_sent_and_for_independent_ranks_acknowledged(
         closed, queued, unacked, even, delivered):
-    ep = EpochState(0, 1, closed=closed, batches_out=3, acked=3 - unacked)
+    ep = EpochState(0, 1, closed=closed, batches_out=3, in_flight=unacked, acked=3 - unacked)
     ep.queue.extend(object() for _ in range(queued))
     assert ep.delivered(even) is delivered
 

@@ -509,6 +509,15 @@ class LedgerMachine(RuleBasedStateMachine):
             assert (rank.batches, rank.acked) == (model.batches, model.acked)
 
     @invariant()
+    def the_count_in_flight_is_what_the_ranks_hold(self):
+        """Control apart from stats: the epoch's end waits for ``in_flight``, the one count of its batches in the
+        ranks' (and lost ranks') inflight sets."""
+        stream = self.ledger.streams.get(STREAM)
+        for number, ep in (stream.epochs if stream else {}).items():
+            held = sum(b.count for r in stream.members() for i, b in r.inflight.items() if i[0] == number)
+            assert ep.in_flight == held, (number, ep.in_flight, held)
+
+    @invariant()
     def the_handed_figures_only_grow_and_cover_what_is_out(self):
         """Stats apart from control: ``batches_handed`` (what the metrics draw) never falls, whatever requeues
         do to ``batches_out`` (control: the epoch's end waits for it to be acknowledged)."""
