@@ -61,7 +61,7 @@ class BucketGroups:
         for identity in [i for i in self.owed if i not in self.books.ranks]:
             del self.owed[identity]       # a rank gone: its member is back in the queue already
         queue = ep.queue
-        if ep.share is not None or not queue or bucket_of(queue[0]) is None or stream.expected_ranks < 2:
+        if ep.share is not None or not queue or queue[0].bucket is None or stream.expected_ranks < 2:
             return None     # evened out, empty, not coordinated (read in O(1): the common case), or independent
             # consumers (each rank 0 of 1), who take batches as they come: no step of theirs is another's
         ranks = sorted(stream.ranks.values(), key=lambda r: r.rank)
@@ -85,7 +85,7 @@ class BucketGroups:
             groups += 1
         if ep.closed:
             # the epoch's tail: no bucket can fill a group; neighbouring buckets share the last steps
-            ep.queue = deque(sorted(queue, key=lambda b: (bucket_of(b) is None, bucket_of(b) or 0)))
+            ep.queue = deque(sorted(queue, key=lambda b: (b.bucket is None, b.bucket or 0)))
             return None
         if not groups and self.books.feed_full():
             log.debug("stream %r epoch %d: the buffer is full and no bucket holds a group: batches go out the "
@@ -136,22 +136,13 @@ class BucketGroups:
             rank.sent(batch)
 
 
-def bucket_of(batch: HeldBatch) -> int | None:
-    """The batch's bucket (its header's ``bucket``), None for a batch of no coordinated feed.
-
-    Read as an attribute that may be missing until ``HeldBatch`` has its ``bucket`` field (broker/state.py, which
-    another branch edits now): then this is ``batch.bucket``."""
-    bucket: int | None = getattr(batch, "bucket", None)
-    return bucket
-
-
 def find_group(queue: deque[HeldBatch], ranks: int) -> list[int] | None:
     """The positions in ``queue`` of the first ``ranks`` batches of the first bucket to have that many, reading from
     the head; None if no bucket has. Batches with no bucket are passed over. Reads at most ``buckets * (ranks - 1)
     + 1`` batches with a bucket: by then one bucket has ``ranks``."""
     seen: dict[int, list[int]] = {}
     for position, batch in enumerate(queue):
-        bucket = bucket_of(batch)
+        bucket = batch.bucket
         if bucket is None:
             continue
         at = seen.setdefault(bucket, [])

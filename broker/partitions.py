@@ -215,7 +215,7 @@ class Partitions:
         if keep:
             splits = header.get("splits")
             batch = HeldBatch(protocol.batch_id(header), frames, sum(map(len, frames)), header["rows"],
-                              count=1 if splits is None else len(splits))
+                              count=1 if splits is None else len(splits), bucket=header.get("bucket"))
             part.checksums.setdefault(seq, checksum)
             atomic = ep.delivery == "atomic"
             books.keep(batch.nbytes, atomic)

@@ -36,6 +36,7 @@ class HeldBatch:
     used: int = 0           # a pack in flight: its batches before this one were used (the rank's ACK upto)
     cut: tuple[int, int] | None = None     # rows lo..hi-1 of its one batch only (the epoch's remainder)
     repeat: bool = False    # ... a copy of rows another rank has too (remainder "pad")
+    bucket: int | None = None   # a coordinated feed's length bucket (header "bucket"): broker.buckets groups by it
 
     def settle(self) -> bool:
         """This batch, or piece, was consumed. Whether its whole message now is (the last piece of a cut pack)."""

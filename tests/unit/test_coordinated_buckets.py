@@ -5,7 +5,6 @@ the same bucket for each step."""
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 
 import msgpack
 import numpy as np
@@ -14,11 +13,16 @@ import pytest
 
 from sparkbus.broker.books import Books, Outcome
 from sparkbus.broker.buckets import BucketGroups, find_group, take_out
+from sparkbus.broker.journal import Journal
+from sparkbus.broker.ledger import Ledger
 from sparkbus.broker.state import EpochState, HeldBatch, RankState, StreamState
 from sparkbus.feeder.columns import partition_messages, row_lengths
 from sparkbus.feeder.options import FeedOptions
 from sparkbus.wire import codec, protocol
 from sparkbus.wire.errors import ProtocolError
+from sparkbus.wire.protocol import Kind
+
+from harness import STREAM, Wire, end, hello, join
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -143,15 +147,8 @@ def test_an_older_rank_gets_the_batch_without_its_bucket():
 
 # ---- the broker's rule ----------------------------------------------------------------------------------------
 
-@dataclass
-class Batch(HeldBatch):
-    """A held batch with its bucket (as ``broker.partitions`` makes it from the header)."""
-
-    bucket: int | None = None
-
-
-def held(seq: int, bucket: int | None, nbytes: int = 100) -> Batch:
-    return Batch((0, 0, seq), [f"b{seq}".encode()], nbytes, 4, bucket=bucket)
+def held(seq: int, bucket: int | None, nbytes: int = 100) -> HeldBatch:
+    return HeldBatch((0, 0, seq), [f"b{seq}".encode()], nbytes, 4, bucket=bucket)
 
 
 class Ranks:
@@ -171,7 +168,7 @@ class Ranks:
             self.ep.queue.append(held(seq, bucket))
             self.books.keep(100)
         self.rule = BucketGroups(self.books)
-        self.got: dict[bytes, list[Batch]] = {r: [] for r in self.stream.ranks}
+        self.got: dict[bytes, list[HeldBatch]] = {r: [] for r in self.stream.ranks}
         self.full: set[bytes] = set()
         self.gone: set[bytes] = set()
         self.by_frames = {id(b.frames): b for b in self.ep.queue}
@@ -286,3 +283,70 @@ def test_a_full_buffer_with_no_group_lets_the_queue_go_the_normal_way():
     roomy = Ranks(buckets=[0, 1, 2], max_buffer=10_000)
     assert roomy.send() == []
 
+
+# ---- the broker, as the daemon drives it (a ledger, real batch frames) -------------------------------------
+
+def push_bucketed(ledger, part, seq, bucket, journalled=False):
+    frames = codec.encode_batch(STREAM, 0, part, seq, {"x": np.arange(2) + 10 * seq}, bucket=bucket)
+    return ledger.accept_batch(protocol.unpack_header(frames[0]), frames, frames[0] if journalled else None)
+
+
+def feed_bucketed(ledger, buckets, journalled=False):
+    ledger.open_epoch(STREAM, 0, 1, "stream")
+    for seq, bucket in enumerate(buckets):
+        push_bucketed(ledger, 0, seq, bucket, journalled)
+    end(ledger, 0, 0, 0, len(buckets))
+    assert ledger.close_epoch(STREAM, 0, 1) == []
+
+
+def buckets_to(wire, identity):
+    return [h.get("bucket") for h in wire.of_kind(identity, Kind.BATCH)]
+
+
+def test_the_broker_groups_by_the_header_and_evens_the_tail_out_as_any_epoch():
+    ledger = Ledger()
+    wire = Wire(ledger)
+    join(ledger, b"a", hello(0, 2, even=True, grants=True), prefetch=8)
+    join(ledger, b"b", hello(1, 2, even=True, grants=True), prefetch=8)
+    feed_bucketed(ledger, [0, 1, 2, 0, 1, 2, 2, 0, 1])
+    assert [b.bucket for b in ledger.streams[STREAM].epochs[0].queue][:3] == [0, 1, 2]
+    wire.dispatch()
+    assert buckets_to(wire, b"a")[:3] == buckets_to(wire, b"b")[:3] == [0, 1, 2]
+    # the tail (one batch of each bucket) went the normal way, sorted; the left-over one is dropped (remainder drop)
+    assert sorted(buckets_to(wire, b"a")[3:] + buckets_to(wire, b"b")[3:]) == [0, 1, 2]
+    [release] = wire.of_kind(b"a" if len(wire.to(b"a")) == 5 else b"b", Kind.RELEASE)
+    assert (release["keep"], release["drop"]) == (4, 1)
+
+
+def test_a_restarted_broker_groups_the_batches_it_replays(tmp_path, journals, restart):
+    live = Ledger(journals(tmp_path))
+    feed_bucketed(live, [2, 0, 2, 0], journalled=True)
+    replayed = restart(tmp_path)
+    assert [b.bucket for b in replayed.streams[STREAM].epochs[0].queue] == [2, 0, 2, 0]
+
+
+@pytest.fixture
+def journals():
+    """``journals(directory)``: a Journal on ``directory``; every one made is closed after the test."""
+    made = []
+
+    def make(directory):
+        journal = Journal(directory)
+        made.append(journal)
+        return journal
+
+    yield make
+    for journal in made:
+        journal.close()
+
+
+@pytest.fixture
+def restart(journals):
+    """``restart(directory)``: a new Ledger replayed from the journal in ``directory``, as a restarted broker's."""
+
+    def replayed(directory):
+        ledger = Ledger(journals(directory))
+        ledger.replay()
+        return ledger
+
+    return replayed
