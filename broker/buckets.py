@@ -8,8 +8,8 @@ order they arrive, so a rank's ``i``-th batch from this broker is its ``i``-th s
   journal all look there). Each pass looks for a *group*: the first bucket, from the queue's head, with one batch
   per connected rank. Every rank then gets one member, all in the same pass, so every rank's ``i``-th batch is
   group ``i``'s. A group forms only when every rank has room in its window. Finding one reads at most
-  ``buckets * (ranks - 1) + 1`` batches of the queue (one more than that holds a full bucket, by pigeonhole), so
-  a pass costs that much at most, whatever the queue's length; nothing new is kept per bucket.
+  ``buckets * (ranks - 1) + 1`` batches of the queue (that many hold a group, by pigeonhole), whatever the
+  queue's length; nothing new is kept per bucket.
 - **Owed.** A member the rank's socket did not take (its queue was full) goes back to the queue's front and is
   *owed* to that rank: it goes to that rank before anything else does and no group forms meanwhile (at most one
   per rank). A rank found gone owes nothing: its member is in the queue, and what it had in flight is requeued by
