@@ -123,7 +123,7 @@ def test_the_quick_peer_comparisons_produce_every_figure_against_its_anchor(tmp_
     assert {f"sparkbus {kind}, {size} batches" for kind in ("fixed", "tokens") for size in ("1 MiB", "64 KiB")} \
         <= set(figures["cluster"])
     # language-model data (13): every batching mode against batch_size rows, the mixture, from_spark as the anchor
-    modes = ("batch_size + bucket_by", "batch_tokens", "batch_tokens + bucket_by")
+    modes = ("batch_size + bucket_by", "batch_size + bucket_bounds", "batch_tokens", "batch_tokens + bucket_by")
     assert set(figures["lm"]) == {f"{what}, {mode}" for what in ("real tokens/s", "padding share", "straggler ratio",
                                                                  "straggler ratio p90")
                                   for mode in ("batch_size", *modes)} | {
