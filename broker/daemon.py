@@ -24,7 +24,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
@@ -41,7 +41,24 @@ from sparkbus.broker.versions import PeerVersions
 from sparkbus.wire import protocol
 from sparkbus.wire.address import control_address
 from sparkbus.wire.errors import ProtocolError, VersionMismatch
+from sparkbus.wire.headers import BatchHeader, HeartbeatHeader
 from sparkbus.wire.protocol import ErrorCode, Kind, pack_header, unpack_header
+from sparkbus.wire.requests import (
+    AckHeader,
+    ByeHeader,
+    CreditHeader,
+    EpochCloseHeader,
+    EpochOpenHeader,
+    EpochQueryHeader,
+    EpochRecoverHeader,
+    HelloHeader,
+    PartitionClaimHeader,
+    PartitionCommitHeader,
+    PartitionEndHeader,
+    ReclaimHeader,
+    ReturnHeader,
+    StatsRequestHeader,
+)
 
 log = logging.getLogger("sparkbus.broker")
 
@@ -247,7 +264,8 @@ class Broker:
             if header["kind"] != Kind.BATCH:
                 raise ProtocolError(f"{header['kind'].name} is not accepted on the feed socket")
             protocol.check_batch_frames(header, [len(f) for f in frames[1:]])
-            replies = self.ledger.apply(BatchArrived(header, frames, header_bytes if self.ledger.journal else None))
+            batch = cast(BatchHeader, header)        # validated against BATCH's schema
+            replies = self.ledger.apply(BatchArrived(batch, frames, header_bytes if self.ledger.journal else None))
         except VersionMismatch as exc:
             return self._reject("feed", "version", exc.reason)
         except ProtocolError as exc:
@@ -320,7 +338,7 @@ class Broker:
             self.ledger.rank_gone(identity, "disconnected")
             return False
 
-    def _hello(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
+    def _hello(self, sock: zmq.Socket, identity: bytes, h: HelloHeader, body: list[zmq.Frame]) -> None:
         if h["role"] not in protocol.ROLES:
             raise ProtocolError(f"unknown role {h['role']!r}; expected one of {', '.join(protocol.ROLES)}")
         missed: list[MissedEnd] = []
@@ -352,23 +370,23 @@ class Broker:
         if joined and identity in self.ledger.ranks:
             self.ledger.send_lost(self.streams[h["stream"]], self._transmit, only=identity)
 
-    def _credit(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
+    def _credit(self, sock: zmq.Socket, identity: bytes, h: CreditHeader, body: list[zmq.Frame]) -> None:
         self.ledger.set_window(self.ledger.rank(identity), h["window"], h["window_bytes"])
 
-    def _ack(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
+    def _ack(self, sock: zmq.Socket, identity: bytes, h: AckHeader, body: list[zmq.Frame]) -> None:
         rank = self.ledger.rank(identity)
         unknown = self.ledger.acknowledge(rank, h["ids"], h.get("upto", ()))
         if unknown:
             self._reject("ranks", "unknown_ack", f"{unknown} ids not in flight to rank {rank.rank}")
         self.ledger.report(rank, h)
 
-    def _return(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
+    def _return(self, sock: zmq.Socket, identity: bytes, h: ReturnHeader, body: list[zmq.Frame]) -> None:
         rank = self.ledger.rank(identity)
         unknown = self.ledger.give_back(rank, h)
         if unknown:
             self._reject("ranks", "unknown_return", f"{unknown} ids not in flight to rank {rank.rank}")
 
-    def _reclaim(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
+    def _reclaim(self, sock: zmq.Socket, identity: bytes, h: ReclaimHeader, body: list[zmq.Frame]) -> None:
         rank = self.ledger.rank(identity)
         if len(body) != 1:
             raise ProtocolError("a RECLAIM carries one frame of used batches (protocol.pack_used)",
@@ -380,33 +398,35 @@ class Broker:
             raise ProtocolError(exc.reason, ErrorCode.MALFORMED) from None
         self.ledger.reclaim(rank, h, entries, cuts)
 
-    def _heartbeat_in(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
+    def _heartbeat_in(self, sock: zmq.Socket, identity: bytes, h: HeartbeatHeader, body: list[zmq.Frame]) -> None:
         self.ledger.report(self.ledger.rank(identity), h)
 
-    def _bye(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
+    def _bye(self, sock: zmq.Socket, identity: bytes, h: ByeHeader, body: list[zmq.Frame]) -> None:
         self.ledger.rank(identity)
         self.ledger.rank_gone(identity, "said goodbye", keep=False)
 
-    def _stats(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
+    def _stats(self, sock: zmq.Socket, identity: bytes, h: StatsRequestHeader, body: list[zmq.Frame]) -> None:
         """STATS_REPLY, in pages when the figures do not fit one header (each page ``[index, count]``)."""
         for page in paginate(self.stats()):
             self._send(sock, identity, Kind.STATS_REPLY, req=h["req"], stats=page)
 
-    def _epoch_open(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
+    def _epoch_open(self, sock: zmq.Socket, identity: bytes, h: EpochOpenHeader, body: list[zmq.Frame]) -> None:
         self.ledger.open_epoch(h["stream"], h["epoch"], h["partitions"], h["delivery"], h.get("commit", "end"))
         self._send(sock, identity, Kind.OK, req=h["req"])
 
-    def _partition_commit(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
+    def _partition_commit(self, sock: zmq.Socket, identity: bytes, h: PartitionCommitHeader,
+                          body: list[zmq.Frame]) -> None:
         missing = self.ledger.commit_partitions(h["stream"], h["epoch"], h["parts"])
         self._send(sock, identity, Kind.OK, req=h["req"], missing=missing)
 
-    def _partition_end(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
+    def _partition_end(self, sock: zmq.Socket, identity: bytes, h: PartitionEndHeader, body: list[zmq.Frame]) -> None:
         self._send_replies(self.ledger.end_partition(identity, h))
 
-    def _partition_claim(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
+    def _partition_claim(self, sock: zmq.Socket, identity: bytes, h: PartitionClaimHeader,
+                         body: list[zmq.Frame]) -> None:
         self._send(sock, identity, Kind.OK, req=h["req"], broker=self.ledger.claim_partition(h))
 
-    def _epoch_close(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
+    def _epoch_close(self, sock: zmq.Socket, identity: bytes, h: EpochCloseHeader, body: list[zmq.Frame]) -> None:
         diverged = self.ledger.close_epoch(h["stream"], h["epoch"], h["partitions"], h.get("expected"))
         self._send(sock, identity, Kind.OK, req=h["req"], diverged=diverged)
         if not self.ranks_reading(h["stream"]):
@@ -420,7 +440,7 @@ class Broker:
         stream = self.streams.get(name)
         return 0 if stream is None else len(stream.ranks) + len(stream.orphans)
 
-    def _epoch_recover(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
+    def _epoch_recover(self, sock: zmq.Socket, identity: bytes, h: EpochRecoverHeader, body: list[zmq.Frame]) -> None:
         stream = self.streams.get(h["stream"])
         if stream is not None and self.peers:
             older = sorted({r.rank for r in (*stream.ranks.values(), *(o.rank for o in stream.orphans.values()))
@@ -434,7 +454,7 @@ class Broker:
         self._send(sock, identity, Kind.OK, req=h["req"])
         self.ledger.send_lost(self.streams[h["stream"]], self._transmit)
 
-    def _epoch_query(self, sock: zmq.Socket, identity: bytes, h: dict, body: list[zmq.Frame]) -> None:
+    def _epoch_query(self, sock: zmq.Socket, identity: bytes, h: EpochQueryHeader, body: list[zmq.Frame]) -> None:
         self._send(sock, identity, Kind.OK, req=h["req"], **self.ledger.query_epoch(h["stream"], h["epoch"]),
                    incarnation=self.incarnation, journal=self.ledger.journal is not None)
 

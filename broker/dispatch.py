@@ -20,6 +20,7 @@ from sparkbus.broker.state import MAX_WINDOW, EpochState, HeldBatch, RankState, 
 from sparkbus.wire import protocol
 from sparkbus.wire.errors import ProtocolError
 from sparkbus.wire.protocol import ErrorCode, Kind
+from sparkbus.wire.requests import RankReport
 
 log = logging.getLogger("sparkbus.broker")
 
@@ -64,7 +65,7 @@ class Dispatch:
                                 f"batches and 0..{MAX_WINDOW_BYTES} bytes")
         rank.window, rank.window_bytes, rank.window_stated = batches, nbytes, True
 
-    def report(self, rank: RankState, h: dict) -> None:
+    def report(self, rank: RankState, h: RankReport) -> None:
         """Keep the figures a rank reports about itself (data-wait, time to first batch, batches consumed)."""
         rank.report(h)
 

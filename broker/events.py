@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from sparkbus.broker.figures import EpochFigures
 from sparkbus.broker.journal import Journal, Record, ReplayedEpoch
 from sparkbus.wire import protocol
+from sparkbus.wire.headers import BatchHeader
+from sparkbus.wire.requests import EpochRecoverHeader
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +36,7 @@ class BatchArrived:
     Observers see it once the rules took it, with ``kept`` set by its applier: whether they kept its payload (the
     journal writes the payload then, else the header alone)."""
 
-    header: dict[str, Any]
+    header: BatchHeader
     frames: list[Any]
     header_bytes: bytes | None = None      # the header as it came (None: ``frames[0]``'s bytes)
     kept: bool = False
@@ -103,7 +105,7 @@ class EpochRecovering:
     reset: bool
 
     @classmethod
-    def of(cls, h: dict[str, Any]) -> EpochRecovering:
+    def of(cls, h: EpochRecoverHeader) -> EpochRecovering:
         """The event of an EPOCH_RECOVER's (validated) header."""
         return cls(h["stream"], h["epoch"], h["partitions"], h["delivery"], h.get("commit", "end"), h["carries"],
                    h["recovered"], h["lost"], h["reset"])
@@ -180,7 +182,7 @@ def replayed_events(replayed: ReplayedEpoch) -> Iterator[Applied]:
         if kind is Record.OPEN:
             yield EpochOpened(stream, epoch, record["partitions"], record["delivery"], record.get("commit", "end"))
         elif kind is Record.BATCH:
-            header = protocol.unpack_header(record["header"])
+            header = cast(BatchHeader, protocol.unpack_header(record["header"]))     # validated: a BATCH's
             yield BatchArrived(header, [record["header"], *record.get("payload", [])], record["header"])
         elif kind is Record.COMMIT:
             yield PartitionCommitted(stream, epoch, record["part"], record["attempt"])

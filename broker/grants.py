@@ -36,6 +36,7 @@ from sparkbus.broker.state import EpochState, HeldBatch, RankState, StreamState
 from sparkbus.wire import protocol, remainder
 from sparkbus.wire.errors import ProtocolError
 from sparkbus.wire.protocol import Kind
+from sparkbus.wire.requests import HelloHeader, ReturnHeader
 
 log = logging.getLogger("sparkbus.broker")
 
@@ -67,7 +68,7 @@ class Grants:
 
     # ---- joining and leaving: a group that changes starts an evening over ----------------------------------
 
-    def admit(self, identity: bytes, h: dict) -> None:
+    def admit(self, identity: bytes, h: HelloHeader) -> None:
         """Before a rank joins (:meth:`Rejoin.join`): a rank with ``grants`` may also start a group of another size,
         at an epoch boundary only (nothing of the delivering epoch consumed yet): the ranks of the old group are
         let go.
@@ -106,7 +107,7 @@ class Grants:
             for session in list(stream.orphans):
                 self.rejoin.requeue(stream, stream.orphans.pop(session).rank)
 
-    def joined(self, identity: bytes, h: dict) -> None:
+    def joined(self, identity: bytes, h: HelloHeader) -> None:
         """After a rank joined (:meth:`Rejoin.join`): its grants and remainder, its own count of a resumed epoch;
         every evening out of the stream starts over."""
         stream = self.books.streams[h["stream"]]
@@ -275,7 +276,7 @@ class Grants:
                  stream.name, ep.epoch, len(left), len(pieces), rest, ep.share)
         return True
 
-    def give_back(self, rank: RankState, h: dict) -> int:
+    def give_back(self, rank: RankState, h: ReturnHeader) -> int:
         """RETURN: batches (or the unused tail of a pack, from its batch ``first`` on) that ``rank`` gives back to
         even the epoch out. They go to the front of the queue. Returns how many named were not in flight to it.
 

@@ -52,6 +52,16 @@ from sparkbus.broker.rejoin import MissedEnd, Rejoin, check_rank_hello
 from sparkbus.broker.state import BatchId, EpochState, HeldBatch, RankState, StreamState
 from sparkbus.wire import protocol
 from sparkbus.wire.errors import ProtocolError
+from sparkbus.wire.headers import BatchHeader
+from sparkbus.wire.requests import (
+    EpochRecoverHeader,
+    HelloHeader,
+    PartitionClaimHeader,
+    PartitionEndHeader,
+    RankReport,
+    ReclaimHeader,
+    ReturnHeader,
+)
 
 log = logging.getLogger("sparkbus.broker")
 T = TypeVar("T")
@@ -155,7 +165,7 @@ class Ledger:
     def close_epoch(self, name: str, number: int, partitions: int, expected: int | None = None) -> list[int]:
         return self.partitions.close_epoch(name, number, partitions, expected)
 
-    def accept_batch(self, header: dict, frames: list[Any], header_bytes: bytes | None = None) -> list[Reply]:
+    def accept_batch(self, header: BatchHeader, frames: list[Any], header_bytes: bytes | None = None) -> list[Reply]:
         """Keep, forward or drop one validated BATCH: ``apply(BatchArrived(header, frames, header_bytes))``, as the
         daemon's feed does. ``header_bytes``: the header as it came (default ``frames[0]``'s bytes), for the journal.
         Returns the commits it completes.
@@ -165,10 +175,10 @@ class Ledger:
         """
         return self.apply(BatchArrived(header, frames, header_bytes))
 
-    def claim_partition(self, h: dict) -> int:
+    def claim_partition(self, h: PartitionClaimHeader) -> int:
         return self.partitions.claim_partition(h)
 
-    def end_partition(self, identity: bytes, h: dict) -> list[Reply]:
+    def end_partition(self, identity: bytes, h: PartitionEndHeader) -> list[Reply]:
         return self.partitions.end_partition(identity, h)
 
     def commit_partitions(self, name: str, number: int, parts: list[Any]) -> list[int]:
@@ -176,11 +186,11 @@ class Ledger:
 
     # ---- recovery -------------------------------------------------------------------------------------------
 
-    def recover_epoch(self, h: dict) -> None:
+    def recover_epoch(self, h: EpochRecoverHeader) -> None:
         """EPOCH_RECOVER (:meth:`Recovery.recover`), applied as an :class:`EpochRecovering`."""
         self.apply(EpochRecovering.of(h))
 
-    def reclaim(self, rank: RankState, h: dict, entries: list[protocol.UsedEntry],
+    def reclaim(self, rank: RankState, h: ReclaimHeader, entries: list[protocol.UsedEntry],
                 cuts: Iterable[tuple[int, int, int, int, int, int]] = ()) -> None:
         """RECLAIM from ``rank`` (:meth:`Recovery.reclaimed`), applied as a :class:`BatchesReclaimed`."""
         self.apply(self.recovery.reclaim(rank, h, entries, cuts))
@@ -202,7 +212,7 @@ class Ledger:
 
     # ---- ranks: joining and leaving, in the rules' order ---------------------------------------------------
 
-    def join_rank(self, identity: bytes, h: dict, held: Iterable[BatchId] = (),
+    def join_rank(self, identity: bytes, h: HelloHeader, held: Iterable[BatchId] = (),
                   consumed: Iterable[BatchId] = ()) -> list[MissedEnd]:
         """A rank's HELLO on the ranks socket (:meth:`Rejoin.join`): checked, then, in order, the earlier
         connection it may have (recovery: what it adopted), the group it joins (grants: another size at an
@@ -247,13 +257,13 @@ class Ledger:
     def set_window(self, rank: RankState, batches: int, nbytes: int) -> None:
         self.dispatcher.set_window(rank, batches, nbytes)
 
-    def report(self, rank: RankState, h: dict) -> None:
+    def report(self, rank: RankState, h: RankReport) -> None:
         self.dispatcher.report(rank, h)
 
     def acknowledge(self, rank: RankState, ids: Sequence[Any], upto: Sequence[Any] = ()) -> int:
         return self.dispatcher.acknowledge(rank, ids, upto)
 
-    def give_back(self, rank: RankState, h: dict) -> int:
+    def give_back(self, rank: RankState, h: ReturnHeader) -> int:
         return self.grants.give_back(rank, h)
 
     def dispatch(self, stream: StreamState, transmit: Transmit) -> None:

@@ -18,6 +18,7 @@ from sparkbus.broker.state import EpochState, HeldBatch, PendingCommit, StreamSt
 from sparkbus.wire import protocol
 from sparkbus.wire.errors import ProtocolError
 from sparkbus.wire.protocol import ErrorCode, Kind
+from sparkbus.wire.requests import PartitionClaimHeader, PartitionEndHeader
 
 log = logging.getLogger("sparkbus.broker")
 
@@ -237,7 +238,7 @@ class Partitions:
             return self._attempt_complete(stream, ep, number, attempt)
         return []
 
-    def claim_partition(self, h: dict) -> int:
+    def claim_partition(self, h: PartitionClaimHeader) -> int:
         """PARTITION_CLAIM: which broker streams a partition, decided once by its home broker. The first attempt's
         choice holds for every later attempt (a retry or speculative copy must go where the first copy's batches
         went). Raises :class:`ProtocolError` for an epoch not open or numbers out of range."""
@@ -257,7 +258,7 @@ class Partitions:
             claims[event.part] = event.broker
             self.books.emit(event)
 
-    def end_partition(self, identity: bytes, h: dict) -> list[Reply]:
+    def end_partition(self, identity: bytes, h: PartitionEndHeader) -> list[Reply]:
         """A task's PARTITION_END: commit now if all its batches are here, else when the last one comes.
 
         Returns the replies owed: PARTITION_COMMITTED, or ERROR if the attempt's count differs. Raises

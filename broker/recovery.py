@@ -26,6 +26,7 @@ from sparkbus.broker.state import EpochRecovery, RankState, Reclaimed, StreamSta
 from sparkbus.wire import protocol
 from sparkbus.wire.errors import ProtocolError
 from sparkbus.wire.protocol import Kind, PartitionRanges
+from sparkbus.wire.requests import HelloHeader, ReclaimHeader
 
 log = logging.getLogger("sparkbus.broker")
 
@@ -185,7 +186,7 @@ class Recovery:
 
     # ---- RECLAIM and LOST -----------------------------------------------------------------------------------
 
-    def reclaim(self, rank: RankState, h: dict, entries: list[protocol.UsedEntry],
+    def reclaim(self, rank: RankState, h: ReclaimHeader, entries: list[protocol.UsedEntry],
                 cuts: Iterable[tuple[int, int, int, int, int, int]] = ()) -> BatchesReclaimed:
         """RECLAIM from ``rank``: the event to apply (:meth:`reclaimed`).
 
@@ -287,13 +288,13 @@ class Recovery:
 
     # ---- joining: a rank that rejoins keeps what it adopted ---------------------------------------------------
 
-    def before_join(self, h: dict) -> Earlier:
+    def before_join(self, h: HelloHeader) -> Earlier:
         """Before a rank joins: its earlier connection (live or lost), whose adopted batches it keeps."""
         stream = self.books.streams.get(h["stream"])
         previous = self.rejoin.same_session(stream, h["session"], h["rank"]) if stream is not None else None
         return Earlier(previous, dict(previous.adopted) if previous is not None else {})
 
-    def joined(self, identity: bytes, h: dict, earlier: Earlier) -> None:
+    def joined(self, identity: bytes, h: HelloHeader, earlier: Earlier) -> None:
         """After a rank joined: what its earlier connection had adopted stays its own, in its counts for grants."""
         rank = self.books.ranks[identity]
         if earlier.rank is rank:

@@ -19,6 +19,7 @@ from sparkbus.broker.state import BatchId, HeldBatch, Orphan, RankState, StreamS
 from sparkbus.wire import protocol
 from sparkbus.wire.errors import ProtocolError
 from sparkbus.wire.protocol import ErrorCode, Kind
+from sparkbus.wire.requests import HelloHeader
 
 log = logging.getLogger("sparkbus.broker")
 
@@ -27,7 +28,7 @@ log = logging.getLogger("sparkbus.broker")
 MAX_SESSION = 64
 
 
-def check_rank_hello(h: dict) -> None:
+def check_rank_hello(h: HelloHeader) -> None:
     """Raise :class:`ProtocolError` for a rank's HELLO whose number is outside its communicator or whose session is
     longer than :data:`MAX_SESSION`: checked before anything changes."""
     if not 0 <= h["rank"] < h["size"]:
@@ -57,7 +58,7 @@ class Rejoin:
         self.books = books
         self.gone = gone
 
-    def join(self, identity: bytes, h: dict, held: Iterable[BatchId] = (),
+    def join(self, identity: bytes, h: HelloHeader, held: Iterable[BatchId] = (),
              consumed: Iterable[BatchId] = ()) -> list[MissedEnd]:
         """Admit a rank that said HELLO on the ranks socket, or take back one that rejoins.
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from sparkbus.broker.figures import REPORTED, EpochFigures, OrphanFigures, RankFigures, StreamFigures, no_earlier
 from sparkbus.broker.journal import DeliveredEpochs
 from sparkbus.wire.protocol import PartitionRanges
+from sparkbus.wire.requests import RankReport
 
 BatchId = tuple[int, int, int]   # (epoch, partition, seq)
 
@@ -312,11 +313,12 @@ class RankState:
         return held < self.window or (by_bytes and held < MAX_WINDOW
                                       and self.inflight_bytes + nbytes <= self.window_bytes)
 
-    def report(self, header: dict[str, Any]) -> None:
+    def report(self, header: RankReport) -> None:
         """Keep the figures a rank reports about itself on ACK and HEARTBEAT (data-wait, first batch, consumed)."""
+        figures: Mapping[str, Any] = header      # the names are REPORTED's, a tuple: not literals to mypy
         for name in REPORTED:
-            if name in header:
-                self.reported[name] = header[name]
+            if name in figures:
+                self.reported[name] = figures[name]
 
     def hold(self, batch: HeldBatch) -> None:
         """The batch is in flight to this rank (sent, or held by it when it rejoined)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Literal, TypedDict
 
+from sparkbus.wire.headers import HeartbeatHeader
 from sparkbus.wire.protocol import Kind
 
 
@@ -184,3 +185,6 @@ class ByeHeader(TypedDict):
 ToBroker = (HelloHeader | EpochOpenHeader | EpochCloseHeader | EpochRecoverHeader | EpochQueryHeader
             | PartitionEndHeader | PartitionClaimHeader | PartitionCommitHeader | StatsRequestHeader | CreditHeader
             | AckHeader | ReturnHeader | ReclaimHeader | ByeHeader)
+
+# What a rank tells about itself (its figures) comes on either
+RankReport = AckHeader | HeartbeatHeader
