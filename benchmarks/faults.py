@@ -1,7 +1,7 @@
 """Figure 11, a fault table (issue 18 §4): per fault kind (``KINDS``), a long feed from Spark with faults injected at
 seeded random times, and the rows lost (ids fed that no consumer yielded) and trained twice (yielded copies beyond
 the first). A report, not an assertion. benchmarks/README.md, section 11, describes every kind, the processes
-(``faults_processes.py``, ``faults_feeder.py``, ``faults_consumer.py``, ``faults_cluster.py``) and the
+(``faults_processes.py``, ``spark_driver.py``, ``faults_consumer.py``, ``faults_cluster.py``) and the
 ``SPARKBUS_BENCH_FAULTS_*`` variables."""
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from sparkbus.bench.figures import Figure, figure
 from sparkbus.launch.broker import BrokerProcess
 from sparkbus.launch.processes import LaunchError, wait_for
 
-from .common import ROOT, BenchError
+from .common import ROOT, BenchError, DriverProcess
 from .faults_cluster import HOSTS, ClusterRig
-from .faults_processes import Consumers, Feeder, NetworkChild
+from .faults_processes import Consumers, NetworkChild
 from .sections import Context, Run, Section
 
 KINDS = ("none", "broker_journal", "broker_journal_group", "broker_no_journal", "broker_no_journal_group", "rank",
@@ -31,9 +31,11 @@ KINDS = ("none", "broker_journal", "broker_journal_group", "broker_no_journal", 
 # The rows fed from a standalone cluster (faults_cluster.py): not in --quick unless SPARKBUS_BENCH_FAULTS_KINDS asks
 CLUSTER_KINDS = ("cluster_executor", "cluster_executor_atomic", "cluster_host", "cluster_host_atomic")
 CONSUMERS = 2
-WIDTH = 256                    # the cluster rows' x: float32s a row (a 100-row batch is 100 KiB, see faults_feeder)
+WIDTH = 256                    # the cluster rows' x: float32s a row (a 100-row batch is 100 KiB, see spark_driver)
 GAP = 2.5                      # seconds between two faults of a run, at least
 BATCH = 100
+# The section's own Spark driver (spark_driver.py): two task slots and a failed task retried
+DRIVER = {"spark.master": "local[2,4]", "spark.app.name": "sparkbus-bench-faults"}
 
 
 @dataclass
@@ -187,7 +189,7 @@ def broker_flags(kind: str, journal: Path) -> list[str]:
 
 
 def one_run(ctx: Context, plan: Plan, kind: str, times: list[float], rng: random.Random, index: int,
-            feeder: Feeder, where: dict) -> FaultRun:
+            feeder: DriverProcess, where: dict) -> FaultRun:
     """One feed of ``kind`` with faults at ``times`` (s after the feed's start)."""
     stream = f"{kind}-{index}"
     work = ctx.work / "faults" / stream
@@ -207,8 +209,9 @@ def one_run(ctx: Context, plan: Plan, kind: str, times: list[float], rng: random
             consumers.ready(consumers.start())
         feed_timeout = plan.broker_timeout if kind.startswith("broker") else 15.0
         started = time.monotonic()
-        answer = feeder.submit(rows=plan.rows, partitions=plan.partitions, batch_size=BATCH, pause=plan.pause,
-                               address=broker.feed, stream=stream, timeout=feed_timeout, pack_bytes=0, **request)
+        answer = feeder.submit("feed_ids", rows=plan.rows, partitions=plan.partitions, batch_size=BATCH,
+                               pause=plan.pause, address=broker.feed, stream=stream, timeout=feed_timeout,
+                               pack_bytes=0, **request)
         # The faults' clock starts at the first row a consumer yielded (the Spark job's start is not the feed's).
         reply = wait_for(lambda: feeder.answered(answer) or consumers.yielded_any(), plan.timeout,
                          f"the first row of {stream} at a consumer")
@@ -254,7 +257,7 @@ def one_run(ctx: Context, plan: Plan, kind: str, times: list[float], rng: random
     return run
 
 
-def inject(kind: str, rng: random.Random, broker: BrokerProcess, consumers: Consumers, feeder: Feeder,
+def inject(kind: str, rng: random.Random, broker: BrokerProcess, consumers: Consumers, feeder: DriverProcess,
            stream: str, where: dict) -> dict | None:
     """Inject one fault of ``kind`` now; what was done (None if nothing could be)."""
     began = time.monotonic()
@@ -328,7 +331,7 @@ def run(ctx: Context, plan: Plan, name: str = "faults") -> FaultTable:
     ctx.log(f"  faults: seed {plan.seed}, {plan.rows:,} rows in {plan.partitions} partitions a feed (~"
             f"{plan.feed_seconds:.0f} s), {plan.faults} fault(s) per kind: {', '.join(plan.kinds)}")
     network = None
-    linked: Feeder | None = None
+    linked: DriverProcess | None = None
     if "link" in plan.kinds:
         ok, why = netns.available()
         if not ok:
@@ -341,9 +344,10 @@ def run(ctx: Context, plan: Plan, name: str = "faults") -> FaultTable:
     held = ctx.children.add(NetworkChild(network)) if network is not None else None
     if network is not None:
         # its Spark driver starts meanwhile: it runs on the broker's host (only the consumers' link is cut)
-        linked = Feeder(ctx.children, ctx.work / "faults" / "feeder-link",
-                        ["ip", "netns", "exec", network.namespace("broker")], {"SPARKBUS_INSECURE": "1"})
-    feeder = Feeder(ctx.children, ctx.work / "faults" / "feeder")
+        linked = DriverProcess(ctx.children, ctx.work / "faults" / "driver-link", "faults-driver-link", DRIVER,
+                               prefix=["ip", "netns", "exec", network.namespace("broker")],
+                               env={"SPARKBUS_INSECURE": "1"})
+    feeder = DriverProcess(ctx.children, ctx.work / "faults" / "driver", "faults-driver", DRIVER)
     rig: ClusterRig | None = None
     try:
         feeder.ready(120)
