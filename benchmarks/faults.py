@@ -11,6 +11,7 @@ import os
 import random
 import signal
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -86,6 +87,9 @@ class FaultRun:
     lost_ids: list[str] = field(default_factory=list)    # the first runs of ids lost
 
 
+SUMMED = ("planned", "rows_fed", "yielded", "lost", "twice", "out_of_range", "dropped", "seconds")
+
+
 @dataclass
 class FaultTable:
     """Figure 11: every run, per kind, and the kinds skipped with their reason."""
@@ -96,24 +100,16 @@ class FaultTable:
     seconds: float = 0.0
 
     def rows(self) -> list[dict]:
-        """Per kind (in ``KINDS`` order): its runs added up."""
-        out = []
+        """Per kind (in ``KINDS`` order): its runs added up, or why it was skipped."""
+        out: list[dict] = []
         for kind in self.plan.kinds:
             runs = [r for r in self.runs if r.kind == kind]
             if kind in self.skipped:
                 out.append({"kind": kind, "skipped": self.skipped[kind]})
-                continue
-            if not runs:
-                continue
-            outcomes: dict[str, int] = {}
-            for r in runs:
-                outcomes[r.outcome] = outcomes.get(r.outcome, 0) + 1
-            out.append({"kind": kind, "runs": len(runs), "planned": sum(r.planned for r in runs),
-                        "faults": sum(len(r.faults) for r in runs), "rows_fed": sum(r.rows_fed for r in runs),
-                        "yielded": sum(r.yielded for r in runs), "lost": sum(r.lost for r in runs),
-                        "twice": sum(r.twice for r in runs), "out_of_range": sum(r.out_of_range for r in runs),
-                        "dropped": sum(r.dropped for r in runs),
-                        "outcomes": outcomes, "seconds": sum(r.seconds for r in runs)})
+            elif runs:
+                out.append({"kind": kind, "runs": len(runs), "faults": sum(len(r.faults) for r in runs),
+                            "outcomes": dict(Counter(r.outcome for r in runs)),
+                            **{key: sum(getattr(r, key) for r in runs) for key in SUMMED}})
         return out
 
 

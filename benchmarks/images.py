@@ -123,7 +123,7 @@ class Runner:
         id_sum = sum(f["id_sum"] for f in figures)
         if images != self.images or id_sum != self.images * (self.images - 1) // 2:
             raise BenchError(f"{way}: the ranks decoded {images:,} images (id sum {id_sum:,}) of "
-                                   f"{self.images:,} (id sum {self.images * (self.images - 1) // 2:,})")
+                             f"{self.images:,} (id sum {self.images * (self.images - 1) // 2:,})")
         last = max(f["t_last"] for f in figures) - t0
         received = [f["t_first_received"] for f in figures if f.get("t_first_received")]
         if received:                           # sparkbus: the first batch out of a BatchStream, not yet decoded
