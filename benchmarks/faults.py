@@ -357,8 +357,6 @@ def run(ctx: Context, plan: Plan, name: str = "faults") -> FaultTable:
                     if not any(k in CLUSTER_KINDS and k not in result.skipped for k in plan.kinds[position + 1:]):
                         ctx.children.discard(rig)       # its JVMs are not needed for the kinds left
                         rig = None
-            elif kind == "none":
-                result.runs.append(one_run(ctx, plan, kind, [], rng, 0, feeder, {}))
             elif kind == "link":
                 assert network is not None and linked is not None
                 linked.ready(120)
@@ -368,7 +366,7 @@ def run(ctx: Context, plan: Plan, name: str = "faults") -> FaultTable:
                 times = fault_times(rng, plan.faults, plan.feed_seconds)
                 result.runs.append(one_run(ctx, plan, kind, times, rng, 0, linked, where))
             else:
-                times = fault_times(rng, plan.faults, plan.feed_seconds)
+                times = [] if kind == "none" else fault_times(rng, plan.faults, plan.feed_seconds)
                 result.runs.append(one_run(ctx, plan, kind, times, rng, 0, feeder, {}))
     finally:
         feeder.stop()
