@@ -15,16 +15,14 @@ from sparkbus.bench.figures import Figure, figure
 from sparkbus.bench.hop import label as size_label
 
 from . import end_to_end, spark_data
-from .common import ROOT, BenchError, Children, KiB, MiB, Sizes, median, on_cpus
+from .common import ROOT, BenchError, Children, DriverProcess, KiB, MiB, Sizes, median, on_cpus
 from .end_to_end import RANKS, CpuMeter, Series
 from .sections import Context, Run, Section
-from .spark_configs import Config, DriverProcess
 
 BATCH_BYTES = (MiB, 64 * KiB)
 KINDS = ("fixed", "tokens")
 PARTITIONS = 4
 MAX_BUFFER = "256MiB"
-CONFIG = Config("cluster", 0, 1)        # local[1]: one task slot, as one executor core on a cluster
 _streams = itertools.count()
 
 
@@ -40,11 +38,6 @@ def cpus() -> tuple[tuple[int, ...], tuple[int, ...]]:
     return (mine[0],), (mine[1],)
 
 
-def batch_options(size: int, row_bytes: float) -> tuple[int, dict]:
-    """``(batch_size, feed options)`` for batches of about ``size`` bytes of rows of ``row_bytes`` on average."""
-    return max(1, int(size // row_bytes)), {"max_batch_bytes": size}
-
-
 @dataclass
 class ClusterPoint:
     """The repetitions of one (kind, batch size): the Arrow hand-off and sparkbus, on the same core."""
@@ -58,7 +51,6 @@ class Cluster:
     """Figure 2b, filled as it goes (a failure keeps what was measured)."""
 
     kinds: dict[str, dict] = field(default_factory=dict)  # kind -> how the driver stored it
-    refused: dict[str, str] = field(default_factory=dict)  # kind -> why the feeder refused it
     points: dict[tuple[str, int], ClusterPoint] = field(default_factory=dict)   # (kind, batch bytes)
 
 
@@ -69,10 +61,11 @@ def run(children: Children, sizes: Sizes, work: Path, kinds: tuple[str, ...] = K
     out = Cluster() if out is None else out
     bus = on_cpus(bus_cpus)
     broker = children.broker(MAX_BUFFER, prefix=bus)
-    driver = DriverProcess(children, CONFIG, "local[1]", sizes, work, cpus=spark_cpus,
-                           conf={"spark.driver.memory": sizes.driver_memory})
+    driver = DriverProcess(children, work / "driver-cluster", "driver-cluster",
+                           {"spark.master": "local[1]", "spark.driver.memory": sizes.driver_memory}, slots=1,
+                           cpus=spark_cpus, timeout=max(120.0, sizes.timeout * 2))
     try:
-        info = driver.wait_ready()
+        info = driver.ready()
         where = driver.where()
         log(f"  Spark local[1] pinned to CPU {spark_cpus[0]} up after {info['session_seconds']:.1f} s; its Python "
             f"workers import sparkbus from {Path(where['feeder']).parent} and run on CPUs {where['affinity']}; "
@@ -83,14 +76,7 @@ def run(children: Children, sizes: Sizes, work: Path, kinds: tuple[str, ...] = K
         if where["affinity"] != list(spark_cpus):
             raise BenchError(f"Spark's Python workers run on CPUs {where['affinity']}, not {list(spark_cpus)}")
         for kind in kinds:
-            try:
-                stored = driver.prepare(rows=sizes.cluster_rows, partitions=PARTITIONS, feed=broker.feed, kind=kind)
-            except BenchError as exc:
-                if kind == "fixed":
-                    raise
-                out.refused[kind] = _cause(str(exc))
-                log(f"  {kind}: not measured, the feeder refused it: {out.refused[kind]}")
-                continue
+            stored = driver.prepare(rows=sizes.cluster_rows, partitions=PARTITIONS, feed=broker.feed, kind=kind)
             out.kinds[kind] = stored
             row_bytes = stored["payload_bytes"] / stored["rows"]
             log(f"  {kind} ({spark_data.KINDS[kind]}): {stored['rows']:,} rows, {stored['payload_bytes'] / 1e6:,.0f} "
@@ -131,7 +117,7 @@ def _limit(driver: DriverProcess) -> dict:
 def _sparkbus(children: Children, broker, driver: DriverProcess, stored: dict, size: int, row_bytes: float,
               bus: list[str], work: Path, sizes: Sizes) -> dict:
     stream = f"cluster-{next(_streams)}"
-    batch_size, options = batch_options(size, row_bytes)
+    batch_size, options = max(1, int(size // row_bytes)), {"max_batch_bytes": size}     # batches of ~size bytes
 
     def start():
         fed = driver.feed(feed=broker.feed, stream=stream, batch_size=batch_size, timeout=min(sizes.timeout, 120.0),
@@ -147,12 +133,6 @@ def _sparkbus(children: Children, broker, driver: DriverProcess, stored: dict, s
     if any(str(Path(m).resolve()) != expected for m in result["rank_modules"]):
         raise BenchError(f"the ranks imported sparkbus's worker from {result['rank_modules']}, not {expected}")
     return result
-
-
-def _cause(text: str) -> str:
-    """The last ``SomeError: message`` line of a driver's traceback, shortened."""
-    lines = [line.strip() for line in text.splitlines() if "Error:" in line or "Exception:" in line]
-    return (lines[-1] if lines else text.strip().splitlines()[-1])[:300]
 
 
 def feeder_cpu_per_gb(point: ClusterPoint, payload_bytes: int) -> float:

@@ -8,6 +8,7 @@ bounded.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import threading
@@ -120,6 +121,95 @@ class Children:
         """``mpiexec -n n python benchmarks/<script> args``, logging to a file (``prefix``: e.g. :func:`on_cpus`)."""
         return self.add(ChildProcess(name, [*prefix, *mpiexec_python(n, HERE / script, *args)], self.log(name),
                                      env=loopback_env(), cwd=ROOT))
+
+
+class DriverProcess:
+    """``spark_driver.py`` as a child, asked through request and answer files in ``dir``; the same methods as
+    ``spark_driver.Driver``. ``conf``: its Spark settings (``spark.master`` among them); ``executors``, ``slots``:
+    what it waits for and warms before it is ready; ``cpus``: pin it; ``prefix``, ``env``: how it is started."""
+
+    def __init__(self, children: Children, dir: Path, name: str, conf: dict, *, executors: int = 0, slots: int = 2,
+                 cpus: Sequence[int] = (), prefix: Sequence[str] = (), env: dict | None = None,
+                 timeout: float = 180.0):
+        self.children, self.dir, self.name, self.timeout = children, dir, name, timeout
+        dir.mkdir(parents=True, exist_ok=True)
+        command = [*prefix, sys.executable, str(HERE / "spark_driver.py"), "--dir", str(dir), "--executors",
+                   str(executors), "--slots", str(slots), "--timeout", str(timeout),
+                   *(f"--conf={k}={v}" for k, v in conf.items()),
+                   *(["--cpus", ",".join(map(str, cpus))] if cpus else [])]
+        self.child = children.add(ChildProcess(name, command, children.log(name), env=env, cwd=ROOT))
+        self._number = 0
+
+    def _check(self) -> None:
+        if self.child.poll() is not None:
+            raise BenchError(f"{self.name} exited ({self.child.poll()}):\n{self.child.tail(30)}")
+
+    def ready(self, timeout: float | None = None) -> dict:
+        """Once its executors are up and warm: ``{"executors": [...], "session_seconds": s}``."""
+        wait_for(lambda: (self.dir / "ready").exists() or self.child.poll() is not None,
+                 timeout or self.timeout + 30, f"{self.name} and its executors", interval=0.1)
+        self._check()
+        return json.loads((self.dir / "ready").read_text())
+
+    def submit(self, cmd: str, /, **arguments: Any) -> Path:
+        """Ask ``cmd``; where its answer will be (see :meth:`answered`)."""
+        self._number += 1
+        path = self.dir / f"req-{self._number}.json"
+        path.with_suffix(".tmp").write_text(json.dumps({"cmd": cmd, **arguments}))
+        path.with_suffix(".tmp").rename(path)
+        return self.dir / f"res-{self._number}.json"
+
+    def answered(self, answer: Path) -> dict | None:
+        if answer.exists():
+            return json.loads(answer.read_text())
+        self._check()
+        return None
+
+    def request(self, wait: float, cmd: str, /, **arguments: Any) -> Any:
+        """``cmd``'s answer, waited for ``wait`` s at most. Raises BenchError if it failed."""
+        answer = self.submit(cmd, **arguments)
+        reply = wait_for(lambda: self.answered(answer), wait, f"{self.name}'s answer to {cmd}")
+        if not reply["ok"]:
+            raise BenchError(f"{self.name} failed in {cmd}:\n{reply['traceback']}")
+        return reply["value"]
+
+    def prepare(self, rows: int, partitions: int, feed: str, kind: str = "fixed") -> dict:
+        return self.request(self.timeout, "prepare", rows=rows, partitions=partitions, feed=feed, kind=kind)
+
+    def limit(self) -> dict:
+        return self.request(self.timeout, "limit")
+
+    def feed(self, feed: str, stream: str, batch_size: int, timeout: float, options: dict | None = None) -> dict:
+        return self.request(timeout + 30, "feed", feed=feed, stream=stream, batch_size=batch_size, timeout=timeout,
+                            options=options)
+
+    def where(self) -> dict:
+        return self.request(60, "where")
+
+    def running_tasks(self, stream: str) -> list[int]:
+        """Pids of the Python workers running a task of ``stream`` of ``feed_ids`` now (rows not all produced)."""
+        pids = []
+        for mark in (self.dir / "pids").glob(f"{stream}-p*.pid"):
+            if not mark.with_suffix(".end").exists():
+                try:
+                    pid = int(mark.read_text())
+                    os.kill(pid, 0)
+                except (ValueError, OSError):
+                    continue
+                pids.append(pid)
+        return sorted(pids)
+
+    def stop(self, polite: bool = True) -> None:
+        """Ask it to stop its session (its executors end with the application) and wait, if ``polite``; then stop
+        the process and all it started, whatever is left (a busy driver cannot answer)."""
+        try:
+            if polite and self.child.poll() is None:
+                self.request(30, "stop")
+                self.child.wait(30)
+        except Exception:
+            pass                   # stopped below all the same
+        finally:
+            self.children.discard(self.child)
 
 
 def on_cpus(cpus: Sequence[int]) -> list[str]:

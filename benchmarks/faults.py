@@ -1,7 +1,7 @@
 """Figure 11, a fault table (issue 18 §4): per fault kind (``KINDS``), a long feed from Spark with faults injected at
 seeded random times, and the rows lost (ids fed that no consumer yielded) and trained twice (yielded copies beyond
 the first). A report, not an assertion. benchmarks/README.md, section 11, describes every kind, the processes
-(``faults_processes.py``, ``faults_feeder.py``, ``faults_consumer.py``, ``faults_cluster.py``) and the
+(``faults_processes.py``, ``spark_driver.py``, ``faults_consumer.py``, ``faults_cluster.py``) and the
 ``SPARKBUS_BENCH_FAULTS_*`` variables."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import os
 import random
 import signal
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -20,9 +21,9 @@ from sparkbus.bench.figures import Figure, figure
 from sparkbus.launch.broker import BrokerProcess
 from sparkbus.launch.processes import LaunchError, wait_for
 
-from .common import ROOT, BenchError
+from .common import ROOT, BenchError, DriverProcess
 from .faults_cluster import HOSTS, ClusterRig
-from .faults_processes import Consumers, Feeder, NetworkChild
+from .faults_processes import Consumers, NetworkChild
 from .sections import Context, Run, Section
 
 KINDS = ("none", "broker_journal", "broker_journal_group", "broker_no_journal", "broker_no_journal_group", "rank",
@@ -31,9 +32,11 @@ KINDS = ("none", "broker_journal", "broker_journal_group", "broker_no_journal", 
 # The rows fed from a standalone cluster (faults_cluster.py): not in --quick unless SPARKBUS_BENCH_FAULTS_KINDS asks
 CLUSTER_KINDS = ("cluster_executor", "cluster_executor_atomic", "cluster_host", "cluster_host_atomic")
 CONSUMERS = 2
-WIDTH = 256                    # the cluster rows' x: float32s a row (a 100-row batch is 100 KiB, see faults_feeder)
+WIDTH = 256                    # the cluster rows' x: float32s a row (a 100-row batch is 100 KiB, see spark_driver)
 GAP = 2.5                      # seconds between two faults of a run, at least
 BATCH = 100
+# The section's own Spark driver (spark_driver.py): two task slots and a failed task retried
+DRIVER = {"spark.master": "local[2,4]", "spark.app.name": "sparkbus-bench-faults"}
 
 
 @dataclass
@@ -84,6 +87,9 @@ class FaultRun:
     lost_ids: list[str] = field(default_factory=list)    # the first runs of ids lost
 
 
+SUMMED = ("planned", "rows_fed", "yielded", "lost", "twice", "out_of_range", "dropped", "seconds")
+
+
 @dataclass
 class FaultTable:
     """Figure 11: every run, per kind, and the kinds skipped with their reason."""
@@ -94,24 +100,16 @@ class FaultTable:
     seconds: float = 0.0
 
     def rows(self) -> list[dict]:
-        """Per kind (in ``KINDS`` order): its runs added up."""
-        out = []
+        """Per kind (in ``KINDS`` order): its runs added up, or why it was skipped."""
+        out: list[dict] = []
         for kind in self.plan.kinds:
             runs = [r for r in self.runs if r.kind == kind]
             if kind in self.skipped:
                 out.append({"kind": kind, "skipped": self.skipped[kind]})
-                continue
-            if not runs:
-                continue
-            outcomes: dict[str, int] = {}
-            for r in runs:
-                outcomes[r.outcome] = outcomes.get(r.outcome, 0) + 1
-            out.append({"kind": kind, "runs": len(runs), "planned": sum(r.planned for r in runs),
-                        "faults": sum(len(r.faults) for r in runs), "rows_fed": sum(r.rows_fed for r in runs),
-                        "yielded": sum(r.yielded for r in runs), "lost": sum(r.lost for r in runs),
-                        "twice": sum(r.twice for r in runs), "out_of_range": sum(r.out_of_range for r in runs),
-                        "dropped": sum(r.dropped for r in runs),
-                        "outcomes": outcomes, "seconds": sum(r.seconds for r in runs)})
+            elif runs:
+                out.append({"kind": kind, "runs": len(runs), "faults": sum(len(r.faults) for r in runs),
+                            "outcomes": dict(Counter(r.outcome for r in runs)),
+                            **{key: sum(getattr(r, key) for r in runs) for key in SUMMED}})
         return out
 
 
@@ -187,7 +185,7 @@ def broker_flags(kind: str, journal: Path) -> list[str]:
 
 
 def one_run(ctx: Context, plan: Plan, kind: str, times: list[float], rng: random.Random, index: int,
-            feeder: Feeder, where: dict) -> FaultRun:
+            feeder: DriverProcess, where: dict) -> FaultRun:
     """One feed of ``kind`` with faults at ``times`` (s after the feed's start)."""
     stream = f"{kind}-{index}"
     work = ctx.work / "faults" / stream
@@ -207,8 +205,9 @@ def one_run(ctx: Context, plan: Plan, kind: str, times: list[float], rng: random
             consumers.ready(consumers.start())
         feed_timeout = plan.broker_timeout if kind.startswith("broker") else 15.0
         started = time.monotonic()
-        answer = feeder.submit(rows=plan.rows, partitions=plan.partitions, batch_size=BATCH, pause=plan.pause,
-                               address=broker.feed, stream=stream, timeout=feed_timeout, pack_bytes=0, **request)
+        answer = feeder.submit("feed_ids", rows=plan.rows, partitions=plan.partitions, batch_size=BATCH,
+                               pause=plan.pause, address=broker.feed, stream=stream, timeout=feed_timeout,
+                               pack_bytes=0, **request)
         # The faults' clock starts at the first row a consumer yielded (the Spark job's start is not the feed's).
         reply = wait_for(lambda: feeder.answered(answer) or consumers.yielded_any(), plan.timeout,
                          f"the first row of {stream} at a consumer")
@@ -254,7 +253,7 @@ def one_run(ctx: Context, plan: Plan, kind: str, times: list[float], rng: random
     return run
 
 
-def inject(kind: str, rng: random.Random, broker: BrokerProcess, consumers: Consumers, feeder: Feeder,
+def inject(kind: str, rng: random.Random, broker: BrokerProcess, consumers: Consumers, feeder: DriverProcess,
            stream: str, where: dict) -> dict | None:
     """Inject one fault of ``kind`` now; what was done (None if nothing could be)."""
     began = time.monotonic()
@@ -328,7 +327,7 @@ def run(ctx: Context, plan: Plan, name: str = "faults") -> FaultTable:
     ctx.log(f"  faults: seed {plan.seed}, {plan.rows:,} rows in {plan.partitions} partitions a feed (~"
             f"{plan.feed_seconds:.0f} s), {plan.faults} fault(s) per kind: {', '.join(plan.kinds)}")
     network = None
-    linked: Feeder | None = None
+    linked: DriverProcess | None = None
     if "link" in plan.kinds:
         ok, why = netns.available()
         if not ok:
@@ -341,9 +340,10 @@ def run(ctx: Context, plan: Plan, name: str = "faults") -> FaultTable:
     held = ctx.children.add(NetworkChild(network)) if network is not None else None
     if network is not None:
         # its Spark driver starts meanwhile: it runs on the broker's host (only the consumers' link is cut)
-        linked = Feeder(ctx.children, ctx.work / "faults" / "feeder-link",
-                        ["ip", "netns", "exec", network.namespace("broker")], {"SPARKBUS_INSECURE": "1"})
-    feeder = Feeder(ctx.children, ctx.work / "faults" / "feeder")
+        linked = DriverProcess(ctx.children, ctx.work / "faults" / "driver-link", "faults-driver-link", DRIVER,
+                               prefix=["ip", "netns", "exec", network.namespace("broker")],
+                               env={"SPARKBUS_INSECURE": "1"})
+    feeder = DriverProcess(ctx.children, ctx.work / "faults" / "driver", "faults-driver", DRIVER)
     rig: ClusterRig | None = None
     try:
         feeder.ready(120)
@@ -357,8 +357,6 @@ def run(ctx: Context, plan: Plan, name: str = "faults") -> FaultTable:
                     if not any(k in CLUSTER_KINDS and k not in result.skipped for k in plan.kinds[position + 1:]):
                         ctx.children.discard(rig)       # its JVMs are not needed for the kinds left
                         rig = None
-            elif kind == "none":
-                result.runs.append(one_run(ctx, plan, kind, [], rng, 0, feeder, {}))
             elif kind == "link":
                 assert network is not None and linked is not None
                 linked.ready(120)
@@ -368,7 +366,7 @@ def run(ctx: Context, plan: Plan, name: str = "faults") -> FaultTable:
                 times = fault_times(rng, plan.faults, plan.feed_seconds)
                 result.runs.append(one_run(ctx, plan, kind, times, rng, 0, linked, where))
             else:
-                times = fault_times(rng, plan.faults, plan.feed_seconds)
+                times = [] if kind == "none" else fault_times(rng, plan.faults, plan.feed_seconds)
                 result.runs.append(one_run(ctx, plan, kind, times, rng, 0, feeder, {}))
     finally:
         feeder.stop()

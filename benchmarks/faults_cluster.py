@@ -1,7 +1,7 @@
 """The Spark standalone cluster of the fault table's executor-loss rows (``benchmarks/faults.py``).
 
 A Master and two Workers on 127.0.0.1 and 127.0.0.2, one core each (``launch.cluster.StandaloneCluster``), and a
-driver of the section's own against it (``faults_feeder.py --master spark://...``: ``spark.task.maxFailures=4``,
+driver of the section's own against it (``spark_driver.py``, ``spark.master=spark://...``: ``spark.task.maxFailures=4``,
 one executor per Worker) whose feeds read a DataFrame made in the executors' JVMs (``source="dataframe"``).
 
 **Held Python workers.** When an executor's JVM dies, its ``pyspark.daemon`` SIGHUPs its forked Python workers; on a
@@ -31,8 +31,7 @@ from sparkbus.launch.cluster import (
 )
 from sparkbus.launch.processes import descendants
 
-from .common import Children
-from .faults_processes import Feeder
+from .common import Children, DriverProcess
 
 HOSTS = ("127.0.0.1", "127.0.0.2")
 # The driver's settings over StandaloneCluster.app_conf(): a failed task retried (up to 3 times, as the local
@@ -88,7 +87,7 @@ class ClusterRig:
         self.children, self.work = children, work
         self.hold = work / "held"
         self.hold.mkdir(parents=True, exist_ok=True)
-        self.feeder: Feeder | None = None
+        self.feeder: DriverProcess | None = None
         self.cluster = StandaloneCluster(work / "cluster", HOSTS, cores=1, memory="1g",
                                          java_opts=QUICK_START_JAVA_OPTS, conf=CLUSTER_CONF)
         children.add(self)
@@ -96,10 +95,9 @@ class ClusterRig:
         conf = {**self.cluster.app_conf(executor_memory="512m"), **DRIVER_CONF,
                 "spark.executorEnv.PYTHONPATH": str(HELD_WORKERS_SITE),
                 f"spark.executorEnv.{HOLD_WORKERS_ENV}": str(self.hold)}
-        self.feeder = Feeder(children, work / "driver", env={"SPARK_LOCAL_IP": HOSTS[0]},
-                             args=["--master", self.cluster.master_url, "--executors", str(len(HOSTS)),
-                                   *(f"--conf={key}={value}" for key, value in conf.items())],
-                             name="faults-cluster-driver")
+        self.feeder = DriverProcess(children, work / "driver", "faults-cluster-driver",
+                                    {"spark.master": self.cluster.master_url, **conf}, executors=len(HOSTS),
+                                    slots=len(HOSTS), env={"SPARK_LOCAL_IP": HOSTS[0]})
 
     def ready(self, timeout: float) -> None:
         assert self.feeder is not None
@@ -127,7 +125,7 @@ class ClusterRig:
 
     def warm(self, timeout: float = 180.0) -> list[str]:
         """Both executors registered and their Python workers warm (a feed's first tasks are then not cold)."""
-        return self.feeder.request(timeout + 10, cmd="warm", executors=len(HOSTS), timeout=timeout)["executors"]
+        return self.feeder.request(timeout + 10, "warm", executors=len(HOSTS), slots=len(HOSTS), timeout=timeout)
 
     # ---- faults ---------------------------------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""The processes of a fault-table run (``benchmarks/faults.py``): its Spark driver, its consumers, its network.
+"""The processes of a fault-table run (``benchmarks/faults.py``) beside its Spark driver: its consumers, its network.
 
 Each is registered in the bench's :class:`~benchmarks.common.Children`, so that it is stopped on success, error,
 Ctrl-C and SIGTERM; :class:`NetworkChild` deletes the namespaces (and ends every process in them) when stopped.
@@ -6,8 +6,6 @@ Ctrl-C and SIGTERM; :class:`NetworkChild` deletes the namespaces (and ends every
 
 from __future__ import annotations
 
-import json
-import os
 import signal
 import sys
 import time
@@ -21,69 +19,6 @@ from sparkbus.launch.processes import ChildProcess, wait_for
 from .common import HERE, ROOT, BenchError, Children
 
 TRAIN_SECONDS = 0.005          # a consumer's step
-
-
-class Feeder:
-    """``faults_feeder.py`` (a Spark driver) as a child; requests and answers are files in ``dir``."""
-
-    def __init__(self, children: Children, dir: Path, prefix: list[str] = (), env: dict | None = None,
-                 args: list[str] = (), name: str = "faults-feeder"):
-        self.dir, self.children = dir, children
-        dir.mkdir(parents=True, exist_ok=True)
-        command = [*prefix, sys.executable, str(HERE / "faults_feeder.py"), "--dir", str(dir), *args]
-        self.child = children.add(ChildProcess(name, command, children.log(name), env=env, cwd=ROOT))
-        self._number = 0
-
-    def ready(self, timeout: float) -> None:
-        wait_for(lambda: (self.dir / "ready").exists() or self.child.poll() is not None, timeout,
-                 "the fault table's Spark driver to start")
-        if self.child.poll() is not None:
-            raise BenchError(f"the fault table's Spark driver exited ({self.child.poll()}):\n{self.child.tail()}")
-
-    def submit(self, **request: Any) -> Path:
-        self._number += 1
-        path = self.dir / f"req-{self._number}.json"
-        path.with_suffix(".tmp").write_text(json.dumps(request))
-        path.with_suffix(".tmp").rename(path)
-        return self.dir / f"res-{self._number}.json"
-
-    def answered(self, answer: Path) -> dict | None:
-        if answer.exists():
-            return json.loads(answer.read_text())
-        if self.child.poll() is not None:
-            raise BenchError(f"the fault table's Spark driver exited ({self.child.poll()}):\n{self.child.tail()}")
-        return None
-
-    def request(self, wait: float, **request: Any) -> dict:
-        """A request answered at once (``cmd="warm"``) and its answer, waited for ``wait`` s at
-        most; BenchError if it failed."""
-        answer = self.submit(**request)
-        reply = wait_for(lambda: self.answered(answer), wait, f"the Spark driver's answer to {request}",
-                         interval=0.02)
-        if not reply["ok"]:
-            raise BenchError(f"the Spark driver could not answer {request}: {reply['type']}: {reply['error']}")
-        return reply
-
-    def running_tasks(self, stream: str) -> list[int]:
-        """Pids of the Python workers running a task of ``stream`` now (started, rows not all produced)."""
-        pids = []
-        for mark in (self.dir / "pids").glob(f"{stream}-p*.pid"):
-            if not mark.with_suffix(".end").exists():
-                try:
-                    pid = int(mark.read_text())
-                    os.kill(pid, 0)
-                except (ValueError, OSError):
-                    continue
-                pids.append(pid)
-        return sorted(pids)
-
-    def stop(self) -> None:
-        (self.dir / "stop").touch()
-        try:
-            self.child.wait(20)
-        except Exception:
-            pass
-        self.children.discard(self.child)
 
 
 class Consumers:

@@ -6,7 +6,6 @@ repetitions alternate which goes first; every run must decode every image once (
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 import time
@@ -27,10 +26,6 @@ REPS, QUICK_REPS = 5, 1
 SIZE, PARTITIONS, BATCH_SIZE, RANKS, DECODERS = 32, 4, 128, 2, 2
 WAYS = ("sparkbus", "staging")
 SEED = 7
-
-
-class ImagesBenchError(BenchError):
-    """A run of the images figure failed, or did not decode every image exactly once."""
 
 
 LAUNCHES = 3                                   # launches of a run whose ranks exit early (EarlyExit)
@@ -78,16 +73,6 @@ def image_frame(spark: Any, images: int, size: int = SIZE, partitions: int = PAR
     return spark.range(0, images, numPartitions=partitions).mapInArrow(encode, "id long, image binary, label int")
 
 
-def cached_images(spark: Any, images: int, size: int, partitions: int) -> tuple[Any, dict]:
-    """:func:`image_frame`, cached and materialised; returns it and how it is stored."""
-    started = time.monotonic()
-    df = image_frame(spark, images, size, partitions).cache()
-    row = df.selectExpr("count(*) AS n", "sum(length(image)) AS png").collect()[0]
-    return df, {"images": row["n"], "png_bytes": row["png"], "mean_png_bytes": row["png"] / max(1, row["n"]),
-                "partitions": df.rdd.getNumPartitions(), "build_seconds": time.monotonic() - started,
-                **storage_of(spark)}
-
-
 # ---- one run of each way ----------------------------------------------------------------------------------
 
 class Runner:
@@ -125,7 +110,8 @@ class Runner:
         ranks, clock = run_ranks(self.children, name, RANKS, "images_rank.py", out,
                                  ["--size", str(self.size), "--threads", str(self.decoders), "--timeout",
                                   str(self.timeout), *args], timed, self.timeout, ready_timeout=120.0)
-        cpu = _named(meters[0].stop())
+        names = {"jvm": "spark_jvm", "workers": "spark_python", "broker": "broker"}   # this figure's names
+        cpu = {names[group]: seconds for group, seconds in meters[0].stop().items()}
         shutil.rmtree(out, ignore_errors=True)
         cpu["ranks"] = sum(f["cpu_seconds"] for f in ranks.ranks)
         cpu["loader_workers"] = sum(f["workers_cpu_seconds"] for f in ranks.ranks)
@@ -136,8 +122,8 @@ class Runner:
         images = sum(f["images"] for f in figures)
         id_sum = sum(f["id_sum"] for f in figures)
         if images != self.images or id_sum != self.images * (self.images - 1) // 2:
-            raise ImagesBenchError(f"{way}: the ranks decoded {images:,} images (id sum {id_sum:,}) of "
-                                   f"{self.images:,} (id sum {self.images * (self.images - 1) // 2:,})")
+            raise BenchError(f"{way}: the ranks decoded {images:,} images (id sum {id_sum:,}) of "
+                             f"{self.images:,} (id sum {self.images * (self.images - 1) // 2:,})")
         last = max(f["t_last"] for f in figures) - t0
         received = [f["t_first_received"] for f in figures if f.get("t_first_received")]
         if received:                           # sparkbus: the first batch out of a BatchStream, not yet decoded
@@ -192,38 +178,29 @@ class Runner:
 def measure(spark: Any, images: int = IMAGES, reps: int = REPS, *, size: int = SIZE, partitions: int = PARTITIONS,
             batch_size: int = BATCH_SIZE, decoders: int = DECODERS, work: Path | None = None,
             timeout: float = 300.0, warm_up: bool = True, log: Callable[[str], None] = print) -> dict:
-    """Measure both ways ``reps`` times each, interleaved, on one cached DataFrame of ``images`` PNGs.
+    """Both ways ``reps`` times each, interleaved, on one cached DataFrame of ``images`` PNGs (:func:`image_frame`),
+    into 2 ranks of ``decoders`` decoding threads or DataLoader workers each, in batches of ``batch_size``.
 
-    Args:
-        spark: the SparkSession (``local[2]`` for the figure); the frame is cached in it and unpersisted after.
-        images, size, partitions: the DataFrame (see :func:`image_frame`); batch_size: images per batch, both ways.
-        decoders: decoding threads (sparkbus) or DataLoader workers (staging) per rank.
-        work: a directory for logs and the staged files (a temporary one if None; kept if given).
-        timeout: bound on each run's ranks and on the feed's waits.
-        warm_up: first scan the cache, write a little Parquet and feed a little, untimed (False: a test of
-            the harness, whose figures do not matter).
-        log: called with a line per repetition.
-    Returns:
-        A JSON-serialisable dict: the set-up, ``frame`` (how the images are stored), ``runs`` (each way's list of
-        runs: ``first``, ``last`` seconds, ``images_per_s``, counts, sums, CPU per process group), ``first_task``
-        (:func:`first_task_seconds` per repetition), ``ratios`` (``faster``: sparkbus / staging images/s;
-        ``first``: sparkbus / staging first image) and ``checks``.
-    Raises:
-        ImagesBenchError: a run failed, or its ranks did not decode every image exactly once, or the pixels
-            decoded differ between runs. Whatever it started is stopped first.
+    ``work``: logs and staged files (a temporary directory if None); ``warm_up=False``: no untimed scan, write and
+    feed first (a test of the harness). Returns a JSON-serialisable dict: the set-up, ``frame``, ``runs`` per way,
+    ``first_task`` per repetition, ``ratios`` (sparkbus / staging: ``faster`` images/s, ``first`` image) and
+    ``checks``. Raises BenchError if a run failed, did not decode every image once, or decoded other pixels.
     """
     temporary = work is None
     work = Path(tempfile.mkdtemp(prefix="sparkbus-images-")) if work is None else Path(work)
     work.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"images": images, "size": size, "partitions": partitions, "batch_size": batch_size,
                               "ranks": RANKS, "decoders_per_rank": decoders, "reps": reps,
-                              "master": spark.sparkContext.master, "load_start": list(os.getloadavg()),
                               "runs": {way: [] for way in WAYS}}
     children = Children(work)
     df = None
     try:
         broker = children.broker("256MiB", 30.0)
-        df, result["frame"] = cached_images(spark, images, size, partitions)
+        started = time.monotonic()
+        df = image_frame(spark, images, size, partitions).cache()
+        row = df.selectExpr("count(*) AS n", "sum(length(image)) AS png").collect()[0]
+        result["frame"] = {"images": row["n"], "png_bytes": row["png"], "mean_png_bytes": row["png"] / max(1, row["n"]),
+                           "build_seconds": time.monotonic() - started, **storage_of(spark)}
         log(f"  images: {images:,} PNGs of {size}x{size} ({result['frame']['mean_png_bytes']:,.0f} bytes on "
             f"average) made and cached in {result['frame']['build_seconds']:.1f} s")
         if warm_up:
@@ -245,14 +222,13 @@ def measure(spark: Any, images: int = IMAGES, reps: int = REPS, *, size: int = S
         children.stop_all()
         if temporary:
             shutil.rmtree(work, ignore_errors=True)
-    result["load_end"] = list(os.getloadavg())
     runs = result["runs"]
     s, p = ({key: median([r[key] for r in runs[way]]) for key in ("first", "images_per_s")} for way in WAYS)
     result["ratios"] = {"faster": s["images_per_s"] / p["images_per_s"], "first": s["first"] / p["first"]}
     pixel_sums = {r["pixel_sum"] for way in WAYS for r in runs[way]}
     result["checks"] = {"every_image_once": True, "pixel_sums": sorted(pixel_sums)}
     if len(pixel_sums) != 1:
-        raise ImagesBenchError(f"the runs decoded different pixels (sums {sorted(pixel_sums)})")
+        raise BenchError(f"the runs decoded different pixels (sums {sorted(pixel_sums)})")
     return result
 
 
@@ -284,12 +260,6 @@ def _warm_up(df: Any, broker: BrokerProcess, work: Path) -> None:
     shutil.rmtree(work / "warm-up.parquet", ignore_errors=True)
     feed(df.sample(fraction=0.02, seed=1), broker.feed, stream="images-warm-up", epoch=0, batch_size=BATCH_SIZE,
          timeout=60.0)
-
-
-def _named(cpu: dict[str, float]) -> dict[str, float]:
-    """End to end's CPU groups under this figure's names (those of its report and results.json)."""
-    names = {"jvm": "spark_jvm", "workers": "spark_python", "broker": "broker"}
-    return {names[group]: seconds for group, seconds in cpu.items()}
 
 
 # ---- the section ------------------------------------------------------------------------------------------

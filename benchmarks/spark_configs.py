@@ -6,8 +6,6 @@ per point Spark's own hand-off in that set-up beside it. benchmarks/README.md, s
 from __future__ import annotations
 
 import itertools
-import json
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,11 +13,9 @@ from typing import Any
 
 from sparkbus.bench.figures import Figure, figure
 from sparkbus.launch.cluster import QUICK_START_JAVA_OPTS, StandaloneCluster
-from sparkbus.launch.processes import ChildProcess, LaunchError, wait_for
-from sparkbus.launch.spark import LOCAL_CONF
 
 from . import end_to_end
-from .common import HERE, ROOT, BenchError, Children, Sizes
+from .common import Children, DriverProcess, Sizes
 from .end_to_end import BATCH_SIZE, RANKS, Series
 from .sections import Context, Run, Section
 
@@ -38,117 +34,18 @@ class Config:
     executors: int
     cores: int
 
-    @property
-    def label(self) -> str:
-        if not self.executors:
-            return f"local[{self.cores}]"
-        return (f"standalone, {self.executors} executor{'s' if self.executors > 1 else ''} x {self.cores} "
-                f"core{'s' if self.cores > 1 else ''}")
-
 
 CONFIGS = (Config("local", 0, 2), Config("1x1", 1, 1), Config("2x1", 2, 1), Config("1x2", 1, 2))
 
 
 def parse_configs(text: str) -> tuple[Config, ...]:
-    """``"local,2x1"`` -> those configurations, in the order of :data:`CONFIGS`.
-
-    Raises:
-        ValueError: an unknown key.
-    """
+    """``"local,2x1"`` -> those configurations, in the order of :data:`CONFIGS`; ValueError for an unknown key."""
     keys = {k.strip() for k in text.split(",") if k.strip()}
     unknown = keys - {c.key for c in CONFIGS}
     if unknown:
         raise ValueError(f"unknown Spark configurations {sorted(unknown)}; choose from "
                          f"{', '.join(c.key for c in CONFIGS)}")
     return tuple(c for c in CONFIGS if c.key in keys)
-
-
-# ---- the driver of a standalone configuration --------------------------------------------------------------------
-
-class DriverProcess:
-    """``spark_driver.py`` as a child process, asked over ZeroMQ; the same methods as ``spark_driver.Driver``.
-
-    ``cpus``: pin the driver (and so its JVM and Python workers) to these CPUs; ``conf``: more Spark settings.
-    """
-
-    def __init__(self, children: Children, config: Config, master_url: str, sizes: Sizes, work: Path, *,
-                 cpus: tuple[int, ...] = (), conf: dict | None = None):
-        self.config, self.children = config, children
-        self.ready = work / f"driver-{config.key}.json"
-        conf = {**LOCAL_CONF, "spark.master": master_url, "spark.app.name": f"sparkbus-bench-{config.key}",
-                **({"spark.cores.max": str(config.executors * config.cores),
-                    "spark.executor.cores": str(config.cores)} if config.executors else {}),
-                "spark.executor.memory": sizes.spark_executor_memory,
-                "spark.sql.shuffle.partitions": "4",
-                "spark.scheduler.minRegisteredResourcesRatio": "1.0",
-                "spark.scheduler.maxRegisteredResourcesWaitingTime": "120s", **(conf or {})}
-        self.timeout = max(120.0, sizes.timeout * 2)
-        self.child = children.add(ChildProcess(
-            f"driver-{config.key}",
-            [sys.executable, str(HERE / "spark_driver.py"), "--ready", str(self.ready),
-             "--executors", str(config.executors), "--slots", str(max(1, config.executors) * config.cores),
-             "--timeout", str(self.timeout), *(f"--conf={k}={v}" for k, v in conf.items()),
-             *(["--cpus", ",".join(map(str, cpus))] if cpus else [])],
-            children.log(f"driver-{config.key}"), env={"SPARK_LOCAL_IP": "127.0.0.1"}, cwd=ROOT))
-        self.control = ""
-
-    def wait_ready(self) -> dict:
-        """Once the driver's executors are up: ``{"executors": [...], "session_seconds": s}``."""
-        wait_for(lambda: self.ready.exists() or self.child.returncode is not None, self.timeout,
-                 f"the Spark driver of {self.config.label} and its executors", interval=0.1)
-        if self.child.returncode is not None:
-            raise BenchError(f"the Spark driver of {self.config.label} exited with {self.child.returncode}:\n"
-                             f"{self.child.tail(30)}")
-        info = json.loads(self.ready.read_text())
-        self.control = info["control"]
-        return info
-
-    def request(self, message: dict, timeout: float) -> dict:
-        import zmq
-
-        context: Any = zmq.Context.instance()
-        with context.socket(zmq.REQ) as sock:     # a fresh REQ: a timed-out one is unusable
-            sock.linger = 0
-            sock.connect(self.control)
-            sock.send(json.dumps(message).encode())
-            deadline = time.monotonic() + timeout
-            while not sock.poll(500):
-                if self.child.returncode is not None:
-                    raise BenchError(f"the Spark driver of {self.config.label} exited with "
-                                     f"{self.child.returncode} during {message['cmd']}:\n{self.child.tail(30)}")
-                if time.monotonic() > deadline:
-                    raise BenchError(f"the Spark driver of {self.config.label} did not answer {message['cmd']} "
-                                     f"within {timeout:g} s:\n{self.child.tail(30)}")
-            reply = json.loads(sock.recv())
-        if "error" in reply:
-            raise BenchError(f"the Spark driver of {self.config.label} failed in {message['cmd']}:\n{reply['error']}")
-        return reply
-
-    def prepare(self, rows: int, partitions: int, feed: str, kind: str = "fixed") -> dict:
-        return self.request({"cmd": "prepare", "rows": rows, "partitions": partitions, "feed": feed, "kind": kind},
-                            self.timeout)
-
-    def limit(self) -> dict:
-        return self.request({"cmd": "limit"}, self.timeout)
-
-    def feed(self, feed: str, stream: str, batch_size: int, timeout: float, options: dict | None = None) -> dict:
-        return self.request({"cmd": "feed", "feed": feed, "stream": stream, "batch_size": batch_size,
-                             "timeout": timeout, "options": options or {}}, timeout + 30)
-
-    def where(self) -> dict:
-        return self.request({"cmd": "where"}, 60)
-
-    def stop(self, polite: bool = True) -> None:
-        """Ask the driver to stop its session (its executors end with the application) and wait for it to exit,
-        if ``polite``; then stop the process and all it started, whatever is left (a busy driver cannot answer)."""
-        try:
-            if polite and self.control and self.child.returncode is None:
-                self.request({"cmd": "stop"}, 30)
-                self.child.wait(30)
-        except (BenchError, LaunchError):
-            pass                   # stopped below all the same
-        finally:
-            self.children.discard(self.child)
 
 
 # ---- the figure ------------------------------------------------------------------------------------------------
@@ -192,14 +89,21 @@ def run(children: Children, spark: Any, session_seconds: float | None, sizes: Si
                 f"({WORKER_CORES} cores each) starting")
         for i, config in enumerate(standalone):
             assert cluster is not None
-            driver = DriverProcess(children, config, cluster.master_url, sizes, work)
+            driver = DriverProcess(children, work / f"driver-{config.key}", f"driver-{config.key}", {
+                "spark.master": cluster.master_url, "spark.app.name": f"sparkbus-bench-{config.key}",
+                "spark.cores.max": str(config.executors * config.cores), "spark.executor.cores": str(config.cores),
+                "spark.executor.memory": sizes.spark_executor_memory,
+                "spark.scheduler.minRegisteredResourcesRatio": "1.0",
+                "spark.scheduler.maxRegisteredResourcesWaitingTime": "120s"}, executors=config.executors,
+                slots=config.executors * config.cores, env={"SPARK_LOCAL_IP": HOSTS[0]},
+                timeout=max(120.0, sizes.timeout * 2))
             try:
                 if i == 0:            # the first driver starts while the Workers register
                     cluster.wait_ready(120)
                     log(f"  standalone cluster up after {time.monotonic() - started:.1f} s")
-                info = driver.wait_ready()
+                info = driver.ready()
                 out.session_seconds[config.key] = info["session_seconds"]
-                log(f"  {config.label}: driver and executors up after {info['session_seconds']:.1f} s; executors "
+                log(f"  {config.key}: driver and executors up after {info['session_seconds']:.1f} s; executors "
                     + ", ".join(f"{e['executor']} on {e['host']} ({e['slots']} slot{'s' if e['slots'] > 1 else ''})"
                                 for e in info["executors"]))
                 _points(children, broker, config, driver, partitions, sizes, work, out, log)
@@ -219,9 +123,9 @@ def _points(children: Children, broker, config: Config, source: Any, partitions:
     for parts in partitions:
         started = time.monotonic()
         info = source.prepare(rows=sizes.spark_rows, partitions=parts, feed=broker.feed)
-        log(f"  {config.label}, {parts} partitions: cached and warmed up in {time.monotonic() - started:.1f} s")
+        log(f"  {config.key}, {parts} partitions: cached and warmed up in {time.monotonic() - started:.1f} s")
         out.storage[config.key, parts] = info
-        series = out.points[config.key, parts] = Series(f"{config.label}, {parts} partitions")
+        series = out.points[config.key, parts] = Series(f"{config.key}, {parts} partitions")
         for rep in range(sizes.reps):
             limit = source.limit()
             stream = f"config-{config.key}-{parts}-{next(_streams)}"
@@ -235,7 +139,7 @@ def _points(children: Children, broker, config: Config, source: Any, partitions:
                                            sizes.timeout)
             run["limit_rows_per_s"] = limit["rows"] / limit["seconds"]
             series.runs.append(run)
-            log(f"  {config.label}, {parts} partitions, rep {rep + 1}/{sizes.reps}: {run['rows_per_s']:,.0f} rows/s "
+            log(f"  {config.key}, {parts} partitions, rep {rep + 1}/{sizes.reps}: {run['rows_per_s']:,.0f} rows/s "
                 f"to the ranks, first batch {run['first']:.2f} s, last {run['last']:.2f} s; Spark alone "
                 f"(mapInArrow) {run['limit_rows_per_s']:,.0f} rows/s")
 

@@ -12,7 +12,6 @@ from typing import Any
 
 from sparkbus.bench.e2e import hand_off
 from sparkbus.bench.figures import Figure, figure
-from sparkbus.wire.errors import FeedError
 
 from . import end_to_end, spark_data
 from .common import BenchError, Children, MiB, Sizes
@@ -46,25 +45,18 @@ class Varlen:
     rows: int
     kinds: dict[str, dict] = field(default_factory=dict)      # kind -> how Spark stores it
     pairs: dict[str, Pair] = field(default_factory=dict)      # compared kind -> its runs and the baseline's
-    refused: dict[str, str] = field(default_factory=dict)     # kind (or "padding") -> the feeder's error
     padding: PaddingShares | None = None
 
 
 def run(children: Children, spark: Any, sizes: Sizes, work: Path, log=print, out: Varlen | None = None) -> Varlen:
-    """Both comparisons and the padding share, filled into ``out`` as it goes (a new record if None). A kind the
-    feeder refuses (before protocol v4) is not measured; the others are."""
+    """Both comparisons and the padding share, filled into ``out`` as it goes (a new record if None)."""
     out = Varlen(sizes.varlen_rows) if out is None else out
     broker = children.broker(MAX_BUFFER)
     frames: dict[str, Any] = {}
     try:
         frames[BASELINE] = _prepare(spark, BASELINE, sizes, broker, out, log)
         for kind in COMPARED:
-            try:
-                frames[kind] = _prepare(spark, kind, sizes, broker, out, log)
-            except (TypeError, FeedError) as exc:       # a feeder without variable-length columns (protocol < 4)
-                out.refused[kind] = str(exc).split("failed: ")[-1][:300]
-                log(f"  {kind}: not measured, the feeder refused it: {out.refused[kind]}")
-                continue
+            frames[kind] = _prepare(spark, kind, sizes, broker, out, log)
             pair = out.pairs[kind] = Pair(Series(BASELINE), Series(kind))
             for rep in range(sizes.reps):
                 order = (BASELINE, kind) if rep % 2 == 0 else (kind, BASELINE)
@@ -93,10 +85,6 @@ def _padding(spark: Any, broker, sizes: Sizes, out: Varlen, log) -> None:
         shares = padding.measure(df, "tokens", batch_size=PADDING_BATCH, bucket_window=PADDING_WINDOW,
                                  feed_address=broker.feed, ranks_address=broker.ranks, stream="varlen-padding",
                                  timeout=min(sizes.timeout, 120.0))
-    except (TypeError, FeedError) as exc:           # a feeder without ragged= and bucket_by= (protocol < 4)
-        out.refused["padding"] = str(exc).split("failed: ")[-1][:300]
-        log(f"  padding: not measured, the feeder refused it: {out.refused['padding']}")
-        return
     finally:
         df.unpersist()
     out.padding = shares
