@@ -150,8 +150,8 @@ class Books:
         del self.streams[stream.name]
         if self.journal is not None:
             self.journal.retire_stream(stream.name)
-        ranges = stream.finished.ranges if isinstance(stream.finished, DeliveredEpochs) else EpochRanges()
-        for number in stream.finished:
+        ranges = stream.finished.ranges
+        for number in stream.finished.figures:
             ranges.add(number)
         if len(ranges.ranges()):
             self.retired[stream.name] = ranges
@@ -225,7 +225,7 @@ class Books:
         for number, ep in list(stream.epochs.items()):
             if ep.end_sent and not ep.queue and ep.all_acked:
                 stats = ep.stats()
-                stream.finished[number] = stats
+                stream.finished.add(number, stats)
                 del stream.epochs[number]
                 stream.reclaims.pop(number, None)
                 for rank in stream.members():

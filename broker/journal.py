@@ -37,7 +37,7 @@ import os
 import struct
 import time
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -97,11 +97,11 @@ class EpochRanges(PartitionRanges):
         return f"EpochRanges({self.ranges()})"
 
 
-class DeliveredEpochs(dict):
-    """A stream's delivered epochs: a dict ``{epoch: figures}`` of the recent ones, plus :attr:`ranges` of those
-    whose figures were dropped, and :attr:`earlier`, those figures summed. ``epoch in delivered`` is True for both,
-    so this is ``StreamState.finished``, live and replayed; ``items()``, ``len()`` and iteration see only the epochs
-    with figures. A stream that delivers epoch after epoch costs one range and ``keep`` records, however long it runs.
+class DeliveredEpochs:
+    """A stream's delivered epochs (``StreamState.finished``, live and replayed): ``epoch in delivered`` for every
+    one of them; the recent ones' figures in :attr:`figures` (``{epoch: figures}``, at most ``keep``), the older
+    ones only in :attr:`ranges`, their figures summed in :attr:`earlier`. A stream that delivers epoch after epoch
+    costs one range and ``keep`` records, however long it runs.
 
     Args:
         ranges: epochs delivered without figures, as ``[[first, last], ...]``.
@@ -110,32 +110,48 @@ class DeliveredEpochs(dict):
             all keep them).
     """
 
-    def __init__(self, ranges: Iterable[Iterable[int]] = (), figures: dict[int, Any] | None = None,
+    def __init__(self, ranges: Iterable[Iterable[int]] = (), figures: Mapping[int, Any] | None = None,
                  keep: int | None = RETIRED_KEEP_STATS):
-        super().__init__()
         self.ranges = EpochRanges(ranges)
+        self.figures: dict[int, Any] = {}
         self.keep = keep
         self.earlier = no_earlier()     # figures of the epochs in ranges, summed (those this process had)
         for epoch, stats in sorted((figures or {}).items()):
-            self[epoch] = stats
+            self.add(epoch, stats)
 
     @property
     def delivered(self) -> int:
         """How many epochs were delivered: those with figures and those without."""
-        return len(self.ranges) + len(self)
+        return len(self.ranges) + len(self.figures)
 
     def __contains__(self, epoch: object) -> bool:
-        return dict.__contains__(self, epoch) or epoch in self.ranges
+        return epoch in self.figures or epoch in self.ranges
 
-    def __setitem__(self, epoch: int, stats: Any) -> None:
-        super().__setitem__(epoch, stats)
-        if self.keep is not None and len(self) > self.keep:
-            for old in sorted(self)[:len(self) - self.keep]:
-                fold(self.earlier, self.pop(old))
+    def add(self, epoch: int, stats: Any) -> None:
+        """Epoch ``epoch`` was delivered, with these figures (the oldest beyond ``keep`` fold into the ranges)."""
+        self.figures[epoch] = stats
+        if self.keep is not None and len(self.figures) > self.keep:
+            for old in sorted(self.figures)[:len(self.figures) - self.keep]:
+                fold(self.earlier, self.figures.pop(old))
                 self.ranges.add(old)
 
+    def forget(self, epoch: int) -> bool:
+        """Epoch ``epoch`` is fed again (a resume): no longer delivered. Whether it was."""
+        was = epoch in self
+        self.figures.pop(epoch, None)
+        if epoch in self.ranges:
+            self.ranges = EpochRanges([a, b] for first, last in self.ranges.ranges()
+                                      for a, b in ((first, epoch - 1), (epoch + 1, last)) if a <= b)
+        return was
+
+    def forget_after(self, epoch: int) -> None:
+        """The epochs after ``epoch`` are no longer delivered (a resume at ``epoch`` rewinds them)."""
+        for later in [n for n in self.figures if n > epoch]:
+            del self.figures[later]
+        self.ranges = EpochRanges([first, min(last, epoch)] for first, last in self.ranges.ranges() if first <= epoch)
+
     def __repr__(self) -> str:
-        return f"DeliveredEpochs({self.ranges.ranges()}, {dict.__repr__(self)})"
+        return f"DeliveredEpochs({self.ranges.ranges()}, {self.figures!r})"
 
 
 @dataclass
@@ -292,16 +308,16 @@ class Journal:
                 for first, last in record["delivered"]:
                     epochs.ranges.add_range(first, last)
             else:
-                epochs[record["epoch"]] = record["stats"]
-        records = []
+                epochs.add(record["epoch"], record["stats"])
+        records: list[dict[str, Any]] = []
         for stream, epochs in delivered.items():
             if stream in self._streams_retired:
-                for number in list(epochs):
+                for number in list(epochs.figures):
                     epochs.ranges.add(number)
-                    del epochs[number]
+                    del epochs.figures[number]
             if epochs.ranges.ranges():
                 records.append({"stream": stream, "delivered": epochs.ranges.ranges()})
-            records.extend({"stream": stream, "epoch": n, "stats": epochs[n]} for n in sorted(epochs))
+            records.extend({"stream": stream, "epoch": n, "stats": epochs.figures[n]} for n in sorted(epochs.figures))
         tmp = path.with_name("retired.log.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:

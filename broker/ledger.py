@@ -317,9 +317,10 @@ class Ledger:
         for record in self.journal.retired():
             stream = self.stream(record["stream"])
             if "delivered" in record:        # a compacted journal: epochs delivered long ago, figures dropped
-                stream.finished = DeliveredEpochs(record["delivered"], stream.finished, self.journal.keep_stats)
+                stream.finished = DeliveredEpochs(record["delivered"], stream.finished.figures,
+                                                  self.journal.keep_stats)
             else:
-                stream.finished[record["epoch"]] = record["stats"]
+                stream.finished.add(record["epoch"], record["stats"])
         # What is applied now is in the journal already: nobody observes the ledger until it is rebuilt
         observers, self.books.observers = self.books.observers, []
         try:

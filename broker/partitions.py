@@ -392,7 +392,7 @@ def delivered_runs(finished: DeliveredEpochs) -> int:
     """How many runs of consecutive numbers a stream's delivered epochs make: its ranges and the epochs that keep
     their figures (not folded into the ranges yet), together."""
     runs, reach = 0, -1
-    for start, stop in sorted([*finished.ranges.pairs(), *((n, n + 1) for n in finished)]):
+    for start, stop in sorted([*finished.ranges.pairs(), *((n, n + 1) for n in finished.figures)]):
         if start > reach:              # epochs are not negative: the first span starts a run
             runs += 1
         reach = max(reach, stop)

@@ -18,7 +18,6 @@ from typing import Any, NamedTuple
 
 from sparkbus.broker.books import MAX_STREAM_NAME, Books, Outcome, RankGone, Transmit
 from sparkbus.broker.events import BatchesReclaimed, EpochOpened, EpochRecovering
-from sparkbus.broker.journal import DeliveredEpochs, EpochRanges
 from sparkbus.broker.matching import RESUME, Matching
 from sparkbus.broker.partitions import MAX_PARTITIONS, Partitions, check_modes
 from sparkbus.broker.rejoin import Rejoin
@@ -149,11 +148,7 @@ class Recovery:
         the rest of them would go to the resumed ranks before the driver's resets of them come."""
         for later in sorted(n for n in stream.epochs if n > number):
             self._reset(stream, later)
-        finished = stream.finished
-        for later in [n for n in dict.keys(finished) if n > number]:
-            dict.pop(finished, later)
-        if isinstance(finished, DeliveredEpochs):
-            finished.ranges = _before(finished.ranges, number + 1)
+        stream.finished.forget_after(number)
         self._reset(stream, number)
 
     def _reset(self, stream: StreamState, number: int) -> None:
@@ -174,12 +169,7 @@ class Recovery:
         for session, orphan in list(stream.orphans.items()):
             if not orphan.rank.inflight:       # it waited for batches of this epoch only: nothing to wait for
                 del stream.orphans[session]
-        finished = stream.finished
-        if number in finished:
-            if dict.__contains__(finished, number):
-                dict.pop(finished, number)
-            if isinstance(finished, DeliveredEpochs) and number in finished.ranges:
-                finished.ranges = _without(finished.ranges, number)
+        if stream.finished.forget(number):
             log.info("stream %r epoch %d: its delivery is forgotten, it is fed again (a resume)", stream.name, number)
         for loss in [loss for loss in stream.reclaims.get(number, {}) if loss != RESUME]:
             del stream.reclaims[number][loss]
@@ -326,30 +316,13 @@ class Recovery:
                     "seen": protocol.pack_ranges(seen)}
         if (stream is not None and number in stream.finished) or \
                 (stream is None and number in self.books.retired.get(name, ())):     # a retired stream's, by range
-            stream_figures = stream.finished if stream is not None else {}
-            figures = dict.get(stream_figures, number)      # None once only the range of it is kept
+            figures = stream.finished.figures.get(number) if stream is not None else None   # None: a range's
             partitions = figures["partitions"] if figures is not None else 0
             every = protocol.pack_ranges(range(partitions))
             return {"known": True, "closed": True, "ended": True, "delivered": True, "partitions": partitions,
                     "committed": every, "seen": every}
         return {"known": False, "closed": False, "ended": False, "delivered": False, "partitions": 0,
                 "committed": [], "seen": []}
-
-
-def _before(ranges: EpochRanges, number: int) -> EpochRanges:
-    """``ranges`` without the epochs from ``number`` on."""
-    return EpochRanges([first, min(last, number - 1)] for first, last in ranges.ranges() if first < number)
-
-
-def _without(ranges: EpochRanges, number: int) -> EpochRanges:
-    """``ranges`` without the epoch ``number``."""
-    kept: list[list[int]] = []
-    for first, last in ranges.ranges():
-        if first <= number <= last:
-            kept.extend([a, b] for a, b in ((first, number - 1), (number + 1, last)) if a <= b)
-        else:
-            kept.append([first, last])
-    return EpochRanges(kept)
 
 
 __all__ = ["Recovery", "Earlier", "MAX_RECLAIM_EPOCHS", "MAX_RECLAIM_ENTRIES", "MAX_RECLAIM_RECORDS", "MAX_INCARNATION",

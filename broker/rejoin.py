@@ -199,7 +199,7 @@ class Rejoin:
     def _missed_ends(self, stream: StreamState, ended: int, lost: list[HeldBatch]) -> list[MissedEnd]:
         """Epochs after ``ended`` that ended meanwhile; lost batches of them move from ``lost`` to a resend."""
         # EPOCH_END's count: what batches_out was when the epoch ended (a retired epoch's, in its figures)
-        ends = {n: s["batches_out"] for n, s in stream.finished.items() if n > ended}
+        ends = {n: s["batches_out"] for n, s in stream.finished.figures.items() if n > ended}
         ends.update((n, e.batches_out) for n, e in stream.epochs.items() if n > ended and e.end_sent)
         missed = []
         for number, batches in sorted(ends.items()):

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
-from sparkbus.broker.figures import REPORTED, EpochFigures, OrphanFigures, RankFigures, StreamFigures, no_earlier
+from sparkbus.broker.figures import REPORTED, EpochFigures, OrphanFigures, RankFigures, StreamFigures
 from sparkbus.broker.journal import DeliveredEpochs
 from sparkbus.wire.protocol import PartitionRanges
 from sparkbus.wire.requests import RankReport
@@ -460,14 +460,12 @@ class StreamState:
     def stats(self) -> StreamFigures:
         """The stream's figures: bounded, whatever it has delivered (the last K epochs', the rest summed)."""
         finished = self.finished
-        epochs = {str(n): s for n, s in finished.items()}
+        epochs = {str(n): s for n, s in finished.figures.items()}
         epochs.update({str(n): e.stats() for n, e in self.epochs.items()})
         now = time.monotonic()
-        earlier = getattr(finished, "earlier", None)
-        return {"expected_ranks": self.expected_ranks, "rejoins": self.rejoins,
-                "delivered": getattr(finished, "delivered", len(finished)),
+        return {"expected_ranks": self.expected_ranks, "rejoins": self.rejoins, "delivered": finished.delivered,
                 "idle_s": 0.0 if self.in_use() else round(now - self.last_used, 3),
-                "earlier": dict(earlier) if earlier is not None else no_earlier(),    # type: ignore[typeddict-item]
+                "earlier": dict(finished.earlier),      # type: ignore[typeddict-item]
                 "epochs": epochs,
                 "ranks": [r.stats() for r in self.ranks.values()],
                 "orphans": [o.stats(now) for o in self.orphans.values()]}

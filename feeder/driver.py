@@ -190,7 +190,7 @@ def feed(data: Any, address: str | Sequence[str] | None = None, stream: str = "t
             broker that restarted without ``--journal``, or one silent for ``timeout``. The job is cancelled and
             the partitions no live broker committed are fed again from Spark (to the restarted broker, or to
             the first live one), while the ranks say what they already used (docs/design/RECOVERY.md). False:
-            such a loss fails the feed (``BrokerError``), as before version 6.
+            such a loss fails the feed (``BrokerError``).
         resume: feed the epoch again for ranks that resume from a checkpoint (``BatchStream(resume=state)``):
             every broker first drops what it had of the epoch, delivered or not, then every partition is fed
             again to its home broker and the brokers deliver only what no rank's checkpoint used. The only way

@@ -131,7 +131,7 @@ def test_a_packs_unused_tail_is_cut_into_pieces_for_the_ranks_short_of_the_share
         assert [e for e in events if isinstance(e, BatchesAcked)] == ([] if who != b"c" else
                                                                       [BatchesAcked(STREAM, 0, [[0, 0, 0]])])
     assert 0 not in ledger.streams[STREAM].epochs                # every piece consumed: the epoch retired
-    assert ledger.streams[STREAM].finished[0]["acked"] == 9
+    assert ledger.streams[STREAM].finished.figures[0]["acked"] == 9
 
 
 def test_a_group_of_another_size_replaces_the_old_at_an_epoch_boundary_and_is_refused_mid_epoch():

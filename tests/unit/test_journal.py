@@ -97,7 +97,7 @@ def snapshot(ledger):
             rec = ep.recovery
             epochs[number]["recovery"] = rec and (rec.carries.pairs(), rec.recovered.pairs(), rec.lost, rec.reset,
                                                   sorted(b.id for b in rec.held), rec.matched)
-        streams[name] = {"epochs": epochs, "finished": stream.finished, "reclaims": stream.reclaims,
+        streams[name] = {"epochs": epochs, "finished": stream.finished.figures, "reclaims": stream.reclaims,
                          "awaiting_reset": stream.awaiting_reset}
     return {"streams": streams, "buffered": ledger.buffered, "held_bytes": ledger.held_bytes}
 
@@ -191,8 +191,8 @@ def test_every_transition_survives_a_restart_with_the_same_state(tmp_path, resta
         step()
         assert snapshot(restart(tmp_path)) == snapshot(live), f"after {name!r}"
     finished = restart(tmp_path).streams[STREAM]
-    assert list(finished.finished) == [0] and list(finished.epochs) == [1]
-    stats = finished.finished[0]                     # partition 0: two batches; 1: a pack of two and one alone
+    assert list(finished.finished.figures) == [0] and list(finished.epochs) == [1]
+    stats = finished.finished.figures[0]                     # partition 0: two batches; 1: a pack of two and one alone
     assert stats["batches_in"] == stats["batches_out"] == stats["acked"] == 5
     log, data = epoch_files(tmp_path, 0)
     assert not log.exists() and not data.exists()
@@ -219,10 +219,10 @@ def test_a_replayed_journal_delivers_what_was_not_acknowledged_and_retires_like_
     ack(again, b"r", wire.to(b"r"))
     wire.dispatch()
     assert wire.ends == [(b"r", 0)]
-    stats = again.streams[STREAM].finished[0]
+    stats = again.streams[STREAM].finished.figures[0]
     assert stats["acked"] == 3 and stats["batches_in"] == 3
     assert again.buffered == 0
-    assert restart(tmp_path).streams[STREAM].finished[0] == stats
+    assert restart(tmp_path).streams[STREAM].finished.figures[0] == stats
 
 
 def test_a_rank_resuming_after_a_restart_keeps_its_packs_and_the_figures_count_their_batches(tmp_path, restart,
@@ -260,9 +260,9 @@ def test_a_rank_resuming_after_a_restart_keeps_its_packs_and_the_figures_count_t
     ack(again, b"r2", [(0, 0, 3)])
     wire.dispatch()
     assert wire.ends == [(b"r2", 0)] and again.buffered == 0
-    stats = again.streams[STREAM].finished[0]
+    stats = again.streams[STREAM].finished.figures[0]
     assert stats["batches_in"] == stats["batches_out"] == stats["acked"] == 7 and stats["redelivered"] == 0
-    assert restart(tmp_path).streams[STREAM].finished[0] == stats
+    assert restart(tmp_path).streams[STREAM].finished.figures[0] == stats
 
 
 def test_several_streams_and_epochs_replay_side_by_side(tmp_path, restart, journals):
@@ -384,14 +384,14 @@ def test_retired_epochs_are_remembered_across_restarts_and_their_files_are_gone(
         if epoch < 2:
             ack(live, b"r", [(epoch, 0, 0)])
             wire.dispatch()
-    assert sorted(live.streams[STREAM].finished) == [0, 1]
+    assert sorted(live.streams[STREAM].finished.figures) == [0, 1]
     for epoch in (0, 1):
         assert not any(p.exists() for p in epoch_files(tmp_path, epoch))
     assert all(p.exists() for p in epoch_files(tmp_path, 2))
 
     again = restart(tmp_path)
     stream = again.streams[STREAM]
-    assert stream.finished == live.streams[STREAM].finished and list(stream.epochs) == [2]
+    assert stream.finished.figures == live.streams[STREAM].finished.figures and list(stream.epochs) == [2]
     for epoch in (0, 1):
         with pytest.raises(ProtocolError, match="already delivered epoch"):
             again.open_epoch(STREAM, epoch, 1, "stream")
@@ -399,7 +399,7 @@ def test_retired_epochs_are_remembered_across_restarts_and_their_files_are_gone(
             push(again, epoch, 0, 0, attempt=1, journalled=True)
         assert late.value.reason == "late_duplicate"
     assert not any(p.exists() for e in (0, 1) for p in epoch_files(tmp_path, e))
-    assert restart(tmp_path).streams[STREAM].finished == stream.finished
+    assert restart(tmp_path).streams[STREAM].finished.figures == stream.finished.figures
 
 
 def test_an_epoch_retired_but_whose_files_were_not_deleted_yet_stays_retired(tmp_path, restart, journals):
@@ -417,7 +417,7 @@ def test_an_epoch_retired_but_whose_files_were_not_deleted_yet_stays_retired(tmp
     for path, raw in saved.items():                  # killed between retired.log and the unlinks
         path.write_bytes(raw)
     again = restart(tmp_path)
-    assert list(again.streams[STREAM].finished) == [0] and not again.streams[STREAM].epochs
+    assert list(again.streams[STREAM].finished.figures) == [0] and not again.streams[STREAM].epochs
 
 
 # ---- restarting twice ----------------------------------------------------------------------------------------
@@ -503,16 +503,16 @@ def test_an_epoch_retired_after_a_torn_retired_log_is_remembered_at_the_next_res
         path.write_bytes(raw)
 
     second = restart(tmp_path)
-    assert list(second.streams[STREAM].finished) == [0] and list(second.streams[STREAM].epochs) == [1]
+    assert list(second.streams[STREAM].finished.figures) == [0] and list(second.streams[STREAM].epochs) == [1]
     wire = Wire(second)
     join(second, b"r", hello(), prefetch=10)
     wire.dispatch()                                  # nothing left to send: EPOCH_END again, retired again
     assert wire.sent == [] and wire.ends == [(b"r", 1)]
-    assert sorted(second.streams[STREAM].finished) == [0, 1]
+    assert sorted(second.streams[STREAM].finished.figures) == [0, 1]
     assert not any(p.exists() for p in epoch_files(tmp_path, 1))
 
     third = restart(tmp_path)
-    assert sorted(third.streams[STREAM].finished) == [0, 1]
+    assert sorted(third.streams[STREAM].finished.figures) == [0, 1]
 
 
 def test_after_a_restart_independent_consumers_wait_for_each_other_before_batches_go_out(tmp_path, restart,

@@ -64,7 +64,8 @@ def test_two_thousand_epochs_keep_the_journal_small_and_a_restart_knows_each_one
         for stream in streams:                 # interleaved, as two jobs on one broker
             deliver_empty_epoch(live, stream, epoch)
         largest = max(largest, directory_bytes(tmp_path))
-    uncompacted = 2000 * len(_record({"stream": "train", "epoch": 999, "stats": live.streams["train"].finished[999]}))
+    figures = live.streams["train"].finished.figures[999]
+    uncompacted = 2000 * len(_record({"stream": "train", "epoch": 999, "stats": figures}))
     # 200 records at most between compactions: about a tenth of what 2,000 records would take
     assert largest < uncompacted / 5, (largest, uncompacted)
     live.open_epoch("train", 1000, 1, "stream")           # an epoch in progress survives beside the compaction
@@ -75,9 +76,9 @@ def test_two_thousand_epochs_keep_the_journal_small_and_a_restart_knows_each_one
     for stream in streams:
         finished = again.streams[stream].finished
         assert all(epoch in finished for epoch in range(1000)) and 1000 not in finished
-        kept = sorted(finished)                   # the epochs that kept their figures: the last ones
+        kept = sorted(finished.figures)           # the epochs that kept their figures: the last ones
         assert kept == list(range(1000 - len(kept), 1000)) and 16 <= len(kept) <= 200
-        assert finished[999] == live.streams[stream].finished[999]
+        assert finished.figures[999] == live.streams[stream].finished.figures[999]
     for epoch in (0, 1, 500, 983, 999):
         assert_refuses_again(again, "train", epoch)
     assert list(again.streams["train"].epochs) == [1000]
@@ -177,8 +178,13 @@ def test_epoch_ranges_merge_neighbours_and_answer_membership():
 def test_delivered_epochs_keep_figures_of_the_last_ones_and_know_all():
     delivered = DeliveredEpochs([[0, 9]], keep=2)
     for epoch in (10, 11, 12):
-        delivered[epoch] = {"batches_out": epoch}
-    assert dict(delivered) == {11: {"batches_out": 11}, 12: {"batches_out": 12}}
+        delivered.add(epoch, {"batches_out": epoch})
+    assert delivered.figures == {11: {"batches_out": 11}, 12: {"batches_out": 12}}
     assert all(e in delivered for e in range(13)) and 13 not in delivered
-    assert delivered.ranges.ranges() == [[0, 10]]
-    assert DeliveredEpochs(figures={1: {}, 2: {}}, keep=None) == {1: {}, 2: {}}
+    assert delivered.ranges.ranges() == [[0, 10]] and delivered.delivered == 13
+    assert DeliveredEpochs(figures={1: {}, 2: {}}, keep=None).figures == {1: {}, 2: {}}
+    # a resume forgets one epoch (with figures or in a range), or every epoch after one
+    assert delivered.forget(5) and not delivered.forget(5) and delivered.ranges.ranges() == [[0, 4], [6, 10]]
+    assert delivered.forget(12) and 12 not in delivered and 11 in delivered
+    delivered.forget_after(3)
+    assert delivered.ranges.ranges() == [[0, 3]] and delivered.figures == {} and delivered.delivered == 4

@@ -686,7 +686,7 @@ def test_when_every_even_rank_is_gone_an_ended_epoch_with_unacknowledged_batches
     ack(ledger, b"new", left[1])
     wire2.dispatch()
     assert wire2.ends == [(b"new", 0), (b"new", 1)]
-    assert set(stream.finished) == {0, 1} and ledger.buffered == 0
+    assert set(stream.finished.figures) == {0, 1} and ledger.buffered == 0
 
 
 def test_an_epoch_is_retired_with_its_figures_once_ended_and_acknowledged():
@@ -702,7 +702,7 @@ def test_an_epoch_is_retired_with_its_figures_once_ended_and_acknowledged():
     assert 0 in ledger.streams[STREAM].epochs
     ack(ledger, b"r", wire.to(b"r")[3:])
     wire.dispatch()
-    stats = ledger.streams[STREAM].finished[0]
+    stats = ledger.streams[STREAM].finished.figures[0]
     assert stats["batches_in"] == stats["batches_out"] == stats["acked"] == 4
     assert stats["duplicates"] == 1 and stats["ended"] and stats["committed"] == 2 and stats["rows_in"] == 8
     assert rank.acked == 4 and not rank.inflight and ledger.buffered == 0
@@ -743,7 +743,7 @@ def test_buffered_bytes_follow_every_batch_held_and_come_back_to_zero():
         step()
         assert_bytes_accounted(ledger)
     assert ledger.buffered == ledger.held_bytes == 0
-    finished = ledger.streams[STREAM].finished
+    finished = ledger.streams[STREAM].finished.figures
     assert set(finished) == {0, 1}
     assert [finished[e]["batches_in"] for e in (0, 1)] == [2 + 1 + 3, 1 + 2]        # packs count their batches
     assert ledger.rank(b"b").acked == 9 and ledger.rank(b"b").inflight_bytes == 0
@@ -779,7 +779,7 @@ def test_a_pack_counts_its_batches_in_the_figures_and_one_message_where_messages
     ack(ledger, b"r", [(0, 0, 1)])
     wire.dispatch()
     assert wire.ends == [(b"r", 0)]
-    stats = ledger.streams[STREAM].finished[0]
+    stats = ledger.streams[STREAM].finished.figures[0]
     assert stats["batches_in"] == stats["batches_out"] == stats["acked"] == 4
     assert stats["duplicates"] == 1 and stats["redelivered"] == 0 and stats["rows_in"] == 6
     assert rank.batches == rank.acked == 4 and ledger.buffered == 0
@@ -822,7 +822,7 @@ def test_a_pack_sent_again_counts_its_batches_as_redelivered():
     assert ep.redelivered == 3 and ep.batches_out == 4 and b.batches == 4
     ack(ledger, b"b", wire.to(b"b"))
     wire.dispatch()
-    stats = ledger.streams[STREAM].finished[0]
+    stats = ledger.streams[STREAM].finished.figures[0]
     assert stats["batches_out"] == stats["acked"] == 4 and stats["redelivered"] == 3
 
 
@@ -860,7 +860,7 @@ def test_a_rejoining_rank_keeps_its_batches_in_its_window_and_a_pack_it_consumed
     ack(ledger, b"a2", [(0, 0, 1), (0, 0, 2), (0, 0, 3)])
     wire.dispatch()
     assert wire.ends == [(b"a2", 0)] and ledger.buffered == 0
-    stats = ledger.streams[STREAM].finished[0]
+    stats = ledger.streams[STREAM].finished.figures[0]
     assert stats["batches_out"] == stats["acked"] == 5 and stats["given_twice"] == 0
 
 
@@ -922,7 +922,7 @@ def test_a_rank_rejoining_after_its_grace_with_batches_given_to_another_rank_is_
     ack(ledger, b"x", [(0, 0, 0)])
     wire.dispatch()
     assert sorted(wire.ends) == [(b"a2", 0), (b"x", 0)] and ledger.buffered == 0
-    stats = stream.finished[0]
+    stats = stream.finished.figures[0]
     assert stats["given_twice"] == 1 and stats["batches_out"] == stats["acked"] == stats["batches_in"] == 2
 
 

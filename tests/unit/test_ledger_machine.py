@@ -578,10 +578,10 @@ class LedgerMachine(RuleBasedStateMachine):
             self.each_batch_is_in_one_place_until_consumed()
             self.the_figures_count_batches_and_duplicates_count_messages()
         assert stream is None or not stream.epochs, "epochs left undelivered"
-        assert sorted(stream.finished if stream else []) == sorted(self.opened)
+        assert sorted(stream.finished.figures if stream else []) == sorted(self.opened)
         assert self.ledger.buffered == 0 and self.ledger.held_bytes == 0
         for epoch in self.opened:               # every batch kept was consumed, and the figures say so
-            stats = stream.finished[epoch]
+            stats = stream.finished.figures[epoch]
             kept = self._batches_in(epoch)
             assert stats["batches_in"] == stats["batches_out"] == stats["acked"] == kept
             assert kept == sum(c.count for i, c in self.consumed.items() if i[0] == epoch)
@@ -606,7 +606,7 @@ class LedgerMachine(RuleBasedStateMachine):
         if self.directory:                      # a broker restarted now remembers it all as delivered
             again = Ledger(self._journal())
             again.replay()
-            assert sorted(again.streams[STREAM].finished) == sorted(self.opened)
+            assert sorted(again.streams[STREAM].finished.figures) == sorted(self.opened)
             assert not again.streams[STREAM].epochs and again.buffered == 0
 
 

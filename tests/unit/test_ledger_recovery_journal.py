@@ -41,7 +41,7 @@ def recovery_state(ledger: Ledger) -> dict:
                 "reset": rec.reset, "held": sorted(b.id for b in rec.held), "matched": rec.matched,
                 "closed": ep.closed, "queued": sorted(b.id for b in ep.queue)}
         state[name] = {"epochs": epochs, "reclaims": stream.reclaims, "awaiting_reset": stream.awaiting_reset,
-                       "finished": sorted(stream.finished)}
+                       "finished": sorted(stream.finished.figures)}
     return state
 
 

@@ -86,7 +86,7 @@ def test_a_thousand_epochs_on_many_streams_leave_the_ledger_and_its_replies_flat
         tracemalloc.stop()
     for name in streams:
         stream = ledger.streams[name]
-        assert not stream.epochs and len(stream.finished) == 16
+        assert not stream.epochs and len(stream.finished.figures) == 16
         assert stream.finished.ranges.ranges() == [[0, 1000 - 16 - 1]]
         figures = broker.stats()["streams"][name]
         assert sorted(int(n) for n in figures["epochs"]) == list(range(1000 - 16, 1000))
@@ -109,7 +109,7 @@ def test_a_delivered_epoch_is_refused_again_long_after_its_figures_were_summed()
     ledger.set_window(ledger.rank(b"s"), 8, 0)
     for epoch in range(10):
         one_epoch(ledger, sent, "s", epoch)
-    assert sorted(ledger.streams["s"].finished) == [6, 7, 8, 9]
+    assert sorted(ledger.streams["s"].finished.figures) == [6, 7, 8, 9]
     for epoch in (0, 5, 9):
         with pytest.raises(protocol.ProtocolError, match="delivered"):
             ledger.open_epoch("s", epoch, 1, "stream")
@@ -169,7 +169,7 @@ def test_at_the_stream_limit_a_new_stream_retires_the_one_unused_longest_and_is_
         ledger.open_epoch("one-more", 0, 1, "stream")
     for i in (7, 3):                                            # two become unused, s3 the later
         ledger.streams[f"s{i}"].epochs.clear()
-        ledger.streams[f"s{i}"].finished[0] = {}
+        ledger.streams[f"s{i}"].finished.figures[0] = {}
         ledger.touch(f"s{i}", time.monotonic())
     ledger.open_epoch("one-more", 0, 1, "stream")
     assert "s7" not in ledger.streams and "s3" in ledger.streams and ledger.retired_count == 1

@@ -63,7 +63,7 @@ def up_a_while(ledger):
 def figures(ledger, epoch=0):
     stream = ledger.streams[STREAM]
     ep = stream.epochs.get(epoch)
-    stats = ep.stats() if ep is not None else stream.finished[epoch]
+    stats = ep.stats() if ep is not None else stream.finished.figures[epoch]
     return {k: stats[k] for k in ("batches_in", "batches_out", "acked", "adopted", "unassigned", "held", "queued")}
 
 
@@ -556,7 +556,7 @@ def test_epoch_query_of_a_delivered_epoch_and_of_one_whose_figures_are_gone():
         wire.dispatch()
         acked(ledger, b"a", (epoch, 0, 0))
         wire.dispatch()
-    assert list(ledger.streams[STREAM].finished) == [1]                         # epoch 0: its number only
+    assert list(ledger.streams[STREAM].finished.figures) == [1]                         # epoch 0: its number only
     assert ledger.query_epoch(STREAM, 1) == {"known": True, "closed": True, "ended": True, "delivered": True,
                                              "partitions": 2, "committed": [0, 2], "seen": [0, 2]}
     assert ledger.query_epoch(STREAM, 0) == {"known": True, "closed": True, "ended": True, "delivered": True,

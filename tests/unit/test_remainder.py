@@ -201,7 +201,7 @@ def test_split_trains_every_row_once_in_equal_steps_the_last_one_smaller(size):
     assert steps == {9 // size + (1 if 9 % size else 0)} and set(ranks.ended.values()) == steps, "equal steps"
     trained = Counter(v for s in ranks.steps.values() for step in s for v in step)
     assert trained == Counter(every), "every row once"
-    figures = ledger.streams[STREAM].finished[0] if 0 in ledger.streams[STREAM].finished else \
+    figures = ledger.streams[STREAM].finished.figures[0] if 0 in ledger.streams[STREAM].finished else \
         ledger.streams[STREAM].epochs[0].stats()
     assert figures["dropped"] == 0 and figures["pieces"] == (size if 9 % size else 0)
     assert figures["cut"] == 9 % size and figures["repeated"] == 0
@@ -233,7 +233,7 @@ def test_pad_gives_every_rank_a_whole_batch_repeating_some_and_counts_the_repeat
     trained = Counter(v for s in ranks.steps.values() for step in s for v in step)
     assert not Counter(every) - trained, "every row at least once"
     figures = ledger.streams[STREAM].epochs[0].stats() if 0 in ledger.streams[STREAM].epochs else \
-        ledger.streams[STREAM].finished[0]
+        ledger.streams[STREAM].finished.figures[0]
     assert figures["repeated"] == (size - left if left else 0) and figures["dropped"] == 0
 
 
