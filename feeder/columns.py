@@ -182,9 +182,18 @@ def bucketed(record_batches: Iterable[pa.RecordBatch], batch_size: int, max_byte
     Rows of similar length share a batch, so padding to the longest row of a batch wastes little. Everything
     depends on the partition's rows alone, so a retried task sends the very same batches. The sort is one copy.
     """
-    window_rows = window * batch_size
+    for number, (held, _) in enumerate(_windows(record_batches, window * batch_size)):
+        if held:
+            yield from _sorted_window(held, batch_size, max_bytes, column, (*seed, number), ragged, tokens_by,
+                                      batch_tokens)
+
+
+def _windows(record_batches: Iterable[pa.RecordBatch], window_rows: int
+             ) -> Iterator[tuple[list[pa.RecordBatch], bool]]:
+    """The rows of ``record_batches`` in windows of ``window_rows`` (slices, no copy), each with whether it is the
+    last: every full window as it fills, then what is left (perhaps nothing) as the last."""
     held: list[pa.RecordBatch] = []
-    rows = number = 0
+    rows = 0
     for record_batch in record_batches:
         while record_batch.num_rows:
             take = min(window_rows - rows, record_batch.num_rows)
@@ -192,12 +201,9 @@ def bucketed(record_batches: Iterable[pa.RecordBatch], batch_size: int, max_byte
             rows += take
             record_batch = record_batch.slice(take)
             if rows == window_rows:
-                yield from _sorted_window(held, batch_size, max_bytes, column, (*seed, number), ragged, tokens_by,
-                                          batch_tokens)
-                held, rows, number = [], 0, number + 1
-    if held:
-        yield from _sorted_window(held, batch_size, max_bytes, column, (*seed, number), ragged, tokens_by,
-                                  batch_tokens)
+                yield held, False
+                held, rows = [], 0
+    yield held, True
 
 
 def _sorted_window(pieces: list[pa.RecordBatch], batch_size: int, max_bytes: int, column: str,
@@ -233,13 +239,8 @@ def bucketed_by_bounds(record_batches: Iterable[pa.RecordBatch], batch_size: int
     Yields:
         ``(bucket, batch)``.
     """
-    window_rows = window * batch_size
-    held: list[pa.RecordBatch] = []
     carried: list[pa.RecordBatch] = []
-    rows = number = 0
-
-    def window_batches(last: bool) -> Iterator[tuple[int, Batch]]:
-        nonlocal held, carried, rows, number
+    for number, (held, last) in enumerate(_windows(record_batches, window * batch_size)):
         pieces = carried + held
         if pieces:
             out, carried = _bucketed_window(pieces, batch_size, max_bytes, column, bounds, ragged, tokens_by,
@@ -247,17 +248,6 @@ def bucketed_by_bounds(record_batches: Iterable[pa.RecordBatch], batch_size: int
             rng = np.random.default_rng([abs(int(s)) for s in (*seed, number)])
             for i in rng.permutation(len(out)):
                 yield out[i]
-        held, rows, number = [], 0, number + 1
-
-    for record_batch in record_batches:
-        while record_batch.num_rows:
-            take = min(window_rows - rows, record_batch.num_rows)
-            held.append(record_batch.slice(0, take))
-            rows += take
-            record_batch = record_batch.slice(take)
-            if rows == window_rows:
-                yield from window_batches(last=False)
-    yield from window_batches(last=True)
 
 
 def _bucketed_window(pieces: list[pa.RecordBatch], batch_size: int, max_bytes: int, column: str,

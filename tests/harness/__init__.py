@@ -15,13 +15,14 @@ imports another), and teardown fails the test that leaves a socket or a process 
   consumer) and ``start_group`` (ranks without MPI), both giving :class:`Ranks`.
 - :mod:`harness.spark`: ``spark``, one local session for the run, and ``small_arrow_batches``.
 - :mod:`harness.ledger`: the broker's rules without sockets: ``STREAM``, ``batch_frames``, ``push``, ``end``,
-  ``join``, ``feed``, ``window``, ``ack``, ``nbytes``, and ``Wire``, the fake ranks socket.
+  ``join``, ``feed``, ``window``, ``ack``, ``nbytes``, ``Wire``, the fake ranks socket; ``journals`` and
+  ``restart``, a ledger replayed from its journal as a restarted broker's.
 
 tests/conftest.py registers this package as a pytest plugin (``pytest_plugins``): its fixtures serve every test.
 """
 
 from harness.brokers import FakeBroker, joined, key_directory, start_broker_process, start_broker_thread
-from harness.ledger import STREAM, Wire, ack, batch_frames, end, feed, join, nbytes, push, window
+from harness.ledger import STREAM, Wire, ack, batch_frames, end, feed, join, journals, nbytes, push, restart, window
 from harness.processes import Children, children, run_child, wait_for
 from harness.ranks import Ranks, hello, send_hello, start_group, start_ranks, steps_of
 from harness.sockets import TrackedContext, context, free_port_triple, recv_header, send, sockets
@@ -29,7 +30,8 @@ from harness.spark import small_arrow_batches, spark
 
 __all__ = [
     "STREAM", "Children", "FakeBroker", "Ranks", "TrackedContext", "Wire", "ack", "batch_frames", "children",
-    "context", "end", "feed", "free_port_triple", "hello", "join", "joined", "key_directory", "nbytes", "push",
+    "context", "end", "feed", "free_port_triple", "hello", "join", "joined", "journals", "key_directory", "nbytes",
+    "push", "restart",
     "recv_header", "run_child", "send", "send_hello", "small_arrow_batches", "sockets", "spark", "start_broker_process",
     "start_broker_thread", "start_group", "start_ranks", "steps_of", "wait_for", "window",
 ]

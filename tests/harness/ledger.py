@@ -8,8 +8,11 @@ machine's ``_window`` and ``_acknowledge``), so that a change of how they do so 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from sparkbus.broker.books import Outcome
+from sparkbus.broker.journal import Journal
+from sparkbus.broker.ledger import Ledger
 from sparkbus.wire import codec, protocol
 from sparkbus.wire.protocol import Kind
 
@@ -123,3 +126,34 @@ class Wire:
     def of_kind(self, identity, kind):
         """The headers of ``kind`` that arrived at ``identity``, in order."""
         return [h for who, h in self.headers if who == identity and h["kind"] == kind]
+
+
+@pytest.fixture
+def journals():
+    """``journals(directory)``: a Journal on ``directory``; every one made is closed after the test."""
+    made = []
+
+    def make(directory):
+        journal = Journal(directory)
+        made.append(journal)
+        return journal
+
+    yield make
+    for journal in made:
+        journal.close()
+
+
+@pytest.fixture
+def restart(journals):
+    """``restart(directory, hold=False)``: a new Ledger replayed from the journal in ``directory``, as a restarted
+    broker's; without ``hold``, as if every consumer were back (the hold for independent consumers is over)."""
+
+    def replayed(directory, hold=False):
+        ledger = Ledger(journals(directory))
+        ledger.replay()
+        if not hold:                            # the consumers are all back: what a restart's hold waits for
+            for stream in ledger.streams.values():
+                stream.held_until = 0.0
+        return ledger
+
+    return replayed

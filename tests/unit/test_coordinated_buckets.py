@@ -13,7 +13,6 @@ import pytest
 
 from sparkbus.broker.books import Books, Outcome
 from sparkbus.broker.buckets import BucketGroups, find_group, take_out
-from sparkbus.broker.journal import Journal
 from sparkbus.broker.ledger import Ledger
 from sparkbus.broker.state import EpochState, HeldBatch, RankState, StreamState
 from sparkbus.feeder.columns import partition_messages, row_lengths
@@ -325,28 +324,3 @@ def test_a_restarted_broker_groups_the_batches_it_replays(tmp_path, journals, re
     assert [b.bucket for b in replayed.streams[STREAM].epochs[0].queue] == [2, 0, 2, 0]
 
 
-@pytest.fixture
-def journals():
-    """``journals(directory)``: a Journal on ``directory``; every one made is closed after the test."""
-    made = []
-
-    def make(directory):
-        journal = Journal(directory)
-        made.append(journal)
-        return journal
-
-    yield make
-    for journal in made:
-        journal.close()
-
-
-@pytest.fixture
-def restart(journals):
-    """``restart(directory)``: a new Ledger replayed from the journal in ``directory``, as a restarted broker's."""
-
-    def replayed(directory):
-        ledger = Ledger(journals(directory))
-        ledger.replay()
-        return ledger
-
-    return replayed

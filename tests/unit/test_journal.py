@@ -17,7 +17,7 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from sparkbus.broker.journal import Journal, Record
+from sparkbus.broker.journal import Record
 from sparkbus.broker.ledger import Ledger, Rejected
 from sparkbus.wire import protocol
 from sparkbus.wire.errors import ProtocolError
@@ -26,37 +26,6 @@ from sparkbus.wire.protocol import Kind
 from harness import STREAM, Wire, ack, batch_frames, end, hello, join, nbytes, push, window
 
 PREFIX = struct.Struct("<II")      # a record: body length, CRC-32 of the body, then the msgpack body
-
-
-@pytest.fixture
-def journals():
-    """``journals(directory)``: a Journal on ``directory``; every one made is closed after the test."""
-    made = []
-
-    def make(directory):
-        journal = Journal(directory)
-        made.append(journal)
-        return journal
-
-    yield make
-    for journal in made:
-        journal.close()
-
-
-@pytest.fixture
-def restart(journals):
-    """``restart(directory, hold=False)``: a new Ledger replayed from the journal in ``directory``, as a restarted
-    broker's; without ``hold``, as if every consumer were back (the hold for independent consumers is over)."""
-
-    def replayed(directory, hold=False):
-        ledger = Ledger(journals(directory))
-        ledger.replay()
-        if not hold:                            # the consumers are all back: what a restart's hold waits for
-            for stream in ledger.streams.values():
-                stream.held_until = 0.0
-        return ledger
-
-    return replayed
 
 
 def epoch_files(directory, epoch=0, stream=STREAM):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 
-from sparkbus.broker.journal import Journal
 from sparkbus.broker.ledger import Ledger
 from sparkbus.broker.matching import RESUME
 from sparkbus.wire import protocol
@@ -14,19 +13,6 @@ from harness.ledger import STREAM, Wire, ack, batch_frames, feed, join, push, wi
 from harness.ranks import hello
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def journals():
-    made: list[Journal] = []
-
-    def make(directory):
-        made.append(Journal(directory))
-        return made[-1]
-
-    yield make
-    for journal in made:
-        journal.close()
 
 
 def recovery_state(ledger: Ledger) -> dict:
