@@ -1,4 +1,4 @@
-"""A rank of tests/integration/test_coordinated_buckets.py: one epoch of a stream through ``BatchStream(rank=,
+"""A rank of tests/integration/test_coordinated_steps.py: one epoch of a stream through ``BatchStream(rank=,
 size=)`` (granted steps, no MPI), recording for each step, in the order its loop got them, the batch's row ids and
 the lengths of its ``tokens`` rows. Writes ``<out>/rank<r>.json``: ``{"steps": [{"ids": [...], "lengths": [...]}]}``.
 
