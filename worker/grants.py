@@ -27,7 +27,7 @@ from sparkbus.wire.errors import ProtocolError
 from sparkbus.wire.headers import BatchHeader
 from sparkbus.wire.protocol import Kind
 from sparkbus.worker.connection import BrokerConnection
-from sparkbus.worker.intake import Batch, Intake, Item
+from sparkbus.worker.intake import Batch, Intake, Item, Waiting
 from sparkbus.worker.stats import EpochStats
 from sparkbus.worker.steps import Step
 
@@ -67,7 +67,11 @@ class GrantedSteps:
                     break
                 started = time.monotonic()
                 for_peers = self._waiting_for_grant()
-                self._pump()
+                self._intake.wait = Waiting(started, for_peers)
+                try:
+                    self._pump()
+                finally:
+                    self._intake.wait = None
                 waited = time.monotonic() - started
                 ep.wait_seconds += waited
                 if for_peers:

@@ -77,6 +77,13 @@ def _cut_rows(header: BatchHeader, columns: dict[str, Any], rows: tuple[int, int
     return Item({**header, "rows": hi - lo, "nbytes": share}, {k: rows_of(v, lo, hi) for k, v in columns.items()})
 
 
+class Waiting(NamedTuple):
+    """The wait a rank's loop is in: since when (``time.monotonic()``), and whether for peers (equal steps)."""
+
+    since: float
+    for_peers: bool
+
+
 class Intake:
     """A rank's batches from its brokers, epoch by epoch.
 
@@ -110,8 +117,9 @@ class Intake:
         self._handled: set[str] = set()       # incarnations whose loss this rank handled
         # The step plan's part in a loss: drop what it holds of a connection (the second argument: gone for good).
         self.forget: Callable[[BrokerConnection, bool], None] | None = None
-        # when the loop began the wait it is in for data (None: not waiting): the figures at each heartbeat count it
-        self.waiting_since: float | None = None
+        # the wait the loop is in (None: not waiting): when it began, and whether it is for peers (a grant); the
+        # figures at each heartbeat count it, so that the brokers hear of a long wait while it lasts
+        self.wait: Waiting | None = None
         for connection in connections:
             connection.figures_now = figures
 
@@ -185,7 +193,8 @@ class Intake:
         """
         if self._unpacked:
             return self._unpacked.popleft()
-        started = self.waiting_since = time.monotonic()
+        started = time.monotonic()
+        self.wait = Waiting(started, False)
         try:
             while True:
                 message = self.receive(block)
@@ -207,7 +216,7 @@ class Intake:
                     break
             ep.wait_seconds += time.monotonic() - started
         finally:
-            self.waiting_since = None
+            self.wait = None
         self._unpacked.extend(items)
         return self._unpacked.popleft()
 

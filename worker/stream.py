@@ -150,10 +150,11 @@ class BatchStream:
         # What this rank tells its brokers about itself, over every epoch so far: batches consumed, data-wait, the
         # part of it spent waiting for peers, and the loop's own time (ACK's fields, docs/PROTOCOL.md).
         stats, ep = self.stats, self._ep
-        since = self._intake.waiting_since
-        waiting = 0.0 if since is None else time.monotonic() - since      # the wait it is in: told at heartbeats
+        wait = self._intake.wait                  # the wait it is in, told at heartbeats while it lasts
+        waiting = 0.0 if wait is None else time.monotonic() - wait.since
+        for_peers = waiting if wait is not None and wait.for_peers else 0.0
         return {"consumed": stats.batches + ep.batches, "wait_s": stats.wait_seconds + ep.wait_seconds + waiting,
-                "peer_wait_s": stats.peer_wait_seconds + ep.peer_wait_seconds,
+                "peer_wait_s": stats.peer_wait_seconds + ep.peer_wait_seconds + for_peers,
                 "step_s": stats.step_seconds + ep.step_seconds}
 
     def _service(self) -> None:

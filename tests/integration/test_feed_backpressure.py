@@ -81,7 +81,8 @@ def test_a_slow_partition_leaves_the_rank_input_bound_and_the_feed_unhindered(sp
     assert waits.data_wait > 0 and waits.window_wait < 0.5 * waits.data_wait, waits
     verdict = report.verdict            # the feed's: the ranks waited for Spark; the slow task and its host named
     # (the rank tells its wait at each heartbeat while it waits, so the brokers have it before partition 2 ends)
-    assert verdict.kind == "input-bound" and verdict.slowest_tasks[0][:2] == (2, socket.gethostname()), verdict
+    assert verdict.kind == "input-bound" and verdict.slowest_tasks[0][:2] == (2, socket.gethostname()), \
+        (verdict, report.ranks, ep)
     assert f"slowest Spark tasks: partition 2 on {socket.gethostname()}" in str(verdict), str(verdict)
 
 

@@ -54,13 +54,19 @@ def test_the_wait_for_a_grant_is_the_peers_and_the_loops_time_is_its_own(context
     assert stream.stats.peer_wait_seconds == ep.peer_wait_seconds
 
 
-def test_a_rank_waiting_for_data_tells_its_wait_at_each_heartbeat_while_it_waits(context):
+@pytest.mark.parametrize("size", [1, 2], ids=["every-batch", "granted-steps"])
+def test_a_rank_waiting_for_data_tells_its_wait_at_each_heartbeat_while_it_waits(context, size):
     """The brokers (and so the feed's verdict) hear of a long wait while it lasts, not at the next ACK: the wait
-    for the batch Spark has not made yet is known before that batch comes."""
-    broker = FakeBroker(context, "inproc://why-waits-heartbeat")
-    stream = joined(broker, "inproc://why-waits-heartbeat", context, rank=0, size=1, heartbeat=0.2)
+    for the batch Spark has not made yet is known before that batch comes; as a wait for data, not for peers,
+    whichever plan of steps waits (a group of 2 waits on the broker's grants)."""
+    address = f"inproc://why-waits-heartbeat-{size}"
+    broker = FakeBroker(context, address)
+    stream = joined(broker, address, context, rank=0, size=size, heartbeat=0.2)
     broker.send(codec.encode_batch("s", 0, 0, 0, {"id": np.array([0], dtype=np.int64)}))
+    if size > 1:
+        broker.send([protocol.pack_header(Kind.STEPS, stream="s", epoch=0, steps=1)])
     told: list[float] = []
+    peers: list[float] = []
 
     def spark_late():              # the second batch comes after the rank told at least three growing waits
         deadline = time.monotonic() + 10
@@ -68,8 +74,13 @@ def test_a_rank_waiting_for_data_tells_its_wait_at_each_heartbeat_while_it_waits
             heartbeat = broker.next(Kind.HEARTBEAT)
             if "wait_s" in heartbeat:
                 told.append(heartbeat["wait_s"])
+                peers.append(heartbeat["peer_wait_s"])
         broker.send(codec.encode_batch("s", 0, 0, 1, {"id": np.array([1], dtype=np.int64)}))
-        broker.end(0, 2)
+        if size > 1:
+            broker.send([protocol.pack_header(Kind.STEPS, stream="s", epoch=0, steps=2)])
+            broker.send([protocol.pack_header(Kind.EPOCH_END, stream="s", epoch=0, batches=2, steps=2)])
+        else:
+            broker.end(0, 2)
 
     spark = threading.Thread(target=spark_late)
     with stream:
@@ -82,6 +93,7 @@ def test_a_rank_waiting_for_data_tells_its_wait_at_each_heartbeat_while_it_waits
         ep = stream.stats.epochs[-1]
     assert seen == [0, 1] and len(told) == 3, told
     assert told == sorted(told) and told[-1] > told[0] > 0, told      # it grew while the rank waited
+    assert peers == [peers[0]] * 3 and peers[0] < 0.05, peers         # ... for data, not for peers
     assert ep.wait_seconds >= told[-1], (ep, told)                    # ... and the epoch counts the whole wait
 
 
