@@ -11,6 +11,7 @@ this Slurm through ``SLURM_CONF`` (:attr:`OneNodeSlurm.env`), which ``sbatch`` p
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -49,14 +50,28 @@ def unavailable() -> str | None:
 
 
 def free_ports(count: int) -> list[int]:
-    """``count`` distinct free TCP ports on 127.0.0.1 (held together while chosen)."""
-    probes = []
+    """``count`` distinct free TCP ports on 127.0.0.1 (held together while chosen), below the kernel's ephemeral
+    range: the ports are bound seconds later, by slurmd or torch's store, and a port of that range may meanwhile
+    be handed to any connection made on the machine (EADDRINUSE was seen so)."""
     try:
-        for _ in range(count):
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            ephemeral = int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    candidates = random.Random().sample(range(10_000, max(ephemeral, 10_000 + 4 * count)), 4 * count + 200)
+    probes: list[socket.socket] = []
+    try:
+        for port in candidates:
             probe = socket.socket()
-            probe.bind(("127.0.0.1", 0))
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                probe.close()
+                continue
             probes.append(probe)
-        return [probe.getsockname()[1] for probe in probes]
+            if len(probes) == count:
+                return [probe.getsockname()[1] for probe in probes]
+        raise RuntimeError(f"no {count} free ports on 127.0.0.1 below {ephemeral}")
     finally:
         for probe in probes:
             probe.close()
