@@ -329,7 +329,7 @@ def _feed(data: Any, options: FeedOptions, run: EpochRun = NO_RUN) -> FeedReport
             cancel = stack.enter_context(JobCancel(session, connect))
             watched = EpochFeed(clients, brokers, stream, epoch, options.delivery, options.timeout, cancel,
                                 options.key, options.broker_key, losses=adopted, on_recovery=run.on_recovery,
-                                committer=committer)
+                                committer=committer, before_close=waits.read_now)
             entry = {Way.NEW: watched.run, Way.AROUND: watched.feed_around, Way.RESUME: watched.resume,
                      Way.REFEED: watched.recover_fed}[way]
             try:
@@ -339,7 +339,7 @@ def _feed(data: Any, options: FeedOptions, run: EpochRun = NO_RUN) -> FeedReport
             except Exception as exc:
                 raise FeedError(explain_job_failure(exc, stream, epoch)) from exc
         else:
-            outcome = _feed_unwatched(job, clients, brokers, stream, epoch, committer)
+            outcome = _feed_unwatched(job, clients, brokers, stream, epoch, committer, waits.read_now)
         if way is not Way.REFEED:
             warn_if_no_ranks(clients, gone, stream, epoch, started)
         waits.stop()             # the last reading of the ranks' figures, with the feed's end
@@ -377,8 +377,9 @@ def _feed(data: Any, options: FeedOptions, run: EpochRun = NO_RUN) -> FeedReport
 
 
 def _feed_unwatched(job: FeedJob, clients: list[ControlClient], brokers: list[dict], stream: str,
-                    epoch: int, committer: Committer) -> Outcome:
-    """``recover=False``: the job, then the close; a broker that restarted without a journal fails the feed."""
+                    epoch: int, committer: Committer, before_close: Callable[[], None]) -> Outcome:
+    """``recover=False``: the job, then the close (``before_close`` called first: the feed's last look at the
+    ranks, while none can have left the epoch); a broker that restarted without a journal fails the feed."""
     try:
         reports = [PartitionReport(*r) for r in job.collect()]
     except Exception as exc:
@@ -389,6 +390,7 @@ def _feed_unwatched(job: FeedJob, clients: list[ControlClient], brokers: list[di
     partitions = len(reports) if job.partitions is None else job.partitions     # a report per task
     shares = [sum(1 for r in reports if r.broker == i) for i in range(len(clients))]
     held = sum(taken_figures(client, stream, epoch)[1] for client in clients)
+    before_close()
     diverged: set[int] = set()
     for client, share in zip(clients, shares):
         try:

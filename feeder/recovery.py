@@ -96,7 +96,8 @@ class EpochFeed:
     def __init__(self, clients: Sequence[ControlClient], welcomes: Sequence[Mapping[str, Any]], stream: str,
                  epoch: int, delivery: str, timeout: float, cancel: JobCancel, key: str | None = None,
                  broker_key: str | None = None, interval: float = WATCH_INTERVAL, losses: Sequence[Loss] = (),
-                 on_recovery: Callable[[list[Loss]], None] | None = None, committer: Committer | None = None) -> None:
+                 on_recovery: Callable[[list[Loss]], None] | None = None, committer: Committer | None = None,
+                 before_close: Callable[[], None] | None = None) -> None:
         self.clients = list(clients)
         self.controls = [c.address for c in clients]
         self.stream, self.epoch, self.delivery, self.timeout = stream, epoch, delivery, timeout
@@ -105,6 +106,7 @@ class EpochFeed:
         self.watch.adopt(losses)
         self.on_recovery = on_recovery
         self.committer = committer         # None: the epoch's tasks commit (an epoch opened without commit="driver")
+        self.before_close = before_close   # the feed's last look at the ranks, while none can have left the epoch
         self.partitions: int | None = None
         self.reports: dict[int, PartitionReport] = {}
         self.recovered: dict[int, Partitions] = {}
@@ -286,6 +288,8 @@ class EpochFeed:
         live = self.watch.live()
         if not live:
             raise all_lost_error(self.stream, self.epoch, self.controls, self.watch.losses, self.timeout)
+        if self.before_close is not None:
+            self.before_close()
         states: dict[int, BrokerEpoch] = {}
         if recovering:
             queried = self._query(live)

@@ -2,8 +2,9 @@
 the feed runs, so that the report says how long the ranks waited for data while this epoch was fed beside how long
 Spark was held back by them (:mod:`sparkbus.wire.verdict`).
 
-Read every second by a thread of its own (:class:`WaitsWatch`), not only at the end: a rank that has read the
-whole epoch leaves before the feed's last reply, and the broker forgets its figures then."""
+Read every second by a thread of its own (:class:`WaitsWatch`), and once more when Spark's job has ended, before
+the epoch is closed (:meth:`WaitsWatch.read_now`): no rank can have finished the epoch then, whereas a rank that
+has read the whole epoch leaves before the feed's last reply, and the broker forgets its figures then."""
 
 from __future__ import annotations
 
@@ -57,13 +58,15 @@ def waits_between(before: dict[int, RankWaits], after: dict[int, RankWaits]) -> 
 
 class WaitsWatch:
     """Every rank's figures on ``stream`` from ``controls`` (the brokers' control addresses), read when entered,
-    every :data:`READ_EVERY` seconds by a thread with sockets of its own, and once more when left; :meth:`spans`
+    every :data:`READ_EVERY` seconds by a thread with sockets of its own, when asked (:meth:`read_now`) and once
+    more when left; :meth:`spans`
     is each rank's seconds in between. Best effort: a broker that does not answer costs the verdict a reading,
     never the feed."""
 
     def __init__(self, controls: Sequence[str], stream: str, timeout: float, key: str | None = None,
-                 broker_key: str | None = None, every: float = READ_EVERY):
-        self._controls, self._stream, self._every = list(controls), stream, every
+                 broker_key: str | None = None, every: float | None = None):
+        self._controls, self._stream = list(controls), stream
+        self._every = READ_EVERY if every is None else every
         self._client_args = dict(timeout=min(timeout, READ_TIMEOUT), key=key, broker_key=broker_key)
         self._before: dict[int, RankWaits] | None = None
         self._latest: dict[int, RankWaits] = {}
@@ -71,6 +74,9 @@ class WaitsWatch:
         self._window: dict[int, float] = {}         # ... of it, each rank's
         self._first = threading.Event()
         self._stop = threading.Event()
+        self._wake = threading.Event()              # read now (read_now, stop), not at the next second
+        self._asked = self._answered = 0            # read_now's requests, and the last one a reading began after
+        self._read = threading.Condition()          # ... both under it
         self._thread = threading.Thread(target=self._run, name=f"sparkbus-waits-{stream}", daemon=True)
 
     def __enter__(self) -> WaitsWatch:
@@ -82,9 +88,20 @@ class WaitsWatch:
                  tb: TracebackType | None) -> None:
         self.stop()
 
+    def read_now(self) -> None:
+        """Take a reading now and wait for it (at most as long as a reading may take): what the feed calls when
+        Spark's job has ended, before it closes the epoch, while every rank of the stream is still in it."""
+        with self._read:
+            self._asked += 1
+            mine = self._asked
+            self._wake.set()
+            self._read.wait_for(lambda: self._answered >= mine or not self._thread.is_alive(),
+                                READ_TIMEOUT * max(len(self._controls), 1) + 1.0)
+
     def stop(self) -> None:
         """Take the last reading and end the thread (again: nothing)."""
         self._stop.set()
+        self._wake.set()
         if self._thread.is_alive():
             self._thread.join(READ_TIMEOUT * max(len(self._controls), 1) + 1.0)
 
@@ -106,7 +123,11 @@ class WaitsWatch:
             self._latest = dict(self._before)
             self._first.set()
             while True:
-                stop = self._stop.wait(self._every)
+                self._wake.wait(self._every)
+                with self._read:
+                    asked = self._asked             # the requests this reading, begun after them, answers
+                    self._wake.clear()
+                stop = self._stop.is_set()
                 reading, held = read_waits(clients, self._stream)
                 for rank, now in reading.items():
                     then = self._latest.get(rank)
@@ -118,11 +139,16 @@ class WaitsWatch:
                             self._waited_queued += grew
                             self._window[rank] = self._window.get(rank, 0.0) + grew
                         self._latest[rank] = now
+                with self._read:
+                    self._answered = asked
+                    self._read.notify_all()
                 if stop:
                     return
         except Exception as exc:            # noqa: BLE001 - the verdict is best effort; the feed goes on
             log.debug("stream %r: the ranks' figures could not be read: %s", self._stream, exc)
         finally:
             self._first.set()
+            with self._read:
+                self._read.notify_all()      # a read_now waiting: the thread is over
             for client in clients:
                 client.close()

@@ -80,10 +80,29 @@ def test_a_slow_partition_leaves_the_rank_input_bound_and_the_feed_unhindered(sp
     (waits,) = report.ranks           # waited for Spark: the broker held nothing for it meanwhile
     assert waits.data_wait > 0 and waits.window_wait < 0.5 * waits.data_wait, waits
     verdict = report.verdict            # the feed's: the ranks waited for Spark; the slow task and its host named
-    # (the rank tells its wait at each heartbeat while it waits, so the brokers have it before partition 2 ends)
+    # (the feed takes its last reading when the job has ended, before it closes the epoch: the rank is still in it)
     assert verdict.kind == "input-bound" and verdict.slowest_tasks[0][:2] == (2, socket.gethostname()), \
         (verdict, report.ranks, ep)
     assert f"slowest Spark tasks: partition 2 on {socket.gethostname()}" in str(verdict), str(verdict)
+
+
+def test_the_feeds_last_look_at_the_ranks_is_before_the_close(spark, start_broker_process, monkeypatch):
+    """No periodic reading while the epoch is fed: the feed's verdict comes from its first reading and the one it
+    takes when Spark's job has ended, before it closes the epoch, while the rank cannot have left (a rank that
+    finished the epoch leaves at once, and the broker forgets its figures then)."""
+    import sparkbus.feeder.waits as waits
+
+    monkeypatch.setattr(waits, "READ_EVERY", 600.0)
+    broker = start_broker_process()
+    out: dict = {}
+    rank = consume(broker.ranks, "last-look", 0.0, out)
+    report = feed(staged_frame(spark, 800, 2, slow=1, slow_seconds=0.4), broker.feed, stream="last-look",
+                  batch_size=100, pack_bytes=0, timeout=60)
+    rank.join(60)
+    np.testing.assert_array_equal(np.sort(out["ids"]), np.arange(800))
+    (waits_of_rank,) = report.ranks
+    assert waits_of_rank.rank == 0 and waits_of_rank.data_wait >= 0.4, report.ranks
+    assert report.verdict.kind == "input-bound", (report.verdict, out["ep"])
 
 
 def paced_frame(spark, rows: int, partitions: int, seconds_per_batch: float):
