@@ -4,7 +4,7 @@ imports another), and teardown fails the test that leaves a socket or a process 
 
 - :mod:`harness.sockets`: ``context``, a ZeroMQ context that fails the test if the code under test leaves a socket
   open (as pyzmq's own ``tests/conftest.py`` does); ``sockets(type, address)``, a connected socket closed after the
-  test; ``free_port_triple``; ``recv_header`` (bounded) and ``send``.
+  test; ``free_port_triple``, ``free_ports``; ``recv_header`` (bounded) and ``send``.
 - :mod:`harness.processes`: ``children``, child processes started in a session of their own, waited for boundedly
   and killed with all they started if still running at the end of the test; ``run_child`` runs one to its end (a
   CLI call); ``wait_for``, the bounded wait.
@@ -25,13 +25,13 @@ from harness.brokers import FakeBroker, joined, key_directory, start_broker_proc
 from harness.ledger import STREAM, Wire, ack, batch_frames, end, feed, join, journals, nbytes, push, restart, window
 from harness.processes import Children, children, run_child, wait_for
 from harness.ranks import Ranks, hello, send_hello, start_group, start_ranks, steps_of
-from harness.sockets import TrackedContext, context, free_port_triple, recv_header, send, sockets
+from harness.sockets import TrackedContext, context, free_port_triple, free_ports, recv_header, send, sockets
 from harness.spark import small_arrow_batches, spark
 
 __all__ = [
     "STREAM", "Children", "FakeBroker", "Ranks", "TrackedContext", "Wire", "ack", "batch_frames", "children",
-    "context", "end", "feed", "free_port_triple", "hello", "join", "joined", "journals", "key_directory", "nbytes",
-    "push", "restart",
-    "recv_header", "run_child", "send", "send_hello", "small_arrow_batches", "sockets", "spark", "start_broker_process",
-    "start_broker_thread", "start_group", "start_ranks", "steps_of", "wait_for", "window",
+    "context", "end", "feed", "free_port_triple", "free_ports", "hello", "join", "joined", "journals",
+    "key_directory", "nbytes", "push", "restart", "recv_header", "run_child", "send", "send_hello",
+    "small_arrow_batches", "sockets", "spark", "start_broker_process", "start_broker_thread", "start_group",
+    "start_ranks", "steps_of", "wait_for", "window",
 ]

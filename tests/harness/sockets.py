@@ -4,6 +4,7 @@ the test, free loopback ports, and bounded receives."""
 from __future__ import annotations
 
 import os
+import random
 import socket
 import threading
 import time
@@ -94,27 +95,45 @@ def sockets(context):
         sock.close(linger=0)
 
 
-def free_port_triple() -> int:
-    """A port P on 127.0.0.1 with P, P+1 and P+2 free (feed, ranks, derived control)."""
+def below_ephemeral() -> range:
+    """Loopback ports to choose from for a server that binds later: below the kernel's ephemeral range, where no
+    outgoing connection made on the machine meanwhile is handed the port (EADDRINUSE was seen so, with a port
+    the kernel had given to the test's own probe)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
+            ephemeral = int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    return range(10_000, max(ephemeral, 12_000))
+
+
+def free_ports(count: int, consecutive: bool = False) -> list[int]:
+    """``count`` free TCP ports on 127.0.0.1 (held together while chosen) below the ephemeral range
+    (:func:`below_ephemeral`); ``consecutive``: P, P+1, ... ."""
+    ports = below_ephemeral()
+    chooser = random.Random()
     for _ in range(200):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base > 65530:
-            continue
-        held = []
+        chosen = [chooser.choice(ports[:-count])] if consecutive else chooser.sample(ports, count)
+        if consecutive:
+            chosen = list(range(chosen[0], chosen[0] + count))
+        probes: list[socket.socket] = []
         try:
-            for port in (base, base + 1, base + 2):
-                s = socket.socket()
-                held.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
+            for port in chosen:
+                probe = socket.socket()
+                probes.append(probe)
+                probe.bind(("127.0.0.1", port))
+            return chosen
         except OSError:
             continue
         finally:
-            for s in held:
-                s.close()
-    raise RuntimeError("no three consecutive free ports on 127.0.0.1")
+            for probe in probes:
+                probe.close()
+    raise RuntimeError(f"no {count} free ports on 127.0.0.1 in {ports}")
+
+
+def free_port_triple() -> int:
+    """A port P on 127.0.0.1 with P, P+1 and P+2 free (feed, ranks, derived control)."""
+    return free_ports(3, consecutive=True)[0]
 
 
 def recv_header(sock, timeout=2.0, heartbeats=False):

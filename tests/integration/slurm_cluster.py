@@ -11,7 +11,6 @@ this Slurm through ``SLURM_CONF`` (:attr:`OneNodeSlurm.env`), which ``sbatch`` p
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import socket
 import subprocess
@@ -22,10 +21,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-if str(HERE.parents[1]) not in sys.path:        # run as a script from anywhere
-    sys.path.insert(0, str(HERE.parents[1]))
+for root in (HERE.parents[1], HERE.parent):     # run as a script from anywhere: sparkbus, the tests' harness
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
 
 from sparkbus.launch.processes import ChildProcess, WaitTimeout, wait_for  # noqa: E402
+
+from harness.sockets import free_ports  # noqa: E402
 
 PROGRAMS = {"munged": "munge", "mungekey": "munge", "slurmctld": "slurmctld", "slurmd": "slurmd",
             "sinfo": "slurm-client", "sbatch": "slurm-client", "srun": "slurm-client", "squeue": "slurm-client",
@@ -47,34 +49,6 @@ def unavailable() -> str | None:
         return (f"Debian's {', '.join(missing)} not installed (.ci/run installs them: apt-get install slurmd "
                 "slurmctld munge slurm-client)")
     return None
-
-
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct free TCP ports on 127.0.0.1 (held together while chosen), below the kernel's ephemeral
-    range: the ports are bound seconds later, by slurmd or torch's store, and a port of that range may meanwhile
-    be handed to any connection made on the machine (EADDRINUSE was seen so)."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as ports:
-            ephemeral = int(ports.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        ephemeral = 32768
-    candidates = random.Random().sample(range(10_000, max(ephemeral, 10_000 + 4 * count)), 4 * count + 200)
-    probes: list[socket.socket] = []
-    try:
-        for port in candidates:
-            probe = socket.socket()
-            try:
-                probe.bind(("127.0.0.1", port))
-            except OSError:
-                probe.close()
-                continue
-            probes.append(probe)
-            if len(probes) == count:
-                return [probe.getsockname()[1] for probe in probes]
-        raise RuntimeError(f"no {count} free ports on 127.0.0.1 below {ephemeral}")
-    finally:
-        for probe in probes:
-            probe.close()
 
 
 class OneNodeSlurm:

@@ -23,8 +23,8 @@ import pytest
 
 from sparkbus.launch.processes import WaitTimeout
 
-from harness import free_port_triple, wait_for
-from slurm_cluster import OneNodeSlurm, SlurmUnavailable, free_ports, unavailable
+from harness import free_port_triple, free_ports, wait_for
+from slurm_cluster import OneNodeSlurm, SlurmUnavailable, unavailable
 
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(90)]
 
