@@ -142,6 +142,8 @@ class BrokerConnection:
         if resume:
             self._unsent, self._upto = [], []            # the HELLO names every batch consumed
             held = {(key[0], key[1], key[2]) for key in self._received} - self._acked
+            # ... and the batches service() kept while the rank waited for its peers: they are the rank's too
+            held.update(protocol.batch_id(header) for header, _ in self._inbox if header["kind"] == Kind.BATCH)
             self._sock.send_multipart([header, protocol.pack_ids(held), protocol.pack_ids(self._acked)])
         else:
             self._sock.send(header)
