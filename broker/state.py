@@ -16,9 +16,8 @@ from typing import Any, NamedTuple
 from sparkbus.broker.figures import REPORTED, EpochFigures, OrphanFigures, RankFigures, StreamFigures
 from sparkbus.broker.journal import DeliveredEpochs
 from sparkbus.wire.protocol import PartitionRanges
+from sparkbus.wire.records import BatchId, UsedCut, UsedEntry
 from sparkbus.wire.requests import RankReport
-
-BatchId = tuple[int, int, int]   # (epoch, partition, seq)
 
 
 @dataclass
@@ -77,11 +76,12 @@ class PartitionState:
 
 
 class Reclaimed(NamedTuple):
-    """What one rank (session) said it used of an epoch in a RECLAIM for one loss: ``protocol.UsedEntry`` each."""
+    """What one rank (session) said it used of an epoch in a RECLAIM for one loss: its whole batches, and the rows it
+    used of batches it used part of (``cuts``)."""
 
     rank: int
-    entries: list[tuple[int, int, int, int, int]]
-    cuts: tuple[tuple[int, int, int, int, int, int], ...] = ()   # rows used of batches: protocol.unpack_cuts
+    entries: list[UsedEntry]
+    cuts: tuple[UsedCut, ...] = ()
 
 
 @dataclass

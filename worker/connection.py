@@ -35,13 +35,12 @@ from sparkbus.wire import protocol
 from sparkbus.wire.errors import BrokerError
 from sparkbus.wire.headers import FromBroker, HeartbeatHeader, LostHeader, ToIntake, WelcomeHeader
 from sparkbus.wire.protocol import RESUME_LOSS, ErrorCode, Kind, pack_header, unpack_header
-from sparkbus.worker.used import Cut, Entry, Resume, UsedBatches
+from sparkbus.wire.records import BatchId, UsedCut, UsedEntry
+from sparkbus.worker.used import Resume, UsedBatches
 
 log = logging.getLogger("sparkbus.worker")
 
 ACK_MAX = 256          # ids in one ACK at most
-
-BatchId = tuple[int, int, int]
 
 UNANSWERED_WARNING = 5.0     # seconds without a WELCOME before a joining rank warns, naming the address
 UNANSWERED_REPEAT = 30.0     # ... and again this often while it keeps trying until its timeout
@@ -141,7 +140,7 @@ class BrokerConnection:
                              ended=self.ended, **optional)
         if resume:
             self._unsent, self._upto = [], []            # the HELLO names every batch consumed
-            held = {(key[0], key[1], key[2]) for key in self._received} - self._acked
+            held = {BatchId(key[0], key[1], key[2]) for key in self._received} - self._acked
             self._sock.send_multipart([header, protocol.pack_ids(held), protocol.pack_ids(self._acked)])
         else:
             self._sock.send(header)
@@ -193,7 +192,7 @@ class BrokerConnection:
         if send or len(self._upto) >= 4 * ACK_MAX:
             self.flush()
 
-    def reclaim(self, epoch: int, lost: str, entries: Sequence[Entry], cuts: Sequence[Cut] = ()) -> None:
+    def reclaim(self, epoch: int, lost: str, entries: Sequence[UsedEntry], cuts: Sequence[UsedCut] = ()) -> None:
         """RECLAIM: of ``epoch``, the batches this rank used of the broker of incarnation ``lost``
         (:data:`~wire.protocol.RESUME_LOSS`: its position at a checkpoint), as ``(part, seq, first, stop, checksum)``
         entries, and the rows it used of batches it used part of (``cuts``; a broker of version 6 cannot take them).
