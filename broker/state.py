@@ -84,6 +84,28 @@ class Reclaimed(NamedTuple):
     cuts: tuple[UsedCut, ...] = ()
 
 
+class Used(NamedTuple):
+    """Batches ``first..stop-1`` of one message that the rank ``member`` (rank number ``rank``) said it used, and the
+    message's checksum as that rank had it; ``rows``: ``(lo, hi)``, the rows it used of batch ``first`` only (a cut),
+    or None: all of them. What a recovering epoch's index holds per ``(part, seq)`` (``broker.matching``)."""
+
+    first: int
+    stop: int
+    checksum: int
+    member: str
+    rank: int
+    rows: tuple[int, int] | None
+
+
+class Handed(NamedTuple):
+    """The most of an epoch ever out at once (handed to ranks, a requeued batch counting once): each figure's own
+    most, so that they only grow (``batches_handed``, ``bytes_handed``, ``rows_handed``)."""
+
+    batches: int = 0
+    nbytes: int = 0
+    rows: int = 0
+
+
 @dataclass
 class EpochRecovery:
     """An epoch this broker streams again from Spark's lineage (EPOCH_RECOVER; broker.recovery has the rules)."""
@@ -93,8 +115,7 @@ class EpochRecovery:
     lost: list[str]            # the losses waited for: every member's RECLAIM for each before batches go out
     reset: bool = False        # a resume: what the broker had of the epoch was forgotten first
     held: list[HeldBatch] = field(default_factory=list)    # batches of recovered partitions, held until then
-    # (part, seq) -> used: (first, stop, checksum, member, rank number, rows cut or None)
-    index: dict[tuple[int, int], list[tuple[int, int, int, str, int, tuple[int, int] | None]]] | None = None
+    index: dict[tuple[int, int], list[Used]] | None = None     # (part, seq) -> what the ranks used of it
     expected: dict[str, tuple[int, int]] | None = None   # member -> (rank number, batches it used of recovered)
     matched: dict[str, int] = field(default_factory=dict)   # member -> of those, matched so far (adopted)
 
@@ -125,7 +146,7 @@ class EpochState:
     bytes_back: int = 0        # requeued: :attr:`bytes_out` is what was given less what came back
     rows_back: int = 0
     # the most ever out at once: handed to ranks, a requeued batch counting once (only :meth:`requeue` raises it)
-    handed: tuple[int, int, int] = (0, 0, 0)
+    handed: Handed = Handed()
     acked: int = 0
     duplicates: int = 0
     redelivered: int = 0       # sends of a batch that had gone out before (its rank died or left)
@@ -241,9 +262,10 @@ class EpochState:
         (counted acknowledged as the rank said it used them)."""
         self.in_flight -= used.count
 
-    def _handed(self) -> tuple[int, int, int]:
-        return (max(self.handed[0], self.batches_out), max(self.handed[1], self.bytes_out),
-                max(self.handed[2], self.rows_out))
+    def _handed(self) -> Handed:
+        handed = self.handed
+        return Handed(max(handed.batches, self.batches_out), max(handed.nbytes, self.bytes_out),
+                      max(handed.rows, self.rows_out))
 
     def count_acked(self, batch: HeldBatch) -> None:
         """The batch was consumed: out of flight."""
@@ -254,12 +276,12 @@ class EpochState:
         self.given_twice += 1
 
     def stats(self) -> EpochFigures:
-        batches_handed, bytes_handed, rows_handed = self._handed()
+        handed = self._handed()
         return {"partitions": self.partitions, "delivery": self.delivery, "committed": len(self.committed),
                 "closed": self.closed, "ended": self.end_sent, "queued": len(self.queue),
                 "batches_in": self.batches_in, "bytes_in": self.bytes_in, "rows_in": self.rows_in,
                 "batches_out": self.batches_out, "bytes_out": self.bytes_out, "rows_out": self.rows_out,
-                "batches_handed": batches_handed, "bytes_handed": bytes_handed, "rows_handed": rows_handed,
+                "batches_handed": handed.batches, "bytes_handed": handed.nbytes, "rows_handed": handed.rows,
                 "acked": self.acked, "duplicates": self.duplicates, "redelivered": self.redelivered,
                 "given_twice": self.given_twice, "diverged": self.diverged, "steps": self.steps,
                 "dropped": sum(self.dropped.values()), "moved": self.moved,
