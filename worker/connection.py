@@ -26,7 +26,7 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import zmq
 
@@ -47,6 +47,15 @@ UNANSWERED_REPEAT = 30.0     # ... and again this often while it keeps trying un
 
 WHAT_TO_DO = ("restart the brokers and feed the epoch again, or run the brokers with --journal so that a restarted "
               "broker keeps what it had")
+
+
+class Returned(NamedTuple):
+    """A message a rank gives back (RETURN, :meth:`BrokerConnection.give_back`): its id, the first of its batches
+    given back (0: a batch that is not a pack, or all of a pack), and whether that is all this rank had of it."""
+
+    batch_id: BatchId
+    first: int
+    whole: bool
 
 
 class BrokerSilent(BrokerError):
@@ -165,10 +174,10 @@ class BrokerConnection:
             self.ack(batch_id, send=False)
         return False
 
-    def give_back(self, epoch: int, returned: list[tuple[BatchId, int, bool]], kept: int) -> None:
-        """RETURN: batches this rank got and has not used, to even the epoch out (granted steps): per message its
-        id, the first of its batches given back, and whether that is all this rank had of it. ``kept``: the
-        batches of the epoch this rank keeps. Acknowledgements that wait leave first."""
+    def give_back(self, epoch: int, returned: list[Returned], kept: int) -> None:
+        """RETURN: batches this rank got and has not used, to even the epoch out (granted steps), one
+        :class:`Returned` per message. ``kept``: the batches of the epoch this rank keeps. Acknowledgements that wait
+        leave first."""
         self.flush()
         ids: list[int] = []
         for batch_id, first, whole in returned:

@@ -31,7 +31,7 @@ from sparkbus.wire.errors import BrokerError
 from sparkbus.wire.headers import BatchHeader, EpochEndHeader, LostHeader, ToIntake
 from sparkbus.wire.protocol import RESUME_LOSS, Kind
 from sparkbus.wire.records import BatchId, UsedCut, UsedEntry
-from sparkbus.worker.connection import WHAT_TO_DO, BrokerConnection, BrokerSilent
+from sparkbus.worker.connection import WHAT_TO_DO, BrokerConnection, BrokerSilent, Returned
 from sparkbus.worker.stats import EpochStats, StreamStats
 from sparkbus.worker.used import UsedBatches
 
@@ -301,7 +301,7 @@ class Intake:
             index = header.get("index", 0)
             firsts[batch_id] = min(firsts.get(batch_id, index), index)
             counts[batch_id] = counts.get(batch_id, 0) + 1
-        returned = [(i, first, first == self._pack_first.get(i, 0)) for i, first in firsts.items()]
+        returned = [Returned(i, first, first == self._pack_first.get(i, 0)) for i, first in firsts.items()]
         broker.give_back(epoch, returned, kept)
         broker.got -= len(items)
         for batch_id, _, whole in returned:
