@@ -36,7 +36,6 @@ from sparkbus.broker.state import EpochState, HeldBatch, RankState, StreamState
 from sparkbus.wire import protocol, remainder
 from sparkbus.wire.errors import ProtocolError
 from sparkbus.wire.protocol import Kind
-from sparkbus.wire.records import BatchId
 from sparkbus.wire.requests import HelloHeader, ReturnHeader
 
 log = logging.getLogger("sparkbus.broker")
@@ -293,7 +292,7 @@ class Grants:
         back: list[HeldBatch] = []
         values = iter(ids)
         for epoch, part, seq, first in zip(values, values, values, values):
-            piece = rank.inflight.get(BatchId(epoch, part, seq))
+            piece = rank.inflight.get((epoch, part, seq))
             if piece is None or first >= piece.first + piece.count or epoch not in stream.epochs:
                 unknown += 1
                 continue
