@@ -451,11 +451,12 @@ def unpack_ids(buf: bytes | memoryview) -> list[BatchId]:
 _USED = struct.Struct("<qqqqQ")
 MAX_USED = 1 << 22
 
+
 def pack_used(entries: Iterable[UsedEntry]) -> bytes:
     """RECLAIM's frame: per message a rank used, a :class:`~sparkbus.wire.records.UsedEntry`
-    ``(part, seq, first, stop, checksum)`` as little-endian int64
-    (the checksum uint64), back to back. ``first..stop-1`` are the batches of the message it used (``0, 1`` for a
-    batch that is not a pack); ``checksum`` is the message's ``checksum`` as it arrived."""
+    ``(part, seq, first, stop, checksum)`` as little-endian int64 (the checksum uint64), back to back.
+    ``first..stop-1`` are the batches of the message it used (``0, 1`` for a batch that is not a pack); ``checksum``
+    is the message's ``checksum`` as it arrived."""
     return b"".join(_USED.pack(*e) for e in entries)
 
 
