@@ -36,7 +36,7 @@ import os
 import stat
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import zmq
 import zmq.auth
@@ -249,8 +249,16 @@ class KeyAuthority:
         return None
 
 
-def zap_reply(request: Sequence[bytes | zmq.Frame], authority: KeyAuthority,
-              ) -> tuple[list[bytes], bool, str, str]:
+class ZapReply(NamedTuple):
+    """:func:`zap_reply`'s answer: the ``frames`` to send back, and what they say, for the log."""
+
+    frames: list[bytes]      # version, request id, status code (200 or 400), status text, user id, metadata
+    allowed: bool
+    reason: str              # as :meth:`KeyAuthority.decide` says, or "bad_request" (not ZAP 1.0)
+    address: str             # the peer's IP
+
+
+def zap_reply(request: Sequence[bytes | zmq.Frame], authority: KeyAuthority) -> ZapReply:
     """Answer one ZAP 1.0 request (RFC 27) with :meth:`KeyAuthority.decide`.
 
     Args:
@@ -266,13 +274,13 @@ def zap_reply(request: Sequence[bytes | zmq.Frame], authority: KeyAuthority,
     frames = [f.bytes if isinstance(f, zmq.Frame) else bytes(f) for f in request]
     request_id = frames[1] if len(frames) > 1 else b""
     if len(frames) < 6 or frames[0] != ZAP_VERSION:
-        return [ZAP_VERSION, request_id, b"400", b"bad_request", b"", b""], False, "bad_request", ""
+        return ZapReply([ZAP_VERSION, request_id, b"400", b"bad_request", b"", b""], False, "bad_request", "")
     domain, address, mechanism = (f.decode("utf-8", "replace") for f in (frames[2], frames[3], frames[5]))
     credentials = frames[6] if len(frames) > 6 else None
     allowed, reason = authority.decide(domain, address, mechanism, credentials)
     user = (authority.name_of(credentials) or "").encode() if allowed and credentials else b""
     status = (b"200", b"OK") if allowed else (b"400", reason.encode())
-    return [ZAP_VERSION, request_id, *status, user, b""], allowed, reason, address
+    return ZapReply([ZAP_VERSION, request_id, *status, user, b""], allowed, reason, address)
 
 
 def handshake_refusal(event: Mapping[str, Any]) -> str | None:
@@ -358,5 +366,5 @@ def client_socket(context: zmq.Context, kind: int, key: str | os.PathLike | None
 
 
 __all__ = ["ZAP_ENDPOINT", "client_socket", "KEY_ENV", "BROKER_KEY_ENV", "BROKER_KEY_FILE", "DOMAIN_ROLES",
-           "ROLE_FOLDERS", "create_keypair", "load_public_key", "load_key_pair", "KeyAuthority", "zap_reply",
-           "handshake_refusal", "server_socket_options", "make_curve_server", "make_curve_client"]
+           "ROLE_FOLDERS", "create_keypair", "load_public_key", "load_key_pair", "KeyAuthority", "ZapReply",
+           "zap_reply", "handshake_refusal", "server_socket_options", "make_curve_server", "make_curve_client"]

@@ -17,6 +17,7 @@ from sparkbus.broker.figures import EpochFigures
 from sparkbus.broker.journal import Journal, Record, ReplayedEpoch
 from sparkbus.wire import protocol
 from sparkbus.wire.headers import BatchHeader
+from sparkbus.wire.records import UsedCut, UsedEntry
 from sparkbus.wire.requests import EpochRecoverHeader
 
 
@@ -114,15 +115,15 @@ class EpochRecovering:
 @dataclass(frozen=True, slots=True)
 class BatchesReclaimed:
     """A RECLAIM applied: what the rank ``member`` (rank number ``rank``) used of an epoch of the broker ``lost``
-    lost (``""``: a resume), ``protocol.UsedEntry`` each, and the rows it used of batches (``cuts``)."""
+    lost (``""``: a resume): its whole batches (``entries``), and the rows it used of batches (``cuts``)."""
 
     stream: str
     epoch: int
     lost: str
     member: str
     rank: int
-    entries: list[tuple[int, int, int, int, int]]
-    cuts: tuple[tuple[int, int, int, int, int, int], ...] = ()
+    entries: list[UsedEntry]
+    cuts: tuple[UsedCut, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,5 +198,5 @@ def replayed_events(replayed: ReplayedEpoch) -> Iterator[Applied]:
                                   record["carries"], record["recovered"], record["lost"], record["reset"])
         elif kind is Record.RECLAIM:
             yield BatchesReclaimed(stream, epoch, record["lost"], record["member"], record["rank"],
-                                   [tuple(e) for e in record["entries"]],
-                                   tuple(tuple(c) for c in record["cuts"]))
+                                   [UsedEntry._make(e) for e in record["entries"]],
+                                   tuple(UsedCut._make(c) for c in record["cuts"]))

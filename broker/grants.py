@@ -30,7 +30,7 @@ import logging
 
 from sparkbus.broker.books import Books, Outcome, RankGone, Transmit
 from sparkbus.broker.matching import Matching
-from sparkbus.broker.pieces import batch_rows, cut, cut_rows, singles
+from sparkbus.broker.pieces import RowRange, batch_rows, cut, cut_rows, singles
 from sparkbus.broker.rejoin import Rejoin
 from sparkbus.broker.state import EpochState, HeldBatch, RankState, StreamState
 from sparkbus.wire import protocol, remainder
@@ -261,9 +261,9 @@ class Grants:
             return False
         left = [single for batch in ep.queue for single in singles(batch)]
         pieces = remainder.plan([hi - lo for lo, hi in map(batch_rows, left)], len(counts), rest)
-        ranges: dict[int, list[tuple[int, int, bool]]] = {}
+        ranges: dict[int, list[RowRange]] = {}
         for piece in pieces:
-            ranges.setdefault(piece.batch, []).append((piece.lo, piece.hi, piece.repeat))
+            ranges.setdefault(piece.batch, []).append(RowRange(piece.lo, piece.hi, piece.repeat))
         ep.queue.clear()
         for index, single in enumerate(left):
             ep.queue.extend(cut_rows(single, ranges[index]))

@@ -47,6 +47,7 @@ import msgpack
 
 from sparkbus.broker.figures import fold, no_earlier
 from sparkbus.wire.protocol import PartitionRanges
+from sparkbus.wire.records import UsedCut, UsedEntry
 
 log = logging.getLogger("sparkbus.journal")
 _PREFIX = struct.Struct("<II")      # body length, CRC-32 of the body
@@ -245,8 +246,7 @@ class Journal:
         self._sync(files)
 
     def record_reclaim(self, stream: str, epoch: int, lost: str, member: str, rank: int,
-                       entries: list[tuple[int, int, int, int, int]],
-                       cuts: tuple[tuple[int, int, int, int, int, int], ...]) -> None:
+                       entries: list[UsedEntry], cuts: tuple[UsedCut, ...]) -> None:
         files = self._files_for(stream, epoch)
         # not synced here: a RECLAIM is not answered, and a restarted broker's LOST asks for one it lacks
         self._append(files, Record.RECLAIM, lost=lost, member=member, rank=rank, entries=entries, cuts=cuts)

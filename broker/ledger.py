@@ -49,10 +49,10 @@ from sparkbus.broker.matching import Matching
 from sparkbus.broker.partitions import MAX_PARTITIONS, Partitions, Rejected, Reply
 from sparkbus.broker.recovery import Recovery
 from sparkbus.broker.rejoin import MissedEnd, Rejoin, check_rank_hello
-from sparkbus.broker.state import BatchId, EpochState, HeldBatch, RankState, StreamState
-from sparkbus.wire import protocol
+from sparkbus.broker.state import EpochState, HeldBatch, RankState, StreamState
 from sparkbus.wire.errors import ProtocolError
 from sparkbus.wire.headers import BatchHeader
+from sparkbus.wire.records import BatchId, UsedCut, UsedEntry
 from sparkbus.wire.requests import (
     EpochRecoverHeader,
     HelloHeader,
@@ -108,7 +108,7 @@ class Ledger:
             PartitionCommitted: parts.committed,
             PartitionClaimed: parts.claimed, EpochClosed: parts.closed, BatchesAcked: self._acked_while_away,
             EpochRecovering: self.recovery.recover, BatchesReclaimed: self.recovery.reclaimed}
-        self._away: dict[tuple[str, int], set[tuple[int, ...]]] = {}     # replay: acked ids per epoch
+        self._away: dict[tuple[str, int], set[BatchId]] = {}     # replay: acked ids per epoch
         self.replay_refused: dict[str, int] = {}     # replay: records the rules refused, by reason (or event)
 
     # ---- the state, as the daemon and the tests read it: the books' own ------------------------------------
@@ -190,8 +190,8 @@ class Ledger:
         """EPOCH_RECOVER (:meth:`Recovery.recover`), applied as an :class:`EpochRecovering`."""
         self.apply(EpochRecovering.of(h))
 
-    def reclaim(self, rank: RankState, h: ReclaimHeader, entries: list[protocol.UsedEntry],
-                cuts: Iterable[tuple[int, int, int, int, int, int]] = ()) -> None:
+    def reclaim(self, rank: RankState, h: ReclaimHeader, entries: list[UsedEntry],
+                cuts: Iterable[UsedCut] = ()) -> None:
         """RECLAIM from ``rank`` (:meth:`Recovery.reclaimed`), applied as a :class:`BatchesReclaimed`."""
         self.apply(self.recovery.reclaim(rank, h, entries, cuts))
 
@@ -291,7 +291,7 @@ class Ledger:
         """Replay: batches a rank consumed before the restart. No rank holds them now (the ranks are gone), so they
         wait in the queue; :meth:`_settle_acked` takes them out once the epoch's records are read (one pass over
         the queue per epoch, not one per ACK record)."""
-        self._away.setdefault((event.stream, event.epoch), set()).update(tuple(i) for i in event.ids)
+        self._away.setdefault((event.stream, event.epoch), set()).update(map(BatchId._make, event.ids))
 
     def _settle_acked(self, stream: str, epoch: int) -> None:
         ep = self.streams[stream].epochs.get(epoch)

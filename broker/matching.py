@@ -21,18 +21,14 @@ from itertools import groupby
 
 from sparkbus.broker.books import Books
 from sparkbus.broker.events import BatchesAcked
-from sparkbus.broker.pieces import batch_rows, cut, cut_rows, singles
-from sparkbus.broker.state import EpochState, HeldBatch, RankState, Reclaimed, StreamState
+from sparkbus.broker.pieces import RowRange, batch_rows, cut, cut_rows, singles
+from sparkbus.broker.state import EpochState, HeldBatch, RankState, Reclaimed, StreamState, Used
 from sparkbus.wire.protocol import RESUME_LOSS
 
 log = logging.getLogger("sparkbus.broker")
 
 RESUME = RESUME_LOSS            # the loss a resume from a checkpoint is named by (one definition: wire.protocol)
 CHECKPOINT = "<checkpoint>"     # who used what a resume's RECLAIMs name: the checkpointed model, no rank of now
-
-# (first, stop, checksum, member, rank number, rows) of one message's batches; rows: (lo, hi) of batch ``first``
-# only (a cut), or None: all of them
-Used = tuple[int, int, int, str, int, "tuple[int, int] | None"]
 
 
 class Matching:
@@ -105,11 +101,11 @@ class Matching:
                     if loss == RESUME:
                         member, reclaimed = CHECKPOINT, Reclaimed(-1, reclaimed.entries, reclaimed.cuts)
                     for part, seq, first, stop, checksum in reclaimed.entries:
-                        index.setdefault((part, seq), []).append((first, stop, checksum, member, reclaimed.rank,
-                                                                  None))
+                        index.setdefault((part, seq), []).append(Used(first, stop, checksum, member, reclaimed.rank,
+                                                                      None))
                     for part, seq, at, lo, hi, checksum in reclaimed.cuts:
-                        index.setdefault((part, seq), []).append((at, at + 1, checksum, member, reclaimed.rank,
-                                                                  (lo, hi)))
+                        index.setdefault((part, seq), []).append(Used(at, at + 1, checksum, member, reclaimed.rank,
+                                                                      (lo, hi)))
             rec.index = index
         return rec.index
 
@@ -161,7 +157,7 @@ class Matching:
             ep.queue.append(batch)
             return
         part = ep.part(number)
-        if not part.diverged and any(u[2] != part.checksums.get(seq) for u in used):
+        if not part.diverged and any(u.checksum != part.checksums.get(seq) for u in used):
             part.diverged = True
             log.warning("stream %r epoch %d partition %d: Spark recomputed it differently from the copy a rank used "
                         "(batch %d's checksum differs): the rank's copy stands, rows of this partition may be missing "
@@ -181,7 +177,7 @@ class Matching:
             piece, rest = cut(rest, at)
             pieces.append((piece, owner))
         pieces.append((rest, runs[-1][0]))
-        cuts = [u for u in used if u[5] is not None]
+        cuts = [u for u in used if u.rows is not None]
         for piece, owner in pieces:
             if owner is not None:
                 self._adopt(stream, ep, piece, *owner)
@@ -189,7 +185,7 @@ class Matching:
                 ep.queue.append(piece)
             else:
                 for single in singles(piece):
-                    self._match_rows(stream, ep, single, [u for u in cuts if u[0] == single.first])
+                    self._match_rows(stream, ep, single, [u for u in cuts if u.first == single.first])
 
     def _match_rows(self, stream: StreamState, ep: EpochState, single: HeldBatch, cuts: list[Used]) -> None:
         """Of one batch no rank used whole: the rows each rank used (its cut) adopted by it, one piece a cut (the
@@ -198,20 +194,20 @@ class Matching:
             ep.queue.append(single)
             return
         base, top = batch_rows(single)
-        plan: list[tuple[int, int, bool]] = []
+        plan: list[RowRange] = []
         owners: list[tuple[str, int] | None] = []
         at = base
-        for _, _, _, member, rank, rows in sorted(cuts, key=lambda u: u[5] or (0, 0)):
+        for _, _, _, member, rank, rows in sorted(cuts, key=lambda u: u.rows or (0, 0)):
             assert rows is not None
             lo, hi = max(rows[0], at, base), max(min(rows[1], top), at, base)
             if lo > at:
-                plan.append((at - base, lo - base, False))
+                plan.append(RowRange(at - base, lo - base))
                 owners.append(None)
-            plan.append((lo - base, hi - base, False))
+            plan.append(RowRange(lo - base, hi - base))
             owners.append((member, rank))
             at = max(at, hi)
         if at < top:
-            plan.append((at - base, top - base, False))
+            plan.append(RowRange(at - base, top - base))
             owners.append(None)
         for piece, owner in zip(cut_rows(single, plan), owners):
             if owner is None:

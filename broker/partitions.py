@@ -215,7 +215,7 @@ class Partitions:
         keep = part.committed_attempt is None and (known is None or ep.delivery == "atomic")
         if keep:
             splits = header.get("splits")
-            batch = HeldBatch(protocol.batch_id(header), frames, sum(map(len, frames)), header["rows"],
+            batch = HeldBatch((header["epoch"], number, seq), frames, sum(map(len, frames)), header["rows"],
                               count=1 if splits is None else len(splits), bucket=header.get("bucket"))
             part.checksums.setdefault(seq, checksum)
             atomic = ep.delivery == "atomic"

@@ -9,9 +9,20 @@ whose ``cut`` names its rows.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import msgpack
 
 from sparkbus.broker.state import HeldBatch
+
+
+class RowRange(NamedTuple):
+    """One row piece :func:`cut_rows` cuts: rows ``lo..hi-1`` of the batch, counted within what the piece it cuts
+    carries; ``repeat``: rows another rank has too (remainder "pad")."""
+
+    lo: int
+    hi: int
+    repeat: bool = False
 
 
 def cut(piece: HeldBatch, first: int) -> tuple[HeldBatch, HeldBatch]:
@@ -48,8 +59,8 @@ def batch_rows(piece: HeldBatch) -> tuple[int, int]:
     return piece.cut if piece.cut is not None else (0, piece.rows)
 
 
-def cut_rows(piece: HeldBatch, ranges: list[tuple[int, int, bool]]) -> list[HeldBatch]:
-    """A piece of one batch cut into row pieces, ``(lo, hi, repeat)`` each, rows counted within the batch (within
+def cut_rows(piece: HeldBatch, ranges: list[RowRange]) -> list[HeldBatch]:
+    """A piece of one batch cut into row pieces, one per :class:`RowRange`, rows counted within the batch (within
     what ``piece`` carries). Bytes are shared out by rows; a repeat carries none (it frees nothing when consumed)."""
     assert piece.count == 1
     header = msgpack.unpackb(_bytes(piece.frames[0]), raw=False)

@@ -25,6 +25,7 @@ from sparkbus.broker.state import EpochRecovery, RankState, Reclaimed, StreamSta
 from sparkbus.wire import protocol
 from sparkbus.wire.errors import ProtocolError
 from sparkbus.wire.protocol import Kind, PartitionRanges
+from sparkbus.wire.records import UsedCut, UsedEntry
 from sparkbus.wire.requests import HelloHeader, ReclaimHeader
 
 log = logging.getLogger("sparkbus.broker")
@@ -176,8 +177,8 @@ class Recovery:
 
     # ---- RECLAIM and LOST -----------------------------------------------------------------------------------
 
-    def reclaim(self, rank: RankState, h: ReclaimHeader, entries: list[protocol.UsedEntry],
-                cuts: Iterable[tuple[int, int, int, int, int, int]] = ()) -> BatchesReclaimed:
+    def reclaim(self, rank: RankState, h: ReclaimHeader, entries: list[UsedEntry],
+                cuts: Iterable[UsedCut] = ()) -> BatchesReclaimed:
         """RECLAIM from ``rank``: the event to apply (:meth:`reclaimed`).
 
         Raises:

@@ -15,10 +15,11 @@ from typing import NamedTuple
 
 from sparkbus.broker.books import Books, Outcome, RankGone, Transmit
 from sparkbus.broker.pieces import cut
-from sparkbus.broker.state import BatchId, HeldBatch, Orphan, RankState, StreamState
+from sparkbus.broker.state import HeldBatch, Orphan, RankState, StreamState
 from sparkbus.wire import protocol
 from sparkbus.wire.errors import ProtocolError
 from sparkbus.wire.protocol import ErrorCode, Kind
+from sparkbus.wire.records import BatchId
 from sparkbus.wire.requests import HelloHeader
 
 log = logging.getLogger("sparkbus.broker")

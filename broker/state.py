@@ -16,16 +16,17 @@ from typing import Any, NamedTuple
 from sparkbus.broker.figures import REPORTED, EpochFigures, OrphanFigures, RankFigures, StreamFigures
 from sparkbus.broker.journal import DeliveredEpochs
 from sparkbus.wire.protocol import PartitionRanges
+from sparkbus.wire.records import UsedCut, UsedEntry
 from sparkbus.wire.requests import RankReport
-
-BatchId = tuple[int, int, int]   # (epoch, partition, seq)
 
 
 @dataclass
 class HeldBatch:
     """A data batch in the broker: queued for a rank, or sent and not yet acknowledged."""
 
-    id: BatchId
+    # (epoch, part, seq): the numbers of the wire's BatchId (wire.records), kept as the plain tuple they are equal to
+    # (same hash, same key): made per message on the broker's hot path, a BatchId there costs 0.15-0.2 us a message
+    id: tuple[int, int, int]
     frames: list[Any]       # header frame + column frames, exactly as received
     nbytes: int
     rows: int
@@ -77,11 +78,34 @@ class PartitionState:
 
 
 class Reclaimed(NamedTuple):
-    """What one rank (session) said it used of an epoch in a RECLAIM for one loss: ``protocol.UsedEntry`` each."""
+    """What one rank (session) said it used of an epoch in a RECLAIM for one loss: its whole batches, and the rows it
+    used of batches it used part of (``cuts``)."""
 
     rank: int
-    entries: list[tuple[int, int, int, int, int]]
-    cuts: tuple[tuple[int, int, int, int, int, int], ...] = ()   # rows used of batches: protocol.unpack_cuts
+    entries: list[UsedEntry]
+    cuts: tuple[UsedCut, ...] = ()
+
+
+class Used(NamedTuple):
+    """Batches ``first..stop-1`` of one message that the rank ``member`` (rank number ``rank``) said it used, and the
+    message's checksum as that rank had it; ``rows``: ``(lo, hi)``, the rows it used of batch ``first`` only (a cut),
+    or None: all of them. What a recovering epoch's index holds per ``(part, seq)`` (``broker.matching``)."""
+
+    first: int
+    stop: int
+    checksum: int
+    member: str
+    rank: int
+    rows: tuple[int, int] | None
+
+
+class Handed(NamedTuple):
+    """The most of an epoch ever out at once (handed to ranks, a requeued batch counting once): each figure's own
+    most, so that they only grow (``batches_handed``, ``bytes_handed``, ``rows_handed``)."""
+
+    batches: int = 0
+    nbytes: int = 0
+    rows: int = 0
 
 
 @dataclass
@@ -93,8 +117,7 @@ class EpochRecovery:
     lost: list[str]            # the losses waited for: every member's RECLAIM for each before batches go out
     reset: bool = False        # a resume: what the broker had of the epoch was forgotten first
     held: list[HeldBatch] = field(default_factory=list)    # batches of recovered partitions, held until then
-    # (part, seq) -> used: (first, stop, checksum, member, rank number, rows cut or None)
-    index: dict[tuple[int, int], list[tuple[int, int, int, str, int, tuple[int, int] | None]]] | None = None
+    index: dict[tuple[int, int], list[Used]] | None = None     # (part, seq) -> what the ranks used of it
     expected: dict[str, tuple[int, int]] | None = None   # member -> (rank number, batches it used of recovered)
     matched: dict[str, int] = field(default_factory=dict)   # member -> of those, matched so far (adopted)
 
@@ -125,7 +148,7 @@ class EpochState:
     bytes_back: int = 0        # requeued: :attr:`bytes_out` is what was given less what came back
     rows_back: int = 0
     # the most ever out at once: handed to ranks, a requeued batch counting once (only :meth:`requeue` raises it)
-    handed: tuple[int, int, int] = (0, 0, 0)
+    handed: Handed = Handed()
     acked: int = 0
     duplicates: int = 0
     redelivered: int = 0       # sends of a batch that had gone out before (its rank died or left)
@@ -140,7 +163,7 @@ class EpochState:
     pieces: int = 0            # ... the pieces they went out as (rows, or repeats)
     repeated: int = 0          # ... of them, repeats of rows another rank has
     cut_done: bool = False     # ... the remainder of this evening is shared out
-    acked_before: dict[BatchId, int] = field(default_factory=dict)   # replay: acknowledged before a restart
+    acked_before: dict[tuple[int, int, int], int] = field(default_factory=dict)   # replay: acked before a restart
     recovery: EpochRecovery | None = None   # streamed again from Spark after a loss or for a resume
     unassigned: int = 0        # ... batches of partitions it does not carry, dropped (a cancelled task's)
     adopted: int = 0           # ... batches the ranks had used already (their RECLAIM): counted consumed, not sent
@@ -241,9 +264,10 @@ class EpochState:
         (counted acknowledged as the rank said it used them)."""
         self.in_flight -= used.count
 
-    def _handed(self) -> tuple[int, int, int]:
-        return (max(self.handed[0], self.batches_out), max(self.handed[1], self.bytes_out),
-                max(self.handed[2], self.rows_out))
+    def _handed(self) -> Handed:
+        handed = self.handed
+        return Handed(max(handed.batches, self.batches_out), max(handed.nbytes, self.bytes_out),
+                      max(handed.rows, self.rows_out))
 
     def count_acked(self, batch: HeldBatch) -> None:
         """The batch was consumed: out of flight."""
@@ -254,12 +278,12 @@ class EpochState:
         self.given_twice += 1
 
     def stats(self) -> EpochFigures:
-        batches_handed, bytes_handed, rows_handed = self._handed()
+        handed = self._handed()
         return {"partitions": self.partitions, "delivery": self.delivery, "committed": len(self.committed),
                 "closed": self.closed, "ended": self.end_sent, "queued": len(self.queue),
                 "batches_in": self.batches_in, "bytes_in": self.bytes_in, "rows_in": self.rows_in,
                 "batches_out": self.batches_out, "bytes_out": self.bytes_out, "rows_out": self.rows_out,
-                "batches_handed": batches_handed, "bytes_handed": bytes_handed, "rows_handed": rows_handed,
+                "batches_handed": handed.batches, "bytes_handed": handed.nbytes, "rows_handed": handed.rows,
                 "acked": self.acked, "duplicates": self.duplicates, "redelivered": self.redelivered,
                 "given_twice": self.given_twice, "diverged": self.diverged, "steps": self.steps,
                 "dropped": sum(self.dropped.values()), "moved": self.moved,
@@ -291,7 +315,7 @@ class RankState:
     window: int = 0
     window_bytes: int = 0
     window_stated: bool = False    # a CREDIT has come from this connection
-    inflight: dict[BatchId, HeldBatch] = field(default_factory=dict)
+    inflight: dict[tuple[int, int, int], HeldBatch] = field(default_factory=dict)     # by HeldBatch.id
     inflight_bytes: int = 0
     batches: int = 0
     bytes: int = 0

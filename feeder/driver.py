@@ -49,7 +49,7 @@ from sparkbus.feeder.waits import WaitsWatch
 from sparkbus.feeder.watch import Loss
 from sparkbus.wire.errors import BrokerError, FeedError
 from sparkbus.wire.protocol import Kind
-from sparkbus.wire.verdict import RankWaits, Verdict, of_pipeline
+from sparkbus.wire.verdict import RankWaits, SlowTask, Verdict, of_pipeline
 
 log = logging.getLogger("sparkbus.feeder")
 # EPOCH_OPEN's partitions when the count is known only once the job has run (Spark Connect): the broker's limit,
@@ -89,7 +89,7 @@ class FeedReport(NamedTuple):
     brokers: tuple[int, ...] = ()     # partitions streamed through each broker, in the order of the addresses
     task_seconds: float = 0.0         # the feeding tasks' time, summed (of the attempts Spark declared successful)
     blocked_seconds: float = 0.0      # ... of it, held back by full brokers: backpressure from the ranks
-    slowest: tuple[tuple[int, str, float], ...] = ()   # the slowest tasks: (partition, executor host, seconds)
+    slowest: tuple[SlowTask, ...] = ()   # the slowest tasks: (partition, executor host, seconds)
     ranks: tuple[RankWaits, ...] = ()   # each rank's seconds while this feed ran: data wait, peer wait, own work
     queued_share: float | None = None   # ... the share of their data wait while the brokers held batches for them
     tasks: tuple[TaskTiming, ...] = ()  # every feeding task, by partition: host, start, seconds, held back
@@ -367,7 +367,7 @@ def _feed(data: Any, options: FeedOptions, run: EpochRun = NO_RUN) -> FeedReport
     batches, rows, nbytes = (sum(r.batches for r in reports), produced, sum(r.bytes for r in reports)) \
         if held is not None else taken
     streamed = [r for r in reports if r.attempt != -1]
-    slowest = tuple((r.partition, r.host, round(r.seconds, 3))
+    slowest = tuple(SlowTask(r.partition, r.host, round(r.seconds, 3))
                     for r in sorted(streamed, key=lambda r: r.seconds, reverse=True)[:SLOWEST_TASKS])
     tasks = tuple(TaskTiming(r.partition, r.host, r.started, round(r.seconds, 3), round(r.blocked, 3))
                   for r in sorted(streamed, key=lambda r: r.partition))
@@ -389,7 +389,7 @@ def _feed_unwatched(job: FeedJob, clients: list[ControlClient], brokers: list[di
     committer.flush()
     partitions = len(reports) if job.partitions is None else job.partitions     # a report per task
     shares = [sum(1 for r in reports if r.broker == i) for i in range(len(clients))]
-    held = sum(taken_figures(client, stream, epoch)[1] for client in clients)
+    held = sum(taken_figures(client, stream, epoch).rows for client in clients)
     before_close()
     diverged: set[int] = set()
     for client, share in zip(clients, shares):

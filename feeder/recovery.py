@@ -66,6 +66,14 @@ def all_lost_error(stream: str, epoch: int, controls: Sequence[str], losses: Seq
                        f"--journal to survive restarts")
 
 
+class Taken(NamedTuple):
+    """What a broker has taken of an epoch (:func:`taken_figures`), or the live brokers together."""
+
+    batches: int = 0
+    rows: int = 0
+    nbytes: int = 0      # payload bytes
+
+
 class Outcome(NamedTuple):
     """What an epoch's feed ended with: the partition count, the report of each partition's committing job,
     the partitions committed at each broker, the diverged partitions, the rows the brokers took to check the
@@ -77,7 +85,7 @@ class Outcome(NamedTuple):
     shares: tuple[int, ...]
     diverged: set[int]
     held: int | None
-    taken: tuple[int, int, int] = (0, 0, 0)
+    taken: Taken = Taken()
 
 
 class EpochFeed:
@@ -320,8 +328,8 @@ class EpochFeed:
         shares = tuple(len(committed.get(i, ())) for i in range(len(self.clients)))
         reports = [self.reports[p] for p in sorted(every) if p in self.reports] if recovering else \
             [self.reports[p] for p in sorted(self.reports)]
-        totals = (sum(t[0] for t in taken), sum(t[1] for t in taken), sum(t[2] for t in taken))
-        return Outcome(self.partitions, reports, shares, diverged, totals[1] if known else None, totals)
+        totals = Taken(sum(t.batches for t in taken), sum(t.rows for t in taken), sum(t.nbytes for t in taken))
+        return Outcome(self.partitions, reports, shares, diverged, totals.rows if known else None, totals)
 
     # ---- helpers ------------------------------------------------------------------------------------------
 
@@ -367,9 +375,9 @@ class EpochFeed:
                            f"the brokers to recover from Spark", code=cause.code)
 
 
-def taken_figures(client: ControlClient, stream: str, epoch: int) -> tuple[int, int, int]:
+def taken_figures(client: ControlClient, stream: str, epoch: int) -> Taken:
     """Batches, rows and payload bytes of the epoch the broker has taken (first copies; in atomic delivery,
     committed attempts')."""
     figures = client.request(Kind.STATS_REQUEST)["stats"]["streams"].get(stream, {}).get("epochs", {})
     epoch_figures = figures.get(str(epoch), {})
-    return epoch_figures.get("batches_in", 0), epoch_figures.get("rows_in", 0), epoch_figures.get("bytes_in", 0)
+    return Taken(epoch_figures.get("batches_in", 0), epoch_figures.get("rows_in", 0), epoch_figures.get("bytes_in", 0))

@@ -26,7 +26,7 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import zmq
 
@@ -35,19 +35,27 @@ from sparkbus.wire import protocol
 from sparkbus.wire.errors import BrokerError
 from sparkbus.wire.headers import FromBroker, HeartbeatHeader, LostHeader, ToIntake, WelcomeHeader
 from sparkbus.wire.protocol import RESUME_LOSS, ErrorCode, Kind, pack_header, unpack_header
-from sparkbus.worker.used import Cut, Entry, Resume, UsedBatches
+from sparkbus.wire.records import BatchId, UsedCut, UsedEntry
+from sparkbus.worker.used import Resume, UsedBatches
 
 log = logging.getLogger("sparkbus.worker")
 
 ACK_MAX = 256          # ids in one ACK at most
-
-BatchId = tuple[int, int, int]
 
 UNANSWERED_WARNING = 5.0     # seconds without a WELCOME before a joining rank warns, naming the address
 UNANSWERED_REPEAT = 30.0     # ... and again this often while it keeps trying until its timeout
 
 WHAT_TO_DO = ("restart the brokers and feed the epoch again, or run the brokers with --journal so that a restarted "
               "broker keeps what it had")
+
+
+class Returned(NamedTuple):
+    """A message a rank gives back (RETURN, :meth:`BrokerConnection.give_back`): its id, the first of its batches
+    given back (0: a batch that is not a pack, or all of a pack), and whether that is all this rank had of it."""
+
+    batch_id: BatchId
+    first: int
+    whole: bool
 
 
 class BrokerSilent(BrokerError):
@@ -141,7 +149,7 @@ class BrokerConnection:
                              ended=self.ended, **optional)
         if resume:
             self._unsent, self._upto = [], []            # the HELLO names every batch consumed
-            held = {(key[0], key[1], key[2]) for key in self._received} - self._acked
+            held = {BatchId(key[0], key[1], key[2]) for key in self._received} - self._acked
             # ... and the batches service() kept while the rank waited for its peers: they are the rank's too
             held.update(protocol.batch_id(header) for header, _ in self._inbox if header["kind"] == Kind.BATCH)
             self._sock.send_multipart([header, protocol.pack_ids(held), protocol.pack_ids(self._acked)])
@@ -168,10 +176,10 @@ class BrokerConnection:
             self.ack(batch_id, send=False)
         return False
 
-    def give_back(self, epoch: int, returned: list[tuple[BatchId, int, bool]], kept: int) -> None:
-        """RETURN: batches this rank got and has not used, to even the epoch out (granted steps): per message its
-        id, the first of its batches given back, and whether that is all this rank had of it. ``kept``: the
-        batches of the epoch this rank keeps. Acknowledgements that wait leave first."""
+    def give_back(self, epoch: int, returned: list[Returned], kept: int) -> None:
+        """RETURN: batches this rank got and has not used, to even the epoch out (granted steps), one
+        :class:`Returned` per message. ``kept``: the batches of the epoch this rank keeps. Acknowledgements that wait
+        leave first."""
         self.flush()
         ids: list[int] = []
         for batch_id, first, whole in returned:
@@ -195,7 +203,7 @@ class BrokerConnection:
         if send or len(self._upto) >= 4 * ACK_MAX:
             self.flush()
 
-    def reclaim(self, epoch: int, lost: str, entries: Sequence[Entry], cuts: Sequence[Cut] = ()) -> None:
+    def reclaim(self, epoch: int, lost: str, entries: Sequence[UsedEntry], cuts: Sequence[UsedCut] = ()) -> None:
         """RECLAIM: of ``epoch``, the batches this rank used of the broker of incarnation ``lost``
         (:data:`~wire.protocol.RESUME_LOSS`: its position at a checkpoint), as ``(part, seq, first, stop, checksum)``
         entries, and the rows it used of batches it used part of (``cuts``; a broker of version 6 cannot take them).

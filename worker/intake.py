@@ -30,9 +30,10 @@ from sparkbus.wire.codec import decode_batch
 from sparkbus.wire.errors import BrokerError
 from sparkbus.wire.headers import BatchHeader, EpochEndHeader, LostHeader, ToIntake
 from sparkbus.wire.protocol import RESUME_LOSS, Kind
-from sparkbus.worker.connection import WHAT_TO_DO, BatchId, BrokerConnection, BrokerSilent
+from sparkbus.wire.records import BatchId, UsedCut, UsedEntry
+from sparkbus.worker.connection import WHAT_TO_DO, BrokerConnection, BrokerSilent, Returned
 from sparkbus.worker.stats import EpochStats, StreamStats
-from sparkbus.worker.used import Cut, Entry, UsedBatches
+from sparkbus.worker.used import UsedBatches
 
 Batch = dict[str, Any]                # numpy arrays, masked arrays and RaggedColumns
 
@@ -300,7 +301,7 @@ class Intake:
             index = header.get("index", 0)
             firsts[batch_id] = min(firsts.get(batch_id, index), index)
             counts[batch_id] = counts.get(batch_id, 0) + 1
-        returned = [(i, first, first == self._pack_first.get(i, 0)) for i, first in firsts.items()]
+        returned = [Returned(i, first, first == self._pack_first.get(i, 0)) for i, first in firsts.items()]
         broker.give_back(epoch, returned, kept)
         broker.got -= len(items)
         for batch_id, _, whole in returned:
@@ -337,11 +338,11 @@ class Intake:
             every.merge(broker.used)
         return every
 
-    def used_entries(self) -> list[Entry]:
+    def used_entries(self) -> list[UsedEntry]:
         """The whole batches of :meth:`used`."""
         return self.used().entries()
 
-    def resume(self, epoch: int, entries: Sequence[Entry], cuts: Sequence[Cut] = ()) -> None:
+    def resume(self, epoch: int, entries: Sequence[UsedEntry], cuts: Sequence[UsedCut] = ()) -> None:
         """Resume ``epoch`` from a checkpoint that had used ``entries`` (and the rows ``cuts``) of it: they are the
         lost entries of :data:`~wire.protocol.RESUME_LOSS` (the connections told their brokers when they joined:
         ``BrokerConnection(resume=)``)."""

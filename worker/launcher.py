@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Mapping
+from typing import NamedTuple
 
 # (rank variable, size variable, who sets them), in the order they are tried after torch.distributed
 VARIABLES = (
@@ -26,7 +27,15 @@ VARIABLES = (
 )
 
 
-def launcher_rank(environ: Mapping[str, str] | None = None) -> tuple[int, int, str]:
+class LauncherRank(NamedTuple):
+    """This process's rank and its group's size as its launcher set them, and what said so (``source``)."""
+
+    rank: int
+    size: int
+    source: str          # "torch.distributed", or who sets the variables read: "torchrun", "Open MPI", ...
+
+
+def launcher_rank(environ: Mapping[str, str] | None = None) -> LauncherRank:
     """``(rank, size, source)``: this process's rank and its group's size, and what said so.
 
     Raises:
@@ -34,7 +43,7 @@ def launcher_rank(environ: Mapping[str, str] | None = None) -> tuple[int, int, s
     """
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size(), "torch.distributed"
+        return LauncherRank(dist.get_rank(), dist.get_world_size(), "torch.distributed")
     environ = os.environ if environ is None else environ
     for rank_name, size_name, source in VARIABLES:
         if rank_name in environ and size_name in environ:
@@ -43,7 +52,7 @@ def launcher_rank(environ: Mapping[str, str] | None = None) -> tuple[int, int, s
             except ValueError:
                 raise ValueError(f"{rank_name}={environ[rank_name]!r} and {size_name}={environ[size_name]!r} are "
                                  f"not a rank and a size") from None
-            return rank, size, source
+            return LauncherRank(rank, size, source)
     names = ", ".join(f"{r}/{s}" for r, s, _ in VARIABLES)
     raise ValueError(f"rank='auto' found no launcher: torch.distributed is not initialised and none of {names} is "
                      f"set. Pass rank= and size=, or start the ranks with torchrun, srun or mpirun")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 from functools import partial
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 
@@ -26,24 +26,32 @@ _TAG_BATCH = 0x5B5
 _TAG_PIECE = 0x5B6
 
 
-def plan_transfers(counts: list[int]) -> tuple[list[tuple[int, int, int]], int]:
+class Transfer(NamedTuple):
+    """A move of :func:`plan_transfers`: ``batches`` batches from rank ``source`` to rank ``destination``."""
+
+    source: int
+    destination: int
+    batches: int
+
+
+def plan_transfers(counts: list[int]) -> tuple[list[Transfer], int]:
     """How to even out ``counts`` (batches held per rank) by moving batches between ranks.
 
     Returns:
-        ``(transfers, target)``: ``(source, destination, n)`` moves, the same on every rank, after which each
-        rank keeps ``target = sum(counts) // size`` batches; the ``sum % size`` left over are dropped by the
-        ranks that still hold more than ``target``.
+        ``(transfers, target)``: the :class:`Transfer` moves, the same on every rank, after which each rank keeps
+        ``target = sum(counts) // size`` batches; the ``sum % size`` left over are dropped by the ranks that still
+        hold more than ``target``.
     """
     size = len(counts)
     target = sum(counts) // size
     surplus = [[r, c - target] for r, c in enumerate(counts) if c > target]
-    transfers = []
+    transfers: list[Transfer] = []
     for dst, c in enumerate(counts):
         need = target - c
         while need > 0:
             src = surplus[0]
             n = min(need, src[1])
-            transfers.append((src[0], dst, n))
+            transfers.append(Transfer(src[0], dst, n))
             need -= n
             src[1] -= n
             if src[1] == 0:
@@ -140,7 +148,7 @@ def unpack_batch(buf: bytes) -> Item:
     return Item(header, columns)
 
 
-def exchange(comm: Any, held: list[Item], transfers: list[tuple[int, int, int]],
+def exchange(comm: Any, held: list[Item], transfers: list[Transfer],
              idle: Callable[[], None] | None = None) -> list[Item]:
     """Carry out ``transfers``: send from the end of ``held``, receive onto it. Returns what this rank holds.
 

@@ -23,6 +23,7 @@ import zmq
 
 from sparkbus.wire.address import broker_addresses
 from sparkbus.wire.headers import BatchHeader
+from sparkbus.wire.records import UsedCut, UsedEntry
 from sparkbus.wire.remainder import check_remainder
 from sparkbus.worker.connection import BrokerConnection
 from sparkbus.worker.grants import GrantedSteps
@@ -30,7 +31,7 @@ from sparkbus.worker.intake import Batch, Intake
 from sparkbus.worker.launcher import launcher_rank
 from sparkbus.worker.stats import EpochStats, StreamStats  # and exported here: sparkbus.worker.stream.EpochStats
 from sparkbus.worker.steps import EvenRounds, IndependentSteps, StepPlan
-from sparkbus.worker.used import Cut, Entry, Resume, UsedBatches
+from sparkbus.worker.used import Resume, UsedBatches
 
 log = logging.getLogger("sparkbus.worker")
 
@@ -344,8 +345,8 @@ def _resume_state(state: Mapping[str, Any] | Sequence[Mapping[str, Any]], stream
         for one in states:
             used.update(one["used"], one["cuts"])
         return {"format": 2, "stream": stream, "rank": rank, "size": size, "epoch": states[0]["epoch"],
-                "steps": max(one["steps"] for one in states), "used": [Entry(*e) for e in used.entries()],
-                "cuts": [Cut(*c) for c in used.cuts()], "from_size": group}
+                "steps": max(one["steps"] for one in states), "used": used.entries(),
+                "cuts": used.cuts(), "from_size": group}
     parsed = _parsed_state(state, stream)
     for name, mine in (("rank", rank), ("size", size)):
         if parsed[name] != mine:
@@ -363,7 +364,7 @@ def _parsed_state(state: Any, stream: str) -> dict[str, Any]:
         raise ValueError(f"resume= has the state of stream {state.get('stream')!r}, but this BatchStream is "
                          f"stream {stream!r}: pass each rank its own state_dict()")
     epoch, steps, used = state.get("epoch"), state.get("steps"), state.get("used")
-    entries: list[Entry] = []
+    entries: list[UsedEntry] = []
     if type(epoch) is not int or epoch < 0 or type(steps) is not int or steps < 0 or not isinstance(used, list) \
             or type(state.get("rank")) is not int or type(state.get("size")) is not int:
         raise ValueError("resume= has a state whose epoch, steps, rank, size or used are malformed")
@@ -371,13 +372,13 @@ def _parsed_state(state: Any, stream: str) -> dict[str, Any]:
         if (not isinstance(entry, (list, tuple)) or len(entry) != 5 or any(type(n) is not int for n in entry)
                 or not 0 <= entry[2] < entry[3]):
             raise ValueError(f"resume= has a malformed used entry {entry!r} (want [part, seq, first, stop, checksum])")
-        entries.append(Entry(*entry))
-    cuts: list[Cut] = []
+        entries.append(UsedEntry(*entry))
+    cuts: list[UsedCut] = []
     for cut in state.get("cuts", []) if state["format"] == 2 else []:
         if (not isinstance(cut, (list, tuple)) or len(cut) != 6 or any(type(n) is not int for n in cut)
                 or not 0 <= cut[3] < cut[4]):
             raise ValueError(f"resume= has a malformed cut {cut!r} (want [part, seq, index, lo, hi, checksum])")
-        cuts.append(Cut(*cut))
+        cuts.append(UsedCut(*cut))
     return {"format": 2, "stream": stream, "rank": state["rank"], "size": state["size"], "epoch": epoch,
             "steps": steps, "used": entries, "cuts": cuts}
 

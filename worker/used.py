@@ -5,7 +5,8 @@ trained (``RECLAIM``), and a checkpoint saves the same record (``BatchStream.sta
 its ``(part, seq)``, the batches of it used (``first..stop-1``: a pack's, or ``0, 1`` for a single batch) and its
 checksum as it arrived, so that a recomputation that came out differently is told apart. Of a batch a rank used
 some rows only (its piece of an epoch's remainder, ``wire.remainder``), a *cut* names them:
-``(part, seq, index, lo, hi, checksum)``.
+``(part, seq, index, lo, hi, checksum)``. Both records are the wire's: :class:`~sparkbus.wire.records.UsedEntry` and
+:class:`~sparkbus.wire.records.UsedCut`.
 """
 
 from __future__ import annotations
@@ -13,39 +14,20 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from sparkbus.wire.protocol import UsedEntry
+from sparkbus.wire.records import UsedCut, UsedEntry
 
-
-class Entry(NamedTuple):
-    """Batches ``first..stop-1`` of message ``(part, seq)`` used whole (``0, 1``: a batch that is not a pack), and the
-    message's checksum as it arrived: a RECLAIM entry, the five numbers of ``protocol.UsedEntry``
-    (``protocol.pack_used`` takes it)."""
-
-    part: int
-    seq: int
-    first: int
-    stop: int
-    checksum: int
-
-
-class Cut(NamedTuple):
-    """Rows ``lo..hi-1`` of batch ``batch`` of message ``(part, seq)`` (its ``index`` in a pack, 0 for a batch that is
-    not a pack), used when the batch was not used whole."""
-
-    part: int
-    seq: int
-    batch: int                        # ``index`` in a state_dict's cuts (a NamedTuple has its own tuple.index)
-    lo: int
-    hi: int
-    checksum: int
+# The records of what was used are the wire's (RECLAIM carries them): one definition for the broker and the ranks.
+# ``Entry`` and ``Cut`` are the names this module gave them first, kept for those who import them from here.
+Entry = UsedEntry
+Cut = UsedCut
 
 
 class Resume(NamedTuple):
     """What a checkpoint had used of ``epoch``, for a rank that resumes from it (``BatchStream(resume=)``)."""
 
     epoch: int
-    entries: list[Entry]
-    cuts: list[Cut]
+    entries: list[UsedEntry]
+    cuts: list[UsedCut]
 
 
 class UsedBatches:
@@ -55,7 +37,7 @@ class UsedBatches:
 
     __slots__ = ("_messages", "_cuts")
 
-    def __init__(self, entries: Iterable[UsedEntry] = (), cuts: Iterable[Cut] = ()):
+    def __init__(self, entries: Iterable[UsedEntry] = (), cuts: Iterable[UsedCut] = ()):
         self._messages: dict[tuple[int, int], tuple[int, set[int]]] = {}
         self._cuts: dict[tuple[int, int, int], tuple[int, list[tuple[int, int]]]] = {}
         self.update(entries, cuts)
@@ -73,7 +55,7 @@ class UsedBatches:
         else:
             known[1].add(index)      # the first checksum stands: the copy this rank used first
 
-    def update(self, entries: Iterable[UsedEntry], cuts: Iterable[Cut] = ()) -> None:
+    def update(self, entries: Iterable[UsedEntry], cuts: Iterable[UsedCut] = ()) -> None:
         """Add ``(part, seq, first, stop, checksum)`` entries and ``cuts`` (another record's, or a checkpoint's)."""
         for part, seq, first, stop, checksum in entries:
             for index in range(first, stop):
@@ -85,23 +67,23 @@ class UsedBatches:
         """Add everything ``other`` holds."""
         self.update(other.entries(), other.cuts())
 
-    def entries(self) -> list[Entry]:
+    def entries(self) -> list[UsedEntry]:
         """``(part, seq, first, stop, checksum)`` per contiguous run of used batches, sorted: what
         ``protocol.pack_used`` takes."""
-        out: list[Entry] = []
+        out: list[UsedEntry] = []
         for (part, seq), (checksum, indices) in sorted(self._messages.items()):
             run: list[int] = []
             for index in sorted(indices):
                 if run and index != run[-1] + 1:
-                    out.append(Entry(part, seq, run[0], run[-1] + 1, checksum))
+                    out.append(UsedEntry(part, seq, run[0], run[-1] + 1, checksum))
                     run = []
                 run.append(index)
-            out.append(Entry(part, seq, run[0], run[-1] + 1, checksum))
+            out.append(UsedEntry(part, seq, run[0], run[-1] + 1, checksum))
         return out
 
-    def cuts(self) -> list[Cut]:
+    def cuts(self) -> list[UsedCut]:
         """``(part, seq, index, lo, hi, checksum)`` per run of used rows of a batch not used whole, sorted."""
-        out: list[Cut] = []
+        out: list[UsedCut] = []
         for (part, seq, index), (checksum, ranges) in sorted(self._cuts.items()):
             whole = self._messages.get((part, seq))
             if whole is not None and index in whole[1]:
@@ -112,7 +94,7 @@ class UsedBatches:
                     merged[-1][1] = max(merged[-1][1], hi)
                 elif hi > lo:
                     merged.append([lo, hi])
-            out.extend(Cut(part, seq, index, lo, hi, checksum) for lo, hi in merged)
+            out.extend(UsedCut(part, seq, index, lo, hi, checksum) for lo, hi in merged)
         return out
 
     def clear(self) -> None:
