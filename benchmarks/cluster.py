@@ -43,7 +43,8 @@ def run(ctx: Context, out: Cluster) -> Cluster:
                            {"spark.master": "local[1]", "spark.driver.memory": sizes.driver_memory}, slots=1,
                            cpus=mine[:1], timeout=max(120.0, sizes.timeout * 2))
     try:
-        info, where = driver.ready(), driver.where()
+        info = driver.ready()
+        where = info["executors"][0]            # local[1]: the one executor, the driver
         ctx.log(f"  Spark local[1] pinned to CPU {mine[0]} up after {info['session_seconds']:.1f} s; its Python "
                 f"workers import sparkbus from {Path(where['feeder']).parent} and run on CPUs {where['affinity']}; "
                 f"broker and ranks on CPU {mine[1]}")

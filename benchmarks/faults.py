@@ -15,7 +15,7 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -85,6 +85,8 @@ class FaultRun:
     delivery: str = "stream"
     held: int = 0                  # cluster rows: Python workers of lost executors still running after the feed
     broker: dict = field(default_factory=dict)           # the broker's figures of the epoch at the end, if reachable
+    twice_ids: list[str] = field(default_factory=list)   # the first runs of ids trained twice, and who had them
+    lost_ids: list[str] = field(default_factory=list)    # the first runs of ids lost
 
 
 SUMMED = ("planned", "rows_fed", "yielded", "lost", "twice", "out_of_range", "dropped", "seconds")
@@ -201,30 +203,38 @@ class Consumers:
         return {p.stem: np.fromfile(p, dtype=np.int64) for p in sorted(self.out.glob(f"*.{suffix}"))}
 
 
-class NetworkChild:
-    """A :class:`launch.netns.Network` held by :class:`Children`: stopping it ends its processes and deletes it."""
-
-    name = "fault network"
-
-    def __init__(self, network: Any):
-        self.network = network
-
-    def stop(self) -> None:
-        self.network.close()
-
-
 # ---- one run ----------------------------------------------------------------------------------------------
 
 def count(run: FaultRun, yielded: dict[str, np.ndarray], rows: int, dropped: dict[str, np.ndarray]) -> None:
-    """Lost and trained twice from every consumer's ids. ``dropped``: ids a group dropped to keep its steps equal,
-    counted (``stats.dropped_batches``): not lost."""
+    """Lost and trained twice from every consumer's ids; where rows came twice, which ones and who had them.
+    ``dropped``: ids a group dropped to keep its steps equal, counted (``stats.dropped_batches``): not lost."""
     ids = np.concatenate(list(yielded.values())) if yielded else np.zeros(0, np.int64)
     inside = ids[(ids >= 0) & (ids < rows)]
-    unique = np.unique(inside)
+    unique, copies = np.unique(inside, return_counts=True)
     run.dropped = int(sum(len(d) for d in dropped.values()))
     accounted = np.union1d(unique, np.concatenate(list(dropped.values()))) if dropped else unique
     run.yielded, run.out_of_range = len(ids), len(ids) - len(inside)
     run.lost, run.twice = rows - len(accounted[(accounted >= 0) & (accounted < rows)]), len(inside) - len(unique)
+    run.twice_ids = [describe(span, yielded) for span in spans(unique[copies > 1])[:5]]
+    run.lost_ids = [f"{a:,}-{b:,}" for a, b in spans(np.setdiff1d(np.arange(rows), accounted))[:5]]
+
+
+def spans(ids: np.ndarray) -> list[tuple[int, int]]:
+    """Sorted ids as runs of consecutive ids ``(first, last)``."""
+    if not len(ids):
+        return []
+    breaks = np.flatnonzero(np.diff(ids) != 1)
+    starts, ends = np.r_[ids[0], ids[breaks + 1]], np.r_[ids[breaks], ids[-1]]
+    return [(int(a), int(b)) for a, b in zip(starts, ends)]
+
+
+def describe(span: tuple[int, int], yielded: dict[str, np.ndarray]) -> str:
+    """``ids A-B: consumer0 (at batch i), consumer1 (at batch j)``: who yielded the span, and when (its batch)."""
+    who = []
+    for name, ids in yielded.items():
+        for position in np.flatnonzero(ids == span[0]):
+            who.append(f"{name} (its batch {position // BATCH + 1} of {len(ids) // BATCH})")
+    return f"ids {span[0]:,}-{span[1]:,}: " + ", ".join(who)
 
 
 def broker_flags(kind: str, journal: Path) -> list[str]:
@@ -391,7 +401,8 @@ def run(ctx: Context, plan: Plan, name: str = "faults") -> FaultTable:
                 network = netns.Network(["broker", "ranks"]).start()
             except netns.NetworkError as exc:      # what it had made is deleted
                 result.skipped["link"] = f"the hosts could not be made: {exc}"
-    held = ctx.children.add(NetworkChild(network)) if network is not None else None
+    # held by the children: stopping it ends its processes and deletes the namespaces
+    held = ctx.children.add(SimpleNamespace(name="fault network", stop=network.close)) if network else None
     if network is not None:
         # its Spark driver starts meanwhile: it runs on the broker's host (only the consumers' link is cut)
         linked = DriverProcess(ctx.children, ctx.work / "faults" / "driver-link", "faults-driver-link", DRIVER,

@@ -11,7 +11,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +42,6 @@ class PaddingShares:
     batch_size: int
     bucket_window: int
     seconds: float              # both feeds and reads, broker start excluded
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def lengths_of(column: Any) -> np.ndarray:

@@ -34,12 +34,9 @@ _streams = itertools.count()
 class EndOfEpoch:
     """One epoch's end for one group: per rank, the seconds from its last full step to the epoch's end."""
 
-    ranks: int
-    remainder: str
     end_seconds: list[float]
     rows_trained: int
     rows_fed: int
-    steps: int
     pieces: int
     wire_bytes: int           # what the pieces carried: each is its whole batch's frames
 
@@ -92,9 +89,8 @@ def run_group(broker: BrokerProcess, ranks: int, remainder: str, rows: int, row_
         raise RuntimeError(f"unequal steps with {ranks} ranks, remainder {remainder!r}: {sorted(steps)}")
     epoch = figures["stats"]["streams"][stream]
     epoch_figures = (epoch["epochs"] or {}).get("0") or epoch["earlier"]
-    return EndOfEpoch(ranks, remainder, [ended - times[FULL_STEPS - 1] for times, ended, _, _ in results.values()],
-                      sum(r for _, _, _, r in results.values()), batches * rows, steps.pop(),
-                      int(epoch_figures.get("pieces", 0)),
+    return EndOfEpoch([ended - times[FULL_STEPS - 1] for times, ended, _, _ in results.values()],
+                      sum(r for _, _, _, r in results.values()), batches * rows, int(epoch_figures.get("pieces", 0)),
                       int(epoch_figures.get("pieces", 0)) * int(epoch_figures["bytes_in"]) // batches)
 
 

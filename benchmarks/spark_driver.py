@@ -66,22 +66,10 @@ class Driver:
         """A timed feed of the prepared frame (``spark_data.timed_feed``)."""
         return spark_data.timed_feed(self.df, feed, stream, batch_size, timeout, **(options or {}))
 
-    def where(self) -> dict:
-        """Which sparkbus a Spark Python worker imports and which CPUs it may use (one task)."""
-        def where(_):
-            import os
-
-            from sparkbus import feeder
-
-            yield os.path.dirname(feeder.__file__), sorted(os.sched_getaffinity(0))
-
-        (feeder_dir, cpus), = self.spark.sparkContext.parallelize([0], 1).mapPartitions(where).collect()
-        return {"feeder": feeder_dir, "affinity": cpus}
-
     def warm(self, executors: int, slots: int, timeout: float = 180.0) -> list[dict]:
         """Wait for ``executors`` executors, then run a task on every slot at once (a barrier stage: never
-        speculated) that imports the feeder, as a feed's first task would; where they ran:
-        ``[{"executor", "host", "slots"}]``."""
+        speculated) that imports the feeder, as a feed's first task would; where they ran: ``[{"executor", "host",
+        "feeder" (the folder it imported), "affinity" (its CPUs), "slots"}]``."""
         context = self.spark.sparkContext._jsc.sc()
         deadline = time.monotonic() + timeout
         while context.getExecutorIds().size() < executors:
@@ -91,19 +79,21 @@ class Driver:
             time.sleep(0.2)
 
         def where(_):
-            import importlib
             import os
 
-            importlib.import_module("sparkbus.feeder")
-            # a standalone Worker runs each executor in a work directory of its own: .../app-id/executor-id
-            yield os.path.basename(os.getcwd()), os.environ.get("SPARK_LOCAL_IP", "?")
+            from sparkbus import feeder
 
-        found: dict[tuple[str, str], int] = {}
+            # a standalone Worker runs each executor in a work directory of its own: .../app-id/executor-id
+            yield (os.path.basename(os.getcwd()), os.environ.get("SPARK_LOCAL_IP", "?"),
+                   os.path.dirname(feeder.__file__), tuple(sorted(os.sched_getaffinity(0))))
+
+        found: dict[tuple, int] = {}
         for place in self.spark.sparkContext.parallelize(range(slots), slots).barrier().mapPartitions(where).collect():
             found[place] = found.get(place, 0) + 1
-        if executors and len({e for e, _ in found}) != executors:
+        if executors and len({e for e, *_ in found}) != executors:
             raise RuntimeError(f"the warm-up's {slots} tasks ran on executors {sorted(found)}")
-        return [{"executor": e, "host": h, "slots": k} for (e, h), k in sorted(found.items())]
+        return [{"executor": e, "host": h, "feeder": f, "affinity": list(a), "slots": k}
+                for (e, h, f, a), k in sorted(found.items())]
 
     def feed_ids(self, rows: int, partitions: int, batch_size: int, address: str, stream: str, timeout: float,
                  pause: float = 0.0, pack_bytes: int = 0, delivery: str = "stream", source: str = "rows",
