@@ -1,27 +1,22 @@
-"""Shared pieces of the benchmark: sizes, the children it starts and their clean-up, mpiexec ranks, RSS sampling.
-
-Every child is registered in a :class:`Children` and stopped by :meth:`Children.stop_all` on success, error and
-signal; brokers and mpiexec are ``launch`` children (a session of their own, ``PR_SET_PDEATHSIG``). Every wait is
-bounded.
+"""Shared pieces of the benchmark: sizes, the children it starts (each stopped by :meth:`Children.stop_all` on
+success, error and signal; brokers and mpiexec are ``launch`` children), a Spark driver process, mpiexec ranks, RSS.
+Every wait is bounded.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from sparkbus.launch.broker import BrokerProcess
 from sparkbus.launch.mpi import loopback_env, mpiexec_python
 from sparkbus.launch.processes import ChildProcess, wait_for
-
-from .rank_files import figures_path, ready_path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -33,8 +28,8 @@ class BenchError(RuntimeError):
 
 
 class EarlyExit(BenchError):
-    """Ranks exited before they were ready, before any clock started: hydra, on a loaded machine, now and then fails
-    a launch ("process reading stdin too slowly", its stdin on /dev/null); the caller may start them again."""
+    """Ranks exited before they were ready, before any clock started (hydra, on a loaded machine, now and then fails
+    a launch: "process reading stdin too slowly"); the caller may start them again."""
 
 
 @dataclass
@@ -70,11 +65,6 @@ QUICK = Sizes("quick", reps=1, hop_seconds=0.12, rows=100_000, partitions=4,
               timeout=60.0)
 
 
-def median(values: Sequence[float]) -> float:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else float("nan")
-
-
 class Children:
     """Every child the benchmark started, stopped in reverse order by :meth:`stop_all` (idempotent)."""
 
@@ -104,29 +94,18 @@ class Children:
             except Exception as exc:          # keep stopping the others
                 print(f"warning: could not stop {getattr(child, 'name', child)}: {exc}", file=sys.stderr)
 
-    # ---- the pieces -------------------------------------------------------------------------------------
-
     def broker(self, max_buffer: int | str = "256MiB", timeout: float = 20.0, *flags: str,
                prefix: Sequence[str] = ()) -> BrokerProcess:
-        """``python -m sparkbus.broker`` on loopback ports it picks itself; returns once it is listening.
-
-        ``flags``: more ``python -m sparkbus.broker`` flags, e.g. ``"--auth", DIR``. ``prefix``: argv that execs the
-        broker, e.g. :func:`on_cpus` to pin it.
-        """
+        """``python -m sparkbus.broker`` (more ``flags``; ``prefix``: e.g. :func:`on_cpus`), once it listens."""
         broker = BrokerProcess(self.log("broker"), "--max-buffer", str(max_buffer), "--log-level", "WARNING",
                                *flags, cwd=ROOT, prefix=prefix)
         return self.add(broker.start(timeout))
 
-    def mpiexec(self, name: str, n: int, script: str, *args: str, prefix: Sequence[str] = ()) -> ChildProcess:
-        """``mpiexec -n n python benchmarks/<script> args``, logging to a file (``prefix``: e.g. :func:`on_cpus`)."""
-        return self.add(ChildProcess(name, [*prefix, *mpiexec_python(n, HERE / script, *args)], self.log(name),
-                                     env=loopback_env(), cwd=ROOT))
-
 
 class DriverProcess:
-    """``spark_driver.py`` as a child, asked through request and answer files in ``dir``; the same methods as
-    ``spark_driver.Driver``. ``conf``: its Spark settings (``spark.master`` among them); ``executors``, ``slots``:
-    what it waits for and warms before it is ready; ``cpus``: pin it; ``prefix``, ``env``: how it is started."""
+    """``spark_driver.py`` as a child, asked through request and answer files in ``dir``: ``driver.prepare(...)``
+    and every other method of ``spark_driver.Driver`` is a request. ``conf``: its Spark settings (``spark.master``
+    among them); ``executors``, ``slots``: what it waits for and warms before it is ready; ``cpus``: pin it."""
 
     def __init__(self, children: Children, dir: Path, name: str, conf: dict, *, executors: int = 0, slots: int = 2,
                  cpus: Sequence[int] = (), prefix: Sequence[str] = (), env: dict | None = None,
@@ -173,18 +152,10 @@ class DriverProcess:
             raise BenchError(f"{self.name} failed in {cmd}:\n{reply['traceback']}")
         return reply["value"]
 
-    def prepare(self, rows: int, partitions: int, feed: str, kind: str = "fixed") -> dict:
-        return self.request(self.timeout, "prepare", rows=rows, partitions=partitions, feed=feed, kind=kind)
-
-    def limit(self) -> dict:
-        return self.request(self.timeout, "limit")
-
-    def feed(self, feed: str, stream: str, batch_size: int, timeout: float, options: dict | None = None) -> dict:
-        return self.request(timeout + 30, "feed", feed=feed, stream=stream, batch_size=batch_size, timeout=timeout,
-                            options=options)
-
-    def where(self) -> dict:
-        return self.request(60, "where")
+    def __getattr__(self, cmd: str) -> Callable[..., Any]:
+        if cmd.startswith("_"):
+            raise AttributeError(cmd)
+        return lambda **arguments: self.request(self.timeout + 30, cmd, **arguments)
 
     def running_tasks(self, stream: str) -> list[int]:
         """Pids of the Python workers running a task of ``stream`` of ``feed_ids`` now (rows not all produced)."""
@@ -200,8 +171,7 @@ class DriverProcess:
         return sorted(pids)
 
     def stop(self, polite: bool = True) -> None:
-        """Ask it to stop its session (its executors end with the application) and wait, if ``polite``; then stop
-        the process and all it started, whatever is left (a busy driver cannot answer)."""
+        """Ask it to stop its session, if ``polite``; then stop the process and all it started, whatever is left."""
         try:
             if polite and self.child.poll() is None:
                 self.request(30, "stop")
@@ -217,39 +187,16 @@ def on_cpus(cpus: Sequence[int]) -> list[str]:
     return ["taskset", "-c", ",".join(str(c) for c in cpus)]
 
 
-@dataclass
-class RankResult:
-    """What the ranks of one run reported (``rank_consumer.py``)."""
-
-    ranks: list[dict] = field(default_factory=list)
-
-    @property
-    def first(self) -> float:
-        return min(r["t_first"] for r in self.ranks if r.get("t_first") is not None)
-
-    @property
-    def last(self) -> float:
-        return max(r["t_last"] for r in self.ranks if r.get("t_last") is not None)
-
-    @property
-    def rows(self) -> int:
-        return sum(r["rows"] for r in self.ranks)
-
-
 def run_ranks(children: Children, name: str, n: int, script: str, out: Path, args: Sequence[str],
               start: Callable[[], Any], timeout: float, ready_timeout: float = 60.0,
-              prefix: Sequence[str] = ()) -> tuple[RankResult, Any]:
-    """Start ``n`` ranks, wait until each wrote ``ready-<r>``, call ``start()`` (the timed part), collect.
-
-    ``prefix``: argv put before mpiexec's, e.g. :func:`on_cpus` (the ranks inherit the pinning).
-
-    Returns:
-        ``(ranks' results, start()'s return value)``.
-    """
+              prefix: Sequence[str] = ()) -> tuple[list[dict], Any]:
+    """``mpiexec -n n python benchmarks/<script> --out out args`` (``prefix``: e.g. :func:`on_cpus`); once every rank
+    is ready (``rank.ready``), ``start()`` (the timed part). Returns every rank's ``rank<r>.json`` and its value."""
     out.mkdir(parents=True, exist_ok=True)
-    ranks = children.mpiexec(name, n, script, "--out", str(out), *args, prefix=prefix)
+    ranks = children.add(ChildProcess(name, [*prefix, *mpiexec_python(n, HERE / script, "--out", str(out), *args)],
+                                      children.log(name), env=loopback_env(), cwd=ROOT))
     try:
-        wait_for(lambda: all(ready_path(out, r).exists() for r in range(n)) or ranks.poll() is not None,
+        wait_for(lambda: all((out / f"rank{r}.ready").exists() for r in range(n)) or ranks.poll() is not None,
                  ready_timeout, f"{n} ranks of {name} to be ready")
         if ranks.poll() is not None:
             raise EarlyExit(f"{name} ranks exited early ({ranks.poll()}):\n{ranks.tail()}")
@@ -257,13 +204,13 @@ def run_ranks(children: Children, name: str, n: int, script: str, out: Path, arg
         code = ranks.wait(timeout)
         if code != 0:
             raise BenchError(f"{name} ranks failed with exit status {code}:\n{ranks.tail()}")
-        return RankResult([json.loads(figures_path(out, r).read_text()) for r in range(n)]), value
+        return [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)], value
     finally:
         children.discard(ranks)
 
 
 def open_epoch(client: Any, stream: str, epoch: int, partitions: int) -> dict:
-    """``EPOCH_OPEN`` as ``feeder.feed`` sends it (plain streaming delivery; brokers ignore fields they lack)."""
+    """``EPOCH_OPEN`` as ``feeder.feed`` sends it (plain streaming delivery)."""
     from sparkbus.wire.protocol import Kind
 
     return client.request(Kind.EPOCH_OPEN, stream=stream, epoch=epoch, partitions=partitions, delivery="stream")

@@ -1,6 +1,6 @@
 """Figure 2, end to end: ``sparkbus.bench.e2e`` (a cached DataFrame to 2 ranks by sparkbus, against Spark's own
-hand-off to Python and against Parquet staging) with the CPU of each process group. Also the runs to MPI ranks
-(``rank_consumer.py``) that figures 2b, 3, 5, 6 and 7 make (``run_sparkbus``, ``run_fed_ranks``)."""
+hand-off to Python and against Parquet staging) with the CPU of each process group. Also the epochs fed to MPI
+ranks (``rank.py``) that figures 2b, 3, 5, 6 and 7 make (:func:`run_fed_ranks`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from sparkbus.bench import e2e
 from sparkbus.bench.figures import Figure, figure
 from sparkbus.launch.broker import BrokerProcess
 
-from .common import BenchError, Children, median, run_ranks
+from .common import BenchError, Children, run_ranks
 from .sections import Context, Section
 from .spark_data import ROW_BYTES
 
@@ -26,12 +26,8 @@ _runs = itertools.count()
 
 
 class CpuMeter:
-    """CPU seconds (user + system, psutil) spent during a run by Spark's JVM, by its Python workers (where the
-    feeder runs) and by the brokers; started when made, read by :meth:`stop`.
-
-    ``spark_root``: the process whose descendant JVMs are Spark's (default this one; a Spark driver process of
-    its own for the cluster-shaped runs).
-    """
+    """CPU seconds (user + system) spent from its making to :meth:`stop` by Spark's JVMs (the descendants of
+    ``spark_root``, default this process), their Python workers (where the feeder runs) and the brokers."""
 
     def __init__(self, brokers: Sequence[BrokerProcess] = (), spark_root: int | None = None):
         self._broker_pids = [b.pid for b in brokers]
@@ -42,26 +38,22 @@ class CpuMeter:
         import psutil
 
         groups: dict[str, dict[int, float]] = {"jvm": {}, "workers": {}, "broker": {}}
-
-        def add(group: str, proc: psutil.Process) -> None:
+        procs: list[tuple[str, Any]] = []
+        for pid in self._broker_pids:
+            try:
+                procs.append(("broker", psutil.Process(pid)))
+            except psutil.Error:
+                pass
+        for proc in psutil.Process(self._spark_root).children(recursive=True):
+            try:
+                if proc.name() == "java":
+                    procs += [("jvm", proc), *(("workers", worker) for worker in proc.children(recursive=True))]
+            except psutil.Error:
+                pass
+        for group, proc in procs:
             try:
                 t = proc.cpu_times()
                 groups[group][proc.pid] = t.user + t.system
-            except psutil.Error:
-                pass
-
-        for proc in psutil.Process(self._spark_root).children(recursive=True):
-            try:
-                if proc.name() != "java":
-                    continue
-                add("jvm", proc)
-                for worker in proc.children(recursive=True):
-                    add("workers", worker)
-            except psutil.Error:
-                pass
-        for pid in self._broker_pids:
-            try:
-                add("broker", psutil.Process(pid))
             except psutil.Error:
                 pass
         return groups
@@ -79,9 +71,6 @@ class Series:
     name: str
     runs: list[dict] = field(default_factory=list)
 
-    def med(self, key: str) -> float:
-        return median([r[key] for r in self.runs if r.get(key) is not None])
-
     def figure(self, section: str, name: str, key: str, unit: str, anchor: Figure | None = None,
                scale: float = 1.0) -> Figure:
         """The figure of ``key`` over its repetitions (times ``scale``), against ``anchor``."""
@@ -90,54 +79,50 @@ class Series:
 
 def run_sparkbus(children: Children, broker: BrokerProcess | Sequence[BrokerProcess], df: Any, rows: int,
                  ranks: int, work: Path, timeout: float, steps: str = "broker") -> dict:
-    """Feed ``df`` as one epoch to ``ranks`` ranks; figures relative to the call of ``feed``.
-
-    With several brokers, the feed spreads the partitions over them and every rank consumes from all of them.
-    ``steps``: how the ranks keep equal steps (``BatchStream(steps=...)``: granted by the broker, or agreed over
-    MPI).
-    """
+    """Feed ``df`` as one epoch to ``ranks`` ranks from this process's Spark, over one or several brokers (every
+    rank consumes from all of them); ``steps``: how the ranks keep equal steps (granted, or agreed over MPI)."""
     from sparkbus.feeder import feed
 
     brokers = [broker] if isinstance(broker, BrokerProcess) else list(broker)
+    stream = f"bench-{next(_runs)}"
 
-    def start():
+    def start() -> tuple:
         t0 = time.time()
         report = feed(df, [b.feed for b in brokers], stream=stream, epoch=0, batch_size=BATCH_SIZE,
                       timeout=min(timeout, 120.0))
         return t0, time.time(), report
 
-    stream = f"bench-{next(_runs)}"
-    meter = CpuMeter(brokers)
-    result = run_fed_ranks(children, brokers, stream, start, rows, ranks, work, timeout, steps=steps)
-    result["cpu"] = {**meter.stop(), "ranks": result["ranks_cpu"]}
-    return result
+    return run_fed_ranks(children, brokers, stream, start, rows, ranks, work, timeout, steps=steps,
+                         meter=CpuMeter(brokers))
 
 
 def run_fed_ranks(children: Children, brokers: Sequence[BrokerProcess], stream: str, start: Callable[[], tuple],
                   rows: int, ranks: int, work: Path, timeout: float, *, prefix: Sequence[str] = (),
-                  touch: bool = False, steps: str = "broker") -> dict:
+                  touch: bool = False, steps: str = "broker", meter: CpuMeter | None = None) -> dict:
     """Start ``ranks`` ranks on ``stream`` of ``brokers``; once they are ready, ``start()`` feeds the epoch and
     returns ``(t0, t_fed, report)`` (wall-clock seconds, a ``FeedReport`` or its dict); figures relative to t0.
 
-    ``prefix``: argv before mpiexec's (``common.on_cpus`` pins the ranks); ``touch``: the ranks add up the bytes
-    of every column of every batch (``nbytes`` of numpy arrays, of a variable-length column's values and offsets).
+    ``prefix``: argv before mpiexec's (``common.on_cpus``); ``touch``: the ranks add up the bytes of every column;
+    ``meter``: the CPU of each process group during the run, in ``cpu``.
     """
     out = work / f"ranks-{stream}"
     args = ["--ranks", ",".join(b.ranks for b in brokers), "--stream", stream, "--timeout", str(timeout),
             "--steps", steps, *(["--touch"] if touch else [])]
-    result, (t0, _, report) = run_ranks(children, f"ranks-{stream}", ranks, "rank_consumer.py", out, args,
-                                      start, timeout, prefix=prefix)
+    result, (t0, _, report) = run_ranks(children, f"ranks-{stream}", ranks, "rank.py", out, args, start, timeout,
+                                        prefix=prefix)
     shutil.rmtree(out, ignore_errors=True)
     report = report if isinstance(report, dict) else report._asdict()
-    if result.rows + sum(r["dropped_rows"] for r in result.ranks) != rows:
-        raise BenchError(f"stream {stream}: the ranks took {result.rows} rows and dropped "
-                         f"{sum(r['dropped_rows'] for r in result.ranks)} of {rows}")
-    last = result.last - t0
-    return {"first": result.first - t0, "last": last, "rows_per_s": rows / last,
-            "dropped_rows": sum(r["dropped_rows"] for r in result.ranks), "brokers": list(report.get("brokers") or ()),
-            "ranks_cpu": sum(r["cpu_seconds"] for r in result.ranks),
-            "touched_bytes": sum(r["touched_bytes"] for r in result.ranks),
-            "rank_modules": sorted({r["module"] for r in result.ranks})}
+    epochs = [r["epochs"][0] for r in result]
+    got, dropped = sum(e["rows"] for e in epochs), sum(e["dropped_rows"] for e in epochs)
+    if got + dropped != rows:
+        raise BenchError(f"stream {stream}: the ranks took {got} rows and dropped {dropped} of {rows}")
+    last = max(e["t_last"] for e in epochs if e["t_last"] is not None) - t0
+    cpu = sum(r["cpu_seconds"] for r in result)
+    return {"first": min(e["t_first"] for e in epochs if e["t_first"] is not None) - t0, "last": last,
+            "rows_per_s": rows / last, "dropped_rows": dropped, "brokers": list(report.get("brokers") or ()),
+            "ranks_cpu": cpu, "touched_bytes": sum(e["touched_bytes"] for e in epochs),
+            "rank_modules": sorted({r["module"] for r in result}),
+            **({"cpu": {**meter.stop(), "ranks": cpu}} if meter else {})}
 
 
 class EndToEndSection(Section[list]):

@@ -1,8 +1,8 @@
 """Figure 11, a fault table (issue 18 §4): per fault kind (``KINDS``), a long feed from Spark with faults injected at
 seeded random times, and the rows lost (ids fed that no consumer yielded) and trained twice (yielded copies beyond
 the first). A report, not an assertion. benchmarks/README.md, section 11, describes every kind, the processes
-(``faults_processes.py``, ``spark_driver.py``, ``faults_consumer.py``, ``faults_cluster.py``) and the
-``SPARKBUS_BENCH_FAULTS_*`` variables."""
+(``spark_driver.py``, the consumers ``rank.py --name``, ``faults_cluster.py``) and the ``SPARKBUS_BENCH_FAULTS_*``
+variables."""
 
 from __future__ import annotations
 
@@ -10,20 +10,21 @@ import math
 import os
 import random
 import signal
+import sys
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
 from sparkbus.bench.figures import Figure, figure
 from sparkbus.launch.broker import BrokerProcess
-from sparkbus.launch.processes import LaunchError, wait_for
+from sparkbus.launch.processes import ChildProcess, LaunchError, wait_for
 
-from .common import ROOT, BenchError, DriverProcess
+from .common import HERE, ROOT, BenchError, Children, DriverProcess
 from .faults_cluster import HOSTS, ClusterRig
-from .faults_processes import Consumers, NetworkChild
 from .sections import Context, Run, Section
 
 KINDS = ("none", "broker_journal", "broker_journal_group", "broker_no_journal", "broker_no_journal_group", "rank",
@@ -33,6 +34,7 @@ KINDS = ("none", "broker_journal", "broker_journal_group", "broker_no_journal", 
 CLUSTER_KINDS = ("cluster_executor", "cluster_executor_atomic", "cluster_host", "cluster_host_atomic")
 CONSUMERS = 2
 WIDTH = 256                    # the cluster rows' x: float32s a row (a 100-row batch is 100 KiB, see spark_driver)
+TRAIN_SECONDS = 0.005          # a consumer's step
 GAP = 2.5                      # seconds between two faults of a run, at least
 BATCH = 100
 # The section's own Spark driver (spark_driver.py): two task slots and a failed task retried
@@ -138,11 +140,73 @@ def fault_times(rng: random.Random, n: int, length: float) -> list[float]:
     return times
 
 
+class Consumers:
+    """The consumers of one run (``rank.py --name NAME --ids``), each writing the ids it yielded into ``out``."""
+
+    def __init__(self, children: Children, out: Path, ranks: str, stream: str, prefix: list[str] = (),
+                 env: dict | None = None, timeout: float = 60.0, group: int = 0):
+        self.children, self.out, self.ranks, self.stream, self.group = children, out, ranks, stream, group
+        self.prefix, self.env, self.timeout = list(prefix), env, timeout
+        self.running: dict[str, ChildProcess] = {}
+        self.rank_of: dict[str, int] = {}         # with a group: each consumer's rank number
+        self._count = 0
+        out.mkdir(parents=True, exist_ok=True)
+
+    def start(self, rank: int | None = None) -> str:
+        """Start a consumer; its name. With a group: rank ``rank`` of it (default: the ``i``-th started is rank
+        ``i``), e.g. a new process taking a dead rank's number."""
+        name = f"consumer{self._count}"
+        if self.group:
+            self.rank_of[name] = self._count if rank is None else rank
+        group = [f"--group={self.rank_of[name]}/{self.group}"] if self.group else []
+        self._count += 1
+        self.running[name] = self.children.add(ChildProcess(
+            name, [*self.prefix, sys.executable, str(HERE / "rank.py"), "--ranks", self.ranks, "--stream",
+                   self.stream, "--out", str(self.out), "--launch", "none", "--name", name, "--ids", "--compute",
+                   str(TRAIN_SECONDS), "--prefetch-bytes", "0", "--timeout", str(self.timeout), *group],
+            self.children.log(f"faults-{name}"), env=self.env, cwd=ROOT))
+        return name
+
+    def ready(self, name: str, timeout: float = 60.0) -> None:
+        child = self.running[name]
+        wait_for(lambda: (self.out / f"{name}.ready").exists() or child.poll() is not None, timeout,
+                 f"{name} to join the broker")
+        if child.poll() is not None:
+            raise BenchError(f"{name} exited ({child.poll()}) before it joined:\n{child.tail()}")
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one consumer (its own pid: with ``ip netns exec`` as its prefix, exec'd into it)."""
+        child = self.running.pop(name)
+        child.proc.send_signal(signal.SIGKILL)
+        child.proc.wait(10)
+        self.children.discard(child)
+
+    def finish(self, timeout: float) -> list[str]:
+        """Wait until every running consumer has ended its epoch (``NAME.json``) or ``timeout``; stop them all.
+
+        Returns the names that had not finished."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not all(
+                (self.out / f"{n}.json").exists() or c.poll() is not None for n, c in self.running.items()):
+            time.sleep(0.05)
+        unfinished = [n for n in self.running if not (self.out / f"{n}.json").exists()]
+        for child in self.running.values():
+            self.children.discard(child)
+        self.running.clear()
+        return unfinished
+
+    def yielded_any(self) -> bool:
+        return any(p.stat().st_size > 0 for p in self.out.glob("*.ids"))
+
+    def ids(self, suffix: str = "ids") -> dict[str, np.ndarray]:
+        """Every consumer's yielded ids, in the order it yielded them (``suffix="dropped"``: those it dropped)."""
+        return {p.stem: np.fromfile(p, dtype=np.int64) for p in sorted(self.out.glob(f"*.{suffix}"))}
+
+
 # ---- one run ----------------------------------------------------------------------------------------------
 
 def count(run: FaultRun, yielded: dict[str, np.ndarray], rows: int, dropped: dict[str, np.ndarray]) -> None:
     """Lost and trained twice from every consumer's ids; where rows came twice, which ones and who had them.
-
     ``dropped``: ids a group dropped to keep its steps equal, counted (``stats.dropped_batches``): not lost."""
     ids = np.concatenate(list(yielded.values())) if yielded else np.zeros(0, np.int64)
     inside = ids[(ids >= 0) & (ids < rows)]
@@ -337,7 +401,8 @@ def run(ctx: Context, plan: Plan, name: str = "faults") -> FaultTable:
                 network = netns.Network(["broker", "ranks"]).start()
             except netns.NetworkError as exc:      # what it had made is deleted
                 result.skipped["link"] = f"the hosts could not be made: {exc}"
-    held = ctx.children.add(NetworkChild(network)) if network is not None else None
+    # held by the children: stopping it ends its processes and deletes the namespaces
+    held = ctx.children.add(SimpleNamespace(name="fault network", stop=network.close)) if network else None
     if network is not None:
         # its Spark driver starts meanwhile: it runs on the broker's host (only the consumers' link is cut)
         linked = DriverProcess(ctx.children, ctx.work / "faults" / "driver-link", "faults-driver-link", DRIVER,
@@ -426,11 +491,10 @@ def cluster_runs(ctx: Context, plan: Plan, kind: str, rng: random.Random, rig: C
 class FaultsSection(Section[FaultTable]):
     """Figure 11: rows lost and rows trained twice per fault kind (no target: a report)."""
 
-    name, title, figure = "faults", "11. a fault table", "11"
-    quick = False
+    name, title, quick = "faults", "11. a fault table", False
 
     def measure(self, ctx: Context) -> FaultTable:
-        plan = plan_of(ctx.sizes.name.startswith("quick"), min(ctx.sizes.timeout * 2, 120.0))
+        plan = plan_of(ctx.quick, min(ctx.sizes.timeout * 2, 120.0))
         return run(ctx, plan, self.name)
 
     def figures(self, run: Run, result: FaultTable) -> list[Figure]:

@@ -1,18 +1,9 @@
-"""The Spark standalone cluster of the fault table's executor-loss rows (``benchmarks/faults.py``).
-
-A Master and two Workers on 127.0.0.1 and 127.0.0.2, one core each (``launch.cluster.StandaloneCluster``), and a
-driver of the section's own against it (``spark_driver.py``, ``spark.master=spark://...``: ``spark.task.maxFailures=4``,
-one executor per Worker) whose feeds read a DataFrame made in the executors' JVMs (``source="dataframe"``).
-
-**Held Python workers.** When an executor's JVM dies, its ``pyspark.daemon`` SIGHUPs its forked Python workers; on a
-loaded machine one may first read its input, cut short at a record batch boundary, as a whole partition and end
-that prefix, and only the commit by Spark's word keeps the prefix from being committed. To inject that fault every
-time, the executors run with ``launch.cluster.HELD_WORKERS_SITE`` on their ``PYTHONPATH`` (its test-only
-``sitecustomize.py`` holds them past the SIGHUP, recorded in a directory); :meth:`ClusterRig.release_held`
-SIGKILLs those still running once their executor is gone.
-
-The faults are ``launch.cluster``'s (``kill_executors``, ``kill_worker``, ``restart_worker``). An executor streams a
-partition now if one of its Python workers holds a TCP connection to the broker's feed port.
+"""The Spark standalone cluster of the fault table's executor-loss rows (``benchmarks/faults.py``): a Master and two
+Workers on 127.0.0.1 and 127.0.0.2, one core each (``launch.cluster.StandaloneCluster``), a driver of the section's
+own against it (``spark_driver.py``: a failed task retried, one executor per Worker), and the faults done to them
+(``launch.cluster``'s). The executors run with ``launch.cluster.HELD_WORKERS_SITE`` on their ``PYTHONPATH``: it holds
+their Python workers past the SIGHUP of a dying executor, so that a worker may read its input cut short at a record
+batch boundary every time (benchmarks/README.md, section 11); :meth:`ClusterRig.release_held` SIGKILLs them after.
 """
 
 from __future__ import annotations
@@ -21,6 +12,8 @@ import os
 import signal
 import time
 from pathlib import Path
+
+import psutil
 
 from sparkbus.launch.cluster import (
     HELD_WORKERS_SITE,
@@ -46,33 +39,6 @@ DRIVER_CONF = {
 # the end of its connection (a lost host's Worker is started again before the next feed, once the Master lists it
 # gone).
 CLUSTER_CONF = {"spark.worker.timeout": "10"}
-
-def _connections_to(port: int) -> set[str]:
-    """The socket inodes of this network namespace's established IPv4 TCP connections to ``port``."""
-    found = set()
-    with open("/proc/net/tcp") as table:
-        next(table)
-        for line in table:
-            fields = line.split()
-            if fields[3] == "01" and int(fields[2].rsplit(":", 1)[1], 16) == port:      # ESTABLISHED
-                found.add(f"socket:[{fields[9]}]")
-    return found
-
-
-def _sockets(pid: int) -> set[str]:
-    """What the open file descriptors of ``pid`` point to (``socket:[inode]`` for sockets)."""
-    found = set()
-    try:
-        descriptors = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return found
-    for fd in descriptors:
-        try:
-            found.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
-        except OSError:
-            pass
-    return found
-
 
 class ClusterRig:
     """The cluster, its driver, and the faults done to them. Registered in ``children``: stopped with them.
@@ -115,13 +81,15 @@ class ClusterRig:
         """The hosts whose executor streams a partition now: one of its Python workers has a TCP connection to the
         broker's feed port (a feeding task opens it once its worker is up, and closes it at its end), so a kill
         lands mid-partition, not in a fresh executor's cold start."""
-        connected = _connections_to(feed_port)
-        hosts = []
-        for host in HOSTS:
-            pid = self.executor_pid(host)
-            if pid is not None and any(_sockets(child) & connected for child, _ in descendants(pid)):
-                hosts.append(host)
-        return hosts
+        def streams(pid: int) -> bool:
+            try:
+                return any(c.raddr and c.raddr.port == feed_port and c.status == psutil.CONN_ESTABLISHED
+                           for c in psutil.Process(pid).net_connections("tcp4"))
+            except psutil.Error:
+                return False
+
+        return [host for host in HOSTS if (pid := self.executor_pid(host)) is not None
+                and any(streams(child) for child, _ in descendants(pid))]
 
     def warm(self, timeout: float = 180.0) -> list[str]:
         """Both executors registered and their Python workers warm (a feed's first tasks are then not cold)."""

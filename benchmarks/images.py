@@ -7,6 +7,7 @@ repetitions alternate which goes first; every run must decode every image once (
 from __future__ import annotations
 
 import shutil
+import statistics
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -16,7 +17,7 @@ from typing import Any
 from sparkbus.bench.figures import Figure, figure
 from sparkbus.launch.broker import BrokerProcess
 
-from .common import BenchError, Children, EarlyExit, median, run_ranks
+from .common import BenchError, Children, EarlyExit, run_ranks
 from .end_to_end import CpuMeter
 from .sections import Context, Run, Section
 from .spark_data import storage_of
@@ -26,8 +27,6 @@ REPS, QUICK_REPS = 5, 1
 SIZE, PARTITIONS, BATCH_SIZE, RANKS, DECODERS = 32, 4, 128, 2, 2
 WAYS = ("sparkbus", "staging")
 SEED = 7
-
-
 LAUNCHES = 3                                   # launches of a run whose ranks exit early (EarlyExit)
 
 
@@ -78,11 +77,10 @@ def image_frame(spark: Any, images: int, size: int = SIZE, partitions: int = PAR
 class Runner:
     """Starts the ranks of one run, times the Spark side, collects and checks what the ranks decoded."""
 
-    def __init__(self, df: Any, images: int, work: Path, size: int, batch_size: int, decoders: int,
-                 timeout: float, children: Children, broker: BrokerProcess):
-        self.df, self.images, self.work, self.size = df, images, work, size
-        self.batch_size, self.decoders, self.timeout = batch_size, decoders, timeout
-        self.children, self.broker = children, broker
+    def __init__(self, df: Any, images: int, work: Path, args: list[str], timeout: float, children: Children,
+                 broker: BrokerProcess, batch_size: int):
+        self.df, self.images, self.work, self.args, self.timeout = df, images, work, args, timeout
+        self.children, self.broker, self.batch_size = children, broker, batch_size
         self.count = 0
         self.relaunched: list[str] = []       # runs whose first launch failed before the clock started
 
@@ -97,9 +95,9 @@ class Runner:
                 self.relaunched.append(str(exc).splitlines()[0])
         raise AssertionError("unreachable")
 
-    def _ranks(self, name: str, args: Sequence[str], start: Callable[[], dict]) -> tuple[list[dict], dict]:
-        """``mpiexec -n 2 images_rank.py args``; once every rank is ready, ``start()`` (timed); their figures."""
-        out = self.work / name
+    def _ranks(self, way: str, args: Sequence[str], start: Callable[[], dict]) -> dict:
+        """``mpiexec -n 2 images_rank.py args``; once every rank is ready, ``start()`` (timed); what they decoded."""
+        out = self.work / f"{way}-{self.count}"
         shutil.rmtree(out, ignore_errors=True)          # a work directory given again
         meters: list[CpuMeter] = []
 
@@ -107,32 +105,27 @@ class Runner:
             meters.append(CpuMeter([self.broker]))
             return start()
 
-        ranks, clock = run_ranks(self.children, name, RANKS, "images_rank.py", out,
-                                 ["--size", str(self.size), "--threads", str(self.decoders), "--timeout",
-                                  str(self.timeout), *args], timed, self.timeout, ready_timeout=120.0)
+        ranks, clock = run_ranks(self.children, out.name, RANKS, "images_rank.py", out, [*self.args, *args], timed,
+                                 self.timeout, ready_timeout=120.0)
         names = {"jvm": "spark_jvm", "workers": "spark_python", "broker": "broker"}   # this figure's names
-        cpu = {names[group]: seconds for group, seconds in meters[0].stop().items()}
+        clock["cpu"] = {names[group]: seconds for group, seconds in meters[0].stop().items()}
         shutil.rmtree(out, ignore_errors=True)
-        cpu["ranks"] = sum(f["cpu_seconds"] for f in ranks.ranks)
-        cpu["loader_workers"] = sum(f["workers_cpu_seconds"] for f in ranks.ranks)
-        return ranks.ranks, {**clock, "cpu": cpu}
-
-    def _result(self, way: str, figures: list[dict], clock: dict) -> dict:
+        clock["cpu"].update(ranks=sum(f["cpu_seconds"] for f in ranks),
+                            loader_workers=sum(f["workers_cpu_seconds"] for f in ranks))
         t0 = clock.pop("t0")
-        images = sum(f["images"] for f in figures)
-        id_sum = sum(f["id_sum"] for f in figures)
+        images, id_sum = sum(f["images"] for f in ranks), sum(f["id_sum"] for f in ranks)
         if images != self.images or id_sum != self.images * (self.images - 1) // 2:
             raise BenchError(f"{way}: the ranks decoded {images:,} images (id sum {id_sum:,}) of "
                              f"{self.images:,} (id sum {self.images * (self.images - 1) // 2:,})")
-        last = max(f["t_last"] for f in figures) - t0
-        received = [f["t_first_received"] for f in figures if f.get("t_first_received")]
+        last = max(f["t_last"] for f in ranks) - t0
+        received = [f["t_first_received"] for f in ranks if f.get("t_first_received")]
         if received:                           # sparkbus: the first batch out of a BatchStream, not yet decoded
             clock["first_received"] = min(received) - t0
-        return {"way": way, "first": min(f["t_first"] for f in figures) - t0, "last": last,
+        return {"way": way, "first": min(f["t_first"] for f in ranks) - t0, "last": last,
                 "images_per_s": images / last, "images": images, "id_sum": id_sum,
-                "pixel_sum": sum(f["pixel_sum"] for f in figures), "batches": sum(f["batches"] for f in figures),
-                "images_per_rank": [f["images"] for f in figures],
-                "decode_seconds": sum(f["decode_seconds"] for f in figures), **clock}
+                "pixel_sum": sum(f["pixel_sum"] for f in ranks), "batches": sum(f["batches"] for f in ranks),
+                "images_per_rank": [f["images"] for f in ranks],
+                "decode_seconds": sum(f["decode_seconds"] for f in ranks), **clock}
 
     def sparkbus(self) -> dict:
         from sparkbus.feeder import feed
@@ -147,9 +140,7 @@ class Runner:
             return {"t0": t0, "feed_seconds": time.time() - t0, "fed_batches": report.batches,
                     "fed_bytes": report.bytes}
 
-        figures, clock = self._ranks(f"sparkbus-{self.count}", ["--ranks", self.broker.ranks, "--stream", stream],
-                                     start)
-        return self._result("sparkbus", figures, clock)
+        return self._ranks("sparkbus", ["--ranks", self.broker.ranks, "--stream", stream], start)
 
     def staging(self) -> dict:
         self.count += 1
@@ -165,12 +156,11 @@ class Runner:
                     "staged_bytes": sum(f.stat().st_size for f in files)}
 
         try:
-            figures, clock = self._ranks(f"staging-{self.count}", ["--parquet", str(staged), "--go", str(go),
-                                                                   "--batch-size", str(self.batch_size)], start)
+            return self._ranks("staging", ["--parquet", str(staged), "--go", str(go), "--batch-size",
+                                           str(self.batch_size)], start)
         finally:
             shutil.rmtree(staged, ignore_errors=True)
             go.unlink(missing_ok=True)
-        return self._result("staging", figures, clock)
 
 
 # ---- the figure -------------------------------------------------------------------------------------------
@@ -205,7 +195,8 @@ def measure(spark: Any, images: int = IMAGES, reps: int = REPS, *, size: int = S
             f"average) made and cached in {result['frame']['build_seconds']:.1f} s")
         if warm_up:
             _warm_up(df, broker, work)
-        runner = Runner(df, images, work, size, batch_size, decoders, timeout, children, broker)
+        runner = Runner(df, images, work, ["--size", str(size), "--threads", str(decoders), "--timeout", str(timeout)],
+                        timeout, children, broker, batch_size)
         result["first_task"] = []
         for rep in range(reps):
             result["first_task"].append(first_task_seconds(df))
@@ -223,7 +214,7 @@ def measure(spark: Any, images: int = IMAGES, reps: int = REPS, *, size: int = S
         if temporary:
             shutil.rmtree(work, ignore_errors=True)
     runs = result["runs"]
-    s, p = ({key: median([r[key] for r in runs[way]]) for key in ("first", "images_per_s")} for way in WAYS)
+    s, p = ({key: statistics.median(r[key] for r in runs[way]) for key in ("first", "images_per_s")} for way in WAYS)
     result["ratios"] = {"faster": s["images_per_s"] / p["images_per_s"], "first": s["first"] / p["first"]}
     pixel_sums = {r["pixel_sum"] for way in WAYS for r in runs[way]}
     result["checks"] = {"every_image_once": True, "pixel_sums": sorted(pixel_sums)}
@@ -265,19 +256,14 @@ def _warm_up(df: Any, broker: BrokerProcess, work: Path) -> None:
 # ---- the section ------------------------------------------------------------------------------------------
 
 class ImagesSection(Section[dict]):
-    """Figure 8: PNG images into decoding ranks, sparkbus vs Parquet staging + DataLoader.
+    """Figure 8: PNG images into decoding ranks, sparkbus vs Parquet staging + DataLoader (not in ``--quick``'s
+    default sections: ``--only images`` runs it at the quick size)."""
 
-    Its record is :func:`measure`'s JSON-serialisable dict, as ``python -m benchmarks.images --json`` writes it.
-    Not in ``--quick``'s default sections (``--only images`` runs it at the quick size); its targets are listed
-    only when it ran.
-    """
-
-    name, title, figure, spark, quick = "images", "8. images into decoding ranks", "8", "session", False
+    name, title, spark, quick = "images", "8. images into decoding ranks", "session", False
 
     def measure(self, ctx: Context) -> dict:
-        quick = ctx.sizes.name.startswith("quick")
-        images = QUICK_IMAGES if quick else IMAGES
-        reps = ctx.args.reps or (QUICK_REPS if quick else REPS)
+        images = QUICK_IMAGES if ctx.quick else IMAGES
+        reps = ctx.args.reps or (QUICK_REPS if ctx.quick else REPS)
         return measure(ctx.spark, images, reps, work=ctx.work / "images", timeout=max(ctx.sizes.timeout, 120.0),
                        log=ctx.log)
 

@@ -1,12 +1,8 @@
-"""A rank of the images figure (``images.py``): decode every PNG of one epoch, from the bus or from staged Parquet.
-
-    mpiexec -n N python benchmarks/images_rank.py --out DIR --size 32 --threads 2
-            (--ranks tcp://127.0.0.1:P --stream S | --parquet STAGING --go FILE) [--batch-size 128]
-
-Both ways decode with :func:`decode_into` on ``--threads`` decoders: ``--ranks``, a ``BatchStream`` (``even=False``)
-whose batches' ``RaggedColumn`` of PNGs is split over a thread pool; ``--parquet``, a DataLoader whose workers read
-this rank's row groups and decode them (started before ready, waiting for ``--go``). Writes ``ready-<rank>`` and
-``rank<rank>.json`` (``rank_files``): first and last decoded batch, images, id and pixel sums, CPU seconds.
+"""A rank of the images figure (``images.py``): decode every PNG of one epoch, from the bus or from staged Parquet,
+with :func:`decode_into` on ``--threads`` decoders: ``--ranks``, a ``BatchStream`` (``even=False``) whose batches'
+PNGs are split over a thread pool; ``--parquet``, a DataLoader whose workers read this rank's row groups and decode
+them (started before ready, waiting for ``--go``). Writes ``rank<rank>.ready`` and ``rank<rank>.json`` (as
+``rank.py``): first and last decoded batch, images, id and pixel sums, CPU seconds.
 """
 
 import argparse
@@ -21,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 from PIL import Image  # imported before the clock starts, and before the DataLoader forks its workers
-from rank_files import ready_path, run_or_abort, wait_for_go, write_figures
+from rank import finish, ready, run_or_abort, wait_for_go
 
 parser = argparse.ArgumentParser()
 source = parser.add_mutually_exclusive_group(required=True)
@@ -32,10 +28,9 @@ parser.add_argument("--go", help="--parquet: read once this file exists")
 parser.add_argument("--out", required=True)
 parser.add_argument("--size", type=int, default=32, help="image side in pixels")
 parser.add_argument("--threads", type=int, default=2, help="decoders per rank: pool threads or DataLoader workers")
-parser.add_argument("--ahead", type=int, default=2, help="--ranks: batches decoded beyond the awaited one")
-parser.add_argument("--prefetch", type=int, default=4, help="--ranks: BatchStream's prefetch")
 parser.add_argument("--batch-size", type=int, default=128, help="--parquet: images per batch read")
 parser.add_argument("--timeout", type=float, default=120.0)
+AHEAD = 2                               # --ranks: batches decoded beyond the awaited one
 
 
 def decode_into(images, out: np.ndarray, lo: int, hi: int) -> float:
@@ -80,7 +75,7 @@ class Tally:
     def ready(self) -> None:
         """Say so to the benchmark (which then starts the clock); CPU time is counted from here."""
         self.cpu_start = time.process_time()
-        ready_path(self.out, self.rank).touch()
+        ready(self.out, f"rank{self.rank}")
 
     def add(self, ids: np.ndarray, pixels: np.ndarray, decode_seconds: float) -> None:
         self.t_last = time.time()
@@ -98,13 +93,13 @@ def from_bus(args, comm, out: Path) -> tuple[Tally, dict]:
 
     tally, pool = Tally(out, comm.rank), ThreadPoolExecutor(args.threads, thread_name_prefix="decode")
     try:
-        with BatchStream(args.ranks, comm=comm, stream=args.stream, prefetch=args.prefetch, even=False,
+        with BatchStream(args.ranks, comm=comm, stream=args.stream, even=False,
                          timeout=args.timeout) as stream:
             tally.ready()
             pending: deque = deque()
             batches, exhausted, t_received = stream.epoch(), False, None
             while True:
-                while not exhausted and len(pending) <= args.ahead:
+                while not exhausted and len(pending) <= AHEAD:
                     batch = next(batches, None)
                     if batch is None:
                         exhausted = True
@@ -169,7 +164,7 @@ def main(args) -> None:
     t_start = time.time()
     warm_up(args.size, parquet=bool(args.parquet))
     tally, extra = (from_bus if args.ranks else from_parquet)(args, comm, out)
-    write_figures(out, comm.rank, {
+    finish(out, f"rank{comm.rank}", {
         "rank": comm.rank, "size": comm.size, "source": "bus" if args.ranks else "parquet", "t_start": t_start,
         "t_first": tally.t_first, "t_last": tally.t_last, "t_end": time.time(), "batches": tally.batches,
         "images": tally.images, "id_sum": tally.id_sum, "pixel_sum": tally.pixel_sum,

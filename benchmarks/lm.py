@@ -1,24 +1,10 @@
 """Figure 13, language-model data (issue 26 §6): ragged token rows with a long-tailed length, made in Spark, fed
-through one broker to 2 ranks (``lm_rank.py`` under mpiexec) in several batching modes, ``--reps`` epochs each
-(interleaved), measured by the ranks:
-
-- **real tokens/s and the padding share** per mode (:data:`MODES`): ``batch_size`` rows or ``batch_tokens``, each
-  without and with ``bucket_by``; real (non-padding) tokens over the time from the feed's start to the last batch at
-  any rank, and the share of padding if every batch were padded to its longest row (as ``padding.padding_share``
-  defines it);
-- **the straggler ratio per step**: for each global step (batch ``i`` of every rank: the ranks' steps are granted by
-  the broker), the largest rank's tokens over the smallest's; mean and p90 per mode: no bucketing, today's
-  per-partition bucketing (``bucket_by``) and coordinated buckets across ranks (``bucket_bounds``, issue 26 §3: the
-  broker gives a step's batches from one bucket);
-- **the mixture's ratio error per window**: ``feed_mixture`` of two sources at 0.7/0.3 into the same ranks, each
-  row's source and slot as received; per window of :data:`MIX_WINDOW` slots, the largest difference between a
-  source's count and the plan's, as a share of the window (expected 0);
-- **the anchor**, Hugging Face ``datasets``: ``Dataset.from_spark`` materializes the same DataFrame into a cache
-  directory of the run's work dir (offline), then each rank reads its shard (``split_dataset_by_node``) in batches
-  of :data:`BATCH_SIZE` rows; time to the first and the last batch, beside sparkbus's (mode ``batch_size``), both
-  from the start of the call that begins the work. Both are warmed up first on the same sample of every partition
-  (a feed into a stream no rank reads; a ``from_spark`` into a cache directory of its own), so neither pays for
-  importing its code in Spark's Python workers.
+through one broker to 2 ranks (``rank.py --lengths tokens``) in several batching modes (:data:`MODES`), ``--reps``
+epochs each, interleaved: real tokens/s, the padding share (``padding.padding_share``'s) and the straggler ratio per
+global step (the largest rank's tokens over the smallest's); the ratio error per window of ``feed_mixture`` of two
+sources at 0.7/0.3; and, as the anchor, Hugging Face ``Dataset.from_spark`` of the same DataFrame, each rank reading
+its shard (``split_dataset_by_node``). Both are warmed up first on the same sample of every partition.
+benchmarks/README.md, section 13, says more.
 """
 
 from __future__ import annotations
@@ -37,7 +23,7 @@ import numpy as np
 from sparkbus.bench.figures import Figure, figure
 
 from .common import BenchError, Children, run_ranks
-from .sections import Context, Run, Section, Table
+from .sections import Context, Run, Section
 
 RANKS = 2
 PARTITIONS = 4
@@ -53,49 +39,18 @@ MAX_BUFFER = "256MiB"
 _runs = itertools.count()
 
 
-@dataclass(frozen=True)
-class Mode:
-    """One way of cutting the epoch into batches: its name in the report and its ``feed`` arguments."""
-
-    name: str
-    options: dict[str, Any]
-
-
 BUCKET = {"bucket_by": "tokens", "bucket_window": BUCKET_WINDOW}
-# The straggler ratio's axis: no bucketing, today's per-partition bucketing, coordinated buckets across ranks
-MODES = (Mode("batch_size", {"batch_size": BATCH_SIZE}),
-         Mode("batch_size + bucket_by", {"batch_size": BATCH_SIZE, **BUCKET}),
-         Mode("batch_size + bucket_bounds", {"batch_size": BATCH_SIZE, **BUCKET, "bucket_bounds": BUCKET_BOUNDS}),
-         Mode("batch_tokens", {"batch_size": 4 * BATCH_SIZE, "batch_tokens": BATCH_TOKENS}),
-         Mode("batch_tokens + bucket_by", {"batch_size": 4 * BATCH_SIZE, "batch_tokens": BATCH_TOKENS, **BUCKET}))
+# Each way of cutting the epoch into batches, its feed arguments; the straggler ratio's axis: no bucketing, today's
+# per-partition bucketing, coordinated buckets across ranks
+MODES = {"batch_size": {"batch_size": BATCH_SIZE},
+         "batch_size + bucket_by": {"batch_size": BATCH_SIZE, **BUCKET},
+         "batch_size + bucket_bounds": {"batch_size": BATCH_SIZE, **BUCKET, "bucket_bounds": BUCKET_BOUNDS},
+         "batch_tokens": {"batch_size": 4 * BATCH_SIZE, "batch_tokens": BATCH_TOKENS},
+         "batch_tokens + bucket_by": {"batch_size": 4 * BATCH_SIZE, "batch_tokens": BATCH_TOKENS, **BUCKET}}
 
 
 def docs_rows(quick: bool) -> int:
     return 16_000 if quick else 200_000
-
-
-@dataclass
-class ModeResult:
-    """One mode's epoch as the ranks got it."""
-
-    name: str
-    tokens: int
-    seconds: float                    # the feed's start to the last batch at any rank
-    first: float                      # ... to the first batch at any rank
-    batches: int
-    padding: float                    # share of padded slots that are padding
-    straggler: list[float]            # per global step: largest rank's tokens / smallest's
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds
-
-    @property
-    def straggler_mean(self) -> float:
-        return float(np.mean(self.straggler)) if self.straggler else float("nan")
-
-    def straggler_at(self, q: float) -> float:
-        return float(np.percentile(self.straggler, q)) if self.straggler else float("nan")
 
 
 @dataclass
@@ -105,7 +60,7 @@ class Lm:
     rows: int = 0
     tokens: int = 0
     build_seconds: float = 0.0
-    modes: dict[str, list[ModeResult]] = field(default_factory=dict)          # mode -> its repetitions
+    modes: dict[str, list[dict]] = field(default_factory=dict)     # mode -> its repetitions (mode_result's)
     mixture: dict[str, Any] | None = None       # windows, the plan's counts, the largest error (rows and %)
     hf: list[dict[str, Any]] = field(default_factory=list)    # per rep: from_spark's first and last batch, ...
     hf_missing: str | None = None                # why the anchor was not measured
@@ -178,19 +133,19 @@ def run(children: Children, spark: Any, quick: bool, reps: int, work: Path, time
     def wait_done(epoch: int) -> None:
         from sparkbus.launch.processes import wait_for
 
-        wait_for(lambda: all((ranks_out / f"done-{r}-{epoch}").exists() for r in range(RANKS)), timeout,
+        wait_for(lambda: all((ranks_out / f"done-rank{r}-{epoch}").exists() for r in range(RANKS)), timeout,
                  f"the ranks to finish epoch {epoch}", interval=0.002)
 
-    plan: list[tuple[int, int, Mode]] = [(rep, rep * len(MODES) + i, mode)      # each rep starts one mode later
-                                         for rep in range(reps)
-                                         for i, mode in enumerate(MODES[rep % len(MODES):] + MODES[:rep % len(MODES)])]
+    names = list(MODES)
+    plan = [(rep, rep * len(names) + i, mode) for rep in range(reps)            # each rep starts one mode later
+            for i, mode in enumerate(names[rep % len(names):] + names[:rep % len(names)])]
     mix_epoch = len(plan)
 
     def start() -> None:
         for _, epoch, mode in plan:
             clocks[f"epoch {epoch}"] = time.time()
             feed(df, broker.feed, stream=stream, epoch=epoch, columns=["tokens"], ragged=["tokens"], timeout=timeout,
-                 **mode.options)
+                 **MODES[mode])
             wait_done(epoch)
         log(f"  {len(MODES)} modes x {reps} fed and received ({time.time() - clocks['epoch 0']:.1f} s)")
         clocks["mixture"] = time.time()
@@ -213,26 +168,26 @@ def run(children: Children, spark: Any, quick: bool, reps: int, work: Path, time
                 go.with_suffix(".tmp").write_text(json.dumps([f["filename"] for f in ds.cache_files]))
                 os.replace(go.with_suffix(".tmp"), go)
 
-    args = ["--ranks", broker.ranks, "--stream", stream, "--epochs", str(mix_epoch + 1), "--mixture-epoch",
-            str(mix_epoch), "--hf-batch-size", str(BATCH_SIZE), "--hf-reps", str(reps), "--timeout", str(timeout),
+    args = ["--ranks", broker.ranks, "--stream", stream, "--lengths", "tokens", "--epochs", str(mix_epoch + 1),
+            "--mixture-epoch", str(mix_epoch), "--hf-batch-size", str(BATCH_SIZE), "--hf-reps", str(reps),
+            "--timeout", str(timeout),
             *(["--hf-go", str(ranks_out / "hf-go")] if out.hf_missing is None else [])]
     try:
-        result, _ = run_ranks(children, f"ranks-{stream}", RANKS, "lm_rank.py", ranks_out, args, start,
-                              timeout * (len(plan) + 2 + reps))
+        ranks, _ = run_ranks(children, f"ranks-{stream}", RANKS, "rank.py", ranks_out, args, start,
+                             timeout * (len(plan) + 2 + reps))
     finally:
         children.discard(broker)
         shutil.rmtree(hf_cache, ignore_errors=True)
         shutil.rmtree(ranks_out, ignore_errors=True)
         df.unpersist()
-    ranks = result.ranks
     out.tokens = sum(b[1] for r in ranks for b in r["epochs"][0]["batches"])
     for rep, epoch, mode in plan:
-        m = mode_result(mode.name, [r["epochs"][epoch] for r in ranks], clocks[f"epoch {epoch}"], out.rows)
-        if m.tokens != out.tokens:
-            raise BenchError(f"mode {mode.name}: the ranks got {m.tokens:,} tokens of {out.tokens:,}")
-        out.modes.setdefault(mode.name, []).append(m)
-        log(f"  {mode.name}, rep {rep + 1}/{reps}: {m.tokens_per_s:,.0f} real tokens/s, padding {m.padding:.1%}, "
-            f"{m.batches} batches, straggler ratio mean {m.straggler_mean:.2f} p90 {m.straggler_at(90):.2f}")
+        m = mode_result(mode, [r["epochs"][epoch] for r in ranks], clocks[f"epoch {epoch}"], out.rows)
+        if m["tokens"] != out.tokens:
+            raise BenchError(f"mode {mode}: the ranks got {m['tokens']:,} tokens of {out.tokens:,}")
+        out.modes.setdefault(mode, []).append(m)
+        log(f"  {mode}, rep {rep + 1}/{reps}: {m['tokens_per_s']:,.0f} real tokens/s, padding {m['padding']:.1f} %, "
+            f"{m['batches']} batches, straggler ratio mean {m['straggler']:.2f} p90 {m['straggler_p90']:.2f}")
     names = sorted(MIX_WEIGHTS)
     counts = window_counts([MIX_WEIGHTS[n] for n in names], MIX_WINDOW)
     out.mixture = mixture_errors([r["epochs"][mix_epoch] for r in ranks], dict(zip(names, counts)))
@@ -247,12 +202,14 @@ def run(children: Children, spark: Any, quick: bool, reps: int, work: Path, time
                        "written": clocks[f"hf written {rep}"] - t0, "ranks": hf})
         log(f"  from_spark, rep {rep + 1}/{reps}: first batch {out.hf[-1]['first']:.2f} s, last "
             f"{out.hf[-1]['last']:.2f} s (written after {out.hf[-1]['written']:.2f} s); sparkbus batch_size: "
-            f"{out.modes['batch_size'][rep].first:.2f} s, {out.modes['batch_size'][rep].seconds:.2f} s")
+            f"{out.modes['batch_size'][rep]['first']:.2f} s, {out.modes['batch_size'][rep]['seconds']:.2f} s")
     return out
 
 
-def mode_result(name: str, epochs: list[dict], t0: float, rows: int) -> ModeResult:
-    """One mode's figures from every rank's record of its epoch."""
+def mode_result(name: str, epochs: list[dict], t0: float, rows: int) -> dict:
+    """One mode's figures from every rank's record of its epoch: ``seconds`` from the feed's start to the last batch
+    at any rank (``first``: to the first), the padding share (%) and the straggler ratio per global step (mean and
+    p90): the largest rank's tokens over the smallest's."""
     got = sum(b[0] for e in epochs for b in e["batches"])
     if got != rows:
         raise BenchError(f"mode {name}: the ranks got {got} rows of {rows}")
@@ -262,9 +219,12 @@ def mode_result(name: str, epochs: list[dict], t0: float, rows: int) -> ModeResu
     tokens = sum(b[1] for e in epochs for b in e["batches"])
     steps = min(len(e["batches"]) for e in epochs)
     straggler = [max(e["batches"][i][1] for e in epochs) / max(1, min(e["batches"][i][1] for e in epochs))
-                 for i in range(steps)]
-    return ModeResult(name, tokens, max(e["t_last"] for e in epochs) - t0, min(e["t_first"] for e in epochs) - t0,
-                      sum(len(e["batches"]) for e in epochs), 1.0 - tokens / slots if slots else 0.0, straggler)
+                 for i in range(steps)] or [float("nan")]
+    seconds = max(e["t_last"] for e in epochs) - t0
+    return {"tokens": tokens, "seconds": seconds, "first": min(e["t_first"] for e in epochs) - t0,
+            "tokens_per_s": tokens / seconds, "batches": sum(len(e["batches"]) for e in epochs),
+            "padding": (1.0 - tokens / slots if slots else 0.0) * 100, "straggler": float(np.mean(straggler)),
+            "straggler_p90": float(np.percentile(straggler, 90))}
 
 
 def mixture_errors(epochs: list[dict], plan: dict[str, int]) -> dict[str, Any]:
@@ -288,11 +248,11 @@ def mixture_errors(epochs: list[dict], plan: dict[str, int]) -> dict[str, Any]:
 class LmSection(Section[Lm]):
     """Figure 13: language-model data: token budgets, bucketing, the straggler ratio, a mixture, from_spark."""
 
-    name, title, figure, spark = "lm", "13. language-model data", "13", "session"
+    name, title, spark = "lm", "13. language-model data", "session"
 
     def measure(self, ctx: Context) -> Lm:
         out = ctx.results[self.name] = Lm()
-        return run(ctx.children, ctx.spark, ctx.sizes.name.startswith("quick"), ctx.sizes.reps, ctx.work,
+        return run(ctx.children, ctx.spark, ctx.quick, ctx.sizes.reps, ctx.work,
                    min(ctx.sizes.timeout, 120.0), log=ctx.log, out=out)
 
     def figures(self, run: Run, result: Lm) -> list[Figure]:
@@ -305,68 +265,23 @@ class LmSection(Section[Lm]):
             return out
         anchors: dict[str, Figure] = {}
         for name, reps in result.modes.items():
-            for what, unit, of in (("real tokens/s", "tokens/s", lambda m: m.tokens_per_s),
-                                   ("padding share", "%", lambda m: m.padding * 100),
-                                   ("straggler ratio", "x", lambda m: m.straggler_mean)):
-                f = figure("lm", f"{what}, {name}", [of(m) for m in reps], unit, anchors.get(what))
+            for what, unit, key in (("real tokens/s", "tokens/s", "tokens_per_s"), ("padding share", "%", "padding"),
+                                    ("straggler ratio", "x", "straggler")):
+                f = figure("lm", f"{what}, {name}", [m[key] for m in reps], unit, anchors.get(what))
                 anchors.setdefault(what, f)
                 out.append(f)
-            out.append(figure("lm", f"straggler ratio p90, {name}", [m.straggler_at(90) for m in reps], "x"))
+            out.append(figure("lm", f"straggler ratio p90, {name}", [m["straggler_p90"] for m in reps], "x"))
         if result.mixture:
             out.append(figure("lm", "mixture ratio error per window",
                               [result.mixture["max_error_rows"] / result.mixture["window"] * 100], "%"))
         if result.hf:
             first = figure("lm", "from_spark first batch", [h["first"] for h in result.hf], "s")
             last = figure("lm", "from_spark last batch", [h["last"] for h in result.hf], "s")
-            out += [first, last, figure("lm", "sparkbus first batch", [m.first for m in plain], "s", first),
-                    figure("lm", "sparkbus last batch", [m.seconds for m in plain], "s", last)]
+            out += [first, last, figure("lm", "sparkbus first batch", [m["first"] for m in plain], "s", first),
+                    figure("lm", "sparkbus last batch", [m["seconds"] for m in plain], "s", last)]
         return out
-
-    def tables(self, run: Run, result: Lm) -> list[Table]:
-        if not result.modes:
-            return []
-
-        def med(reps: list[Any], of: Any) -> float:
-            return float(np.median([of(r) for r in reps]))
-
-        plain = result.modes.get("batch_size")
-        base = med(plain, lambda m: m.tokens_per_s) if plain else None
-        rows = [[name, med(reps, lambda m: m.tokens_per_s),
-                 med(reps, lambda m: m.tokens_per_s) / base if base else None, med(reps, lambda m: m.padding * 100),
-                 reps[0].batches, med(reps, lambda m: m.straggler_mean), med(reps, lambda m: m.straggler_at(90)),
-                 med(reps, lambda m: m.first), med(reps, lambda m: m.seconds)]
-                for name, reps in result.modes.items()]
-        notes = [f"batch_size {BATCH_SIZE} rows; batch_tokens {BATCH_TOKENS} (batch_size {4 * BATCH_SIZE} as a cap); "
-                 f"bucket_by window {BUCKET_WINDOW}. Padding share: if every batch were padded to its longest row. "
-                 "Straggler ratio: per global step (batch i of each rank), the largest rank's tokens over the "
-                 f"smallest's. bucket_bounds (coordinated buckets across ranks, issue 26 §3): {BUCKET_BOUNDS}. "
-                 "Medians of "
-                 f"{len(next(iter(result.modes.values())))} interleaved repetition(s)."]
-        tables = [Table(f"{result.rows:,} documents ({result.tokens:,} tokens, lognormal lengths 1..{LENGTH_MAX}) "
-                        f"in {PARTITIONS} partitions through one broker to {RANKS} ranks",
-                        ["mode", "real tokens/s", "vs batch_size", "padding share (%)", "batches",
-                         "straggler ratio, mean", "straggler ratio, p90", "first batch (s)", "last batch (s)"],
-                        rows, notes, plot=("real tokens/s",))]
-        if result.mixture:
-            mix = result.mixture
-            tables.append(Table(f"Mixture {MIX_WEIGHTS}, windows of {mix['window']} slots, as the ranks received it",
-                                ["windows", "rows received", "plan per window", "largest error (rows)",
-                                 "every slot once"],
-                                [[mix["windows"], mix["rows"], ", ".join(f"{k} {v}" for k, v in mix["plan"].items()),
-                                  mix["max_error_rows"], "yes" if mix["slots_once"] else "no"]]))
-        if result.hf and plain:
-            tables.append(Table("The anchor: Hugging Face datasets Dataset.from_spark of the same DataFrame, each rank "
-                                f"its shard (split_dataset_by_node) in batches of {BATCH_SIZE} rows",
-                                ["way", "first batch (s)", "last batch (s)", "written (s)"],
-                                [["from_spark", med(result.hf, lambda h: h["first"]),
-                                  med(result.hf, lambda h: h["last"]), med(result.hf, lambda h: h["written"])],
-                                 ["sparkbus, batch_size", med(plain, lambda m: m.first),
-                                  med(plain, lambda m: m.seconds), None]]))
-        elif result.hf_missing:
-            tables[0].notes.append(f"The from_spark anchor was not measured: {result.hf_missing}")
-        return tables
 
     def json(self, run: Run, result: Lm) -> dict:
         return {"lm": {"rows": result.rows, "tokens": result.tokens, "build_seconds": result.build_seconds,
-                       "modes": {n: [m.__dict__ for m in reps] for n, reps in result.modes.items()},
+                       "modes": result.modes,
                        "mixture": result.mixture, "hf": result.hf, "hf_missing": result.hf_missing}}

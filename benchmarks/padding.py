@@ -1,11 +1,8 @@
-"""Padding share of per-batch padding, in Spark's order and with ``bucket_by``, measured through a broker.
+"""The padding share of per-batch padding, in Spark's order and with ``bucket_by``, measured through a broker.
 
 A batch of variable-length rows padded to its longest row holds ``n * max(lengths)`` slots, of which
-``sum(lengths)`` are real tokens; the **padding share** of a set of batches is ``1 - real / slots`` (padded slots
-that are padding / all padded slots). :func:`padding_share` computes it from the row lengths of each batch;
-:func:`measure` feeds one DataFrame twice, once as is and once with ``bucket_by``, reads both epochs back with one
-:class:`worker.BatchStream` (no MPI) and returns the two shares and their ratio (target: bucketed / plain <= 0.3).
-Section 7 of the benchmark (``varlen``) runs :func:`measure`; a script may load this file by path and call it.
+``sum(lengths)`` are real tokens; the **padding share** of a set of batches is ``1 - real / slots``. Section 7 of
+the benchmark (``varlen``) runs :func:`measure`; a script may load this file by path and call it.
 """
 
 from __future__ import annotations
@@ -14,7 +11,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +19,8 @@ import numpy as np
 
 
 def padding_share(lengths_per_batch: Iterable[Sequence[int] | np.ndarray]) -> float:
-    """Padded slots that are padding / all padded slots, each batch padded to its own longest row.
-
-    Args:
-        lengths_per_batch: for each batch, the lengths of its rows (empty batches are ignored).
-    Returns:
-        The share in [0, 1); 0.0 when there are no slots at all.
-    """
+    """Padded slots that are padding / all padded slots, each batch (the lengths of its rows) padded to its own
+    longest row; 0.0 when there are no slots at all."""
     slots = real = 0
     for lengths in lengths_per_batch:
         lengths = np.asarray(lengths, dtype=np.int64)
@@ -51,9 +43,6 @@ class PaddingShares:
     bucket_window: int
     seconds: float              # both feeds and reads, broker start excluded
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
 
 def lengths_of(column: Any) -> np.ndarray:
     """Row lengths of a received variable-length column: a ragged column's ``lengths()``, or ``k`` for every row
@@ -66,29 +55,14 @@ def lengths_of(column: Any) -> np.ndarray:
 def measure(df: Any, column: str = "tokens", *, batch_size: int = 64, bucket_window: int = 64,
             feed_address: str | None = None, ranks_address: str | None = None, stream: str = "padding",
             first_epoch: int = 0, timeout: float = 60.0, **feed_kwargs: Any) -> PaddingShares:
-    """Feed one epoch of ``df[column]`` as is and one with ``bucket_by=column``, and measure both padding shares.
+    """Feed ``df[column]`` (a variable-length array column) as epoch ``first_epoch`` of ``stream`` as is and as the
+    next with ``bucket_by=column``, read both back with one :class:`worker.BatchStream` without MPI in a thread
+    while the feed runs (every batch as Spark made it), and measure both padding shares.
 
-    Only ``column`` is fed (``columns=[column]``, ``ragged=[column]``). The epochs are ``first_epoch`` (plain)
-    and ``first_epoch + 1`` (bucketed) of ``stream``; one :class:`worker.BatchStream` without MPI reads them
-    in a thread while the feed runs, so every batch is counted as Spark made it (nothing dropped).
-
-    Args:
-        df: a DataFrame with a variable-length array column ``column`` (e.g. token ids).
-        column: the column to pad and bucket by.
-        batch_size: rows per batch; bucket_window: ``feed``'s window, in batches' worth of rows.
-        feed_address, ranks_address: a running broker's addresses (both or neither). Neither: a broker is
-            started for the measurement (``python -m sparkbus.broker`` on loopback) and stopped after it.
-        stream, first_epoch: where on the broker (a stream with these epochs unfed, no other reader).
-        timeout: bounds every wait of the feed and of the reader, and the whole read at the end.
-        feed_kwargs: more :func:`feeder.feed` arguments (``partitions`` is not one: repartition ``df``).
-    Returns:
-        A :class:`PaddingShares`.
-    Raises:
-        ValueError: only one of the two addresses was given.
-        BrokerError, FeedError: as :func:`feeder.feed`. The reader, a daemon thread, then ends once a broker
-            started here has stopped; on a broker you named it waits on (the broker heartbeats), without
-            keeping the process alive.
-        RuntimeError: the reader failed, or did not finish within ``timeout`` of the end of the feed.
+    ``feed_address``, ``ranks_address``: a running broker's (both or neither: a broker is then started for the
+    measurement); ``timeout`` bounds every wait; ``feed_kwargs``: more :func:`feeder.feed` arguments. Raises
+    ValueError if only one address was given, as ``feed`` does, and RuntimeError if the reader failed or did not
+    finish within ``timeout`` of the end of the feed.
     """
     if (feed_address is None) != (ranks_address is None):
         raise ValueError("give both feed_address and ranks_address, or neither (a broker is then started)")

@@ -1,11 +1,8 @@
-"""The epoch's remainder: what sharing the left-over batches out by rows (``remainder="split"``, the default) costs
-at an epoch's end, against dropping them (``"drop"``, sparkbus 0.2's rule), measured in the same run.
-
-One broker (its CLI), ranks as threads of one process (``BatchStream(rank=, size=)``, one ZeroMQ context), a feed
-without Spark (``stream_partition``) of ``size * 4 + size - 1`` batches: the worst case, ``size - 1`` left over.
-Per rank: the time from the end of its last full step (step ``share``) to the end of its epoch, the last step
-included; the rows it trained; the pieces the broker sent at the end and the bytes they carried (each piece is its
-whole batch's frames, cut by the rank). ``make bench ARGS="--only remainder"`` (``--quick``: 2 and 16 ranks).
+"""Figure 12, the epoch's remainder: what sharing the left-over batches out by rows (``remainder="split"``, the
+default) costs at an epoch's end, against dropping them (``"drop"``), in the same run: one broker, ranks as threads
+of one process (``BatchStream(rank=, size=)``), a feed without Spark of ``size * 4 + size - 1`` batches (the worst
+case). Per rank: the time from the end of its last full step to the end of its epoch; the rows it trained; the
+pieces the broker sent at the end and the bytes they carried (each piece is its whole batch's frames).
 """
 
 from __future__ import annotations
@@ -37,12 +34,9 @@ _streams = itertools.count()
 class EndOfEpoch:
     """One epoch's end for one group: per rank, the seconds from its last full step to the epoch's end."""
 
-    ranks: int
-    remainder: str
     end_seconds: list[float]
     rows_trained: int
     rows_fed: int
-    steps: int
     pieces: int
     wire_bytes: int           # what the pieces carried: each is its whole batch's frames
 
@@ -95,9 +89,8 @@ def run_group(broker: BrokerProcess, ranks: int, remainder: str, rows: int, row_
         raise RuntimeError(f"unequal steps with {ranks} ranks, remainder {remainder!r}: {sorted(steps)}")
     epoch = figures["stats"]["streams"][stream]
     epoch_figures = (epoch["epochs"] or {}).get("0") or epoch["earlier"]
-    return EndOfEpoch(ranks, remainder, [ended - times[FULL_STEPS - 1] for times, ended, _, _ in results.values()],
-                      sum(r for _, _, _, r in results.values()), batches * rows, steps.pop(),
-                      int(epoch_figures.get("pieces", 0)),
+    return EndOfEpoch([ended - times[FULL_STEPS - 1] for times, ended, _, _ in results.values()],
+                      sum(r for _, _, _, r in results.values()), batches * rows, int(epoch_figures.get("pieces", 0)),
                       int(epoch_figures.get("pieces", 0)) * int(epoch_figures["bytes_in"]) // batches)
 
 
@@ -109,13 +102,13 @@ def measure(broker: BrokerProcess, ranks: list[int], repeat: int, rows: int = 64
 
 
 class RemainderSection(Section[dict]):
-    """The epoch's remainder shared out by rows, against dropping it: the epoch's end at 2, 16 and 128 ranks."""
+    """The epoch's remainder shared out by rows, against dropping it: the epoch's end at 2, 16 and 128 ranks (128
+    rank threads: a full run only; ``--only remainder`` runs it with ``--quick``)."""
 
-    name, title, figure = "remainder", "12. the epoch's remainder (no row dropped)", "12"
-    quick = False          # 128 rank threads: a full run only (`--only remainder` runs it with --quick)
+    name, title, quick = "remainder", "12. the epoch's remainder (no row dropped)", False
 
     def measure(self, ctx: Context) -> dict:
-        ranks = [2, 16] if ctx.args.quick else [2, 16, 128]
+        ranks = [2, 16] if ctx.quick else [2, 16, 128]
         broker = BrokerProcess(ctx.work / "remainder-broker.log", "--log-level", "WARNING").start()
         try:
             return measure(broker, ranks, ctx.sizes.reps)

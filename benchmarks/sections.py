@@ -19,18 +19,6 @@ R = TypeVar("R")
 
 
 @dataclass
-class Table:
-    """A section's own table (kept for the sections that still describe their runs with one; not rendered)."""
-
-    title: str
-    header: list[str]
-    rows: list[list[Any]]
-    notes: list[str] = field(default_factory=list)
-    plot: tuple[str, ...] = ()
-    log: bool = False
-
-
-@dataclass
 class Context:
     """What :meth:`Section.measure` is given: the run's children and sizes, Spark, and the results so far."""
 
@@ -46,6 +34,10 @@ class Context:
     rows: int = 0                         # its rows
     session_seconds: float | None = None  # the session's start-up
 
+    @property
+    def quick(self) -> bool:
+        return self.sizes.name.startswith("quick")
+
 
 @dataclass
 class Run:
@@ -57,19 +49,12 @@ class Run:
 
 
 class Section(Generic[R]):
-    """A figure of the benchmark.
-
-    Attributes:
-        name: the key of ``--only``, of :attr:`Run.results` and the figures' ``section``.
-        title: its heading in the report.
-        spark: ``""`` (no Spark), ``"session"`` (the benchmark's local[2] session) or ``"frame"`` (also the cached
-            DataFrame).
-        quick: whether ``--quick`` runs it by default.
-    """
+    """A figure of the benchmark: ``name`` (the key of ``--only``, of the results and the figures' ``section``),
+    ``title`` (its heading in the report), ``spark`` (``""``: no Spark; ``"session"``: the benchmark's local[2]
+    session; ``"frame"``: also the cached DataFrame), ``quick`` (whether ``--quick`` runs it by default)."""
 
     name: ClassVar[str]
     title: ClassVar[str]
-    figure: ClassVar[str] = ""
     spark: ClassVar[str] = ""
     quick: ClassVar[bool] = True
 
@@ -83,9 +68,6 @@ class Section(Generic[R]):
 
     def figures(self, run: Run, result: R) -> list[Figure]:
         return list(result) if isinstance(result, list) else []
-
-    def tables(self, run: Run, result: R) -> list[Table]:
-        return []
 
     def json(self, run: Run, result: R) -> dict[str, Any]:
         """Its keys of ``results.json`` beside the figures (what a test checks beyond them)."""

@@ -35,10 +35,8 @@ KINDS = {
 
 
 def kind_frame(spark: Any, kind: str, rows: int, partitions: int, seed: int = 7) -> tuple[Any, dict]:
-    """A cached, materialised DataFrame of one of :data:`KINDS` (``fixed`` is :func:`cached_frame`).
-
-    Returns the DataFrame and how it is stored, with ``payload_bytes`` the id's and the values' bytes.
-    """
+    """A cached, materialised DataFrame of one of :data:`KINDS` (``fixed`` is :func:`cached_frame`), and how it is
+    stored, with ``payload_bytes`` the id's and the values' bytes."""
     if kind == "fixed":
         df, info = cached_frame(spark, rows, partitions, seed)
         return df, {**info, "kind": kind}
@@ -116,11 +114,8 @@ def storage_of(spark: Any) -> dict:
 
 
 def warm_up_feed(df: Any, rows: int, feed_address: str | list[str], stream: str, batch_size: int = 1024) -> None:
-    """Feed a small sample of every partition into ``stream``, which no rank reads (its rows stay in the broker).
-
-    Every task of ``df`` runs, so every executor slot that will feed gets a Python worker that has imported
-    sparkbus (a cold one pays seconds of imports on its first task). About 16 batches in all.
-    """
+    """Feed a sample of every partition (about 16 batches) into ``stream``, which no rank reads: every executor slot
+    that will feed gets a Python worker that has imported sparkbus (a cold one pays seconds on its first task)."""
     from sparkbus.feeder import feed
 
     fraction = min(1.0, 16 * batch_size / max(1, rows))
@@ -130,9 +125,8 @@ def warm_up_feed(df: Any, rows: int, feed_address: str | list[str], stream: str,
 
 def timed_feed(df: Any, feed_address: str | list[str], stream: str, batch_size: int,
                timeout: float, **options: Any) -> tuple[float, float, dict]:
-    """``feeder.feed`` of ``df`` as epoch 0 of ``stream``: (wall-clock start, wall-clock end, FeedReport as dict).
-
-    ``options``: more ``feed`` arguments (``max_batch_bytes``, ...)."""
+    """``feeder.feed`` of ``df`` (more arguments: ``options``) as epoch 0 of ``stream``: (wall-clock start, end,
+    FeedReport as dict)."""
     from sparkbus.feeder import feed
 
     started = time.time()

@@ -1,14 +1,8 @@
 """A Spark driver process of its own (figure 6's standalone set-ups, 2b's pinned ``local[1]``, the fault table's
-drivers), answering the benchmark's requests given as files, so that one can run in a network namespace.
-
-    python benchmarks/spark_driver.py --dir DIR [--conf spark.master=local[2,4]] [--conf k=v ...] [--executors N]
-                                      [--slots S] [--cpus 0]
-
-Once ``N`` executors are up and a task has run on each of the ``S`` slots at once, importing the feeder, it writes
-``DIR/ready`` (``{"executors", "session_seconds"}``); then it answers each ``DIR/req-<n>.json`` (``{"cmd", ...}``,
-``n`` from 1) with ``DIR/res-<n>.json``, one at a time: ``{"ok": true, "value", "seconds"}`` or ``{"ok": false,
-"type", "error", "traceback", "seconds"}``. The commands are :class:`Driver`'s methods, and ``stop``. ``--cpus``
-pins it (its JVM and their Python workers with it) before the session starts.
+drivers), answering the benchmark's requests given as files (``common.DriverProcess``), so that one can run in a
+network namespace. Once ``--executors`` are up and a task has run on each of the ``--slots`` at once, it writes
+``DIR/ready``; then it answers each ``DIR/req-<n>.json`` (``{"cmd", ...}``: a :class:`Driver` method, or ``stop``)
+with ``DIR/res-<n>.json``, one at a time. ``--cpus`` pins it (its JVM and their Python workers with it).
 """
 
 from __future__ import annotations
@@ -68,27 +62,14 @@ class Driver:
         seconds, rows = hand_off(self.df)
         return {"seconds": seconds, "rows": rows}
 
-    def feed(self, feed: str, stream: str, batch_size: int, timeout: float, options: dict | None = None) -> dict:
-        """A timed feed of the prepared frame: ``{"t0", "t_fed", "report"}``."""
-        t0, t_fed, report = spark_data.timed_feed(self.df, feed, stream, batch_size, timeout, **(options or {}))
-        return {"t0": t0, "t_fed": t_fed, "report": report}
-
-    def where(self) -> dict:
-        """Which sparkbus a Spark Python worker imports and which CPUs it may use (one task)."""
-        def where(_):
-            import os
-
-            from sparkbus import broker, feeder
-
-            yield os.path.dirname(feeder.__file__), os.path.dirname(broker.__file__), sorted(os.sched_getaffinity(0))
-
-        (feeder_dir, broker_dir, cpus), = self.spark.sparkContext.parallelize([0], 1).mapPartitions(where).collect()
-        return {"feeder": feeder_dir, "broker": broker_dir, "affinity": cpus}
+    def feed(self, feed: str, stream: str, batch_size: int, timeout: float, options: dict | None = None) -> tuple:
+        """A timed feed of the prepared frame (``spark_data.timed_feed``)."""
+        return spark_data.timed_feed(self.df, feed, stream, batch_size, timeout, **(options or {}))
 
     def warm(self, executors: int, slots: int, timeout: float = 180.0) -> list[dict]:
         """Wait for ``executors`` executors, then run a task on every slot at once (a barrier stage: never
-        speculated) that imports the feeder, as a feed's first task would; where they ran:
-        ``[{"executor", "host", "slots"}]``."""
+        speculated) that imports the feeder, as a feed's first task would; where they ran: ``[{"executor", "host",
+        "feeder" (the folder it imported), "affinity" (its CPUs), "slots"}]``."""
         context = self.spark.sparkContext._jsc.sc()
         deadline = time.monotonic() + timeout
         while context.getExecutorIds().size() < executors:
@@ -98,29 +79,29 @@ class Driver:
             time.sleep(0.2)
 
         def where(_):
-            import importlib
             import os
 
-            importlib.import_module("sparkbus.feeder")
-            # a standalone Worker runs each executor in a work directory of its own: .../app-id/executor-id
-            yield os.path.basename(os.getcwd()), os.environ.get("SPARK_LOCAL_IP", "?")
+            from sparkbus import feeder
 
-        found: dict[tuple[str, str], int] = {}
+            # a standalone Worker runs each executor in a work directory of its own: .../app-id/executor-id
+            yield (os.path.basename(os.getcwd()), os.environ.get("SPARK_LOCAL_IP", "?"),
+                   os.path.dirname(feeder.__file__), tuple(sorted(os.sched_getaffinity(0))))
+
+        found: dict[tuple, int] = {}
         for place in self.spark.sparkContext.parallelize(range(slots), slots).barrier().mapPartitions(where).collect():
             found[place] = found.get(place, 0) + 1
-        if executors and len({e for e, _ in found}) != executors:
+        if executors and len({e for e, *_ in found}) != executors:
             raise RuntimeError(f"the warm-up's {slots} tasks ran on executors {sorted(found)}")
-        return [{"executor": e, "host": h, "slots": k} for (e, h), k in sorted(found.items())]
+        return [{"executor": e, "host": h, "feeder": f, "affinity": list(a), "slots": k}
+                for (e, h, f, a), k in sorted(found.items())]
 
     def feed_ids(self, rows: int, partitions: int, batch_size: int, address: str, stream: str, timeout: float,
                  pause: float = 0.0, pack_bytes: int = 0, delivery: str = "stream", source: str = "rows",
                  width: int = 256) -> dict:
-        """The fault table's feed of ids 0..rows-1, each task pausing ``pause`` s after each batch.
-
-        ``source="rows"``: made in the task's Python worker, which writes ``pids/<stream>-p<partition>-a<attempt>.pid``
-        (and ``.end``); ``"dataframe"``: ``spark.range`` with ``x`` the id as ``width`` float32s, made and paused in
-        the executor's JVM, so that a JVM killed mid-partition cuts its Python worker's input at a batch boundary.
-        Returns the feed's report and its warnings."""
+        """The fault table's feed of ids 0..rows-1, each task pausing ``pause`` s after each batch: made in the
+        task's Python worker (``source="rows"``; it writes ``pids/<stream>-p<partition>-a<attempt>.pid`` and
+        ``.end``), or in the executor's JVM (``"dataframe"``, ``x`` the id as ``width`` float32s), so that a JVM
+        killed mid-partition cuts its Python worker's input at a batch boundary. The report and its warnings."""
         import warnings
 
         from sparkbus.feeder import feed

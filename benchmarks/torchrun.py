@@ -1,22 +1,21 @@
 """Figure 9: time to the first batch for torchrun ranks (gloo, ``rank="auto"``) beside mpiexec ranks (mpi4py, the
 anchor) and mpiexec ranks without mpi4py (a diagnostic), reading an epoch the broker holds before they start, for
-the rank whose first batch came last. The ranks' side is ``python -m benchmarks.torchrun --rank-side ...``."""
+the rank whose first batch came last. The ranks are ``rank.py --launch torch|mpi|auto``."""
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
-import os
 import socket
 import sys
 import time
+from importlib.util import find_spec
 from pathlib import Path
 from typing import Any
 
 from sparkbus.bench.figures import Figure, figure
 
-from .common import ROOT, BenchError, Children, open_epoch
+from .common import HERE, ROOT, BenchError, Children, open_epoch
 from .sections import Context, Section
 
 RANKS = 2
@@ -33,7 +32,7 @@ def run(children: Children, reps: int, work: Path, timeout: float, log=print) ->
     bin_dir = Path(sys.executable).parent
     ways = [way for way, program, extra in (("torchrun", "torchrun", "torch"), ("mpiexec", "mpiexec", "mpi4py"),
                                             ("mpiexec-auto", "mpiexec", None))
-            if (bin_dir / program).exists() and (extra is None or _importable(extra))]
+            if (bin_dir / program).exists() and (extra is None or find_spec(extra) is not None)]
     runs: dict[str, list[dict]] = {way: [] for way in ways}
     broker = children.broker("256MiB")
     try:
@@ -52,12 +51,6 @@ def run(children: Children, reps: int, work: Path, timeout: float, log=print) ->
     if "torchrun" in runs:
         out.append(figure("torchrun", "torchrun: import torch", [r["import_torch"] for r in runs["torchrun"]], "s"))
     return out
-
-
-def _importable(module: str) -> bool:
-    from importlib.util import find_spec
-
-    return find_spec(module) is not None
 
 
 def _free_port() -> int:
@@ -91,18 +84,16 @@ def _one(children: Children, broker: Any, way: str, work: Path, timeout: float) 
     stream, out = f"first-{n}", work / f"first-{n}"
     out.mkdir(parents=True, exist_ok=True)
     _feed(broker, stream, timeout)
-    rank_args = ["--rank-side", "torch" if way == "torchrun" else "mpi" if way == "mpiexec" else "auto",
-                 "--ranks", broker.ranks, "--stream", stream, "--out", str(out), "--timeout", str(timeout)]
+    rank_args = [str(HERE / "rank.py"), "--launch", "torch" if way == "torchrun" else "mpi" if way == "mpiexec"
+                 else "auto", "--ranks", broker.ranks, "--stream", stream, "--out", str(out), "--timeout", str(timeout)]
     if way == "torchrun":
         launcher = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", str(RANKS),
-                    "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "benchmarks.torchrun"]
+                    "--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
     else:
-        launcher = [str(Path(sys.executable).parent / "mpiexec"), "-n", str(RANKS), sys.executable, "-u", "-m",
-                    "benchmarks.torchrun"]
-    env = {**loopback_env(), "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        launcher = [str(Path(sys.executable).parent / "mpiexec"), "-n", str(RANKS), sys.executable, "-u"]
     launched = time.time()
     child = children.add(ChildProcess(f"first-{way}-{n}", [*launcher, *rank_args], children.log(f"first-{way}"),
-                                      env=env, cwd=ROOT))
+                                      env=loopback_env(), cwd=ROOT))
     try:
         code = child.wait(timeout)
         if code != 0:
@@ -110,82 +101,13 @@ def _one(children: Children, broker: Any, way: str, work: Path, timeout: float) 
         ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(RANKS)]
     finally:
         children.discard(child)
-    last = max(ranks, key=lambda r: r["t_first"])
-    return {"launch_to_first": last["t_first"] - launched,
+    last = max(ranks, key=lambda r: r["epochs"][0]["t_first"])
+    return {"launch_to_first": last["epochs"][0]["t_first"] - launched,
             "import_torch": last["t_imported"] - last["t_process"] if last.get("t_imported") else None}
 
 
-# ---- a rank's side (run under a launcher: python -m benchmarks.torchrun --rank-side ...) ----------------------
-
-def process_start() -> float:
-    """This process's creation as ``time.time()``, to a clock tick: ``/proc/self/stat``'s start time (ticks since
-    boot) against ``CLOCK_BOOTTIME`` (psutil's creation time rests on the boot time in whole seconds)."""
-    ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
-    return time.time() - (time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
-
-
-def rank_main(argv: list[str] | None = None) -> int:
-    """Consume one epoch, recording when the runtime was ready, the stream made and the first batch arrived."""
-    parser = argparse.ArgumentParser(prog="benchmarks.torchrun")
-    parser.add_argument("--rank-side", choices=("torch", "mpi", "auto"), required=True)
-    parser.add_argument("--ranks", required=True)
-    parser.add_argument("--stream", required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--timeout", type=float, default=60.0)
-    args = parser.parse_args(argv)
-    t_process = process_start()
-    comm: Any = None
-    t_imported = None                   # torchrun: torch imported, before init_process_group
-    if args.rank_side == "torch":
-        from datetime import timedelta
-
-        import torch.distributed as dist
-
-        t_imported = time.time()
-        dist.init_process_group("gloo", timeout=timedelta(seconds=args.timeout))
-        how: dict[str, Any] = {"rank": "auto"}
-    elif args.rank_side == "mpi":
-        from mpi4py import MPI
-
-        comm = MPI.COMM_WORLD
-        how = {"comm": comm}
-    else:
-        how = {"rank": "auto"}
-    t_ready = time.time()
-    from sparkbus.worker import BatchStream
-
-    t_stream = time.time()
-    with BatchStream(args.ranks, stream=args.stream, timeout=args.timeout, **how) as stream:
-        batches = stream.epoch()
-        first = next(batches, None)
-        t_first = time.time()
-        count = sum(1 for _ in batches) + (first is not None)
-        rank, size = stream.rank, stream.size
-    figures = {"rank": rank, "size": size, "t_process": t_process, "t_imported": t_imported, "t_ready": t_ready,
-               "t_stream": t_stream, "t_first": t_first, "batches": count, "first_batch_seconds":
-               stream.stats.first_batch_seconds, "way": args.rank_side}
-    tmp = args.out / f"rank{rank}.json.tmp"
-    tmp.write_text(json.dumps(figures))
-    os.replace(tmp, args.out / f"rank{rank}.json")
-    if args.rank_side == "torch":
-        dist.destroy_process_group()
-        # torch 2.13's gloo can abort the interpreter's exit in a C++ destructor (examples/train_ddp.py says more)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-    return 0
-
-
-# ---- the section ------------------------------------------------------------------------------------------
-
 class TorchrunSection(Section[list]):
-    """Figure 9: time to the first batch for torchrun ranks, beside mpiexec ranks (no target)."""
-
     name, title = "torchrun", "9. first batch, torchrun ranks"
 
     def measure(self, ctx: Context) -> list:
         return run(ctx.children, ctx.sizes.reps, ctx.work, min(ctx.sizes.timeout, 120.0), ctx.log)
-
-
-if __name__ == "__main__":
-    sys.exit(rank_main())
