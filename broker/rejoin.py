@@ -180,10 +180,13 @@ class Rejoin:
         if late:
             # Batches it had that are nowhere to take back from: its grace ran out and they went to another rank
             # (or were consumed there). Both ranks have them; say so, loudly, and count them.
-            for epoch, _, _ in late:
-                twice = stream.epochs.get(epoch)
+            for batch_id in late:
+                twice = stream.epochs.get(batch_id[0])
                 if twice is not None:
-                    twice.count_given_twice()
+                    # a message in flight to another rank counts its batches (a pack's); one consumed there, 1
+                    given = next((r.inflight[batch_id] for r in stream.ranks.values() if batch_id in r.inflight),
+                                 None)
+                    twice.count_given_twice(1 if given is None else given.count)
             log.warning("rank %d of stream %r came back to find %d batches it held or consumed already gone to "
                         "another rank: they are trained twice (it was away longer than --rejoin-grace, or the broker "
                         "restarted and handed them out before it was back; raise --rejoin-grace above the longest "

@@ -274,8 +274,9 @@ class EpochState:
         self.acked += batch.count
         self.in_flight -= batch.count
 
-    def count_given_twice(self) -> None:
-        self.given_twice += 1
+    def count_given_twice(self, batches: int) -> None:
+        """A rank came back with ``batches`` that another rank was given meanwhile (a pack counts its batches)."""
+        self.given_twice += batches
 
     def stats(self) -> EpochFigures:
         handed = self._handed()

@@ -948,10 +948,6 @@ def test_ids_of_bools_or_floats_acknowledge_nothing():
     assert set(rank.inflight) == {(0, 0, 0), (0, 0, 1)}
 
 
-@pytest.mark.xfail(strict=True, reason="ledger (given_twice): a pack given to two ranks counts once in given_twice "
-                                       "but len(splits) times in redelivered, batches_out and acked: the epoch's "
-                                       "figures mix messages and batches (here the ledger could know the count: "
-                                       "the pack is in flight to the other rank)")
 def test_a_pack_given_twice_counts_its_batches():
     ledger = Ledger(rejoin_grace=10.0)
     wire = Wire(ledger)
