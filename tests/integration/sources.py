@@ -72,12 +72,28 @@ def staged_frame(spark, rows, partitions, *, slow=-1, slow_seconds=0.0, gate=Non
     return spark.range(rows, numPartitions=partitions).mapInArrow(produce, "id long, x float")
 
 
-def staged_rdd(spark, rows, partitions, *, fail=-1, fail_after=1500, reverse_on_retry=False):
+def staged_rdd(spark, rows, partitions, *, fail=-1, fail_after=1500, reverse_on_retry=False, seen_at=(),
+               stream=None):
     """Rows ``{"id", "x"}`` from an RDD, whose Python stages run in the feeding task itself: partition ``fail``
     raises on its first attempt after ``fail_after`` rows, when part of it has already been streamed (and with
-    ``reverse_on_retry`` its retry yields the rows in reverse order)."""
+    ``reverse_on_retry`` its retry yields the rows in reverse order).
+
+    With ``seen_at`` (brokers' control addresses) and ``stream``, the failure waits (at most 30 s) until one of
+    them has had a batch of the partition: what the task had sent before it failed has certainly arrived, and its
+    retry's batches meet them there (ZeroMQ's I/O thread sends what the task queued while the stage waits)."""
     def produce(part, ids):
         from pyspark import TaskContext
+
+        from sparkbus.broker.client import ControlClient
+        from sparkbus.wire.protocol import Kind, unpack_ranges
+
+        def seen() -> bool:     # in the closure: the executors cannot import this module
+            for control in seen_at:
+                with ControlClient(control, 5.0) as client:
+                    reply = client.request(Kind.EPOCH_QUERY, stream=stream, epoch=0)
+                if part in unpack_ranges(reply.get("seen") or []):
+                    return True
+            return False
 
         attempt = TaskContext.get().attemptNumber()
         ids = list(ids)
@@ -85,6 +101,9 @@ def staged_rdd(spark, rows, partitions, *, fail=-1, fail_after=1500, reverse_on_
             ids.reverse()
         for i, value in enumerate(ids):
             if part == fail and attempt == 0 and i == fail_after:
+                deadline = time.monotonic() + 30
+                while seen_at and not seen() and time.monotonic() < deadline:
+                    time.sleep(0.05)
                 raise RuntimeError("injected failure on the first attempt")
             yield {"id": value, "x": np.float32(value)}
 

@@ -45,8 +45,8 @@ def test_a_retried_task_goes_to_the_broker_its_first_attempt_chose(spark, start_
     brokers = [start_broker_process(), start_broker_process()]
     ranks = start_ranks(0, ",".join(b.ranks for b in brokers), "--stream", "retry2")
     # 1,500 rows (15 batches, one per message) before the failure: more than the task's send queue holds
-    report = feed(staged_rdd(spark, 8_000, 4, fail=1), [b.feed for b in brokers], stream="retry2",
-                  batch_size=100, timeout=60, pack_bytes=0)
+    report = feed(staged_rdd(spark, 8_000, 4, fail=1, seen_at=[b.control for b in brokers], stream="retry2"),
+                  [b.feed for b in brokers], stream="retry2", batch_size=100, timeout=60, pack_bytes=0)
     (summary,) = ranks.wait()
     ids = ranks.epoch(ranks.name, 0)["id"]
     np.testing.assert_array_equal(np.sort(ids), np.arange(8_000))

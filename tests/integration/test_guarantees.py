@@ -25,8 +25,8 @@ def test_a_task_failing_midway_is_retried_and_each_row_arrives_once(spark, start
     broker = start_broker_process()
     consumer = Collector(broker.ranks, "retry")
     # pack_bytes=0: these 1.2 kB batches go one per message, so part of the partition is on the wire when it fails
-    report = feed(staged_rdd(spark, 4_000, 2, fail=1), broker.feed, stream="retry", batch_size=100, timeout=30,
-                  pack_bytes=0)
+    report = feed(staged_rdd(spark, 4_000, 2, fail=1, seen_at=[broker.control], stream="retry"), broker.feed,
+                  stream="retry", batch_size=100, timeout=30, pack_bytes=0)
     (ids,) = consumer.result()
     np.testing.assert_array_equal(np.sort(ids), np.arange(4_000))
     assert report.rows == 4_000 and report.diverged == ()
@@ -40,8 +40,8 @@ def test_a_task_failing_midway_through_packs_is_retried_and_each_row_arrives_onc
     """Small batches travel in packs of 64; the failed attempt sent whole packs, the retry sends the same packs."""
     broker = start_broker_process()
     consumer = Collector(broker.ranks, "packs")
-    report = feed(staged_rdd(spark, 20_000, 2, fail=1, fail_after=9_500), broker.feed, stream="packs",
-                  batch_size=100, timeout=30)
+    report = feed(staged_rdd(spark, 20_000, 2, fail=1, fail_after=9_500, seen_at=[broker.control], stream="packs"),
+                  broker.feed, stream="packs", batch_size=100, timeout=30)
     (ids,) = consumer.result()
     np.testing.assert_array_equal(np.sort(ids), np.arange(20_000))
     assert report.rows == 20_000 and report.batches == 200 and report.diverged == ()
@@ -88,8 +88,9 @@ def test_a_retry_in_another_order_is_reported_in_stream_delivery(spark, start_br
     consumer = Collector(broker.ranks, "reorder")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        report = feed(staged_rdd(spark, 4_000, 2, fail=1, reverse_on_retry=True), broker.feed, stream="reorder",
-                      batch_size=100, timeout=30, pack_bytes=0)
+        report = feed(staged_rdd(spark, 4_000, 2, fail=1, reverse_on_retry=True, seen_at=[broker.control],
+                                 stream="reorder"), broker.feed, stream="reorder", batch_size=100, timeout=30,
+                      pack_bytes=0)
     (ids,) = consumer.result()
     assert report.diverged == (1,)
     assert any(issubclass(w.category, DivergedPartitionsWarning) and "partitions [1]" in str(w.message)
@@ -105,8 +106,9 @@ def test_atomic_delivery_is_exactly_once_even_when_a_retry_reorders(spark, start
     consumer = Collector(broker.ranks, "atomic")
     with warnings.catch_warnings(record=True):
         warnings.simplefilter("always")
-        report = feed(staged_rdd(spark, 4_000, 2, fail=1, reverse_on_retry=True), broker.feed, stream="atomic",
-                      batch_size=100, timeout=30, delivery="atomic", pack_bytes=0)
+        report = feed(staged_rdd(spark, 4_000, 2, fail=1, reverse_on_retry=True, seen_at=[broker.control],
+                                 stream="atomic"), broker.feed, stream="atomic", batch_size=100, timeout=30,
+                      delivery="atomic", pack_bytes=0)
     (ids,) = consumer.result()
     np.testing.assert_array_equal(np.sort(ids), np.arange(4_000))
     assert report.diverged == (1,)
