@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from sparkbus.cli_help import HelpFormatter
-from sparkbus.progress import EpochTimes, epoch_label, waited_line
+from sparkbus.progress import EpochTimes, epoch_label, fed_lines
 from sparkbus.worker import BatchStream
 
 
@@ -96,28 +96,19 @@ def run_feed(args: argparse.Namespace) -> int:
             print(f"fed {epoch_label(epoch, args.epochs)}: {rows:,} rows in {batches} batches in {seconds:.1f} s",
                   flush=True)
         return 0
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    from pyspark.sql import SparkSession
     if __package__:     # python -m sparkbus.examples.train_ddp (installed)
-        from sparkbus.examples.train_torch import synthetic_frame
+        from sparkbus.examples.train_torch import example_spark, synthetic_frame
     else:               # python examples/train_ddp.py: examples/train_torch.py, beside this file
-        from train_torch import synthetic_frame
+        from train_torch import example_spark, synthetic_frame
 
     from sparkbus.feeder import feed_epochs
 
-    spark = (SparkSession.builder.master(args.master).appName("sparkbus-train-ddp-feed")
-             .config("spark.ui.showConsoleProgress", "false").getOrCreate())
-    spark.sparkContext.setLogLevel("WARN")
-    try:
+    with example_spark(args.master, "sparkbus-train-ddp-feed") as spark:
         train = synthetic_frame(spark, args.rows, args.features, args.classes, args.seed, args.partitions).cache()
         train.count()
         feed_epochs(train, args.feed, args.epochs, stream=args.stream, shuffle_seed=args.seed, key=["id"],
                     batch_size=args.batch_size, timeout=args.timeout, control=args.control,
-                    on_epoch=lambda e, r: print(f"fed {epoch_label(e, args.epochs)}: {r.rows:,} rows in "
-                                                f"{r.batches} batches in {r.seconds:.1f} s\n"
-                                                f"{waited_line(e, args.epochs, r)}", flush=True), **cutting)
-    finally:
-        spark.stop()
+                    on_epoch=lambda e, r: print(fed_lines(e, args.epochs, r), flush=True), **cutting)
     return 0
 
 

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 from sparkbus.cli_help import HelpFormatter
-from sparkbus.progress import epoch_label, waited_line
+from sparkbus.progress import epoch_label, fed_lines
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -79,28 +79,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_feed(args: argparse.Namespace) -> int:
     """Feed the synthetic set, reshuffled every epoch, as the ranks' starts ask (``feed_elastic``)."""
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    from pyspark.sql import SparkSession
     if __package__:     # python -m sparkbus.examples.train_elastic (installed)
-        from sparkbus.examples.train_torch import synthetic_frame
+        from sparkbus.examples.train_torch import example_spark, synthetic_frame
     else:               # python examples/train_elastic.py: examples/train_torch.py, beside this file
-        from train_torch import synthetic_frame
+        from train_torch import example_spark, synthetic_frame
 
     from sparkbus import feed_elastic
 
-    spark = (SparkSession.builder.master(args.master).appName("sparkbus-train-elastic-feed")
-             .config("spark.ui.showConsoleProgress", "false").getOrCreate())
-    spark.sparkContext.setLogLevel("WARN")
-    try:
+    with example_spark(args.master, "sparkbus-train-elastic-feed") as spark:
         data = synthetic_frame(spark, args.rows, args.features, args.classes, args.seed, args.partitions).cache()
         data.count()
         feed_elastic(data, args.feed, args.checkpoints, args.epochs, stream=args.stream, shuffle_seed=args.seed,
                      key=["id"], batch_size=args.batch_size, timeout=args.timeout,
-                     on_epoch=lambda e, r: print(f"fed {epoch_label(e, args.epochs)}: {r.rows:,} rows in "
-                                                 f"{r.batches} batches in {r.seconds:.1f} s\n"
-                                                 f"{waited_line(e, args.epochs, r)}", flush=True))
-    finally:
-        spark.stop()
+                     on_epoch=lambda e, r: print(fed_lines(e, args.epochs, r), flush=True))
     return 0
 
 

@@ -48,7 +48,7 @@ import numpy as np
 
 from sparkbus import pack
 from sparkbus.cli_help import HelpFormatter
-from sparkbus.progress import epoch_label, waited_line
+from sparkbus.progress import epoch_label, fed_lines
 from sparkbus.worker import BatchStream
 
 SOURCES = ("prose", "code")
@@ -180,9 +180,7 @@ def run_feed(args: argparse.Namespace) -> int:
             tokens = data.selectExpr("sum(size(ids)) as n").first().n
             print(f"source {name}: {args.docs:,} documents, {tokens:,} tokens", flush=True)
         feed_mixture(sources, args.feed, **mixture_options(args),
-                     on_epoch=lambda e, r: print(f"fed {epoch_label(e, args.epochs)}: {r.rows:,} documents in "
-                                                 f"{r.batches} batches in {r.seconds:.1f} s\n"
-                                                 f"{waited_line(e, args.epochs, r)}", flush=True))
+                     on_epoch=lambda e, r: print(fed_lines(e, args.epochs, r, "documents"), flush=True))
     finally:
         spark.stop()
     return 0

@@ -37,8 +37,8 @@ import json
 import os
 import sys
 import time
-from collections.abc import Mapping
-from contextlib import ExitStack
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -194,21 +194,28 @@ def load_positions(path: str) -> list[dict]:
     return list(torch.load(path, weights_only=True)["positions"])
 
 
-def run_feed(args: argparse.Namespace) -> int:
+@contextmanager
+def example_spark(master: str, app: str) -> Iterator[Any]:
+    """The SparkSession of an example's feed (its Python workers run this interpreter), stopped on the way out."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
 
-    spark = (SparkSession.builder.master(args.master).appName("sparkbus-train-torch-feed")
+    spark = (SparkSession.builder.master(master).appName(app)
              .config("spark.ui.showConsoleProgress", "false").getOrCreate())
     spark.sparkContext.setLogLevel("WARN")
     try:
+        yield spark
+    finally:
+        spark.stop()
+
+
+def run_feed(args: argparse.Namespace) -> int:
+    with example_spark(args.master, "sparkbus-train-torch-feed") as spark:
         feed_training_data(spark, args.feed, args.epochs, stream=args.stream, val_stream=args.val_stream,
                            rows=args.rows, val_rows=args.val_rows, features=args.features, classes=args.classes,
                            seed=args.seed, partitions=args.partitions, batch_size=args.batch_size,
                            resume=load_positions(args.resume_from)[0] if args.resume_from else None,
                            timeout=args.timeout)
-    finally:
-        spark.stop()
     return 0
 
 

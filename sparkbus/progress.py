@@ -34,6 +34,13 @@ def waited_line(epoch: int, epochs: int, report: Any) -> str:
     return f"why training waited in {epoch_label(epoch, epochs)}: {report.verdict}"
 
 
+def fed_lines(epoch: int, epochs: int, report: Any, unit: str = "rows") -> str:
+    """``fed epoch 0 (1 of 3): 100,000 rows in 391 batches in 4.2 s`` and, below it, :func:`waited_line`: what
+    the examples print when an epoch is fed (``unit``: what a row is, e.g. ``"documents"``)."""
+    return (f"fed {epoch_label(epoch, epochs)}: {report.rows:,} {unit} in {report.batches} batches in "
+            f"{report.seconds:.1f} s\n{waited_line(epoch, epochs, report)}")
+
+
 @dataclass(frozen=True)
 class EpochTimes:
     """One rank's epoch split at its first batch: ``start_up + streaming`` is the epoch's ``seconds``."""

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from sparkbus.progress import EpochTimes, epoch_label, wait_share
+from sparkbus.progress import EpochTimes, epoch_label, fed_lines, wait_share
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
@@ -23,6 +23,13 @@ pytestmark = pytest.mark.timeout(30)
 
 def test_epochs_are_numbered_from_zero_with_their_place_in_the_run():
     assert [epoch_label(e, 3) for e in range(3)] == ["epoch 0 (1 of 3)", "epoch 1 (2 of 3)", "epoch 2 (3 of 3)"]
+
+
+def test_a_fed_epoch_says_what_was_fed_and_why_training_waited():
+    report = argparse.Namespace(rows=100_000, batches=391, seconds=4.25, verdict="compute-bound: rank 1")
+    assert fed_lines(1, 3, report, "documents").splitlines() == [
+        "fed epoch 1 (2 of 3): 100,000 documents in 391 batches in 4.2 s",
+        "why training waited in epoch 1 (2 of 3): compute-bound: rank 1"]
 
 
 def test_a_resumed_run_says_from_which_epoch_and_step():
