@@ -20,6 +20,9 @@ class BatchId(NamedTuple):
     part: int
     seq: int
 
+    def __str__(self) -> str:
+        return f"(epoch {self.epoch}, part {self.part}, seq {self.seq})"
+
 
 class UsedEntry(NamedTuple):
     """Batches ``first..stop-1`` of message ``(part, seq)`` used whole (``0, 1``: a batch that is not a pack), and the

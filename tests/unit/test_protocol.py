@@ -116,10 +116,10 @@ def test_batch_frames_must_match_their_header(changes, sizes, message):
 
 
 def test_checksum_mismatch_is_detected():
-    frames = codec.encode_batch("s", 0, 0, 0, {"x": np.arange(8, dtype=np.int64)})
+    frames = codec.encode_batch("s", 0, 3, 5, {"x": np.arange(8, dtype=np.int64)})
     corrupted = bytearray(bytes(frames[1]))
     corrupted[3] ^= 0xFF
-    with pytest.raises(ProtocolError, match="checksum mismatch"):
+    with pytest.raises(ProtocolError, match=r"checksum mismatch in batch \(epoch 0, part 3, seq 5\) of stream 's'"):
         codec.decode_batch(protocol.unpack_header(frames[0]), [corrupted])
 
 
