@@ -116,13 +116,19 @@ def test_batches_of_a_recovered_partition_are_held_until_every_rank_reclaimed_an
     assert figures(ledger)["acked"] == 4 and figures(ledger)["adopted"] == 2
 
 
-def test_a_pack_used_in_part_by_two_ranks_is_cut_and_only_its_unused_tail_goes_out():
+def two_ranks_recovering() -> tuple[Ledger, Wire, list]:
+    """A ledger up a while with two ranks joined and its epoch recovering; its wire, and the events it emits."""
     ledger = up_a_while(Ledger())
     wire = Wire(ledger)
-    events = []
+    events: list = []
     ledger.observe(events.append)
     two_ranks(ledger)
     recover(ledger)
+    return ledger, wire, events
+
+
+def test_a_pack_used_in_part_by_two_ranks_is_cut_and_only_its_unused_tail_goes_out():
+    ledger, wire, events = two_ranks_recovering()
     splits = [2, 2, 2, 2]
     reclaim(ledger, b"a", 0, "x", used(0, 1, 0, 0, 2, splits=splits))
     reclaim(ledger, b"b", 0, "x", used(0, 1, 0, 2, 3, splits=splits))
@@ -143,12 +149,7 @@ def test_rows_a_rank_used_of_a_batch_are_adopted_and_only_the_rows_nobody_used_g
     """A checkpoint taken in an epoch's last step (its remainder shared out by rows): each rank used rows of a
     batch (RECLAIM ``cuts``). Recomputed, the batch's used rows are adopted by their ranks, one piece a cut, and
     only the rows nobody used go out, as a row piece (``cut``)."""
-    ledger = up_a_while(Ledger())
-    wire = Wire(ledger)
-    events = []
-    ledger.observe(events.append)
-    two_ranks(ledger)
-    recover(ledger)
+    ledger, wire, events = two_ranks_recovering()
     c10, c11 = checksum(0, 1, 0, rows=10), checksum(0, 1, 1, rows=10)
     ledger.reclaim(ledger.rank(b"a"), {"stream": STREAM, "epoch": 0, "lost": "x", "entries": 1},
                    [(1, 1, 0, 1, c11)], [(1, 0, 0, 0, 4, c10)])                     # batch 1 whole, rows 0..3 of 0
