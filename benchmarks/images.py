@@ -20,7 +20,7 @@ from sparkbus.launch.broker import BrokerProcess
 from .common import BenchError, Children, EarlyExit, run_ranks
 from .end_to_end import CpuMeter
 from .sections import Context, Run, Section
-from .spark_data import storage_of
+from .spark_data import storage_of, warm_up_feed
 
 IMAGES, QUICK_IMAGES = 50_000, 5_000
 REPS, QUICK_REPS = 5, 1
@@ -244,13 +244,10 @@ def first_task_seconds(df: Any) -> float:
 def _warm_up(df: Any, broker: BrokerProcess, work: Path) -> None:
     """Outside any timing: a full scan of the cache, a small Parquet write (the session's first is slow), and a
     small feed into a stream no rank reads (the Python workers import sparkbus)."""
-    from sparkbus.feeder import feed
-
     df.selectExpr("sum(length(image))").collect()
     df.limit(1000).write.mode("overwrite").parquet(str(work / "warm-up.parquet"))
     shutil.rmtree(work / "warm-up.parquet", ignore_errors=True)
-    feed(df.sample(fraction=0.02, seed=1), broker.feed, stream="images-warm-up", epoch=0, batch_size=BATCH_SIZE,
-         timeout=60.0)
+    warm_up_feed(df, 0, broker.feed, "images-warm-up", BATCH_SIZE, fraction=0.02)
 
 
 # ---- the section ------------------------------------------------------------------------------------------

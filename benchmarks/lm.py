@@ -24,6 +24,7 @@ from sparkbus.bench.figures import Figure, figure
 
 from .common import BenchError, Children, run_ranks
 from .sections import Context, Run, Section
+from .spark_data import warm_up_feed
 
 RANKS = 2
 PARTITIONS = 4
@@ -120,9 +121,10 @@ def run(children: Children, spark: Any, quick: bool, reps: int, work: Path, time
     broker = children.broker(MAX_BUFFER)
     stream = f"lm-{next(_runs)}"
     # every Python worker that will feed imports sparkbus first (a sample of every partition, a stream no rank reads)
-    warm_up = df.sample(fraction=min(1.0, 16 * BATCH_SIZE / out.rows), seed=1)
-    feed(warm_up, broker.feed, stream=f"{stream}-warm-up", batch_size=BATCH_SIZE, columns=["tokens"],
-         ragged=["tokens"], timeout=timeout)
+    fraction = min(1.0, 16 * BATCH_SIZE / out.rows)
+    warm_up = df.sample(fraction=fraction, seed=1)      # the anchor's warm-up reads the same sample
+    warm_up_feed(df, out.rows, broker.feed, f"{stream}-warm-up", BATCH_SIZE, fraction, columns=["tokens"],
+                 ragged=["tokens"])
     ranks_out = work / f"ranks-{stream}"
     hf_cache = work / f"hf-{stream}"
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")        # nothing downloaded; the ranks inherit it

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any
 
 from sparkbus.bench.e2e import synthetic_frame
@@ -113,14 +114,19 @@ def storage_of(spark: Any) -> dict:
     return {"cached_memory_bytes": mem, "cached_disk_bytes": disk}
 
 
-def warm_up_feed(df: Any, rows: int, feed_address: str | list[str], stream: str, batch_size: int = 1024) -> None:
-    """Feed a sample of every partition (about 16 batches) into ``stream``, which no rank reads: every executor slot
-    that will feed gets a Python worker that has imported sparkbus (a cold one pays seconds on its first task)."""
-    from sparkbus.feeder import feed
+def warm_up_feed(df: Any, rows: int, feed_address: str | list[str], stream: str, batch_size: int = 1024,
+                 fraction: float | None = None, **options: Any) -> None:
+    """Feed a sample of every partition (about 16 batches, or ``fraction`` of the rows) into ``stream``, which no
+    rank reads: every executor slot that will feed gets a Python worker that has imported sparkbus (a cold one pays
+    seconds on its first task). ``options``: more of ``feed``'s arguments. The feed's warning that no rank reads
+    the stream is expected here, and not shown."""
+    from sparkbus.feeder import NoRanksWarning, feed
 
-    fraction = min(1.0, 16 * batch_size / max(1, rows))
-    feed(df.sample(fraction=fraction, seed=1), feed_address, stream=stream, epoch=0, batch_size=batch_size,
-         timeout=60.0)
+    fraction = min(1.0, 16 * batch_size / max(1, rows)) if fraction is None else fraction
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", NoRanksWarning)
+        feed(df.sample(fraction=fraction, seed=1), feed_address, stream=stream, epoch=0, batch_size=batch_size,
+             timeout=60.0, **options)
 
 
 def timed_feed(df: Any, feed_address: str | list[str], stream: str, batch_size: int,
