@@ -37,6 +37,7 @@ import os
 import struct
 import time
 import zlib
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
@@ -54,6 +55,10 @@ _PREFIX = struct.Struct("<II")      # body length, CRC-32 of the body
 ACK_SYNC_SECONDS = 1.0
 RETIRED_COMPACT_AT = 1024     # records in retired.log before it is compacted (a few hundred KiB)
 RETIRED_KEEP_STATS = 64       # epochs per stream whose figures survive a compaction
+# Epochs whose two files stay open for appending. Past it, the least recently written epoch's are fsynced and
+# closed, and opened again when next written: a broker with many open epochs must not run out of descriptors
+# (two per epoch; 1,024 is a common limit).
+MAX_OPEN_FILES = 64
 
 
 class Record(str, Enum):
@@ -176,10 +181,11 @@ class Journal:
     """Append-only journal of one broker. Not thread-safe: the broker loop owns it."""
 
     def __init__(self, directory: str | os.PathLike, compact_at: int = RETIRED_COMPACT_AT,
-                 keep_stats: int = RETIRED_KEEP_STATS):
+                 keep_stats: int = RETIRED_KEEP_STATS, max_open_files: int = MAX_OPEN_FILES):
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._files: dict[tuple[str, int], EpochFiles] = {}
+        self._files: OrderedDict[tuple[str, int], EpochFiles] = OrderedDict()    # least recently written first
+        self.max_open_files = max_open_files
         self._maps: list[mmap.mmap] = []
         self._last_sync = time.monotonic()
         self.compact_at, self.keep_stats = compact_at, keep_stats
@@ -193,16 +199,29 @@ class Journal:
         return self.directory / stream.encode().hex()
 
     def _files_for(self, stream: str, epoch: int) -> EpochFiles:
-        files = self._files.get((stream, epoch))
-        if files is None:
-            folder = self._epoch_dir(stream)
-            folder.mkdir(exist_ok=True)
-            flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
-            data_fd = os.open(folder / f"epoch-{epoch}.data", flags, 0o600)
-            files = EpochFiles(os.open(folder / f"epoch-{epoch}.log", flags, 0o600), data_fd,
-                               os.fstat(data_fd).st_size)
-            self._files[(stream, epoch)] = files
+        key = (stream, epoch)
+        files = self._files.get(key)
+        if files is not None:
+            self._files.move_to_end(key)
+            return files
+        folder = self._epoch_dir(stream)
+        folder.mkdir(exist_ok=True)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+        data_fd = os.open(folder / f"epoch-{epoch}.data", flags, 0o600)
+        files = self._files[key] = EpochFiles(os.open(folder / f"epoch-{epoch}.log", flags, 0o600), data_fd,
+                                              os.fstat(data_fd).st_size)
+        while len(self._files) > self.max_open_files:
+            self._close(self._files.popitem(last=False)[1])
         return files
+
+    def _close(self, files: EpochFiles, sync: bool = True) -> None:
+        """Close an epoch's files, fsynced first if written since their last fsync (and ``sync``)."""
+        try:
+            if sync and files.dirty:
+                self._sync(files)
+        finally:
+            os.close(files.log_fd)
+            os.close(files.data_fd)
 
     def _append(self, files: EpochFiles, kind: Record, **fields: Any) -> None:
         os.write(files.log_fd, _frame({"t": kind.value, **fields}))
@@ -256,8 +275,7 @@ class Journal:
         for (name, number), files in list(self._files.items()):
             if name == stream and number > epoch:
                 del self._files[(name, number)]
-                os.close(files.log_fd)
-                os.close(files.data_fd)
+                self._close(files, sync=False)
         folder = self._epoch_dir(stream)
         if folder.is_dir():
             for path in folder.glob("epoch-*.*"):
@@ -280,8 +298,7 @@ class Journal:
         self._retired_records += 1
         files = self._files.pop((stream, epoch), None)
         if files is not None:
-            os.close(files.log_fd)
-            os.close(files.data_fd)
+            self._close(files, sync=False)
         for suffix in ("log", "data"):
             (self._epoch_dir(stream) / f"epoch-{epoch}.{suffix}").unlink(missing_ok=True)
         if self._retired_records > max(self.compact_at, 2 * self._compacted_to):
@@ -348,11 +365,8 @@ class Journal:
             self._last_sync = now
 
     def close(self) -> None:
-        for files in self._files.values():
-            self._sync(files)
-            os.close(files.log_fd)
-            os.close(files.data_fd)
-        self._files.clear()
+        while self._files:
+            self._close(self._files.popitem(last=False)[1])
 
     # ---- reading back -----------------------------------------------------------------------------------
 

@@ -130,11 +130,11 @@ class Wire:
 
 @pytest.fixture
 def journals():
-    """``journals(directory)``: a Journal on ``directory``; every one made is closed after the test."""
+    """``journals(directory, **options)``: a Journal on ``directory``; every one made is closed after the test."""
     made = []
 
-    def make(directory):
-        journal = Journal(directory)
+    def make(directory, **options):
+        journal = Journal(directory, **options)
         made.append(journal)
         return journal
 

@@ -247,6 +247,29 @@ def test_several_streams_and_epochs_replay_side_by_side(tmp_path, restart, journ
     assert [len(restart(tmp_path).streams[s].epochs[3].queue) for s in ("train", "välidation/1")] == [2, 0]
 
 
+def test_a_journal_keeps_few_files_open_however_many_epochs_are_written_and_loses_nothing(tmp_path, restart,
+                                                                                          journals):
+    """Two descriptors an epoch would run a broker with hundreds of open epochs out of them: past
+    ``max_open_files`` epochs, the least recently written one's files are closed, and opened again when written."""
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    before = open_fds()
+    live = Ledger(journals(tmp_path, max_open_files=2))
+    for seq in range(3):                        # the epochs written in turn: each write past the first reopens
+        for stream in ("train", "val"):
+            for epoch in (0, 1, 2):
+                if seq == 0:
+                    live.open_epoch(stream, epoch, 1, "stream")
+                frames = batch_frames(epoch, 0, seq, stream=stream)
+                live.accept_batch(protocol.unpack_header(frames[0]), frames, frames[0])
+                assert open_fds() <= before + 2 * 2
+    end(live, 2, 0, 0, 3, stream="val")
+    replayed = restart(tmp_path)
+    assert snapshot(replayed) == snapshot(live)
+    assert [len(replayed.streams[s].epochs[e].queue) for s in ("train", "val") for e in (0, 1, 2)] == [3] * 6
+
+
 # ---- damaged journals --------------------------------------------------------------------------------------
 
 
