@@ -135,11 +135,20 @@ class EpochRetired:
     stats: EpochFigures
 
 
+@dataclass(frozen=True, slots=True)
+class EpochForgotten:
+    """Observed: nothing is kept of an epoch the broker does not have open: the ranks' RECLAIMs of it were dropped
+    (the per-stream bound), or a replay kept nothing of it. Its journal files, if any, hold nothing needed."""
+
+    stream: str
+    epoch: int
+
+
 # What the ledger applies (live, and on replay from the journal's records) ...
 Applied = (EpochOpened | BatchArrived | PartitionCommitted | PartitionClaimed | EpochClosed | BatchesAcked
            | EpochRecovering | BatchesReclaimed)
-# ... and what its observers see: those, once applied, and epochs retired.
-Event = Applied | EpochRetired
+# ... and what its observers see: those, once applied, epochs retired, and epochs forgotten.
+Event = Applied | EpochRetired | EpochForgotten
 Observer = Callable[[Event], None]
 
 
@@ -160,6 +169,7 @@ class JournalRecorder:
             BatchesReclaimed: lambda e: journal.record_reclaim(e.stream, e.epoch, e.lost, e.member, e.rank,
                                                                e.entries, e.cuts),
             EpochRetired: lambda e: journal.record_retired(e.stream, e.epoch, e.stats),
+            EpochForgotten: lambda e: journal.forget_epoch(e.stream, e.epoch),
         }
 
     def _recovering(self, e: EpochRecovering) -> None:

@@ -272,15 +272,20 @@ class Journal:
 
     def forget_after(self, stream: str, epoch: int) -> None:
         """Delete the files of ``stream``'s epochs after ``epoch`` (a resume at ``epoch`` forgot them)."""
-        for (name, number), files in list(self._files.items()):
-            if name == stream and number > epoch:
-                del self._files[(name, number)]
-                self._close(files, sync=False)
         folder = self._epoch_dir(stream)
+        later = {number for name, number in self._files if name == stream and number > epoch}
         if folder.is_dir():
-            for path in folder.glob("epoch-*.*"):
-                if int(path.stem.split("-")[1]) > epoch:
-                    path.unlink(missing_ok=True)
+            later.update(n for n in (int(p.stem.split("-")[1]) for p in folder.glob("epoch-*.*")) if n > epoch)
+        for number in later:
+            self.forget_epoch(stream, number)
+
+    def forget_epoch(self, stream: str, epoch: int) -> None:
+        """Close and delete an epoch's files: nothing in them is needed any more."""
+        files = self._files.pop((stream, epoch), None)
+        if files is not None:
+            self._close(files, sync=False)
+        for suffix in ("log", "data"):
+            (self._epoch_dir(stream) / f"epoch-{epoch}.{suffix}").unlink(missing_ok=True)
 
     def record_acks(self, stream: str, epoch: int, ids: list[list[int]]) -> None:
         self._append(self._files_for(stream, epoch), Record.ACK, ids=ids)
@@ -296,11 +301,7 @@ class Journal:
         finally:
             os.close(retired)
         self._retired_records += 1
-        files = self._files.pop((stream, epoch), None)
-        if files is not None:
-            self._close(files, sync=False)
-        for suffix in ("log", "data"):
-            (self._epoch_dir(stream) / f"epoch-{epoch}.{suffix}").unlink(missing_ok=True)
+        self.forget_epoch(stream, epoch)
         if self._retired_records > max(self.compact_at, 2 * self._compacted_to):
             self.compact_retired()
 

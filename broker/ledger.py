@@ -35,6 +35,7 @@ from sparkbus.broker.events import (
     BatchesAcked,
     BatchesReclaimed,
     EpochClosed,
+    EpochForgotten,
     EpochOpened,
     EpochRecovering,
     JournalRecorder,
@@ -323,8 +324,10 @@ class Ledger:
                 stream.finished.add(record["epoch"], record["stats"])
         # What is applied now is in the journal already: nobody observes the ledger until it is rebuilt
         observers, self.books.observers = self.books.observers, []
+        replayed_epochs: list[tuple[str, int]] = []
         try:
             for replayed in self.journal.replay():
+                replayed_epochs.append((replayed.stream, replayed.epoch))
                 events = list(replayed_events(replayed))
                 reset = any(isinstance(e, EpochRecovering) and e.reset for e in events)
                 if replayed.epoch in self.stream(replayed.stream).finished and not reset:
@@ -345,6 +348,10 @@ class Ledger:
         finally:
             self.books.observers = observers
             self._away.clear()
+        for name, number in replayed_epochs:     # files of nothing kept: an epoch retired, or reclaims dropped
+            stream = self.streams[name]
+            if number not in stream.epochs and number not in stream.reclaims:
+                self.books.emit(EpochForgotten(name, number))
         if self.replay_refused:
             log.warning("journal replay: the rules refused %d records (%s)", sum(self.replay_refused.values()),
                         ", ".join(f"{n} {reason}" for reason, n in sorted(self.replay_refused.items())))

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 from sparkbus.broker.books import MAX_STREAM_NAME, Books, Outcome, RankGone, Transmit
-from sparkbus.broker.events import BatchesReclaimed, EpochOpened, EpochRecovering
+from sparkbus.broker.events import BatchesReclaimed, EpochForgotten, EpochOpened, EpochRecovering
 from sparkbus.broker.matching import RESUME, Matching
 from sparkbus.broker.partitions import MAX_PARTITIONS, Partitions, check_modes
 from sparkbus.broker.rejoin import Rejoin
@@ -220,8 +220,8 @@ class Recovery:
                 stream.awaiting_reset = number
                 log.info("stream %r: rank %d resumes epoch %d; its delivery waits for the epoch's reset",
                          stream.name, event.rank, number)
-        self._bound_reclaims(stream)
         self.books.emit(event)
+        self._bound_reclaims(stream)
 
     def _bound_reclaims(self, stream: StreamState) -> None:
         """At most :data:`MAX_RECLAIM_EPOCHS` epochs, :data:`MAX_RECLAIM_RECORDS` RECLAIMs and
@@ -242,6 +242,8 @@ class Recovery:
                 return ep is not None and ep.recovery is not None
             oldest = min(reclaims, key=lambda n: (recovering(n), n))
             del reclaims[oldest]
+            if oldest not in stream.epochs:
+                self.books.emit(EpochForgotten(stream.name, oldest))
             log.warning("stream %r: the ranks' reclaims of epoch %d are dropped (at most %d epochs, %d reclaims and "
                         "%d entries are kept per stream)", stream.name, oldest, MAX_RECLAIM_EPOCHS,
                         MAX_RECLAIM_RECORDS, MAX_RECLAIM_ENTRIES)

@@ -410,6 +410,7 @@ def test_an_epoch_retired_but_whose_files_were_not_deleted_yet_stays_retired(tmp
         path.write_bytes(raw)
     again = restart(tmp_path)
     assert list(again.streams[STREAM].finished.figures) == [0] and not again.streams[STREAM].epochs
+    assert not any(path.exists() for path in saved)        # nothing of the epoch is needed: its files went
 
 
 # ---- restarting twice ----------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import pytest
 
 from sparkbus.broker.ledger import Ledger
 from sparkbus.broker.matching import RESUME
+from sparkbus.broker.recovery import MAX_RECLAIM_EPOCHS
 from sparkbus.wire import protocol
 
 from harness.ledger import STREAM, Wire, ack, batch_frames, feed, join, push, window
@@ -119,3 +120,22 @@ def test_a_refused_recover_record_is_counted_on_replay(tmp_path, journals):
                                 recovered=[], lost=[], reset=False)    # another delivery: the rules refuse it
     again = restarted(journals, tmp_path)
     assert again.replay_refused == {"EpochRecovering": 1} and again.streams[STREAM].epochs[0].recovery is None
+
+
+def test_reclaims_of_many_epochs_not_open_leave_the_files_of_only_the_epochs_kept(tmp_path, journals):
+    """RECLAIMs may name epochs the broker has not opened (a resume, a loss before the feed's EPOCH_RECOVER). The
+    broker keeps those of MAX_RECLAIM_EPOCHS epochs a stream; the journal files of an epoch whose reclaims it drops
+    hold nothing else, and go with them, live and after a restart."""
+    live = Ledger(journals(tmp_path))
+    join(live, b"a", hello(0, 1, session="s0"), prefetch=8)
+    live.open_epoch(STREAM, 0, 1, "stream")                  # open: its files stay whatever its reclaims do
+    for epoch in range(40):
+        reclaim(live, b"a", epoch, RESUME, [])
+    kept = sorted(live.streams[STREAM].reclaims)
+    assert len(kept) == MAX_RECLAIM_EPOCHS and kept[-1] == 39
+    logs = sorted(int(p.stem.split("-")[1]) for p in tmp_path.glob("*/epoch-*.log"))
+    assert logs == sorted({0, *kept})
+    live.journal.close()
+    again = restarted(journals, tmp_path)
+    assert recovery_state(again)[STREAM]["reclaims"] == recovery_state(live)[STREAM]["reclaims"]
+    assert sorted(int(p.stem.split("-")[1]) for p in tmp_path.glob("*/epoch-*.log")) == logs
