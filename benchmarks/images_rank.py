@@ -17,7 +17,9 @@ from pathlib import Path
 import numpy as np
 from mpi4py import MPI
 from PIL import Image  # imported before the clock starts, and before the DataLoader forks its workers
-from rank import finish, ready, run_or_abort, wait_for_go
+from rank import finish, ready, wait_for_go
+
+from sparkbus.worker.collectives import abort_on_error
 
 parser = argparse.ArgumentParser()
 source = parser.add_mutually_exclusive_group(required=True)
@@ -174,4 +176,5 @@ def main(args) -> None:
 
 if __name__ == "__main__":
     arguments = parser.parse_args()
-    run_or_abort(lambda: main(arguments), MPI.COMM_WORLD)
+    with abort_on_error(MPI.COMM_WORLD):
+        main(arguments)

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from sparkbus.launch.processes import wait_for
+from sparkbus.worker.collectives import abort_on_error
 
 
 def ready(out: Path, name: str) -> None:
@@ -39,18 +40,6 @@ def finish(out: Path, name: str, figures: dict) -> None:
     tmp = out / f"{name}.json.tmp"
     tmp.write_text(json.dumps(figures))
     os.replace(tmp, out / f"{name}.json")
-
-
-def run_or_abort(main: Any, comm: Any) -> None:
-    """Run ``main``; if it raises, abort the MPI job (never leave the other ranks waiting in a collective)."""
-    try:
-        main()
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-        sys.stderr.flush()
-        comm.Abort(1)
 
 
 def lengths_of(column: Any) -> np.ndarray:
@@ -183,7 +172,8 @@ if __name__ == "__main__":
     if arguments.launch == "mpi":
         from mpi4py import MPI
 
-        run_or_abort(lambda: main(arguments, MPI.COMM_WORLD, started), MPI.COMM_WORLD)
+        with abort_on_error(MPI.COMM_WORLD):
+            main(arguments, MPI.COMM_WORLD, started)
     elif arguments.launch == "torch":
         from datetime import timedelta
 

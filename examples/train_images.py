@@ -53,7 +53,7 @@ from sparkbus.cli_help import HelpFormatter
 from sparkbus.feeder import epoch_order, feed  # none of these imports pyspark, torch or MPI
 from sparkbus.progress import EpochTimes, epoch_label, wait_share, waited_line
 from sparkbus.worker import BatchStream
-from sparkbus.worker.collectives import allreduce, gather
+from sparkbus.worker.collectives import abort_on_error, allreduce, gather
 
 # Spark's tasks import this file by name (feed_images ships it with addPyFile): run as a script, it is __main__
 # on the driver, and cloudpickle would otherwise try to find __main__'s functions in the executors' own __main__.
@@ -552,18 +552,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.feed:
         return run_feed(args)
-    try:
+    with abort_on_error():                             # never leave the other ranks waiting in a collective
         return run_ranks(args)
-    except BaseException:
-        from mpi4py import MPI
-
-        if MPI.COMM_WORLD.size > 1:                    # never leave the other ranks waiting in a collective
-            import traceback
-
-            traceback.print_exc()
-            sys.stderr.flush()
-            MPI.COMM_WORLD.Abort(1)
-        raise
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ from sparkbus.cli_help import HelpFormatter
 from sparkbus.feeder import feed, feed_epochs  # none of these imports pyspark, torch or MPI
 from sparkbus.progress import EpochTimes, epoch_label, waited_line
 from sparkbus.worker import BatchStream
-from sparkbus.worker.collectives import allreduce, wait
+from sparkbus.worker.collectives import abort_on_error, allreduce, wait
 from sparkbus.worker.torch_data import to_tensors
 
 
@@ -455,18 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.feed:
         return run_feed(args)
-    try:
+    with abort_on_error():                             # never leave the other ranks waiting in a collective
         return run_ranks(args)
-    except BaseException:
-        from mpi4py import MPI
-
-        if MPI.COMM_WORLD.size > 1:                    # never leave the other ranks waiting in a collective
-            import traceback
-
-            traceback.print_exc()
-            sys.stderr.flush()
-            MPI.COMM_WORLD.Abort(1)
-        raise
 
 
 if __name__ == "__main__":

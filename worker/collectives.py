@@ -8,8 +8,11 @@ with a short sleep that grows from 20 µs to 250 µs, and in a long wait to a qu
 
 from __future__ import annotations
 
+import sys
 import time
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -18,6 +21,25 @@ _SHORT_SLEEP = 2.5e-4    # the longest sleep of a short wait: 4,000 wake-ups a s
 _LONG_SLEEP = 4e-3       # the longest sleep of a long one: 250 wake-ups a second
 _LATENCY_SHARE = 0.25    # a sleep adds at most this share of the time already waited
 IDLE_INTERVAL = 0.05     # seconds between calls of a wait's ``idle`` hook
+
+
+@contextmanager
+def abort_on_error(comm: Any = None) -> Iterator[None]:
+    """On an exception in the block, print it and abort the MPI job (``comm.Abort(1)``; ``comm`` default
+    ``MPI.COMM_WORLD``) if it has more than one rank: the other ranks are never left waiting in a collective.
+    On one rank the exception goes on as raised. mpi4py is imported only then, and only without ``comm``."""
+    try:
+        yield
+    except BaseException:
+        if comm is None:
+            from mpi4py import MPI
+
+            comm = MPI.COMM_WORLD
+        if comm.Get_size() > 1:
+            traceback.print_exc()
+            sys.stderr.flush()
+            comm.Abort(1)
+        raise
 
 
 def wait_until(done: Callable[[], bool], idle: Callable[[], None] | None = None) -> None:
