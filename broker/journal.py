@@ -55,9 +55,9 @@ _PREFIX = struct.Struct("<II")      # body length, CRC-32 of the body
 ACK_SYNC_SECONDS = 1.0
 RETIRED_COMPACT_AT = 1024     # records in retired.log before it is compacted (a few hundred KiB)
 RETIRED_KEEP_STATS = 64       # epochs per stream whose figures survive a compaction
-# Epochs whose two files stay open for appending. Past it, the least recently written epoch's are fsynced and
-# closed, and opened again when next written: a broker with many open epochs must not run out of descriptors
-# (two per epoch; 1,024 is a common limit).
+# Epochs whose two files stay open for appending. Past it, the least recently written epoch's are closed, and
+# opened again when next written: a broker with many open epochs must not run out of descriptors (two per epoch;
+# 1,024 is a common limit). What was written to them and not fsynced yet is fsynced on time all the same.
 MAX_OPEN_FILES = 64
 
 
@@ -186,6 +186,7 @@ class Journal:
         self.directory.mkdir(parents=True, exist_ok=True)
         self._files: OrderedDict[tuple[str, int], EpochFiles] = OrderedDict()    # least recently written first
         self.max_open_files = max_open_files
+        self._unsynced: set[tuple[str, int]] = set()     # epochs closed with writes not fsynced yet
         self._maps: list[mmap.mmap] = []
         self._last_sync = time.monotonic()
         self.compact_at, self.keep_stats = compact_at, keep_stats
@@ -209,19 +210,19 @@ class Journal:
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND
         data_fd = os.open(folder / f"epoch-{epoch}.data", flags, 0o600)
         files = self._files[key] = EpochFiles(os.open(folder / f"epoch-{epoch}.log", flags, 0o600), data_fd,
-                                              os.fstat(data_fd).st_size)
+                                              os.fstat(data_fd).st_size, dirty=key in self._unsynced)
+        self._unsynced.discard(key)
         while len(self._files) > self.max_open_files:
-            self._close(self._files.popitem(last=False)[1])
+            evicted, oldest = self._files.popitem(last=False)
+            if oldest.dirty:    # not fsynced now (an fsync a write when more epochs are written in turn): the next
+                self._unsynced.add(evicted)     # sync_if_due does it, or the epoch's own next fsync
+            self._close(oldest)
         return files
 
-    def _close(self, files: EpochFiles, sync: bool = True) -> None:
-        """Close an epoch's files, fsynced first if written since their last fsync (and ``sync``)."""
-        try:
-            if sync and files.dirty:
-                self._sync(files)
-        finally:
-            os.close(files.log_fd)
-            os.close(files.data_fd)
+    @staticmethod
+    def _close(files: EpochFiles) -> None:
+        os.close(files.log_fd)
+        os.close(files.data_fd)
 
     def _append(self, files: EpochFiles, kind: Record, **fields: Any) -> None:
         os.write(files.log_fd, _frame({"t": kind.value, **fields}))
@@ -283,7 +284,8 @@ class Journal:
         """Close and delete an epoch's files: nothing in them is needed any more."""
         files = self._files.pop((stream, epoch), None)
         if files is not None:
-            self._close(files, sync=False)
+            self._close(files)
+        self._unsynced.discard((stream, epoch))
         for suffix in ("log", "data"):
             (self._epoch_dir(stream) / f"epoch-{epoch}.{suffix}").unlink(missing_ok=True)
 
@@ -363,11 +365,30 @@ class Journal:
             for files in self._files.values():
                 if files.dirty:
                     self._sync(files)
+            self._sync_closed()
             self._last_sync = now
+
+    def _sync_closed(self) -> None:
+        """fsync the files of epochs closed (:data:`MAX_OPEN_FILES`) with writes not fsynced yet."""
+        for stream, epoch in self._unsynced:
+            for suffix in ("data", "log"):
+                try:
+                    fd = os.open(self._epoch_dir(stream) / f"epoch-{epoch}.{suffix}", os.O_WRONLY | os.O_APPEND)
+                except FileNotFoundError:
+                    continue
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        self._unsynced.clear()
 
     def close(self) -> None:
         while self._files:
-            self._close(self._files.popitem(last=False)[1])
+            files = self._files.popitem(last=False)[1]
+            if files.dirty:
+                self._sync(files)
+            self._close(files)
+        self._sync_closed()
 
     # ---- reading back -----------------------------------------------------------------------------------
 

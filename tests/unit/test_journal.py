@@ -270,6 +270,32 @@ def test_a_journal_keeps_few_files_open_however_many_epochs_are_written_and_lose
     assert [len(replayed.streams[s].epochs[e].queue) for s in ("train", "val") for e in (0, 1, 2)] == [3] * 6
 
 
+def test_an_epoch_whose_files_were_closed_unsynced_is_fsynced_on_time_all_the_same(tmp_path, journals,
+                                                                                   monkeypatch):
+    """Closing an epoch's files past ``max_open_files`` does not fsync them (that would be an fsync a write when
+    more epochs are written in turn); the next ``sync_if_due`` does, as for the open ones."""
+    from sparkbus.broker import journal as journal_module
+
+    synced: list[str] = []
+    fsync = os.fsync
+
+    def recording_fsync(fd):
+        synced.append(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")))
+        fsync(fd)
+
+    live = Ledger(journals(tmp_path, max_open_files=1))
+    for epoch in (0, 1):
+        live.open_epoch(STREAM, epoch, 1, "stream")
+    monkeypatch.setattr(os, "fsync", recording_fsync)
+    for epoch in (0, 1):                 # epoch 0's batch written, then its files closed for epoch 1's
+        frames = batch_frames(epoch, 0, 0)
+        live.accept_batch(protocol.unpack_header(frames[0]), frames, frames[0])
+    assert synced == []
+    monkeypatch.setattr(journal_module, "ACK_SYNC_SECONDS", 0.0)
+    live.journal.sync_if_due()
+    assert sorted(synced) == ["epoch-0.data", "epoch-0.log", "epoch-1.data", "epoch-1.log"]
+
+
 # ---- damaged journals --------------------------------------------------------------------------------------
 
 
