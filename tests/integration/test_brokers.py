@@ -55,6 +55,7 @@ def test_a_retried_task_goes_to_the_broker_its_first_attempt_chose(spark, start_
     assert report.rows == 8_000 and summary["epochs"][0]["rows"] == 8_000
 
 
+@pytest.mark.filterwarnings("ignore::sparkbus.feeder.NoRanksWarning")     # no rank reads it, on purpose
 def test_status_shows_each_broker_and_the_totals(spark, start_broker_process):
     brokers = [start_broker_process(), start_broker_process()]
     feed(labelled_frame(spark, rows=1_000, partitions=2), [b.feed for b in brokers], stream="st",

@@ -85,6 +85,7 @@ def test_even_ranks_that_leave_an_epoch_together_lose_nothing_and_go_on(spark, s
     assert summaries[0]["epochs"][1]["batches"] == summaries[1]["epochs"][1]["batches"] == 20
 
 
+@pytest.mark.filterwarnings("ignore::sparkbus.feeder.NoRanksWarning")     # the ranks start after the feed
 def test_a_slow_rank_gets_markedly_fewer_batches(spark, start_broker_process, start_ranks):
     broker = start_broker_process()
     df = labelled_frame(spark, rows=6_000, partitions=2)
