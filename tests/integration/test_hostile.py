@@ -4,7 +4,8 @@ msgpack of the wrong types, headers that declare huge sizes, and valid requests 
 losses, rank sessions of 30 KB, a recovery's ranges, a partition's attempts.
 
 The stream's rows arrive exactly; the broker stays up, answers ``sparkbus status``, logs no internal error, keeps
-its memory and file descriptors bounded, and counts what it refused.
+its memory and file descriptors bounded, and counts what it refused. With a journal too: it keeps the files of at
+most ``MAX_OPEN_FILES`` epochs open, and on disk only those of epochs it keeps something of.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ import zmq
 
 from sparkbus.broker.auth import client_socket
 from sparkbus.broker.client import ControlClient
+from sparkbus.broker.journal import MAX_OPEN_FILES
 from sparkbus.broker.partitions import MAX_ATTEMPTS, MAX_OPEN_EPOCHS, MAX_PARTITIONS
-from sparkbus.broker.recovery import MAX_LOSSES, MAX_RECOVERY_RANGES
+from sparkbus.broker.recovery import MAX_LOSSES, MAX_RECLAIM_EPOCHS, MAX_RECOVERY_RANGES
 from sparkbus.feeder.task import stream_partition
 from sparkbus.wire import codec, protocol
 from sparkbus.wire.protocol import Kind
@@ -257,9 +259,12 @@ def recovery_and_attempts(peer: Hostile) -> tuple[int, int]:
 
 # ---- the test ------------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("journal", [False, True], ids=["in-memory", "journal"])
 def test_hostile_input_on_every_socket_leaves_a_real_stream_exact_and_the_broker_bounded(start_broker_process,
-                                                                                       context):
-    broker = start_broker_process("--max-message", "4MiB", "--heartbeat", "200ms")
+                                                                                       context, tmp_path, journal):
+    journalled = ["--journal", str(tmp_path / "journal")] if journal else []
+    broker = start_broker_process("--max-message", "4MiB", "--heartbeat", "200ms", *journalled)
+    files = 2 * MAX_OPEN_FILES if journal else 0       # the journal's open epochs' files, beside the connections
     pid = broker.proc.pid
     broker.stats()                          # its first reply made: the imports and buffers of a serving broker
     rss_before, fds_before = rss(pid), fds(pid)
@@ -341,11 +346,11 @@ def test_hostile_input_on_every_socket_leaves_a_real_stream_exact_and_the_broker
     assert "Traceback" not in log and "internal error" not in log, log[-3000:]
     grown = rss(pid) - rss_before
     assert grown < RSS_GROWTH, f"the broker's RSS grew by {grown / 2**20:.1f} MiB"
-    assert max(peak_fds) < fds_before + FD_GROWTH, (fds_before, peak_fds)
+    assert max(peak_fds) < fds_before + FD_GROWTH + files, (fds_before, peak_fds)
     deadline = time.monotonic() + WAIT                    # the hostile connections closed: their descriptors go
-    while fds(pid) > fds_before + 4 and time.monotonic() < deadline:
+    while fds(pid) > fds_before + 4 + files and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert fds(pid) <= fds_before + 4, (fds_before, fds(pid))
+    assert fds(pid) <= fds_before + 4 + files, (fds_before, fds(pid))
 
     # what it refused, counted; what it keeps, bounded
     rejected = stats["broker"]["rejected"]
@@ -359,5 +364,12 @@ def test_hostile_input_on_every_socket_leaves_a_real_stream_exact_and_the_broker
     assert sum(rejected["control"].values()) > 100 and sum(rejected["ranks"].values()) > 2_000, rejected
     hostile = stats["streams"][HOSTILE]
     assert len(hostile["epochs"]) == MAX_OPEN_EPOCHS
+    if journal:             # on disk: the open epochs' files, and those of epochs whose reclaims are kept; the valid
+        #                     stream's epoch was delivered: its files are gone
+        open_epochs = sum(len(s["epochs"]) for name, s in stats["streams"].items() if name != VALID)
+        on_disk = list((tmp_path / "journal").glob("*/epoch-*.log"))
+        assert not list((tmp_path / "journal" / VALID.encode().hex()).glob("epoch-*"))
+        assert open_epochs <= len(on_disk) <= open_epochs + MAX_RECLAIM_EPOCHS * len(stats["streams"]), (
+            open_epochs, len(on_disk))
     assert stats["streams"][VALID]["epochs"]["0"]["rows_in"] == PARTITIONS * ROWS
     assert peer.sent > 5_000
