@@ -19,7 +19,6 @@ again from 0 (:meth:`GrantedSteps.forget`).
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from collections.abc import Callable, Generator
 
@@ -27,7 +26,7 @@ from sparkbus.wire.errors import ProtocolError
 from sparkbus.wire.headers import BatchHeader
 from sparkbus.wire.protocol import Kind
 from sparkbus.worker.connection import BrokerConnection
-from sparkbus.worker.intake import Batch, Intake, Item, Waiting
+from sparkbus.worker.intake import Batch, Intake, Item
 from sparkbus.worker.stats import EpochStats
 from sparkbus.worker.steps import Step
 
@@ -65,17 +64,8 @@ class GrantedSteps:
                     continue
                 if self._over():
                     break
-                started = time.monotonic()
-                for_peers = self._waiting_for_grant()
-                self._intake.wait = Waiting(started, for_peers)
-                try:
+                with self._intake.waiting(ep, for_peers=self._waiting_for_grant()):
                     self._pump()
-                finally:
-                    self._intake.wait = None
-                waited = time.monotonic() - started
-                ep.wait_seconds += waited
-                if for_peers:
-                    ep.peer_wait_seconds += waited
         except BaseException:
             self._intake.put_back(deque(item for held in self._held.values() for item in held))
             raise

@@ -19,7 +19,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -128,6 +129,21 @@ class Intake:
     def unfinished(self) -> bool:
         """Batches of the current epoch may still come: its end has not arrived, or some were put back."""
         return not self.end_seen or bool(self._unpacked)
+
+    @contextmanager
+    def waiting(self, ep: EpochStats, for_peers: bool) -> Iterator[None]:
+        """The loop waits in the block, for its peers or for data: told at each heartbeat while it lasts
+        (:attr:`wait`), and counted in ``ep`` when it ends (with ``for_peers``, as a wait for peers too)."""
+        started = time.monotonic()
+        self.wait = Waiting(started, for_peers)
+        try:
+            yield
+        finally:
+            self.wait = None
+            waited = time.monotonic() - started
+            ep.wait_seconds += waited
+            if for_peers:
+                ep.peer_wait_seconds += waited
 
     def begin_epoch(self) -> None:
         self.end_seen = False

@@ -103,12 +103,9 @@ class EvenRounds:
         not 0, else a new one at the round's end. 0: some rank's share is used up."""
         ep, intake = self._ep, self._intake
         if self._ahead is not None:
-            started = time.monotonic()
             pending, self._ahead = self._ahead, None     # an error while waiting must not wait again on the way out
-            steps = pending.result(idle=intake.service)
-            waited = time.monotonic() - started
-            ep.wait_seconds += waited
-            ep.peer_wait_seconds += waited
+            with intake.waiting(ep, for_peers=True):
+                steps = pending.result(idle=intake.service)
             if steps:
                 return steps
         if not self._ready and not intake.end_seen:
@@ -118,13 +115,9 @@ class EvenRounds:
         # Some rank ran short: agreements would come one step at a time while the data trickles in; hold on
         # briefly for a round's worth instead.
         self._take_arrived(until_full=True)
-        started = time.monotonic()
-        intake.flush()                  # nothing of ours may hold the broker back while we agree
-        steps = collectives.allreduce_min(self._comm, len(self._ready), idle=intake.service)
-        waited = time.monotonic() - started
-        ep.wait_seconds += waited
-        ep.peer_wait_seconds += waited
-        return steps
+        with intake.waiting(ep, for_peers=True):
+            intake.flush()              # nothing of ours may hold the broker back while we agree
+            return collectives.allreduce_min(self._comm, len(self._ready), idle=intake.service)
 
     def _agree_ahead(self) -> None:
         """Before a long round's last step: post the next round's agreement on what this rank holds beyond it."""
@@ -158,11 +151,11 @@ class EvenRounds:
             if item is not None:
                 self._ready.append(item)
                 continue
-            started = time.monotonic()
-            if intake.end_seen or not until_full or started >= deadline or self._round_full():
+            now = time.monotonic()
+            if intake.end_seen or not until_full or now >= deadline or self._round_full():
                 return
-            intake.poll(math.ceil((deadline - started) * 1000))      # whole ms: 0 would not wait at all
-            ep.wait_seconds += time.monotonic() - started
+            with intake.waiting(ep, for_peers=False):
+                intake.poll(math.ceil((deadline - now) * 1000))      # whole ms: 0 would not wait at all
 
     def _round_full(self) -> bool:
         """This rank holds ROUND_BATCHES batches, or as many as the window is sure to admit (``prefetch``) and half
@@ -179,22 +172,21 @@ class EvenRounds:
         acknowledged before the exchange; the ``sum % size`` left over follow ``remainder``: one more step on
         every rank, a piece of them (:func:`worker.rebalance.share_remainder`), or dropped."""
         ep, intake = self._ep, self._intake
-        started = time.monotonic()
         held, self._ready = list(self._ready), deque()
         for header, _ in held:
             intake.ack(header, send=False)
-        if not intake.end_seen:
+        if not intake.end_seen:         # next_batch counts its own wait
             while (more := intake.next_batch(ep)) is not None:
                 held.append(more)
                 intake.ack(more.header, send=False)
-        intake.flush()
-        counts = collectives.allgather_count(self._comm, len(held), idle=intake.service)
-        transfers, target = rebalance.plan_transfers(counts)
-        held = rebalance.exchange(self._comm, held, transfers, idle=intake.service)
-        piece = None
-        if sum(counts) % len(counts):         # something is left over: every rank shares it out (or drops it)
-            piece = rebalance.share_remainder(self._comm, held[target:], self._remainder, idle=intake.service)
-        ep.wait_seconds += time.monotonic() - started
+        with intake.waiting(ep, for_peers=False):      # the ranks' exchange
+            intake.flush()
+            counts = collectives.allgather_count(self._comm, len(held), idle=intake.service)
+            transfers, target = rebalance.plan_transfers(counts)
+            held = rebalance.exchange(self._comm, held, transfers, idle=intake.service)
+            piece = None
+            if sum(counts) % len(counts):     # something is left over: every rank shares it out (or drops it)
+                piece = rebalance.share_remainder(self._comm, held[target:], self._remainder, idle=intake.service)
         if piece is not None:
             yield from (Step(header, batch, acknowledge=False) for header, batch in held[:target])
             yield Step(*piece, acknowledge=False)

@@ -5,6 +5,9 @@ One real rank (a BatchStream against a stand-in broker over inproc) and a script
 posted and how many batches the loop had been given by then.
 """
 
+import threading
+import time
+
 import numpy as np
 import pytest
 
@@ -131,8 +134,6 @@ def test_a_loop_that_leaves_while_an_agreement_is_posted_completes_it_and_skips_
 
 @pytest.mark.timeout(10)     # the linger is 30 s here: the epoch's end must cut it short
 def test_a_rank_short_of_data_holds_on_for_a_round_or_the_epochs_end_before_it_agrees(context, monkeypatch):
-    import threading
-
     from sparkbus.worker import steps
 
     monkeypatch.setattr(steps, "ROUND_LINGER", 30.0)      # only a round's worth or the end frees it
@@ -171,3 +172,75 @@ def test_a_batch_left_over_at_the_epochs_end_is_dropped_counted_and_acknowledged
         ep = stream.stats.epochs[-1]
         assert (ep.batches, ep.rows, ep.dropped_batches, ep.dropped_rows) == (19, 19, 1, 1)
         assert acknowledged(broker, 20) == {(0, 0, seq) for seq in range(20)}, "the dropped batch is acknowledged too"
+
+
+def test_a_wait_during_the_share_out_is_counted_once(context, monkeypatch):
+    """The share-out at the epoch's end reads the rest of the epoch before the ranks exchange what they hold: the
+    wait for it is data-wait, counted once (it was counted again in the share-out's own span)."""
+    from sparkbus.worker import steps
+
+    monkeypatch.setattr(steps, "ROUND_LINGER", 0.0)
+    broker = FakeBroker(context, "inproc://even-share-out")
+    peer = ScriptedPeer(mins=[0], gathers=[0])          # the peer has nothing: the share-out comes at once
+    dropped = []
+    stream = joined(broker, "inproc://even-share-out", context, comm=peer, even=True, steps="mpi",
+                    abort_on_error=False, remainder="drop", on_drop=dropped.append)
+    with stream:
+        first = threading.Timer(0.3, lambda: broker.send(codec.encode_batch("s", 0, 0, 0, batch(0))))
+        end = threading.Timer(0.8, lambda: broker.end(0, 1))
+        first.start()
+        end.start()
+        got = list(stream.epoch())
+        first.join()
+        end.join()
+        ep = stream.stats.epochs[-1]
+    assert got == [] and [int(b["id"][0]) for b in dropped] == [0]
+    assert 0.6 <= ep.wait_seconds <= ep.seconds, (ep.wait_seconds, ep.seconds)
+
+
+class SlowFirstAgreement(ScriptedPeer):
+    """Its first ``Iallreduce`` completes only ``slow`` seconds after it was posted: a peer still at its step."""
+
+    def __init__(self, mins, gathers, slow):
+        super().__init__(mins, gathers)
+        self.slow = slow
+
+    def Iallreduce(self, send, recv, op=None):
+        request = super().Iallreduce(send, recv, op)
+        if len(self.posted) == 1:
+            until = time.monotonic() + self.slow
+            request.Test = lambda: time.monotonic() >= until
+        return request
+
+
+def test_a_rank_waiting_for_its_peers_in_an_agreement_tells_the_wait_at_each_heartbeat(context, monkeypatch):
+    """With steps agreed over MPI too, the brokers hear of a long wait while it lasts, as a wait for peers."""
+    from sparkbus.worker import steps
+
+    monkeypatch.setattr(steps, "ROUND_LINGER", 0.0)
+    broker = FakeBroker(context, "inproc://even-heartbeat")
+    peer = SlowFirstAgreement(mins=[0], gathers=[2], slow=1.5)
+    stream = joined(broker, "inproc://even-heartbeat", context, comm=peer, even=True, steps="mpi",
+                    abort_on_error=False, heartbeat=0.2)
+    for seq in range(2):
+        broker.send(codec.encode_batch("s", 0, 0, seq, batch(seq)))
+    broker.end(0, 2)
+    told: list[tuple[float, float]] = []
+
+    def listen():                    # the broker's socket is this thread's from here on
+        deadline = time.monotonic() + 10
+        while len(told) < 3 and time.monotonic() < deadline:
+            heartbeat = broker.next(Kind.HEARTBEAT)
+            if heartbeat.get("peer_wait_s", 0) > 0:
+                told.append((heartbeat["wait_s"], heartbeat["peer_wait_s"]))
+
+    listener = threading.Thread(target=listen)
+    listener.start()
+    with stream:
+        got = [int(b["id"][0]) for b in stream.epoch()]
+        listener.join(15)
+        ep = stream.stats.epochs[-1]
+    assert got == [0, 1]
+    assert len(told) == 3 and told == sorted(told), told             # told three times, growing, while it lasted
+    assert all(peers <= wait for wait, peers in told), told
+    assert ep.peer_wait_seconds >= 1.4 and ep.wait_seconds >= ep.peer_wait_seconds
