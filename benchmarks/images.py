@@ -247,7 +247,7 @@ def _warm_up(df: Any, broker: BrokerProcess, work: Path) -> None:
     df.selectExpr("sum(length(image))").collect()
     df.limit(1000).write.mode("overwrite").parquet(str(work / "warm-up.parquet"))
     shutil.rmtree(work / "warm-up.parquet", ignore_errors=True)
-    warm_up_feed(df, 0, broker.feed, "images-warm-up", BATCH_SIZE, fraction=0.02)
+    warm_up_feed(df, rows=0, feed_address=broker.feed, stream="images-warm-up", batch_size=BATCH_SIZE, fraction=0.02)
 
 
 # ---- the section ------------------------------------------------------------------------------------------

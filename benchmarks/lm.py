@@ -123,7 +123,7 @@ def run(children: Children, spark: Any, quick: bool, reps: int, work: Path, time
     # every Python worker that will feed imports sparkbus first (a sample of every partition, a stream no rank reads)
     fraction = min(1.0, 16 * BATCH_SIZE / out.rows)
     warm_up = df.sample(fraction=fraction, seed=1)      # the anchor's warm-up reads the same sample
-    warm_up_feed(df, out.rows, broker.feed, f"{stream}-warm-up", BATCH_SIZE, fraction, columns=["tokens"],
+    warm_up_feed(df, out.rows, broker.feed, f"{stream}-warm-up", BATCH_SIZE, fraction, timeout, columns=["tokens"],
                  ragged=["tokens"])
     ranks_out = work / f"ranks-{stream}"
     hf_cache = work / f"hf-{stream}"

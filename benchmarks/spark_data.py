@@ -115,7 +115,7 @@ def storage_of(spark: Any) -> dict:
 
 
 def warm_up_feed(df: Any, rows: int, feed_address: str | list[str], stream: str, batch_size: int = 1024,
-                 fraction: float | None = None, **options: Any) -> None:
+                 fraction: float | None = None, timeout: float = 60.0, **options: Any) -> None:
     """Feed a sample of every partition (about 16 batches, or ``fraction`` of the rows) into ``stream``, which no
     rank reads: every executor slot that will feed gets a Python worker that has imported sparkbus (a cold one pays
     seconds on its first task). ``options``: more of ``feed``'s arguments. The feed's warning that no rank reads
@@ -126,7 +126,7 @@ def warm_up_feed(df: Any, rows: int, feed_address: str | list[str], stream: str,
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", NoRanksWarning)
         feed(df.sample(fraction=fraction, seed=1), feed_address, stream=stream, epoch=0, batch_size=batch_size,
-             timeout=60.0, **options)
+             timeout=timeout, **options)
 
 
 def timed_feed(df: Any, feed_address: str | list[str], stream: str, batch_size: int,
