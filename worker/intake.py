@@ -210,30 +210,21 @@ class Intake:
         """
         if self._unpacked:
             return self._unpacked.popleft()
-        started = time.monotonic()
-        self.wait = Waiting(started, False)
-        try:
+        with self.waiting(ep, for_peers=False):
             while True:
                 message = self.receive(block)
                 if message is None:
                     return None
                 broker, header, frames = message
                 if header["kind"] == Kind.EPOCH_END:
-                    if not self.ended(broker, header, ep):
-                        continue
-                    ep.wait_seconds += time.monotonic() - started
-                    return None
-                if header["kind"] == Kind.RELEASE:     # granted steps, while this rank skips what is left of an epoch
+                    if self.ended(broker, header, ep):
+                        return None
+                elif header["kind"] == Kind.RELEASE:     # granted steps, while this rank skips the rest of an epoch
                     broker.give_back(header["epoch"], [], kept=broker.got + broker.adopted)
-                    continue
-                if header["kind"] != Kind.BATCH:       # STEPS: nothing to wait for when each batch is taken as it comes
-                    continue
-                items = self.unpack(broker, header, frames, ep)
-                if items:
-                    break
-            ep.wait_seconds += time.monotonic() - started
-        finally:
-            self.wait = None
+                elif header["kind"] == Kind.BATCH:      # not STEPS: nothing to wait for when batches come as they come
+                    items = self.unpack(broker, header, frames, ep)
+                    if items:
+                        break
         self._unpacked.extend(items)
         return self._unpacked.popleft()
 

@@ -186,6 +186,8 @@ def test_a_silent_broker_among_two_is_dropped_and_the_epoch_ends_with_the_other(
         assert sorted(loop.finish()) == [0, 100]
         assert [broker.address for broker in stream._brokers] == [b.address]
         assert b.reclaim() == (0, "a1", [(0, 0, 0, 1, c0)])
+        # the loop waited for A until its silence ended the epoch (about the 1 s timeout): data-wait too
+        assert stream.stats.epochs[-1].wait_seconds >= 0.5
 
 
 def test_the_only_broker_silent_is_a_broker_error_that_says_what_to_do(context):
