@@ -31,10 +31,13 @@ demo: setup-demo
 	$(VENV)/bin/sparkbus demo $(ARGS)
 
 # The whole suite, then the guarantees and the fuzz test again with every broker run with --auth and every
-# client holding a key (tests/conftest.py, SPARKBUS_TEST_AUTH); only the first with ARGS (a selection).
+# client holding a key (tests/conftest.py, SPARKBUS_TEST_AUTH); only the first with ARGS (a selection). The suite
+# runs in TEST_WORKERS processes (pytest-xdist), each test module whole in one of them; TEST_WORKERS=0: in this one.
+TEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 test: setup
-	$(PY) -m pytest $(ARGS)
-	$(if $(ARGS),,SPARKBUS_TEST_AUTH=1 $(PY) -m pytest tests/integration/test_fuzz.py tests/integration/test_guarantees.py)
+	$(PY) -m pytest $(XDIST) $(ARGS)
+	$(if $(ARGS),,SPARKBUS_TEST_AUTH=1 $(PY) -m pytest $(XDIST) tests/integration/test_fuzz.py tests/integration/test_guarantees.py)
 
 # ruff over the whole tree, mypy over the library (the parts, launch/ and the demo; not examples/); both configured in pyproject.toml. mypy
 # reads the package as installed: build/mypy/sparkbus, links to the folders that pyproject.toml maps under sparkbus
@@ -53,10 +56,10 @@ bench-quick: setup
 	$(PY) benchmarks/bench.py --quick --out $${OUT:-/tmp/sparkbus-bench} $(ARGS)
 
 unit: setup
-	$(PY) -m pytest tests/unit $(ARGS)
+	$(PY) -m pytest $(XDIST) tests/unit $(ARGS)
 
 integration: setup
-	$(PY) -m pytest tests/integration $(ARGS)
+	$(PY) -m pytest $(XDIST) tests/integration $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis *.egg-info

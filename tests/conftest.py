@@ -5,6 +5,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))   # tests/harness/, the one harness
 
 pytest_plugins = ["harness"]      # the fixtures of every suite: tests/harness/__init__.py lists them
@@ -37,8 +39,6 @@ def pytest_report_header(config):
 
 
 def pytest_collection_modifyitems(items):
-    import pytest
-
     for item in items:
         if "integration" in item.path.parts:
             item.add_marker(pytest.mark.integration)
@@ -47,12 +47,12 @@ def pytest_collection_modifyitems(items):
 # One import name (pyproject.toml, package-dir): the folders feeder/, broker/, worker/, wire/ and launch/ are the
 # packages sparkbus.*. A bare `import broker` from the repository root would load a folder a second time as another
 # module (two BrokerError classes: an `except BrokerError` that misses), so after a whole session none may be there.
+# Checked at the end of each process's session (each pytest-xdist worker's too): a failure is the last test's error.
 BARE_NAMES = ("broker", "feeder", "worker", "wire", "launch")
 
 
-def pytest_sessionfinish(session, exitstatus):
+@pytest.fixture(scope="session", autouse=True)
+def only_sparkbus_import_names():
+    yield
     bare = sorted(name for name in sys.modules if name.split(".")[0] in BARE_NAMES)
-    if bare:
-        session.config.pluginmanager.get_plugin("terminalreporter").write_line(
-            f"FAILED: modules imported by their bare folder names, not as sparkbus.*: {bare[:10]}", red=True)
-        session.exitstatus = 1
+    assert not bare, f"modules imported by their bare folder names, not as sparkbus.*: {bare[:10]}"
