@@ -32,9 +32,10 @@ demo: setup-demo
 
 # The whole suite, then the guarantees and the fuzz test again with every broker run with --auth and every
 # client holding a key (tests/conftest.py, SPARKBUS_TEST_AUTH); only the first with ARGS (a selection). The suite
-# runs in TEST_WORKERS processes (pytest-xdist), each test module whole in one of them; TEST_WORKERS=0: in this one.
+# runs in TEST_WORKERS processes (pytest-xdist), each test module whole in one of them, in the order collected
+# (integration first: no long module is left for the end; the short unit tests fill it); TEST_WORKERS=0: serial.
 TEST_WORKERS ?= 2
-XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
+XDIST := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder)
 test: setup
 	$(PY) -m pytest $(XDIST) $(ARGS)
 	$(if $(ARGS),,SPARKBUS_TEST_AUTH=1 $(PY) -m pytest $(XDIST) tests/integration/test_fuzz.py tests/integration/test_guarantees.py)
