@@ -129,10 +129,11 @@ def faulty_rdd(sc, rows: int, partitions: int, width: int, markers: str, broker:
         mark(markers, info, "done", rows=per_partition)
 
     def in_broker(seen: int) -> int:
-        # the feeder has sent every full batch of the rows so far: wait until the broker holds them
+        # the feeder has sent every full batch of the rows so far: wait until the broker holds them, and say what
+        # it held then (a second look could already count a speculative copy's rows, started meanwhile)
         need = rows - per_partition + seen
-        poll(lambda: epoch_stats(broker).get("rows_in", 0) >= need, WAIT_LIMIT)
-        return epoch_stats(broker).get("rows_in", 0)
+        held = poll(lambda: (n := epoch_stats(broker).get("rows_in", 0)) >= need and n, WAIT_LIMIT)
+        return held or epoch_stats(broker).get("rows_in", 0)
 
     def stall(info: dict, seen: int) -> None:
         mark(markers, info, "stall", rows=seen, broker_rows=in_broker(seen))
