@@ -216,6 +216,19 @@ def open_epoch(client: Any, stream: str, epoch: int, partitions: int) -> dict:
     return client.request(Kind.EPOCH_OPEN, stream=stream, epoch=epoch, partitions=partitions, delivery="stream")
 
 
+def feed_parts(client: Any, broker: Any, stream: str, epoch: int, parts: Sequence[Any], timeout: float,
+               **options: Any) -> None:
+    """One epoch without Spark: :func:`open_epoch`, each of ``parts`` (an iterable of batches) through
+    ``feeder.task.stream_partition`` as that partition, ``EPOCH_CLOSE``."""
+    from sparkbus.feeder.task import stream_partition
+    from sparkbus.wire.protocol import Kind
+
+    open_epoch(client, stream, epoch, len(parts))
+    for number, batches in enumerate(parts):
+        stream_partition(batches, broker.feed, broker.control, stream, epoch, number, 0, timeout, **options)
+    client.request(Kind.EPOCH_CLOSE, stream=stream, epoch=epoch, partitions=len(parts))
+
+
 class RssSampler(threading.Thread):
     """Samples a process's RSS every ``interval`` s from when it is made; :meth:`stop` returns the peak bytes."""
 

@@ -18,11 +18,11 @@ import zmq
 
 from sparkbus.bench.figures import Figure, figure
 from sparkbus.broker.client import ControlClient
-from sparkbus.feeder.task import stream_partition
 from sparkbus.launch.broker import BrokerProcess
 from sparkbus.wire.protocol import Kind
 from sparkbus.worker import BatchStream
 
+from .common import feed_parts
 from .sections import Context, Run, Section
 
 PARTITIONS = 4
@@ -69,13 +69,10 @@ def run_group(broker: BrokerProcess, ranks: int, remainder: str, rows: int, row_
         thread.start()
     client = ControlClient(broker.control, timeout)
     try:
-        client.request(Kind.EPOCH_OPEN, stream=stream, epoch=0, partitions=PARTITIONS, delivery="stream")
-        for part in range(PARTITIONS):
-            mine = range(part, batches, PARTITIONS)
-            data = [{"id": np.arange(b * rows, (b + 1) * rows, dtype=np.int64),
-                     "x": np.zeros((rows, width), np.float32)} for b in mine]
-            stream_partition(data, broker.feed, broker.control, stream, 0, part, 0, timeout, pack_bytes=0)
-        client.request(Kind.EPOCH_CLOSE, stream=stream, epoch=0, partitions=PARTITIONS)
+        feed_parts(client, broker, stream, 0, [[{"id": np.arange(b * rows, (b + 1) * rows, dtype=np.int64),
+                                                 "x": np.zeros((rows, width), np.float32)}
+                                                for b in range(part, batches, PARTITIONS)]
+                                               for part in range(PARTITIONS)], timeout, pack_bytes=0)
         for thread in threads:
             thread.join(timeout)
         figures = client.request(Kind.STATS_REQUEST)

@@ -13,7 +13,7 @@ from sparkbus.bench.agents import Agent
 from sparkbus.bench.figures import Figure, figure
 from sparkbus.launch.processes import wait_for
 
-from .common import MiB, open_epoch
+from .common import MiB, feed_parts
 from .sections import Context, Run, Section
 
 EPOCHS, QUICK_EPOCHS = 1000, 100
@@ -42,17 +42,13 @@ def _sample(broker: Any, epoch: int) -> dict:
 def _feed_epoch(broker: Any, client: Any, epoch: int, timeout: float) -> None:
     import numpy as np
 
-    from sparkbus.feeder.task import stream_partition
-    from sparkbus.wire.protocol import Kind
-
-    open_epoch(client, STREAM, epoch, PARTITIONS)
-    for part in range(PARTITIONS):
-        first = (epoch * PARTITIONS + part) * ROWS
+    def part(first: int) -> Any:
         ids = np.arange(first, first + ROWS, dtype=np.int64)
-        batches = ({"id": ids[i:i + BATCH_ROWS], "x": np.ones((len(ids[i:i + BATCH_ROWS]), 8), np.float32)}
-                   for i in range(0, ROWS, BATCH_ROWS))
-        stream_partition(batches, broker.feed, broker.control, STREAM, epoch, part, 0, timeout)
-    client.request(Kind.EPOCH_CLOSE, stream=STREAM, epoch=epoch, partitions=PARTITIONS)
+        return ({"id": ids[i:i + BATCH_ROWS], "x": np.ones((len(ids[i:i + BATCH_ROWS]), 8), np.float32)}
+                for i in range(0, ROWS, BATCH_ROWS))
+
+    feed_parts(client, broker, STREAM, epoch, [part((epoch * PARTITIONS + p) * ROWS) for p in range(PARTITIONS)],
+               timeout)
 
 
 def soak_rank(report: Any, ranks: str, epochs: int, release: str, timeout: float) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from sparkbus.bench.figures import Figure, figure
 
-from .common import HERE, ROOT, BenchError, Children, open_epoch
+from .common import HERE, ROOT, BenchError, Children, feed_parts
 from .sections import Context, Section
 
 RANKS = 2
@@ -64,16 +64,12 @@ def _feed(broker: Any, stream: str, timeout: float) -> None:
     import numpy as np
 
     from sparkbus.broker.client import ControlClient
-    from sparkbus.feeder.task import stream_partition
-    from sparkbus.wire.protocol import Kind
 
     features = np.ones((BATCH_ROWS, FEATURES), np.float32)
     batches = ({"id": np.arange(i * BATCH_ROWS, (i + 1) * BATCH_ROWS, dtype=np.int64), "x": features}
                for i in range(BATCHES))
     with ControlClient(broker.control, timeout) as client:
-        open_epoch(client, stream, 0, 1)
-        stream_partition(batches, broker.feed, broker.control, stream, 0, 0, 0, timeout, pack_bytes=0)
-        client.request(Kind.EPOCH_CLOSE, stream=stream, epoch=0, partitions=1)
+        feed_parts(client, broker, stream, 0, [batches], timeout, pack_bytes=0)
 
 
 def _one(children: Children, broker: Any, way: str, work: Path, timeout: float) -> dict:
