@@ -143,7 +143,7 @@ def stream_messages(messages: Iterable[Message] | Iterable[tuple[dict[str, Any],
             # answered once the broker holds every batch, which needs room for them: the wait beyond a round trip
             blocked += max(time.perf_counter() - before - round_trip, 0.0)
         finally:
-            push.close(linger=0)    # after the commit nothing is left in it; on failure Spark retries
+            push.close(linger=0)    # answered: nothing left in it is needed; on failure Spark retries
     return PartitionReport(partition, count, rows, nbytes, time.monotonic() - started, index, attempt,
                            messages_sent, blocked, socket.gethostname(), began)
 
