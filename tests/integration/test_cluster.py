@@ -479,7 +479,8 @@ def test_a_shuffle_upstream_lost_with_its_executor_is_recomputed(driver, cluster
 
     # Partition 0 was cut; partition 1's first attempt, released by the cut, may also have read its local blocks,
     # streamed them, then failed to fetch the killed executor's (under load it had not fetched them before the
-    # kill): then it is recomputed too. Unsorted, a partition whose first attempt failed may diverge; no other can.
+    # kill): then it is recomputed too. Unsorted, a partition that Spark ran more than once (an attempt of the result
+    # stage's first run that did not succeed: failed, lost or a killed speculative copy) may diverge; no other can.
     failed = {t["partition"] for t in reply["tasks"] if t["stage"] not in {m["stage"] for m in maps}
               and t["stage_attempt"] == 0 and t["reason"] != "Success"}
     assert 0 in failed, reply["tasks"]
